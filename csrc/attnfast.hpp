@@ -1,0 +1,80 @@
+// attnfast C++ core: the entry points and the plain structs that cross from Cython.
+// Knows nothing of Python. All strides are in elements (not bytes) and may be negative.
+#pragma once
+#include <cstdint>
+
+namespace attnfast {
+
+// Element type of q, k, v and out. Arithmetic accumulates in float32 (float64 for kF64).
+enum class DType : int32_t { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3 };
+
+// How `mask` is read (reserved: the mask option is not implemented yet).
+enum class MaskKind : int32_t { kNone = 0, kBool = 1, kAdditive = 2 };
+
+// One attention problem: out = softmax(q k^T * scale (+ options)) v, per (batch, head).
+// Layout is SDPA's (B, H, T, D); the last axis of every tensor is contiguous.
+struct AttentionParams {
+    const void* q;   // (batch, heads, seqlen_q, head_dim)
+    const void* k;   // (batch, kv_heads, seqlen_k, head_dim)
+    const void* v;   // (batch, kv_heads, seqlen_k, head_dim_v)
+    void* out;       // (batch, heads, seqlen_q, head_dim_v), same dtype as q
+    void* lse;       // (batch, heads, seqlen_q) log-sum-exp of the scaled scores, or nullptr;
+                     // float32, or float64 when dtype is kF64
+
+    int64_t q_batch_stride, q_head_stride, q_row_stride;
+    int64_t k_batch_stride, k_head_stride, k_row_stride;
+    int64_t v_batch_stride, v_head_stride, v_row_stride;
+    int64_t out_batch_stride, out_head_stride, out_row_stride;
+    int64_t lse_batch_stride, lse_head_stride, lse_row_stride;
+
+    int64_t batch;       // B
+    int64_t heads;       // H, query heads
+    int64_t kv_heads;    // Hkv; heads % kv_heads == 0, query head h reads kv head h / (H / Hkv)
+    int64_t seqlen_q;    // Tq
+    int64_t seqlen_k;    // Tk
+    int64_t head_dim;    // D, of q and k
+    int64_t head_dim_v;  // Dv, of v and out
+
+    DType dtype;
+    double scale;        // multiplies q . k
+    bool causal;         // bottom-right aligned: row i sees key j iff j <= i + (Tk - Tq)
+    int64_t window_left;   // row i sees keys j >= i + (Tk - Tq) - window_left; -1 = unbounded
+    int64_t window_right;  // row i sees keys j <= i + (Tk - Tq) + window_right; -1 = unbounded
+
+    // Reserved for options that are not implemented yet; the Python layer rejects them
+    // before they get here, and the kernels require them to be at their "off" values.
+    double softcap;                 // 0 = off; else scores -> softcap * tanh(scores / softcap)
+    const float* alibi_slopes;      // nullptr = off; (batch, heads) with alibi_batch_stride
+    int64_t alibi_batch_stride;     // 0 when slopes are per head only
+    const float* sinks;             // nullptr = off; (heads,) logits joining the denominator
+    const void* mask;               // nullptr = off; broadcastable (B, H, Tq, Tk)
+    MaskKind mask_kind;
+    int64_t mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
+
+    int num_threads;     // >= 1; the result does not depend on it
+};
+
+// Returns a params struct with every option off and every pointer null.
+AttentionParams default_params();
+
+// Streaming (FlashAttention-style) attention. Never allocates in proportion to Tq * Tk.
+// Throws std::invalid_argument for a params struct the kernels cannot run
+// (the Python layer checks first, so this is a guard, not the user-facing check).
+void attention_forward(const AttentionParams& params);
+
+// ---- runtime facts ----
+bool openmp_enabled();
+int openmp_max_threads();        // omp_get_max_threads(), or 1 without OpenMP
+const char* openmp_runtime_name();
+
+// Kernel tiers (ISA). The best one the CPU runs is picked on first use; the environment
+// variable ATTNFAST_ISA=generic|avx2|avx512 forces one.
+const char* isa_selected();        // name of the tier in use
+const char* isa_available();       // comma-separated names of tiers this CPU can run
+const char* isa_compiled();        // comma-separated names of tiers built into this library
+// Forces a tier by name ("" = back to auto). Returns false (and changes nothing) when the
+// name is unknown or the CPU cannot run it; see isa_error() for why.
+bool isa_force(const char* name);
+const char* isa_error();
+
+}  // namespace attnfast

@@ -1,0 +1,6 @@
+// Kernel tier "avx2": the shared kernel templates compiled with this file's flags (CMakeLists.txt).
+#define ATTNFAST_KERNEL_NS isa_avx2
+#define ATTNFAST_KERNEL_NAME "avx2"
+#include "block_attention.inl"
+
+const attnfast::KernelTable* attnfast::kernel_table_avx2() { return &isa_avx2::kTable; }

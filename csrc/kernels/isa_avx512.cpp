@@ -1,0 +1,6 @@
+// Kernel tier "avx512": the shared kernel templates compiled with this file's flags (CMakeLists.txt).
+#define ATTNFAST_KERNEL_NS isa_avx512
+#define ATTNFAST_KERNEL_NAME "avx512"
+#include "block_attention.inl"
+
+const attnfast::KernelTable* attnfast::kernel_table_avx512() { return &isa_avx512::kTable; }

@@ -1,0 +1,66 @@
+// The seam between the drivers (prefill.cpp, baseline ISA) and the per-ISA kernel files.
+// Each kernels/isa_*.cpp compiles the same kernel templates with its own -m flags and
+// exports one KernelTable; dispatch.cpp picks the table once at run time.
+#pragma once
+#include <cstdint>
+
+#include "../attnfast.hpp"
+
+namespace attnfast {
+
+// Query rows per block and keys per KV tile of the streaming prefill. Fixed numbers (not
+// derived from the thread count) so every thread count computes the same bits.
+constexpr int64_t kBlockRows = 64;
+constexpr int64_t kTileKeys = 64;
+
+// One unit of prefill work: query rows [row_begin, row_end) of one (batch, head).
+struct BlockTask {
+    int64_t batch;
+    int64_t head;
+    int64_t row_begin;
+    int64_t row_end;
+};
+
+// Scratch one thread needs for one BlockTask, in accumulator elements (float or double).
+inline int64_t block_workspace_elems(const AttentionParams& p) {
+    return kBlockRows * p.head_dim        // scaled query rows
+         + p.head_dim * kTileKeys         // K tile, packed transposed
+         + kBlockRows * kTileKeys         // scores / probabilities
+         + kBlockRows * p.head_dim_v      // output accumulator
+         + 2 * kBlockRows;                // running max, running sum
+}
+
+struct KernelTable {
+    const char* name;
+    // Attend one block of query rows over all the keys it may see; writes its out/lse rows.
+    void (*attend_block_f32)(const AttentionParams&, const BlockTask&, float* workspace);
+    void (*attend_block_f64)(const AttentionParams&, const BlockTask&, double* workspace);
+};
+
+// One per ISA file; each returns nullptr when that tier was not compiled in.
+const KernelTable* kernel_table_generic();
+const KernelTable* kernel_table_avx2();
+const KernelTable* kernel_table_avx512();
+
+// The table in use (chosen once; see dispatch.cpp).
+const KernelTable& active_kernels();
+
+// Visible key range [begin, end) of query row `row`, from causal and window.
+// Row i is aligned to key i + (Tk - Tq) (bottom-right, as flash-attn >= 2.1).
+struct KeyRange {
+    int64_t begin;
+    int64_t end;
+};
+inline KeyRange visible_keys(const AttentionParams& p, int64_t row) {
+    const int64_t aligned = row + (p.seqlen_k - p.seqlen_q);
+    int64_t begin = 0;
+    int64_t end = p.seqlen_k;
+    if (p.causal && aligned + 1 < end) end = aligned + 1;
+    if (p.window_right >= 0 && aligned + p.window_right + 1 < end) end = aligned + p.window_right + 1;
+    if (p.window_left >= 0 && aligned - p.window_left > begin) begin = aligned - p.window_left;
+    if (end < begin) end = begin;
+    if (end < 0) end = begin = 0;
+    return {begin, end};
+}
+
+}  // namespace attnfast

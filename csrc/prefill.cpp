@@ -1,0 +1,89 @@
+// Prefill driver: splits the problem into (batch, head, query block) tasks and runs the
+// selected kernel tier over them on OpenMP threads.
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "attnfast.hpp"
+#include "kernels/kernel_table.hpp"
+#include "parallel.hpp"
+
+namespace attnfast {
+
+AttentionParams default_params() {
+    AttentionParams p{};
+    p.dtype = DType::kF32;
+    p.scale = 1.0;
+    p.window_left = -1;
+    p.window_right = -1;
+    p.mask_kind = MaskKind::kNone;
+    p.num_threads = 1;
+    return p;
+}
+
+namespace {
+
+void require(bool ok, const char* what) {
+    if (!ok) throw std::invalid_argument(std::string("attnfast::attention_forward: ") + what);
+}
+
+void check_params(const AttentionParams& p) {
+    require(p.batch >= 0 && p.heads >= 0 && p.seqlen_q >= 0 && p.seqlen_k >= 0, "negative size");
+    require(p.head_dim >= 1 && p.head_dim_v >= 1, "head_dim and head_dim_v must be >= 1");
+    require(p.kv_heads >= 1 && p.heads % p.kv_heads == 0, "heads must be a multiple of kv_heads");
+    require(p.num_threads >= 1, "num_threads must be >= 1");
+    require(p.softcap == 0.0 && !p.alibi_slopes && !p.sinks && !p.mask,
+            "softcap, alibi_slopes, sinks and mask are not implemented");
+    require(p.dtype == DType::kF32 || p.dtype == DType::kF64, "dtype not supported by the kernels");
+}
+
+template <class A>
+void run_blocks(const AttentionParams& p,
+                void (*attend)(const AttentionParams&, const BlockTask&, A*)) {
+    const int64_t blocks_per_head = (p.seqlen_q + kBlockRows - 1) / kBlockRows;
+    const int64_t heads_total = p.batch * p.heads;
+    const int64_t tasks = heads_total * blocks_per_head;
+    if (tasks == 0) return;
+    const int threads = p.num_threads < tasks ? p.num_threads : static_cast<int>(tasks);
+
+    const int64_t ws_elems = block_workspace_elems(p);
+    std::unique_ptr<A[]> workspace(new A[static_cast<size_t>(ws_elems * threads)]);
+
+    // Tasks go out in order of decreasing query block: under a causal mask the late blocks
+    // see the most keys, so the dynamic schedule starts the costliest work first.
+    parallel::for_each_dynamic(tasks, threads, [&](int64_t index, int thread_id) {
+        const int64_t block = blocks_per_head - 1 - index / heads_total;
+        const int64_t bh = index % heads_total;
+        BlockTask task;
+        task.batch = bh / p.heads;
+        task.head = bh % p.heads;
+        task.row_begin = block * kBlockRows;
+        task.row_end = task.row_begin + kBlockRows < p.seqlen_q ? task.row_begin + kBlockRows : p.seqlen_q;
+        attend(p, task, workspace.get() + ws_elems * thread_id);
+    });
+}
+
+}  // namespace
+
+void attention_forward(const AttentionParams& p) {
+    check_params(p);
+    const KernelTable& kernels = active_kernels();
+    if (p.dtype == DType::kF32) run_blocks<float>(p, kernels.attend_block_f32);
+    else run_blocks<double>(p, kernels.attend_block_f64);
+}
+
+bool openmp_enabled() { return parallel::enabled(); }
+int openmp_max_threads() { return parallel::max_threads(); }
+const char* openmp_runtime_name() {
+#if !defined(_OPENMP)
+    return "none (built without OpenMP: single-threaded)";
+#elif defined(__clang__)
+    return "OpenMP (libomp)";
+#elif defined(__GNUC__)
+    return "OpenMP (libgomp)";
+#else
+    return "OpenMP";
+#endif
+}
+
+}  // namespace attnfast

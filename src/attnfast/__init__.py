@@ -1,0 +1,22 @@
+"""attnfast: exact attention for CPUs, from NumPy.
+
+Streaming (FlashAttention-style) prefill that never builds the Tq x Tk score matrix, with
+C++ kernels chosen at run time for the CPU, OpenMP threads and the GIL released.
+"""
+__version__ = "0.1.0"
+
+from ._runtime import get_num_threads, set_num_threads, show_config, _check_forced_isa
+from ._api import attention, attention_weights, merge_attention_states
+
+_check_forced_isa()
+del _check_forced_isa
+
+__all__ = [
+    "attention",
+    "attention_weights",
+    "merge_attention_states",
+    "get_num_threads",
+    "set_num_threads",
+    "show_config",
+    "__version__",
+]

@@ -1,0 +1,163 @@
+"""Public attention functions: check (attnfast._checks), then run the C++ kernels."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _ext
+from ._checks import check_attention, check_out, kernel_ready, reject_unimplemented, to_3d, to_4d
+
+__all__ = ["attention", "attention_weights", "merge_attention_states"]
+
+_MASK_DRAWING = """
+    Masks (Tq=3 query rows, Tk=5 keys; x = may attend). causal is aligned bottom-right, so
+    the last query sees every key (flash-attn >= 2.1; what decoding with a KV cache needs):
+
+        causal=True               window=(1, 0)             window=(1, 1), causal=False
+        k: 0 1 2 3 4              k: 0 1 2 3 4              k: 0 1 2 3 4
+        q0 x x x . .              q0 . x x . .              q0 . x x x .
+        q1 x x x x .              q1 . . x x .              q1 . . x x x
+        q2 x x x x x              q2 . . . x x              q2 . . . x x
+
+    Query i is aligned to key i' = i + (Tk - Tq); with Tq > Tk the first rows see no key
+    and give zeros (lse = -inf).
+"""
+
+
+def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
+              alibi_slopes=None, sinks=None, mask=None, return_lse=False, out=None,
+              num_threads=None):
+    """Exact scaled dot-product attention, streamed: the Tq x Tk matrix is never built.
+
+    ``out[.., h, i, :] = sum_j softmax_j(scale * q[.., h, i, :] . k[.., g, j, :]) v[.., g, j, :]``
+    with ``g = h // (H // Hkv)`` (GQA/MQA).
+
+    Parameters
+    ----------
+    q : array (Tq, D), (H, Tq, D) or (B, H, Tq, D)
+    k : array (.., Hkv, Tk, D), same rank and dtype as q; H % Hkv == 0
+    v : array (.., Hkv, Tk, Dv)
+        float32 or float64. Any strides on the non-last axes are used without a copy, so a
+        (B, T, H, D) array passes as ``x.transpose(0, 2, 1, 3)`` at no cost.
+    causal : bool
+        Query i sees key j iff j <= i + (Tk - Tq) (bottom-right aligned).
+    scale : float, default 1/sqrt(D)
+    window : (left, right) or None
+        Query i sees keys in [i' - left, i' + right], i' = i + (Tk - Tq); -1 = unbounded.
+    softcap, alibi_slopes, sinks, mask
+        Not implemented yet: passing one raises NotImplementedError.
+    return_lse : bool
+        Also return the natural-log log-sum-exp of each row's scaled scores, shape
+        (.., H, Tq), float32 (float64 for float64 inputs); -inf for a row that sees no key.
+    out : array (.., H, Tq, Dv), optional
+        Written in place and returned; must not overlap q, k or v.
+    num_threads : int, optional
+        Defaults to :func:`attnfast.get_num_threads`. Results are bit-identical for any value.
+
+    Returns
+    -------
+    out, or (out, lse) when return_lse.
+    """
+    reject_unimplemented(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
+    call = check_attention(q, k, v, causal=causal, scale=scale, window=window,
+                           num_threads=num_threads)
+    user_out = check_out(out, call, [("q", call.q), ("k", call.k), ("v", call.v)])
+
+    target = user_out if user_out is not None else np.empty(call.out_shape(), call.dtype)
+    target4 = to_4d(target)
+    # The kernels need a contiguous last axis; a strided `out` is filled from a temporary.
+    result4 = target4 if kernel_ready(target4) is target4 else np.empty(target4.shape, call.dtype)
+    lse = np.empty(call.lse_shape(), call.lse_dtype) if return_lse else None
+    _ext.run_attention(
+        call.q, call.k, call.v, result4, None if lse is None else to_3d(lse),
+        causal=call.causal, scale=call.scale, window_left=call.window[0],
+        window_right=call.window[1], num_threads=call.num_threads)
+    if result4 is not target4:
+        np.copyto(target4, result4)
+    return (target, lse) if return_lse else target
+
+
+attention.__doc__ += _MASK_DRAWING
+
+
+def _visible(call) -> np.ndarray:
+    """(Tq, Tk) boolean: which keys each query row may see (causal, window)."""
+    rows = np.arange(call.seqlen_q)[:, None] + (call.seqlen_k - call.seqlen_q)
+    keys = np.arange(call.seqlen_k)[None, :]
+    left, right = call.window
+    keep = np.ones((call.seqlen_q, call.seqlen_k), dtype=bool)
+    if call.causal:
+        keep &= keys <= rows
+    if right >= 0:
+        keep &= keys <= rows + right
+    if left >= 0:
+        keep &= keys >= rows - left
+    return keep
+
+
+def attention_weights(q, k, *, causal=False, scale=None, window=None, softcap=None,
+                      alibi_slopes=None, sinks=None, mask=None, num_threads=None):
+    """The explicit attention probabilities, shape (.., H, Tq, Tk), dtype of q.
+
+    For inspection and teaching on small inputs: unlike :func:`attention` this materialises
+    the full Tq x Tk matrix per head, by design. Options mean what they mean in
+    :func:`attention`; rows that see no key are all zeros. ``num_threads`` is accepted for
+    symmetry and checked, but this NumPy computation does not use it.
+    """
+    reject_unimplemented(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
+    call = check_attention(q, k, None, causal=causal, scale=scale, window=window,
+                           num_threads=num_threads, need_v=False)
+    group = call.heads // call.kv_heads
+    k_per_head = np.repeat(call.k, group, axis=1) if group > 1 else call.k
+    scores = np.matmul(call.q, np.swapaxes(k_per_head, -1, -2)) * call.dtype.type(call.scale)
+    keep = _visible(call)
+    scores = np.where(keep, scores, -np.inf)
+    row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
+    safe_max = np.where(np.isfinite(row_max), row_max, 0)
+    weights = np.exp(scores - safe_max)
+    total = weights.sum(axis=-1, keepdims=True)
+    weights = np.divide(weights, total, out=np.zeros_like(weights), where=total > 0)
+    return weights.reshape(call.out_shape()[:-1] + (call.seqlen_k,))
+
+
+def merge_attention_states(outs, lses):
+    """Combine attention computed over disjoint KV shards into attention over their union.
+
+    ``outs[i]`` has shape (.., H, Tq, Dv) and ``lses[i]`` shape (.., H, Tq), as returned by
+    ``attention(..., return_lse=True)`` over shard i of the keys. Returns ``(out, lse)``
+    equal to one ``attention`` over all shards (split-KV decoding, prefix sharing,
+    sequence-parallel attention). Shards whose row saw no key (lse = -inf) contribute nothing.
+    """
+    if isinstance(outs, np.ndarray) or isinstance(lses, np.ndarray):
+        raise TypeError("outs and lses must be sequences of arrays (one per shard), "
+                        "not single arrays")
+    outs, lses = list(outs), list(lses)
+    if len(outs) == 0 or len(outs) != len(lses):
+        raise ValueError(f"outs and lses must be non-empty and of equal length; got "
+                         f"{len(outs)} outs and {len(lses)} lses")
+    outs = [np.asarray(o) for o in outs]
+    lses = [np.asarray(s) for s in lses]
+    dtype = outs[0].dtype
+    if dtype not in (np.float32, np.float64):
+        raise TypeError(f"outs must be float32 or float64, got {dtype}")
+    lse_dtype = np.float64 if dtype == np.float64 else np.float32
+    for i, (o, s) in enumerate(zip(outs, lses)):
+        if o.dtype != dtype:
+            raise TypeError(f"outs[{i}] has dtype {o.dtype}, outs[0] has {dtype}")
+        if s.dtype != lse_dtype:
+            raise TypeError(f"lses[{i}] must have dtype {np.dtype(lse_dtype)} for {dtype} outs, got {s.dtype}")
+        if o.shape != outs[0].shape:
+            raise ValueError(f"outs[{i}] has shape {o.shape}, outs[0] has {outs[0].shape}")
+        if o.ndim < 1 or s.shape != o.shape[:-1]:
+            raise ValueError(f"lses[{i}] must have shape {o.shape[:-1]} (outs[{i}] without its "
+                             f"last axis), got {s.shape}")
+    lse_stack = np.stack(lses)                       # (S, .., Tq)
+    top = lse_stack.max(axis=0)
+    safe_top = np.where(np.isfinite(top), top, 0)
+    w = np.exp(lse_stack - safe_top)                 # 0 for shards that saw nothing
+    total = w.sum(axis=0)
+    merged_lse = np.where(total > 0, safe_top + np.log(np.where(total > 0, total, 1)), -np.inf)
+    acc = np.zeros(outs[0].shape, dtype=lse_dtype)
+    for wi, o in zip(w, outs):
+        acc += wi[..., None] * o
+    out = np.divide(acc, total[..., None], out=np.zeros_like(acc), where=total[..., None] > 0)
+    return out.astype(dtype, copy=False), merged_lse.astype(lse_dtype, copy=False)

@@ -1,0 +1,116 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Thin typed bridge from Python to the C++ core (csrc/attnfast.hpp).
+
+Arguments arrive already checked and shaped by attnfast._checks: q, k, v, out are 4-D
+(B, H, T, D) arrays whose last axis is contiguous, lse is 3-D (B, H, Tq) or None. This module
+only fills the params struct, releases the GIL and calls the kernels.
+"""
+from libc.stdint cimport int64_t
+from libcpp cimport bool as cbool
+cimport numpy as cnp
+
+cnp.import_array()
+
+cdef extern from "attnfast.hpp" namespace "attnfast":
+    cdef enum class DType(int):
+        kF32
+        kF64
+        kF16
+        kBF16
+
+    cdef struct AttentionParams:
+        const void* q
+        const void* k
+        const void* v
+        void* out
+        void* lse
+        int64_t q_batch_stride, q_head_stride, q_row_stride
+        int64_t k_batch_stride, k_head_stride, k_row_stride
+        int64_t v_batch_stride, v_head_stride, v_row_stride
+        int64_t out_batch_stride, out_head_stride, out_row_stride
+        int64_t lse_batch_stride, lse_head_stride, lse_row_stride
+        int64_t batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, head_dim_v
+        DType dtype
+        double scale
+        cbool causal
+        int64_t window_left, window_right
+        int num_threads
+
+    AttentionParams default_params() noexcept nogil
+    void attention_forward(const AttentionParams&) except + nogil
+    cbool openmp_enabled() noexcept nogil
+    int openmp_max_threads() noexcept nogil
+    const char* openmp_runtime_name() noexcept nogil
+    const char* isa_selected() noexcept nogil
+    const char* isa_available() noexcept nogil
+    const char* isa_compiled() noexcept nogil
+    cbool isa_force(const char* name) noexcept nogil
+    const char* isa_error() noexcept nogil
+
+
+cdef inline int64_t _stride(cnp.ndarray a, int axis) noexcept:
+    """Stride of `axis` in elements (the checks guarantee it divides evenly)."""
+    return cnp.PyArray_STRIDES(a)[axis] // cnp.PyArray_ITEMSIZE(a)
+
+
+cdef DType _dtype_code(cnp.ndarray a) except *:
+    cdef int num = cnp.PyArray_TYPE(a)
+    if num == cnp.NPY_FLOAT32:
+        return DType.kF32
+    if num == cnp.NPY_FLOAT64:
+        return DType.kF64
+    raise TypeError(f"attnfast._ext: unsupported dtype {a.dtype}")
+
+
+def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
+                      lse, *, bint causal, double scale, int64_t window_left,
+                      int64_t window_right, int num_threads):
+    """Run the streaming attention kernel; q, k, v, out are 4-D, lse 3-D or None."""
+    cdef AttentionParams p = default_params()
+    cdef cnp.ndarray lse_arr
+    p.q = cnp.PyArray_DATA(q)
+    p.k = cnp.PyArray_DATA(k)
+    p.v = cnp.PyArray_DATA(v)
+    p.out = cnp.PyArray_DATA(out)
+    p.q_batch_stride, p.q_head_stride, p.q_row_stride = _stride(q, 0), _stride(q, 1), _stride(q, 2)
+    p.k_batch_stride, p.k_head_stride, p.k_row_stride = _stride(k, 0), _stride(k, 1), _stride(k, 2)
+    p.v_batch_stride, p.v_head_stride, p.v_row_stride = _stride(v, 0), _stride(v, 1), _stride(v, 2)
+    p.out_batch_stride, p.out_head_stride, p.out_row_stride = _stride(out, 0), _stride(out, 1), _stride(out, 2)
+    if lse is not None:
+        lse_arr = lse
+        p.lse = cnp.PyArray_DATA(lse_arr)
+        p.lse_batch_stride, p.lse_head_stride, p.lse_row_stride = (
+            _stride(lse_arr, 0), _stride(lse_arr, 1), _stride(lse_arr, 2))
+    p.batch, p.heads, p.seqlen_q, p.head_dim = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
+    p.kv_heads, p.seqlen_k, p.head_dim_v = k.shape[1], k.shape[2], v.shape[3]
+    p.dtype = _dtype_code(q)
+    p.scale = scale
+    p.causal = causal
+    p.window_left = window_left
+    p.window_right = window_right
+    p.num_threads = num_threads
+    with nogil:
+        attention_forward(p)
+
+
+def runtime_info():
+    """Facts about the compiled core: OpenMP and kernel tiers."""
+    return {
+        "openmp": bool(openmp_enabled()),
+        "openmp_runtime": openmp_runtime_name().decode(),
+        "openmp_max_threads": openmp_max_threads(),
+        "isa": isa_selected().decode(),
+        "isa_available": [s for s in isa_available().decode().split(",") if s],
+        "isa_compiled": [s for s in isa_compiled().decode().split(",") if s],
+        "isa_error": isa_error().decode(),
+    }
+
+
+def force_isa(str name):
+    """Switch kernel tier by name ('' = best available); raises ValueError if impossible."""
+    if not isa_force(name.encode()):
+        raise ValueError(isa_error().decode())
+
+
+def openmp_threads():
+    return openmp_max_threads()
