@@ -1,0 +1,55 @@
+"""Independent float64 reference: materialised softmax attention in plain NumPy.
+
+Written for the tests only; shares no code with attnfast.
+"""
+import numpy as np
+
+
+def visible_mask(tq, tk, causal=False, window=None):
+    """(tq, tk) bool: row i sees key j (bottom-right aligned: i' = i + tk - tq)."""
+    i = np.arange(tq)[:, None] + (tk - tq)
+    j = np.arange(tk)[None, :]
+    keep = np.ones((tq, tk), dtype=bool)
+    if causal:
+        keep &= j <= i
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            keep &= j >= i - left
+        if right >= 0:
+            keep &= j <= i + right
+    return keep
+
+
+def reference_attention(q, k, v, causal=False, scale=None, window=None):
+    """Returns (out, lse, weights) in float64 for q (.., H, Tq, D), k/v (.., Hkv, Tk, D/Dv)."""
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    v = np.asarray(v, dtype=np.float64)
+    h, hkv = q.shape[-3], k.shape[-3]
+    if h != hkv:
+        k = np.repeat(k, h // hkv, axis=-3)
+        v = np.repeat(v, h // hkv, axis=-3)
+    d = q.shape[-1]
+    if scale is None:
+        scale = 1.0 / np.sqrt(d)
+    scores = np.einsum("...id,...jd->...ij", q, k) * scale
+    tq, tk = scores.shape[-2:]
+    keep = visible_mask(tq, tk, causal, window)
+    scores = np.where(keep, scores, -np.inf)
+    top = scores.max(axis=-1, keepdims=True, initial=-np.inf)
+    top = np.where(np.isfinite(top), top, 0.0)
+    e = np.exp(scores - top)
+    total = e.sum(axis=-1, keepdims=True)
+    weights = np.where(total > 0, e / np.where(total > 0, total, 1.0), 0.0)
+    out = np.einsum("...ij,...jd->...id", weights, v)
+    with np.errstate(divide="ignore"):
+        lse = np.where(total[..., 0] > 0, top[..., 0] + np.log(total[..., 0]), -np.inf)
+    return out, lse, weights
+
+
+# Per-dtype tolerances against the float64 reference (absolute, outputs are O(1)).
+TOLERANCE = {
+    np.dtype(np.float32): dict(rtol=2e-5, atol=2e-5),
+    np.dtype(np.float64): dict(rtol=1e-12, atol=1e-12),
+}
