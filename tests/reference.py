@@ -26,7 +26,7 @@ def reference_attention(q, k, v, causal=False, scale=None, window=None):
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
     v = np.asarray(v, dtype=np.float64)
-    h, hkv = q.shape[-3], k.shape[-3]
+    h, hkv = (q.shape[-3], k.shape[-3]) if q.ndim >= 3 else (1, 1)
     if h != hkv:
         k = np.repeat(k, h // hkv, axis=-3)
         v = np.repeat(v, h // hkv, axis=-3)

@@ -7,6 +7,7 @@ __version__ = "0.1.0"
 
 from ._runtime import get_num_threads, set_num_threads, show_config, _check_forced_isa
 from ._api import attention, attention_weights, merge_attention_states
+from ._varlen import attention_varlen
 
 _check_forced_isa()
 del _check_forced_isa
@@ -14,6 +15,7 @@ del _check_forced_isa
 __all__ = [
     "attention",
     "attention_weights",
+    "attention_varlen",
     "merge_attention_states",
     "get_num_threads",
     "set_num_threads",

@@ -60,7 +60,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
     reject_unimplemented(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
     call = check_attention(q, k, v, causal=causal, scale=scale, window=window,
                            num_threads=num_threads)
-    user_out = check_out(out, call, [("q", call.q), ("k", call.k), ("v", call.v)])
+    user_out = check_out(out, call.out_shape(), call.dtype,
+                         [("q", call.q), ("k", call.k), ("v", call.v)])
 
     target = user_out if user_out is not None else np.empty(call.out_shape(), call.dtype)
     target4 = to_4d(target)

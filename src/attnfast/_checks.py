@@ -180,17 +180,16 @@ def check_attention(q, k, v, *, causal, scale, window, num_threads, need_v=True)
         num_threads=resolve_threads(num_threads))
 
 
-def check_out(out, call: AttentionCall, inputs) -> np.ndarray | None:
+def check_out(out, shape: tuple, dtype: np.dtype, inputs) -> np.ndarray | None:
     """Check a caller's `out` array (shape, dtype, writeable, no overlap with inputs)."""
     if out is None:
         return None
     if not isinstance(out, np.ndarray):
         raise TypeError(f"out must be a numpy.ndarray, got {type(out).__name__}")
-    want = call.out_shape()
-    if out.shape != want:
-        raise ValueError(f"out must have shape {want}, got {out.shape}")
-    if out.dtype != call.dtype:
-        raise TypeError(f"out must have dtype {call.dtype} (that of q), got {out.dtype}")
+    if out.shape != tuple(shape):
+        raise ValueError(f"out must have shape {tuple(shape)}, got {out.shape}")
+    if out.dtype != dtype:
+        raise TypeError(f"out must have dtype {dtype} (that of q), got {out.dtype}")
     if not out.flags.writeable:
         raise ValueError("out is read-only")
     for name, a in inputs:
@@ -206,3 +205,26 @@ def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
         return bool(np.shares_memory(a, b, max_work=100_000))
     except np.exceptions.TooHardError:  # could not decide cheaply: assume they overlap
         return True
+
+
+def check_cu_seqlens(cu, name: str, total: int, max_seqlen) -> np.ndarray:
+    """Cumulative sequence offsets: 1-D integers, starting at 0, non-decreasing, ending at
+    `total` (the packed length); `max_seqlen`, if given, must be >= the longest sequence."""
+    arr = np.asarray(cu)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array, got dtype {arr.dtype}")
+    if arr.ndim != 1 or arr.shape[0] < 1:
+        raise ValueError(f"{name} must be 1-D with batch + 1 >= 1 entries, got shape {arr.shape}")
+    arr = arr.astype(np.int64)
+    if arr[0] != 0 or arr[-1] != total:
+        raise ValueError(f"{name} must start at 0 and end at {total} (the packed length), "
+                         f"got {arr[0]} ... {arr[-1]}")
+    lengths = np.diff(arr)
+    if (lengths < 0).any():
+        raise ValueError(f"{name} must be non-decreasing, got {arr.tolist()}")
+    if max_seqlen is not None:
+        longest = int(lengths.max(initial=0))
+        if operator.index(max_seqlen) < longest:
+            raise ValueError(f"max_seqlen for {name} is {max_seqlen} but a sequence has "
+                             f"{longest} tokens")
+    return arr

@@ -1,0 +1,65 @@
+"""Thread settings, show_config, and the environment variables."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import attnfast as af
+
+
+def run_python(code, **env):
+    full_env = {**os.environ, **env}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=full_env, timeout=120)
+
+
+def test_set_and_get_num_threads():
+    try:
+        af.set_num_threads(3)
+        assert af.get_num_threads() == 3
+        with pytest.raises(ValueError, match="n must be >= 1"):
+            af.set_num_threads(0)
+        with pytest.raises(TypeError, match="n must be an int"):
+            af.set_num_threads(2.0)
+        assert af.get_num_threads() == 3  # a rejected call changes nothing
+    finally:
+        af.set_num_threads(None)
+
+
+def test_environment_thread_variables():
+    code = "import attnfast; print(attnfast.get_num_threads())"
+    assert run_python(code, ATTNFAST_NUM_THREADS="3").stdout.strip() == "3"
+    assert run_python(code, OMP_NUM_THREADS="1", ATTNFAST_NUM_THREADS="").stdout.strip() == "1"
+    bad = run_python(code, ATTNFAST_NUM_THREADS="zero")
+    assert "ATTNFAST_NUM_THREADS must be an integer >= 1, got 'zero'" in bad.stderr
+
+
+def test_threadpoolctl_limits_are_respected():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    if os.environ.get("ATTNFAST_NUM_THREADS"):
+        pytest.skip("ATTNFAST_NUM_THREADS overrides the OpenMP limit")
+    with threadpoolctl.threadpool_limits(limits=1, user_api="openmp"):
+        assert af.get_num_threads() == 1
+
+
+def test_show_config(capsys):
+    info = af.show_config()
+    text = capsys.readouterr().out
+    assert f"attnfast {af.__version__}" in text
+    assert info["isa"] in info["isa_available"] and info["isa"] in text
+    assert "OpenMP" in text
+    assert info["num_threads"] == af.get_num_threads()
+
+
+def test_gil_is_released_during_compute(rng):
+    """Python threads calling attention concurrently each get the right answer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    q = rng.standard_normal((4, 256, 64)).astype(np.float32)
+    expected = af.attention(q, q, q, causal=True, num_threads=1)
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: af.attention(q, q, q, causal=True, num_threads=1), range(8)))
+    for r in results:
+        np.testing.assert_array_equal(r, expected)
