@@ -35,6 +35,9 @@ __all__ = ["main"]
 
 GIB = 1 << 30
 MIB = 1 << 20
+# Pause after running NumPy's BLAS: its idle worker threads busy-wait for a while and would
+# steal cores from the next timing (seen as a 40% slowdown of a 2-thread run right after).
+SETTLE_S = 0.3
 
 
 # ----------------------------------------------------------------------------- cost model
@@ -576,6 +579,7 @@ def main(argv=None) -> int:
         progress.step(f"GEMM throughput, {n} thread(s)")
         gemm = measure_gemm(n, 1024 if args.quick else 2048)
         results["limits"][n] = {"read_bandwidth": bw, "gemm": gemm}
+        time.sleep(SETTLE_S)
 
         with _Threads(n):
             for T in args.prefill_T:
