@@ -52,3 +52,18 @@ def max_abs_error(out, q, k, v, *, causal=False, rows=None) -> float:
     rows = sample_rows(q.shape[2]) if rows is None else rows
     ref = reference_rows(q, k, v, rows, causal=causal)
     return float(np.abs(np.asarray(out[:, :, rows], dtype=np.float64) - ref).max())
+
+
+def bench_threads() -> list[int]:
+    """Thread counts for the pytest-benchmark suites: ATTNFAST_BENCH_THREADS (e.g. "1,2"),
+    else 1 and every CPU this process may use."""
+    import os
+
+    raw = os.environ.get("ATTNFAST_BENCH_THREADS", "").strip()
+    if raw:
+        return sorted({int(x) for x in raw.split(",") if x.strip()})
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    return sorted({1, cpus})
