@@ -769,14 +769,27 @@ def write_plot(results: dict, path: str):
         bw = results["limits"][n]["read_bandwidth"]["gbps"]
         ax2.plot(xs, [r["gbps"] for r in dec], "o-", color=c, label=f"decode, {n} thr")
         ax2.axhline(bw, color=c, ls="--", alpha=0.7, label=f"measured read BW, {n} thr ({bw:.0f})")
-    ax.set_xscale("log", base=2)
+    from matplotlib.ticker import FuncFormatter
+    tokens = FuncFormatter(lambda x, _: fmt_len(int(round(x))) if x >= 1 else "")
+    llc = results.get("last_level_cache_bytes")
+    if llc:
+        per_token = decode_bytes(results["batch"], hkv, 1, results["head_dim"], results["head_dim"],
+                                 np.dtype(results["dtype"]).itemsize)
+        fits = llc / per_token  # longest context whose K+V fit in the last-level cache
+        for a in (ax, ax2):
+            a.axvline(fits, color="grey", lw=0.8, ls="-.")
+        ax2.text(fits, 0.02, f" K+V = last-level cache ({llc // MIB} MiB)", rotation=90,
+                 va="bottom", ha="right", fontsize=7, color="grey",
+                 transform=ax2.get_xaxis_transform())
+    for a in (ax, ax2):
+        a.set_xscale("log", base=2)
+        a.xaxis.set_major_formatter(tokens)
     ax.set_yscale("log")
     ax.set_xlabel("context length L (tokens)")
     ax.set_ylabel("time per generated token (ms), attention only")
     ax.set_title(f"Per-token cost, H={h}/{hkv}, D={results['head_dim']}, {results['dtype']}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    ax2.set_xscale("log", base=2)
     ax2.set_xlabel("context length L (tokens)")
     ax2.set_ylabel("decode GB/s (K+V bytes read per step / time)")
     ax2.set_title("Decode bandwidth vs measured memory-read bandwidth")
