@@ -1,0 +1,364 @@
+// Decode kernels: a short query (Tq <= kDecodeMaxQueryRows) against a long KV cache, the
+// templates every ISA file compiles with its own flags. Included by kernels/isa_*.cpp right
+// after block_attention.inl, whose helpers (exp_acc, log_acc, load_acc, store_from_acc,
+// neg_inf, max_of, kLanes) it uses, inside the same per-ISA namespace.
+//
+// Decoding is bandwidth-bound: each cached K/V byte is used by only (H / Hkv) * Tq query
+// rows. So one task takes one chunk of keys of one (batch, kv head) and serves all the query
+// rows of that KV head with one pass over K (scores into a small per-chunk buffer), a
+// softmax per row, and one pass over V. The driver (decode.cpp) merges the chunks.
+//
+// No std:: templates here (see block_attention.inl).
+#ifndef ATTNFAST_KERNEL_NS
+#error "define ATTNFAST_KERNEL_NS and include block_attention.inl before decode_attention.inl"
+#endif
+
+namespace attnfast {
+namespace ATTNFAST_KERNEL_NS {
+namespace {
+
+constexpr int64_t kGroupRows = kDecodeGroupRows;
+
+// Sums the kLanes partial sums pairwise in a fixed tree (vectorises, fixed order).
+// (Spelled out level by level: constant trip counts let the compiler keep it in registers.)
+static_assert(kLanes == 16, "the reduction trees below are written for 16 lanes");
+template <class A>
+inline A reduce_sum_lanes(A* __restrict part) {
+    for (int u = 0; u < 8; ++u) part[u] += part[u + 8];
+    for (int u = 0; u < 4; ++u) part[u] += part[u + 4];
+    for (int u = 0; u < 2; ++u) part[u] += part[u + 2];
+    return part[0] + part[1];
+}
+
+template <class A>
+inline A reduce_max_lanes(A* __restrict part) {
+    for (int u = 0; u < 8; ++u) part[u] = max_of(part[u], part[u + 8]);
+    for (int u = 0; u < 4; ++u) part[u] = max_of(part[u], part[u + 4]);
+    for (int u = 0; u < 2; ++u) part[u] = max_of(part[u], part[u + 2]);
+    return max_of(part[0], part[1]);
+}
+
+// GCC/Clang vector extensions: a 64-byte vector of accumulators (16 floats or 8 doubles)
+// that each ISA file's flags lower to one zmm, two ymm or four xmm registers. Plain loops
+// over 2-D accumulator arrays left them on the stack; these keep them in registers while
+// the source stays ISA-neutral. (Everything here is inlined: the -Wpsabi note about passing
+// such vectors by value without AVX-512 is moot.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+template <class A> struct VecOf;
+template <> struct VecOf<float> {
+    typedef float full __attribute__((vector_size(64)));
+    typedef float half __attribute__((vector_size(32)));
+    typedef float quarter __attribute__((vector_size(16)));
+};
+template <> struct VecOf<double> {
+    typedef double full __attribute__((vector_size(64)));
+    typedef double half __attribute__((vector_size(32)));
+    typedef double quarter __attribute__((vector_size(16)));
+};
+template <class A> using Vec = typename VecOf<A>::full;
+template <class A> constexpr int64_t vec_lanes() { return 64 / static_cast<int64_t>(sizeof(A)); }
+
+// Unaligned loads/stores (memcpy compiles to one vector move). Storage types other than the
+// accumulator type would add converting overloads here.
+inline Vec<float> vload(const float* p) { Vec<float> v; __builtin_memcpy(&v, p, sizeof v); return v; }
+inline Vec<double> vload(const double* p) { Vec<double> v; __builtin_memcpy(&v, p, sizeof v); return v; }
+template <class A> inline void vstore(A* p, const Vec<A>& v) { __builtin_memcpy(p, &v, sizeof v); }
+
+// Sum of the lanes in a fixed tree: halves, quarters, then the last lanes.
+template <class A>
+inline typename VecOf<A>::quarter sum_to_quarter(const Vec<A>& v) {
+    typedef typename VecOf<A>::half H;
+    typedef typename VecOf<A>::quarter Q;
+    H lo, hi;
+    __builtin_memcpy(&lo, &v, sizeof lo);
+    __builtin_memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+    const H s = lo + hi;
+    Q a, b;
+    __builtin_memcpy(&a, &s, sizeof a);
+    __builtin_memcpy(&b, reinterpret_cast<const char*>(&s) + sizeof a, sizeof b);
+    return a + b;
+}
+inline float vsum(const Vec<float>& v) {
+    const VecOf<float>::quarter s = sum_to_quarter<float>(v);
+    return (s[0] + s[2]) + (s[1] + s[3]);
+}
+inline double vsum(const Vec<double>& v) {
+    const VecOf<double>::quarter s = sum_to_quarter<double>(v);
+    return s[0] + s[1];
+}
+
+#ifndef ATTNFAST_SIMD_BYTES
+#define ATTNFAST_SIMD_BYTES 16
+#endif
+// Query rows one micro-kernel call serves, each with its own accumulators in registers.
+constexpr int kRowBlock = 4;
+// Vectors of output columns per row the V micro-kernel keeps in registers: kRowBlock x 4
+// zmm with AVX-512's 32 registers; kRowBlock x 1 (2 ymm / 4 xmm each) otherwise.
+constexpr int kValueVecs = ATTNFAST_SIMD_BYTES >= 64 ? 4 : 1;
+// Keys per V sub-block: small enough (32 x Dv) to stay in L1 while every row block and
+// column tile of the chunk's rows walk it.
+constexpr int64_t kValueSubKeys = 32;
+
+// s[r * s_stride] = q[r] . k for NR query rows (D apart in q): each K vector is loaded once
+// for all NR rows; each row sums in one vector of lanes, reduced in a fixed tree, then
+// adds the last D % lanes products in order.
+template <int NR, class A, class T>
+inline void dot_rows(const A* __restrict q, const T* __restrict k, int64_t D,
+                     A* __restrict s, int64_t s_stride) {
+    constexpr int64_t L = vec_lanes<A>();
+    Vec<A> part[NR];
+    for (int r = 0; r < NR; ++r) part[r] = Vec<A>{};
+    int64_t d = 0;
+    for (; d + L <= D; d += L) {
+        const Vec<A> kv = vload(k + d);
+        for (int r = 0; r < NR; ++r) part[r] += vload(q + r * D + d) * kv;
+    }
+    for (int r = 0; r < NR; ++r) {
+        A sum = vsum(part[r]);
+        for (int64_t e = d; e < D; ++e) sum += q[r * D + e] * load_acc<A>(k[e]);
+        s[r * s_stride] = sum;
+    }
+}
+
+// acc[r][c*L ..] += sum_{j0 <= j < j1} p[r][j] * v[j][c*L ..] for NR rows and NV vectors of
+// columns (acc rows acc_stride apart, p rows p_stride apart); accumulators in registers.
+template <int NR, int NV, class A, class T>
+inline void pv_tile(A* __restrict acc, int64_t acc_stride, const A* __restrict p,
+                    int64_t p_stride, const T* __restrict v, int64_t v_stride,
+                    int64_t j0, int64_t j1) {
+    constexpr int64_t L = vec_lanes<A>();
+    Vec<A> a[NR][NV];
+    for (int r = 0; r < NR; ++r)
+        for (int c = 0; c < NV; ++c) a[r][c] = vload(acc + r * acc_stride + c * L);
+    for (int64_t j = j0; j < j1; ++j) {
+        const T* vrow = v + j * v_stride;
+        Vec<A> vv[NV];
+        for (int c = 0; c < NV; ++c) vv[c] = vload(vrow + c * L);
+        for (int r = 0; r < NR; ++r) {
+            const A pr = p[r * p_stride + j];
+            for (int c = 0; c < NV; ++c) a[r][c] += pr * vv[c];
+        }
+    }
+    for (int r = 0; r < NR; ++r)
+        for (int c = 0; c < NV; ++c) vstore(acc + r * acc_stride + c * L, a[r][c]);
+}
+
+// The same for all Dv columns: wide tiles, single vectors, then the last columns one by one.
+template <int NR, class A, class T>
+inline void pv_rows(A* __restrict acc, int64_t Dv, const A* __restrict p, int64_t p_stride,
+                    const T* __restrict v, int64_t v_stride, int64_t j0, int64_t j1) {
+    constexpr int64_t L = vec_lanes<A>();
+    int64_t e0 = 0;
+    for (; e0 + kValueVecs * L <= Dv; e0 += kValueVecs * L)
+        pv_tile<NR, kValueVecs>(acc + e0, Dv, p, p_stride, v + e0, v_stride, j0, j1);
+    for (; e0 + L <= Dv; e0 += L) pv_tile<NR, 1>(acc + e0, Dv, p, p_stride, v + e0, v_stride, j0, j1);
+    if (e0 == Dv) return;
+    for (int r = 0; r < NR; ++r)
+        for (int64_t j = j0; j < j1; ++j) {
+            const A pr = p[r * p_stride + j];
+            const T* vrow = v + j * v_stride;
+            for (int64_t e = e0; e < Dv; ++e) acc[r * Dv + e] += pr * load_acc<A>(vrow[e]);
+        }
+}
+#pragma GCC diagnostic pop
+
+template <class A>
+inline A range_max(const A* __restrict x, int64_t n) {
+    A part[kLanes];
+    for (int u = 0; u < kLanes; ++u) part[u] = neg_inf<A>();
+    int64_t j = 0;
+    for (; j + kLanes <= n; j += kLanes)
+        for (int u = 0; u < kLanes; ++u) part[u] = max_of(part[u], x[j + u]);
+    for (int u = 0; j + u < n; ++u) part[u] = max_of(part[u], x[j + u]);
+    return reduce_max_lanes(part);
+}
+
+// x[j] = exp(x[j] - m) for j < n; returns the sum.
+template <class A>
+inline A range_exp_sum(A* __restrict x, int64_t n, A m) {
+    A part[kLanes];
+    for (int u = 0; u < kLanes; ++u) part[u] = 0;
+    int64_t j = 0;
+    for (; j + kLanes <= n; j += kLanes)
+        for (int u = 0; u < kLanes; ++u) {
+            const A e = exp_acc(x[j + u] - m);
+            x[j + u] = e;
+            part[u] += e;
+        }
+    for (int u = 0; j + u < n; ++u) {
+        const A e = exp_acc(x[j + u] - m);
+        x[j + u] = e;
+        part[u] += e;
+    }
+    return reduce_sum_lanes(part);
+}
+
+// acc[e] += w * v[e].
+template <class A, class T>
+inline void axpy(A* __restrict acc, A w, const T* __restrict v, int64_t n) {
+    for (int64_t e = 0; e < n; ++e) acc[e] += w * load_acc<A>(v[e]);
+}
+
+template <class T, class A>
+void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace, A* acc,
+                  A* m, A* l) {
+    const int64_t D = p.head_dim, Dv = p.head_dim_v, tq = p.seqlen_q;
+    const int64_t group = p.heads / p.kv_heads;
+    const int64_t rows = group * tq;
+    const int64_t chunk = decode_chunk_keys(p);
+    const int64_t keys = task.key_end - task.key_begin;  // <= chunk
+
+    A* qs = workspace;               // kGroupRows x D, pre-multiplied by scale
+    A* s = qs + kGroupRows * D;      // kGroupRows x chunk: scores, then probabilities
+    int64_t lo[kGroupRows], hi[kGroupRows];  // each row's visible keys, chunk-relative
+
+    const T* q = static_cast<const T*>(p.q) + task.batch * p.q_batch_stride;
+    const T* k = static_cast<const T*>(p.k) + task.batch * p.k_batch_stride +
+                 task.kv_head * p.k_head_stride + task.key_begin * p.k_row_stride;
+    const T* v = static_cast<const T*>(p.v) + task.batch * p.v_batch_stride +
+                 task.kv_head * p.v_head_stride + task.key_begin * p.v_row_stride;
+    const A scale = static_cast<A>(p.scale);
+    const int64_t v_row_bytes = Dv * static_cast<int64_t>(sizeof(T));
+
+    for (int64_t r0 = 0; r0 < rows; r0 += kGroupRows) {
+        const int64_t n = rows - r0 < kGroupRows ? rows - r0 : kGroupRows;
+        for (int64_t rr = 0; rr < n; ++rr) {
+            const int64_t r = r0 + rr;
+            const int64_t head = task.kv_head * group + r / tq, pos = r % tq;
+            const T* qrow = q + head * p.q_head_stride + pos * p.q_row_stride;
+            for (int64_t d = 0; d < D; ++d) qs[rr * D + d] = load_acc<A>(qrow[d]) * scale;
+            const KeyRange vis = visible_keys(p, pos, task.seqlen_k);
+            const int64_t b = vis.begin > task.key_begin ? vis.begin : task.key_begin;
+            const int64_t e = vis.end < task.key_end ? vis.end : task.key_end;
+            lo[rr] = b - task.key_begin;
+            hi[rr] = e > b ? e - task.key_begin : lo[rr];
+        }
+
+        // Pass over K: each key row is loaded once and dotted with all n query rows.
+        for (int64_t j = 0; j < keys; ++j) {
+            const T* krow = k + j * p.k_row_stride;
+            // Start this key's V row towards L2 now, so the V stream is fetched alongside
+            // the K stream instead of after it (the chunk's V, <= half of
+            // kDecodeChunkBytes, stays in L2 until the pass over V). Measured: ~+30% GB/s on
+            // one core (AMD EPYC), where the hardware prefetcher alone stalls at each switch.
+            {
+                const char* vbytes = reinterpret_cast<const char*>(v + j * p.v_row_stride);
+                for (int64_t off = 0; off < v_row_bytes; off += 64) __builtin_prefetch(vbytes + off, 0, 2);
+            }
+            int64_t rb = 0;
+            for (; rb + kRowBlock <= n; rb += kRowBlock)
+                dot_rows<kRowBlock>(qs + rb * D, krow, D, s + rb * chunk + j, chunk);
+            switch (n - rb) {
+                case 3: dot_rows<3>(qs + rb * D, krow, D, s + rb * chunk + j, chunk); break;
+                case 2: dot_rows<2>(qs + rb * D, krow, D, s + rb * chunk + j, chunk); break;
+                case 1: dot_rows<1>(qs + rb * D, krow, D, s + rb * chunk + j, chunk); break;
+                default: break;
+            }
+        }
+
+        // Softmax over each row's visible keys of this chunk (unnormalised: the merge divides).
+        int64_t used_lo = keys, used_hi = 0;  // keys some row of the group sees
+        for (int64_t rr = 0; rr < n; ++rr) {
+            const int64_t r = r0 + rr;
+            A* acc_row = acc + r * Dv;
+            for (int64_t e = 0; e < Dv; ++e) acc_row[e] = 0;
+            m[r] = neg_inf<A>();
+            l[r] = 0;
+            A* srow = s + rr * chunk;
+            if (lo[rr] < hi[rr]) {
+                const A row_max = range_max(srow + lo[rr], hi[rr] - lo[rr]);
+                if (row_max == neg_inf<A>()) {  // every score -inf: the row sees nothing here
+                    hi[rr] = lo[rr];
+                } else {
+                    l[r] = range_exp_sum(srow + lo[rr], hi[rr] - lo[rr], row_max);
+                    m[r] = row_max;
+                }
+            }
+            // Keys this row does not see weigh exactly 0 in the pass over V (which walks the
+            // keys any row of the block sees; only a non-finite value there could leak in).
+            for (int64_t j = 0; j < lo[rr]; ++j) srow[j] = 0;
+            for (int64_t j = hi[rr] > lo[rr] ? hi[rr] : lo[rr]; j < keys; ++j) srow[j] = 0;
+            if (lo[rr] < hi[rr]) {
+                used_lo = lo[rr] < used_lo ? lo[rr] : used_lo;
+                used_hi = hi[rr] > used_hi ? hi[rr] : used_hi;
+            }
+        }
+
+        // Pass over V in sub-blocks of keys that stay in L1 while all rows walk them; each
+        // value row is loaded once per row block and added to its rows' accumulators.
+        for (int64_t j0 = used_lo; j0 < used_hi; j0 += kValueSubKeys) {
+            const int64_t j1 = j0 + kValueSubKeys < used_hi ? j0 + kValueSubKeys : used_hi;
+            int64_t rb = 0;
+            for (; rb + kRowBlock <= n; rb += kRowBlock)
+                pv_rows<kRowBlock>(acc + (r0 + rb) * Dv, Dv, s + rb * chunk, chunk, v, p.v_row_stride, j0, j1);
+            A* acc_rb = acc + (r0 + rb) * Dv;
+            const A* s_rb = s + rb * chunk;
+            switch (n - rb) {
+                case 3: pv_rows<3>(acc_rb, Dv, s_rb, chunk, v, p.v_row_stride, j0, j1); break;
+                case 2: pv_rows<2>(acc_rb, Dv, s_rb, chunk, v, p.v_row_stride, j0, j1); break;
+                case 1: pv_rows<1>(acc_rb, Dv, s_rb, chunk, v, p.v_row_stride, j0, j1); break;
+                default: break;
+            }
+        }
+    }
+}
+
+template <class T, class A>
+void decode_merge(const AttentionParams& p, int64_t batch, int64_t kv_head, int64_t chunks,
+                  const A* acc, const A* m, const A* l, A* workspace) {
+    const int64_t Dv = p.head_dim_v, tq = p.seqlen_q;
+    const int64_t group = p.heads / p.kv_heads;
+    const int64_t rows = group * tq;
+    T* out = static_cast<T*>(p.out) + batch * p.out_batch_stride;
+    A* lse = static_cast<A*>(p.lse);
+    if (lse) lse += batch * p.lse_batch_stride;
+    A* sum = workspace;  // Dv
+
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t head = kv_head * group + r / tq, pos = r % tq;
+        T* orow = out + head * p.out_head_stride + pos * p.out_row_stride;
+        A* lse_at = lse ? lse + head * p.lse_head_stride + pos * p.lse_row_stride : nullptr;
+        A top = neg_inf<A>();
+        for (int64_t c = 0; c < chunks; ++c) top = max_of(top, m[c * rows + r]);
+        if (top == neg_inf<A>()) {  // the row sees no key: zeros and -inf, never NaN
+            for (int64_t e = 0; e < Dv; ++e) orow[e] = store_from_acc<T>(A(0));
+            if (lse_at) *lse_at = neg_inf<A>();
+            continue;
+        }
+        // Chunks in their fixed order, so the bits never depend on who computed them.
+        A total = 0;
+        for (int64_t e = 0; e < Dv; ++e) sum[e] = 0;
+        for (int64_t c = 0; c < chunks; ++c) {
+            const A mc = m[c * rows + r];
+            if (mc == neg_inf<A>()) continue;
+            const A w = exp_acc(mc - top);
+            total += w * l[c * rows + r];
+            axpy(sum, w, acc + (c * rows + r) * Dv, Dv);
+        }
+        const A inv = A(1) / total;
+        for (int64_t e = 0; e < Dv; ++e) orow[e] = store_from_acc<T>(sum[e] * inv);
+        if (lse_at) *lse_at = top + log_acc(total);
+    }
+}
+
+void decode_chunk_f32(const AttentionParams& p, const DecodeTask& t, float* ws, float* acc,
+                      float* m, float* l) {
+    decode_chunk<float, float>(p, t, ws, acc, m, l);
+}
+void decode_chunk_f64(const AttentionParams& p, const DecodeTask& t, double* ws, double* acc,
+                      double* m, double* l) {
+    decode_chunk<double, double>(p, t, ws, acc, m, l);
+}
+void decode_merge_f32(const AttentionParams& p, int64_t b, int64_t g, int64_t chunks,
+                      const float* acc, const float* m, const float* l, float* ws) {
+    decode_merge<float, float>(p, b, g, chunks, acc, m, l, ws);
+}
+void decode_merge_f64(const AttentionParams& p, int64_t b, int64_t g, int64_t chunks,
+                      const double* acc, const double* m, const double* l, double* ws) {
+    decode_merge<double, double>(p, b, g, chunks, acc, m, l, ws);
+}
+
+}  // namespace
+}  // namespace ATTNFAST_KERNEL_NS
+}  // namespace attnfast
