@@ -143,3 +143,14 @@ def test_decode_large_scores_are_stable(isa, rng):
     out, lse = af.attention_with_kvcache(q, k, v, 4000, return_lse=True)
     assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse))
     assert_matches_reference(out, lse, q, k, v, lengths, causal=True)
+
+
+@pytest.mark.parametrize("heads,kv_heads,query_len", [(8, 1, 5), (64, 1, 16)])
+def test_more_rows_per_kv_head_than_one_pass_serves(isa, rng, heads, kv_heads, query_len):
+    """(H / Hkv) * Tq above the rows one pass over a chunk serves (32): several passes."""
+    lengths = [2100, 900]
+    k, v = random_cache(2, kv_heads, 2100, 40, 24, np.float32)
+    fill(rng, k, v, lengths)
+    q = rng.standard_normal((2, heads, query_len, 40)).astype(np.float32)
+    out, lse = af.attention_with_kvcache(q, k, v, np.array(lengths), return_lse=True)
+    assert_matches_reference(out, lse, q, k, v, lengths, causal=True)

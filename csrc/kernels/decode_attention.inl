@@ -44,6 +44,9 @@ inline A reduce_max_lanes(A* __restrict part) {
 // the source stays ISA-neutral. (Everything here is inlined: the -Wpsabi note about passing
 // such vectors by value without AVX-512 is moot.)
 #pragma GCC diagnostic push
+#if defined(__clang__)
+#pragma GCC diagnostic ignored "-Wunknown-warning-option"
+#endif
 #pragma GCC diagnostic ignored "-Wpsabi"
 template <class A> struct VecOf;
 template <> struct VecOf<float> {
@@ -58,6 +61,7 @@ template <> struct VecOf<double> {
 };
 template <class A> using Vec = typename VecOf<A>::full;
 template <class A> constexpr int64_t vec_lanes() { return 64 / static_cast<int64_t>(sizeof(A)); }
+static_assert(kDecodeVectorBytes == 64, "Vec is kDecodeVectorBytes wide");
 
 // Unaligned loads/stores (memcpy compiles to one vector move). Storage types other than the
 // accumulator type would add converting overloads here.
@@ -65,7 +69,22 @@ inline Vec<float> vload(const float* p) { Vec<float> v; __builtin_memcpy(&v, p, 
 inline Vec<double> vload(const double* p) { Vec<double> v; __builtin_memcpy(&v, p, sizeof v); return v; }
 template <class A> inline void vstore(A* p, const Vec<A>& v) { __builtin_memcpy(p, &v, sizeof v); }
 
-// Sum of the lanes in a fixed tree: halves, quarters, then the last lanes.
+// Sum of the lanes in a fixed tree: halves, quarters, then the last lanes. Vector shuffles
+// keep it in registers (GCC >= 12, Clang); older compilers get the same arithmetic, in the
+// same order, through memory.
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+inline float vsum(const Vec<float>& v) {
+    const auto h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const auto s = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    return (s[0] + s[2]) + (s[1] + s[3]);
+}
+inline double vsum(const Vec<double>& v) {
+    const auto h = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    const auto s = __builtin_shufflevector(h, h, 0, 1) + __builtin_shufflevector(h, h, 2, 3);
+    return s[0] + s[1];
+}
+#else
 template <class A>
 inline typename VecOf<A>::quarter sum_to_quarter(const Vec<A>& v) {
     typedef typename VecOf<A>::half H;
@@ -87,6 +106,7 @@ inline double vsum(const Vec<double>& v) {
     const VecOf<double>::quarter s = sum_to_quarter<double>(v);
     return s[0] + s[1];
 }
+#endif
 
 #ifndef ATTNFAST_SIMD_BYTES
 #define ATTNFAST_SIMD_BYTES 16
@@ -100,11 +120,11 @@ constexpr int kValueVecs = ATTNFAST_SIMD_BYTES >= 64 ? 4 : 1;
 // column tile of the chunk's rows walk it.
 constexpr int64_t kValueSubKeys = 32;
 
-// s[r * s_stride] = q[r] . k for NR query rows (D apart in q): each K vector is loaded once
-// for all NR rows; each row sums in one vector of lanes, reduced in a fixed tree, then
-// adds the last D % lanes products in order.
+// s[r * s_stride] = q[r] . k for NR query rows (q rows q_stride apart, zero-padded from D to
+// q_stride, a multiple of the vector lanes): each K vector is loaded once for all NR rows;
+// each row sums in one vector of lanes, reduced in a fixed tree.
 template <int NR, class A, class T>
-inline void dot_rows(const A* __restrict q, const T* __restrict k, int64_t D,
+inline void dot_rows(const A* __restrict q, int64_t q_stride, const T* __restrict k, int64_t D,
                      A* __restrict s, int64_t s_stride) {
     constexpr int64_t L = vec_lanes<A>();
     Vec<A> part[NR];
@@ -112,13 +132,15 @@ inline void dot_rows(const A* __restrict q, const T* __restrict k, int64_t D,
     int64_t d = 0;
     for (; d + L <= D; d += L) {
         const Vec<A> kv = vload(k + d);
-        for (int r = 0; r < NR; ++r) part[r] += vload(q + r * D + d) * kv;
+        for (int r = 0; r < NR; ++r) part[r] += vload(q + r * q_stride + d) * kv;
     }
-    for (int r = 0; r < NR; ++r) {
-        A sum = vsum(part[r]);
-        for (int64_t e = d; e < D; ++e) sum += q[r * D + e] * load_acc<A>(k[e]);
-        s[r * s_stride] = sum;
+    if (d < D) {  // the last D % L elements: a zero-filled vector (never reads past the row)
+        A tail[L] = {};
+        for (int64_t e = d; e < D; ++e) tail[e - d] = load_acc<A>(k[e]);
+        const Vec<A> kv = vload(tail);
+        for (int r = 0; r < NR; ++r) part[r] += vload(q + r * q_stride + d) * kv;
     }
+    for (int r = 0; r < NR; ++r) s[r * s_stride] = vsum(part[r]);
 }
 
 // acc[r][c*L ..] += sum_{j0 <= j < j1} p[r][j] * v[j][c*L ..] for NR rows and NV vectors of
@@ -206,11 +228,12 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
     const int64_t D = p.head_dim, Dv = p.head_dim_v, tq = p.seqlen_q;
     const int64_t group = p.heads / p.kv_heads;
     const int64_t rows = group * tq;
-    const int64_t chunk = decode_chunk_keys(p);
-    const int64_t keys = task.key_end - task.key_begin;  // <= chunk
+    const int64_t keys = task.key_end - task.key_begin;  // <= decode_chunk_keys(p)
+    const int64_t ss = decode_score_stride(p);
 
-    A* qs = workspace;               // kGroupRows x D, pre-multiplied by scale
-    A* s = qs + kGroupRows * D;      // kGroupRows x chunk: scores, then probabilities
+    const int64_t qs_stride = decode_query_stride(p);  // D rounded up to the vector lanes
+    A* qs = workspace;               // kGroupRows rows qs_stride apart, times scale, 0-padded
+    A* s = qs + kGroupRows * qs_stride;  // kGroupRows rows ss apart: scores, then probabilities
     int64_t lo[kGroupRows], hi[kGroupRows];  // each row's visible keys, chunk-relative
 
     const T* q = static_cast<const T*>(p.q) + task.batch * p.q_batch_stride;
@@ -227,7 +250,8 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
             const int64_t r = r0 + rr;
             const int64_t head = task.kv_head * group + r / tq, pos = r % tq;
             const T* qrow = q + head * p.q_head_stride + pos * p.q_row_stride;
-            for (int64_t d = 0; d < D; ++d) qs[rr * D + d] = load_acc<A>(qrow[d]) * scale;
+            for (int64_t d = 0; d < D; ++d) qs[rr * qs_stride + d] = load_acc<A>(qrow[d]) * scale;
+            for (int64_t d = D; d < qs_stride; ++d) qs[rr * qs_stride + d] = 0;
             const KeyRange vis = visible_keys(p, pos, task.seqlen_k);
             const int64_t b = vis.begin > task.key_begin ? vis.begin : task.key_begin;
             const int64_t e = vis.end < task.key_end ? vis.end : task.key_end;
@@ -248,11 +272,11 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
             }
             int64_t rb = 0;
             for (; rb + kRowBlock <= n; rb += kRowBlock)
-                dot_rows<kRowBlock>(qs + rb * D, krow, D, s + rb * chunk + j, chunk);
+                dot_rows<kRowBlock>(qs + rb * qs_stride, qs_stride, krow, D, s + rb * ss + j, ss);
             switch (n - rb) {
-                case 3: dot_rows<3>(qs + rb * D, krow, D, s + rb * chunk + j, chunk); break;
-                case 2: dot_rows<2>(qs + rb * D, krow, D, s + rb * chunk + j, chunk); break;
-                case 1: dot_rows<1>(qs + rb * D, krow, D, s + rb * chunk + j, chunk); break;
+                case 3: dot_rows<3>(qs + rb * qs_stride, qs_stride, krow, D, s + rb * ss + j, ss); break;
+                case 2: dot_rows<2>(qs + rb * qs_stride, qs_stride, krow, D, s + rb * ss + j, ss); break;
+                case 1: dot_rows<1>(qs + rb * qs_stride, qs_stride, krow, D, s + rb * ss + j, ss); break;
                 default: break;
             }
         }
@@ -265,7 +289,7 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
             for (int64_t e = 0; e < Dv; ++e) acc_row[e] = 0;
             m[r] = neg_inf<A>();
             l[r] = 0;
-            A* srow = s + rr * chunk;
+            A* srow = s + rr * ss;
             if (lo[rr] < hi[rr]) {
                 const A row_max = range_max(srow + lo[rr], hi[rr] - lo[rr]);
                 if (row_max == neg_inf<A>()) {  // every score -inf: the row sees nothing here
@@ -291,13 +315,13 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
             const int64_t j1 = j0 + kValueSubKeys < used_hi ? j0 + kValueSubKeys : used_hi;
             int64_t rb = 0;
             for (; rb + kRowBlock <= n; rb += kRowBlock)
-                pv_rows<kRowBlock>(acc + (r0 + rb) * Dv, Dv, s + rb * chunk, chunk, v, p.v_row_stride, j0, j1);
+                pv_rows<kRowBlock>(acc + (r0 + rb) * Dv, Dv, s + rb * ss, ss, v, p.v_row_stride, j0, j1);
             A* acc_rb = acc + (r0 + rb) * Dv;
-            const A* s_rb = s + rb * chunk;
+            const A* s_rb = s + rb * ss;
             switch (n - rb) {
-                case 3: pv_rows<3>(acc_rb, Dv, s_rb, chunk, v, p.v_row_stride, j0, j1); break;
-                case 2: pv_rows<2>(acc_rb, Dv, s_rb, chunk, v, p.v_row_stride, j0, j1); break;
-                case 1: pv_rows<1>(acc_rb, Dv, s_rb, chunk, v, p.v_row_stride, j0, j1); break;
+                case 3: pv_rows<3>(acc_rb, Dv, s_rb, ss, v, p.v_row_stride, j0, j1); break;
+                case 2: pv_rows<2>(acc_rb, Dv, s_rb, ss, v, p.v_row_stride, j0, j1); break;
+                case 1: pv_rows<1>(acc_rb, Dv, s_rb, ss, v, p.v_row_stride, j0, j1); break;
                 default: break;
             }
         }

@@ -71,11 +71,25 @@ struct DecodeTask {
     int64_t seqlen_k;  // keys valid for this batch entry (seqlens_k[batch] or seqlen_k)
 };
 
+// Bytes of the vectors the decode kernel computes with (16 floats, 8 doubles).
+constexpr int64_t kDecodeVectorBytes = 64;
+
+// Elements between the decode kernel's scaled query rows: D rounded up to whole vectors.
+static inline int64_t decode_query_stride(const AttentionParams& p) {
+    const int64_t lanes = kDecodeVectorBytes / (p.dtype == DType::kF64 ? 8 : 4);
+    return (p.head_dim + lanes - 1) / lanes * lanes;
+}
+
+// Elements between score rows in the decode workspace: a chunk plus one cache line, so the
+// rows do not all fall into the same few L1 sets (a power-of-two stride would).
+static inline int64_t decode_score_stride(const AttentionParams& p) {
+    return decode_chunk_keys(p) + 64 / (p.dtype == DType::kF64 ? 8 : 4);
+}
+
 // Scratch one thread needs for one DecodeTask (and for a merge), in accumulator elements.
 static inline int64_t decode_workspace_elems(const AttentionParams& p) {
-    const int64_t chunk = decode_chunk_keys(p);
     const int64_t merge = p.head_dim_v;
-    const int64_t task = kDecodeGroupRows * p.head_dim + kDecodeGroupRows * chunk;
+    const int64_t task = kDecodeGroupRows * (decode_query_stride(p) + decode_score_stride(p));
     return task > merge ? task : merge;
 }
 
