@@ -38,30 +38,29 @@ inline A reduce_max_lanes(A* __restrict part) {
     return max_of(part[0], part[1]);
 }
 
-// GCC/Clang vector extensions: a 64-byte vector of accumulators (16 floats or 8 doubles)
-// that each ISA file's flags lower to one zmm, two ymm or four xmm registers. Plain loops
-// over 2-D accumulator arrays left them on the stack; these keep them in registers while
-// the source stays ISA-neutral. (Everything here is inlined: the -Wpsabi note about passing
-// such vectors by value without AVX-512 is moot.)
+#ifndef ATTNFAST_SIMD_BYTES
+#define ATTNFAST_SIMD_BYTES 16
+#endif
+static_assert(ATTNFAST_SIMD_BYTES == 16 || ATTNFAST_SIMD_BYTES == 32 || ATTNFAST_SIMD_BYTES == 64,
+              "ATTNFAST_SIMD_BYTES: the vector register width of the including ISA file");
+static_assert(kDecodeVectorBytes % ATTNFAST_SIMD_BYTES == 0, "query rows are padded to whole vectors");
+
+// GCC/Clang vector extensions, one register of the including file's ISA wide (zmm, ymm or
+// xmm): plain loops over 2-D accumulator arrays left the accumulators on the stack; these
+// keep them in registers while the source stays ISA-neutral. (Wider-than-register vectors
+// were tried: GCC lowers them badly.)
 #pragma GCC diagnostic push
 #if defined(__clang__)
 #pragma GCC diagnostic ignored "-Wunknown-warning-option"
 #endif
-#pragma GCC diagnostic ignored "-Wpsabi"
+#pragma GCC diagnostic ignored "-Wpsabi"  // all inlined: no vector crosses a call boundary
 template <class A> struct VecOf;
-template <> struct VecOf<float> {
-    typedef float full __attribute__((vector_size(64)));
-    typedef float half __attribute__((vector_size(32)));
-    typedef float quarter __attribute__((vector_size(16)));
-};
-template <> struct VecOf<double> {
-    typedef double full __attribute__((vector_size(64)));
-    typedef double half __attribute__((vector_size(32)));
-    typedef double quarter __attribute__((vector_size(16)));
-};
-template <class A> using Vec = typename VecOf<A>::full;
-template <class A> constexpr int64_t vec_lanes() { return 64 / static_cast<int64_t>(sizeof(A)); }
-static_assert(kDecodeVectorBytes == 64, "Vec is kDecodeVectorBytes wide");
+template <> struct VecOf<float> { typedef float type __attribute__((vector_size(ATTNFAST_SIMD_BYTES))); };
+template <> struct VecOf<double> { typedef double type __attribute__((vector_size(ATTNFAST_SIMD_BYTES))); };
+template <class A> using Vec = typename VecOf<A>::type;
+template <class A> constexpr int64_t vec_lanes() {
+    return ATTNFAST_SIMD_BYTES / static_cast<int64_t>(sizeof(A));
+}
 
 // Unaligned loads/stores (memcpy compiles to one vector move). Storage types other than the
 // accumulator type would add converting overloads here.
@@ -69,53 +68,59 @@ inline Vec<float> vload(const float* p) { Vec<float> v; __builtin_memcpy(&v, p, 
 inline Vec<double> vload(const double* p) { Vec<double> v; __builtin_memcpy(&v, p, sizeof v); return v; }
 template <class A> inline void vstore(A* p, const Vec<A>& v) { __builtin_memcpy(p, &v, sizeof v); }
 
-// Sum of the lanes in a fixed tree: halves, quarters, then the last lanes. Vector shuffles
-// keep it in registers (GCC >= 12, Clang); older compilers get the same arithmetic, in the
-// same order, through memory.
+// Sum of the lanes in a fixed tree: add the upper half onto the lower half until 4 float
+// (2 double) lanes are left, then (s0 + s2) + (s1 + s3) (s0 + s1). Vector shuffles keep it
+// in registers (GCC >= 12, Clang); older compilers do the same arithmetic through memory.
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define ATTNFAST_HALVES(v, n) \
+    (__builtin_shufflevector(v, v, ATTNFAST_LO##n) + __builtin_shufflevector(v, v, ATTNFAST_HI##n))
+#define ATTNFAST_LO16 0, 1, 2, 3, 4, 5, 6, 7
+#define ATTNFAST_HI16 8, 9, 10, 11, 12, 13, 14, 15
+#define ATTNFAST_LO8 0, 1, 2, 3
+#define ATTNFAST_HI8 4, 5, 6, 7
+#define ATTNFAST_LO4 0, 1
+#define ATTNFAST_HI4 2, 3
 inline float vsum(const Vec<float>& v) {
-    const auto h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    const auto s = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+#if ATTNFAST_SIMD_BYTES == 64
+    const auto h = ATTNFAST_HALVES(v, 16);
+    const auto s = ATTNFAST_HALVES(h, 8);
+#elif ATTNFAST_SIMD_BYTES == 32
+    const auto s = ATTNFAST_HALVES(v, 8);
+#else
+    const auto s = v;
+#endif
     return (s[0] + s[2]) + (s[1] + s[3]);
 }
 inline double vsum(const Vec<double>& v) {
-    const auto h = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-    const auto s = __builtin_shufflevector(h, h, 0, 1) + __builtin_shufflevector(h, h, 2, 3);
+#if ATTNFAST_SIMD_BYTES == 64
+    const auto h = ATTNFAST_HALVES(v, 8);
+    const auto s = ATTNFAST_HALVES(h, 4);
+#elif ATTNFAST_SIMD_BYTES == 32
+    const auto s = ATTNFAST_HALVES(v, 4);
+#else
+    const auto s = v;
+#endif
     return s[0] + s[1];
 }
+#undef ATTNFAST_HALVES
 #else
 template <class A>
-inline typename VecOf<A>::quarter sum_to_quarter(const Vec<A>& v) {
-    typedef typename VecOf<A>::half H;
-    typedef typename VecOf<A>::quarter Q;
-    H lo, hi;
-    __builtin_memcpy(&lo, &v, sizeof lo);
-    __builtin_memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
-    const H s = lo + hi;
-    Q a, b;
-    __builtin_memcpy(&a, &s, sizeof a);
-    __builtin_memcpy(&b, reinterpret_cast<const char*>(&s) + sizeof a, sizeof b);
-    return a + b;
+inline A vsum_in_memory(const Vec<A>& v) {
+    A x[vec_lanes<A>()];
+    __builtin_memcpy(x, &v, sizeof x);
+    for (int64_t n = vec_lanes<A>(); n > 16 / static_cast<int64_t>(sizeof(A)); n /= 2)
+        for (int64_t u = 0; u < n / 2; ++u) x[u] += x[u + n / 2];
+    return sizeof(A) == 4 ? (x[0] + x[2]) + (x[1] + x[3]) : x[0] + x[1];
 }
-inline float vsum(const Vec<float>& v) {
-    const VecOf<float>::quarter s = sum_to_quarter<float>(v);
-    return (s[0] + s[2]) + (s[1] + s[3]);
-}
-inline double vsum(const Vec<double>& v) {
-    const VecOf<double>::quarter s = sum_to_quarter<double>(v);
-    return s[0] + s[1];
-}
+inline float vsum(const Vec<float>& v) { return vsum_in_memory<float>(v); }
+inline double vsum(const Vec<double>& v) { return vsum_in_memory<double>(v); }
 #endif
 
-#ifndef ATTNFAST_SIMD_BYTES
-#define ATTNFAST_SIMD_BYTES 16
-#endif
 // Query rows one micro-kernel call serves, each with its own accumulators in registers.
 constexpr int kRowBlock = 4;
 // Vectors of output columns per row the V micro-kernel keeps in registers: kRowBlock x 4
-// zmm with AVX-512's 32 registers; kRowBlock x 1 (2 ymm / 4 xmm each) otherwise.
-constexpr int kValueVecs = ATTNFAST_SIMD_BYTES >= 64 ? 4 : 1;
+// with AVX-512's 32 registers, kRowBlock x 2 with 16.
+constexpr int kValueVecs = ATTNFAST_SIMD_BYTES >= 64 ? 4 : 2;
 // Keys per V sub-block: small enough (32 x Dv) to stay in L1 while every row block and
 // column tile of the chunk's rows walk it.
 constexpr int64_t kValueSubKeys = 32;

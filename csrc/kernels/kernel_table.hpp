@@ -71,7 +71,8 @@ struct DecodeTask {
     int64_t seqlen_k;  // keys valid for this batch entry (seqlens_k[batch] or seqlen_k)
 };
 
-// Bytes of the vectors the decode kernel computes with (16 floats, 8 doubles).
+// The decode kernel pads query rows to whole vectors of this many bytes (the widest
+// vector register of any tier: 16 floats, 8 doubles).
 constexpr int64_t kDecodeVectorBytes = 64;
 
 // Elements between the decode kernel's scaled query rows: D rounded up to whole vectors.
