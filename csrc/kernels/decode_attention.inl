@@ -122,7 +122,7 @@ constexpr int kRowBlock = 4;
 // with AVX-512's 32 registers, kRowBlock x 2 with 16.
 constexpr int kValueVecs = ATTNFAST_SIMD_BYTES >= 64 ? 4 : 2;
 // Keys per V sub-block: small enough (32 x Dv) to stay in L1 while every row block and
-// column tile of the chunk's rows walk it.
+// column tile walks it.
 constexpr int64_t kValueSubKeys = 32;
 
 // s[r * s_stride] = q[r] . k for NR query rows (q rows q_stride apart, zero-padded from D to
@@ -227,6 +227,35 @@ inline void axpy(A* __restrict acc, A w, const T* __restrict v, int64_t n) {
     for (int64_t e = 0; e < n; ++e) acc[e] += w * load_acc<A>(v[e]);
 }
 
+// Runs fn<NR>(row_begin) over n rows in blocks of kRowBlock, then one block of n % kRowBlock.
+template <class Fn>
+inline void for_row_blocks(int64_t n, Fn&& fn) {
+    int64_t rb = 0;
+    for (; rb + kRowBlock <= n; rb += kRowBlock) fn.template run<kRowBlock>(rb);
+    switch (n - rb) {
+        case 3: fn.template run<3>(rb); break;
+        case 2: fn.template run<2>(rb); break;
+        case 1: fn.template run<1>(rb); break;
+        default: break;
+    }
+}
+
+template <class T, class A>
+struct ScoreRows {  // scores of n query rows against one key row
+    const A* qs; int64_t qs_stride; const T* krow; int64_t D; A* s; int64_t ss;
+    template <int NR> void run(int64_t rb) const {
+        dot_rows<NR>(qs + rb * qs_stride, qs_stride, krow, D, s + rb * ss, ss);
+    }
+};
+
+template <class T, class A>
+struct AddValueRows {  // acc rows += probabilities x value rows, for one block of keys
+    A* acc; int64_t Dv; const A* s; int64_t ss; const T* v; int64_t v_stride; int64_t j0, j1;
+    template <int NR> void run(int64_t rb) const {
+        pv_rows<NR>(acc + rb * Dv, Dv, s + rb * ss, ss, v, v_stride, j0, j1);
+    }
+};
+
 template <class T, class A>
 void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace, A* acc,
                   A* m, A* l) {
@@ -234,11 +263,11 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
     const int64_t group = p.heads / p.kv_heads;
     const int64_t rows = group * tq;
     const int64_t keys = task.key_end - task.key_begin;  // <= decode_chunk_keys(p)
-    const int64_t ss = decode_score_stride(p);
+    const int64_t ss = kDecodeScoreStride;
 
     const int64_t qs_stride = decode_query_stride(p);  // D rounded up to the vector lanes
     A* qs = workspace;               // kGroupRows rows qs_stride apart, times scale, 0-padded
-    A* s = qs + kGroupRows * qs_stride;  // kGroupRows rows ss apart: scores, then probabilities
+    A* s = qs + kGroupRows * qs_stride;  // kGroupRows rows ss apart: one key block's scores
     int64_t lo[kGroupRows], hi[kGroupRows];  // each row's visible keys, chunk-relative
 
     const T* q = static_cast<const T*>(p.q) + task.batch * p.q_batch_stride;
@@ -251,6 +280,7 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
 
     for (int64_t r0 = 0; r0 < rows; r0 += kGroupRows) {
         const int64_t n = rows - r0 < kGroupRows ? rows - r0 : kGroupRows;
+        int64_t used_lo = keys, used_hi = 0;  // keys some row of the group sees
         for (int64_t rr = 0; rr < n; ++rr) {
             const int64_t r = r0 + rr;
             const int64_t head = task.kv_head * group + r / tq, pos = r % tq;
@@ -262,72 +292,66 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
             const int64_t e = vis.end < task.key_end ? vis.end : task.key_end;
             lo[rr] = b - task.key_begin;
             hi[rr] = e > b ? e - task.key_begin : lo[rr];
-        }
-
-        // Pass over K: each key row is loaded once and dotted with all n query rows.
-        for (int64_t j = 0; j < keys; ++j) {
-            const T* krow = k + j * p.k_row_stride;
-            // Start this key's V row towards L2 now, so the V stream is fetched alongside
-            // the K stream instead of after it (the chunk's V, <= half of
-            // kDecodeChunkBytes, stays in L2 until the pass over V). Measured: ~+30% GB/s on
-            // one core (AMD EPYC), where the hardware prefetcher alone stalls at each switch.
-            {
-                const char* vbytes = reinterpret_cast<const char*>(v + j * p.v_row_stride);
-                for (int64_t off = 0; off < v_row_bytes; off += 64) __builtin_prefetch(vbytes + off, 0, 2);
-            }
-            int64_t rb = 0;
-            for (; rb + kRowBlock <= n; rb += kRowBlock)
-                dot_rows<kRowBlock>(qs + rb * qs_stride, qs_stride, krow, D, s + rb * ss + j, ss);
-            switch (n - rb) {
-                case 3: dot_rows<3>(qs + rb * qs_stride, qs_stride, krow, D, s + rb * ss + j, ss); break;
-                case 2: dot_rows<2>(qs + rb * qs_stride, qs_stride, krow, D, s + rb * ss + j, ss); break;
-                case 1: dot_rows<1>(qs + rb * qs_stride, qs_stride, krow, D, s + rb * ss + j, ss); break;
-                default: break;
-            }
-        }
-
-        // Softmax over each row's visible keys of this chunk (unnormalised: the merge divides).
-        int64_t used_lo = keys, used_hi = 0;  // keys some row of the group sees
-        for (int64_t rr = 0; rr < n; ++rr) {
-            const int64_t r = r0 + rr;
-            A* acc_row = acc + r * Dv;
-            for (int64_t e = 0; e < Dv; ++e) acc_row[e] = 0;
-            m[r] = neg_inf<A>();
-            l[r] = 0;
-            A* srow = s + rr * ss;
-            if (lo[rr] < hi[rr]) {
-                const A row_max = range_max(srow + lo[rr], hi[rr] - lo[rr]);
-                if (row_max == neg_inf<A>()) {  // every score -inf: the row sees nothing here
-                    hi[rr] = lo[rr];
-                } else {
-                    l[r] = range_exp_sum(srow + lo[rr], hi[rr] - lo[rr], row_max);
-                    m[r] = row_max;
-                }
-            }
-            // Keys this row does not see weigh exactly 0 in the pass over V (which walks the
-            // keys any row of the block sees; only a non-finite value there could leak in).
-            for (int64_t j = 0; j < lo[rr]; ++j) srow[j] = 0;
-            for (int64_t j = hi[rr] > lo[rr] ? hi[rr] : lo[rr]; j < keys; ++j) srow[j] = 0;
             if (lo[rr] < hi[rr]) {
                 used_lo = lo[rr] < used_lo ? lo[rr] : used_lo;
                 used_hi = hi[rr] > used_hi ? hi[rr] : used_hi;
             }
+            A* acc_row = acc + r * Dv;
+            for (int64_t e2 = 0; e2 < Dv; ++e2) acc_row[e2] = 0;
+            m[r] = neg_inf<A>();
+            l[r] = 0;
         }
 
-        // Pass over V in sub-blocks of keys that stay in L1 while all rows walk them; each
-        // value row is loaded once per row block and added to its rows' accumulators.
-        for (int64_t j0 = used_lo; j0 < used_hi; j0 += kValueSubKeys) {
-            const int64_t j1 = j0 + kValueSubKeys < used_hi ? j0 + kValueSubKeys : used_hi;
-            int64_t rb = 0;
-            for (; rb + kRowBlock <= n; rb += kRowBlock)
-                pv_rows<kRowBlock>(acc + (r0 + rb) * Dv, Dv, s + rb * ss, ss, v, p.v_row_stride, j0, j1);
-            A* acc_rb = acc + (r0 + rb) * Dv;
-            const A* s_rb = s + rb * ss;
-            switch (n - rb) {
-                case 3: pv_rows<3>(acc_rb, Dv, s_rb, ss, v, p.v_row_stride, j0, j1); break;
-                case 2: pv_rows<2>(acc_rb, Dv, s_rb, ss, v, p.v_row_stride, j0, j1); break;
-                case 1: pv_rows<1>(acc_rb, Dv, s_rb, ss, v, p.v_row_stride, j0, j1); break;
-                default: break;
+        // Blocks of kDecodeKeyBlock keys, each: scores (one pass over its K rows), an online
+        // softmax update per row, then a pass over its V rows.
+        for (int64_t j0 = used_lo; j0 < used_hi; j0 += kDecodeKeyBlock) {
+            const int64_t j1 = j0 + kDecodeKeyBlock < used_hi ? j0 + kDecodeKeyBlock : used_hi;
+            for (int64_t j = j0; j < j1; ++j) {
+                // Start this key's V row towards L2 now, so the V stream is fetched alongside
+                // the K stream instead of after it (a block's V, at most half of
+                // kDecodeChunkBytes, stays in L2 until its pass). Measured on one core of an
+                // AMD EPYC: +30% GB/s; the hardware prefetcher alone stalls at each switch.
+                // (Interleaving K and V in smaller blocks, or prefetching the next chunk's K
+                // during the V pass, measured slower.)
+                const char* vbytes = reinterpret_cast<const char*>(v + j * p.v_row_stride);
+                for (int64_t off = 0; off < v_row_bytes; off += 64) __builtin_prefetch(vbytes + off, 0, 2);
+                // Each key row is loaded once and dotted with all n query rows.
+                for_row_blocks(n, ScoreRows<T, A>{qs, qs_stride, k + j * p.k_row_stride, D,
+                                                  s + (j - j0), ss});
+            }
+
+            for (int64_t rr = 0; rr < n; ++rr) {
+                const int64_t r = r0 + rr;
+                A* srow = s + rr * ss;  // column c is key j0 + c
+                const int64_t b = (lo[rr] > j0 ? lo[rr] : j0) - j0;
+                const int64_t e = (hi[rr] < j1 ? hi[rr] : j1) - j0;
+                A block_max = neg_inf<A>();
+                if (b < e) block_max = range_max(srow + b, e - b);
+                if (block_max == neg_inf<A>()) {  // sees nothing in this block: weight 0
+                    for (int64_t c = 0; c < j1 - j0; ++c) srow[c] = 0;
+                    continue;
+                }
+                const A m_new = max_of(m[r], block_max);
+                const A correction = exp_acc(m[r] - m_new);  // 0 while m[r] is -inf
+                if (correction != A(1)) {
+                    l[r] *= correction;
+                    A* acc_row = acc + r * Dv;
+                    for (int64_t c = 0; c < Dv; ++c) acc_row[c] *= correction;
+                }
+                m[r] = m_new;
+                l[r] += range_exp_sum(srow + b, e - b, m_new);
+                // Keys this row does not see weigh exactly 0 in the pass over V (which walks
+                // the keys any row sees; only a non-finite value there could leak in).
+                for (int64_t c = 0; c < b; ++c) srow[c] = 0;
+                for (int64_t c = e; c < j1 - j0; ++c) srow[c] = 0;
+            }
+
+            // Value rows in sub-blocks that stay in L1 while every row block walks them; each
+            // is loaded once per row block and added to that block's accumulators.
+            for (int64_t v0 = j0; v0 < j1; v0 += kValueSubKeys) {
+                const int64_t v1 = v0 + kValueSubKeys < j1 ? v0 + kValueSubKeys : j1;
+                for_row_blocks(n, AddValueRows<T, A>{acc + r0 * Dv, Dv, s - j0, ss, v,
+                                                     p.v_row_stride, v0, v1});
             }
         }
     }

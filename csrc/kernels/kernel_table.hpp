@@ -37,8 +37,8 @@ static inline int64_t block_workspace_elems(const AttentionParams& p) {
 // Queries of at most this many rows take the decode path: bandwidth-bound, all H/Hkv query
 // heads of one KV head together, KV split into fixed chunks merged by (out, lse).
 constexpr int64_t kDecodeMaxQueryRows = 16;
-// Query rows (heads x positions) one pass over a KV chunk serves; more rows re-read the
-// chunk from cache, which is why chunks are sized to stay in L2.
+// Query rows (heads x positions) one pass over a block of keys serves; more rows re-read
+// the block from cache (L2), not from memory.
 constexpr int64_t kDecodeGroupRows = 32;
 // Bytes of K plus V one chunk spans (sized for L2), and the bounds on its key count.
 constexpr int64_t kDecodeChunkBytes = 512 * 1024;
@@ -81,16 +81,19 @@ static inline int64_t decode_query_stride(const AttentionParams& p) {
     return (p.head_dim + lanes - 1) / lanes * lanes;
 }
 
-// Elements between score rows in the decode workspace: a chunk plus one cache line, so the
-// rows do not all fall into the same few L1 sets (a power-of-two stride would).
-static inline int64_t decode_score_stride(const AttentionParams& p) {
-    return decode_chunk_keys(p) + 64 / (p.dtype == DType::kF64 ? 8 : 4);
-}
+// Keys the decode kernel scores, softmaxes and accumulates at a time (online softmax across
+// blocks, when a chunk holds more): small enough that a block's V stays in L2 between the
+// pass over its K (which prefetches it) and the pass over its V; long runs of each stream
+// measured faster than finer interleaving.
+constexpr int64_t kDecodeKeyBlock = 512;
+// Elements between score rows in the decode workspace: a key block plus a cache line or
+// two, so the rows do not all fall into the same few L1 sets (a power-of-two stride would).
+constexpr int64_t kDecodeScoreStride = kDecodeKeyBlock + 16;
 
 // Scratch one thread needs for one DecodeTask (and for a merge), in accumulator elements.
 static inline int64_t decode_workspace_elems(const AttentionParams& p) {
     const int64_t merge = p.head_dim_v;
-    const int64_t task = kDecodeGroupRows * (decode_query_stride(p) + decode_score_stride(p));
+    const int64_t task = kDecodeGroupRows * (decode_query_stride(p) + kDecodeScoreStride);
     return task > merge ? task : merge;
 }
 
