@@ -91,16 +91,18 @@ def test_decode_causal_and_window(isa, rng, causal, window, query_len):
     assert_matches_reference(out, lse, q, k, v, lengths, causal=causal, window=window, scale=0.3)
 
 
+@pytest.mark.parametrize("causal,window", [(True, None), (True, (7, 3)), (False, (20, 2))])
 @pytest.mark.parametrize("query_len", [16, 17, 40])
-def test_prefill_and_decode_paths_honour_lengths(isa, rng, query_len):
+def test_prefill_and_decode_paths_honour_lengths(isa, rng, query_len, causal, window):
     """16 query rows take the decode path, 17 and more the prefill tiling: both use the
-    per-sequence lengths and align causal to them."""
+    per-sequence lengths and align causal and window to them."""
     lengths = [300, 41, 5]
     k, v = random_cache(3, 2, 320, 24, 24, np.float64)
     fill(rng, k, v, lengths)
     q = rng.standard_normal((3, 4, query_len, 24))
-    out, lse = af.attention_with_kvcache(q, k, v, np.array(lengths), return_lse=True)
-    assert_matches_reference(out, lse, q, k, v, lengths, causal=True)
+    out, lse = af.attention_with_kvcache(q, k, v, np.array(lengths), causal=causal,
+                                         window=window, return_lse=True)
+    assert_matches_reference(out, lse, q, k, v, lengths, causal=causal, window=window)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
