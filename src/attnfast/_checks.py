@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._runtime import resolve_threads
+from ._runtime import _positive_int, resolve_threads
 
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _PLANNED_DTYPES = ("float16", "bfloat16")
@@ -226,8 +226,6 @@ def _exact_dtype(arr: np.ndarray, name: str) -> np.dtype:
 
 def check_cache_spec(batch, kv_heads, head_dim, capacity, dtype, v_head_dim):
     """KVCache(...) arguments -> (B, Hkv, D, capacity, dtype, Dv), all checked."""
-    from ._runtime import _positive_int
-
     B = _positive_int(batch, "batch")
     Hkv = _positive_int(kv_heads, "kv_heads")
     D = _positive_int(head_dim, "head_dim")
@@ -241,7 +239,7 @@ def check_cache_spec(batch, kv_heads, head_dim, capacity, dtype, v_head_dim):
         raise NotImplementedError(f"dtype {dt.name} is not implemented yet; use float32 or float64")
     if dt not in _KERNEL_DTYPES:
         raise TypeError(f"dtype must be float32 or float64, got {dt}")
-    return B, Hkv, D, C, dt.newbyteorder("="), Dv
+    return B, Hkv, D, C, dt, Dv
 
 
 def check_batch_index(batch_index, batch: int) -> np.ndarray:
@@ -251,23 +249,18 @@ def check_batch_index(batch_index, batch: int) -> np.ndarray:
         return np.arange(batch, dtype=np.int64)
     if isinstance(batch_index, (bool, np.bool_)):
         raise TypeError(f"batch_index must be an int or an array of ints, got bool {batch_index!r}")
-    if isinstance(batch_index, (int, np.integer)):
-        idx = np.array([int(batch_index)], dtype=np.int64)
-    else:
-        arr = np.asarray(batch_index)
-        if arr.dtype.kind not in "iu":
-            raise TypeError(f"batch_index must be an int or an array of ints, got dtype {arr.dtype}")
-        if arr.ndim != 1 or arr.size == 0:
-            raise ValueError(f"batch_index must be an int or a non-empty 1-D array, got shape {arr.shape}")
-        if arr.min() < 0 or arr.max() >= batch:  # before the int64 cast: uint64 stays exact
-            bad = arr[(arr < 0) | (arr >= batch)][0]
-            raise ValueError(f"batch_index values must be in [0, {batch}) (the cache's batch), got {bad}")
-        idx = arr.astype(np.int64)
-        if np.unique(idx).size != idx.size:
-            raise ValueError(f"batch_index must not repeat a sequence, got {arr.tolist()}")
-        return idx
-    if not 0 <= idx[0] < batch:
-        raise ValueError(f"batch_index must be in [0, {batch}) (the cache's batch), got {idx[0]}")
+    arr = np.asarray(batch_index)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"batch_index must be an int or an array of ints, got dtype {arr.dtype}")
+    if arr.ndim > 1 or arr.size == 0:
+        raise ValueError(f"batch_index must be an int or a non-empty 1-D array, got shape {arr.shape}")
+    arr = arr.reshape(-1)
+    if arr.min() < 0 or arr.max() >= batch:  # before the int64 cast: uint64 stays exact
+        bad = arr[(arr < 0) | (arr >= batch)][0]
+        raise ValueError(f"batch_index values must be in [0, {batch}) (the cache's batch), got {bad}")
+    idx = arr.astype(np.int64)
+    if np.unique(idx).size != idx.size:
+        raise ValueError(f"batch_index must not repeat a sequence, got {arr.tolist()}")
     return idx
 
 
