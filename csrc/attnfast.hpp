@@ -31,7 +31,11 @@ struct AttentionParams {
     int64_t heads;       // H, query heads
     int64_t kv_heads;    // Hkv; heads % kv_heads == 0, query head h reads kv head h / (H / Hkv)
     int64_t seqlen_q;    // Tq
-    int64_t seqlen_k;    // Tk
+    int64_t seqlen_k;    // Tk: keys k and v hold per (batch, kv head) (a cache's capacity)
+    // Keys valid per batch entry, or nullptr = all seqlen_k. With it, batch entry b attends
+    // over keys [0, seqlens_k[b]) (0 <= seqlens_k[b] <= seqlen_k) and causal/window align
+    // to that length: row i is at key i + (seqlens_k[b] - Tq). (flash-attn's cache_seqlens)
+    const int64_t* seqlens_k;
     int64_t head_dim;    // D, of q and k
     int64_t head_dim_v;  // Dv, of v and out
 
@@ -58,6 +62,8 @@ struct AttentionParams {
 AttentionParams default_params();
 
 // Streaming (FlashAttention-style) attention. Never allocates in proportion to Tq * Tk.
+// Queries of up to kDecodeMaxQueryRows rows (kernels/kernel_table.hpp) take the decode path
+// (decode.cpp: GQA-grouped, split-KV, bandwidth-bound); longer ones the prefill tiling.
 // Throws std::invalid_argument for a params struct the kernels cannot run
 // (the Python layer checks first, so this is a guard, not the user-facing check).
 void attention_forward(const AttentionParams& params);

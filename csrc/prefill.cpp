@@ -1,3 +1,6 @@
+// attention_forward: checks the params, then sends short queries to the decode driver
+// (decode.cpp) and the rest to this file's prefill driver.
+//
 // Prefill driver: splits the problem into (batch, head, query block) tasks and runs the
 // selected kernel tier over them on OpenMP threads.
 #include <memory>
@@ -5,6 +8,7 @@
 #include <string>
 
 #include "attnfast.hpp"
+#include "drivers.hpp"
 #include "kernels/kernel_table.hpp"
 #include "parallel.hpp"
 
@@ -35,6 +39,10 @@ void check_params(const AttentionParams& p) {
     require(p.softcap == 0.0 && !p.alibi_slopes && !p.sinks && !p.mask,
             "softcap, alibi_slopes, sinks and mask are not implemented");
     require(p.dtype == DType::kF32 || p.dtype == DType::kF64, "dtype not supported by the kernels");
+    if (p.seqlens_k)
+        for (int64_t b = 0; b < p.batch; ++b)
+            require(p.seqlens_k[b] >= 0 && p.seqlens_k[b] <= p.seqlen_k,
+                    "seqlens_k[b] must be in [0, seqlen_k]");
 }
 
 template <class A>
@@ -67,6 +75,10 @@ void run_blocks(const AttentionParams& p,
 
 void attention_forward(const AttentionParams& p) {
     check_params(p);
+    if (p.seqlen_q <= kDecodeMaxQueryRows) {
+        decode_forward(p);
+        return;
+    }
     const KernelTable& kernels = active_kernels();
     if (p.dtype == DType::kF32) run_blocks<float>(p, kernels.attend_block_f32);
     else run_blocks<double>(p, kernels.attend_block_f64);

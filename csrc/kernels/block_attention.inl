@@ -143,8 +143,9 @@ void attend_block(const AttentionParams& p, const BlockTask& task, A* workspace)
     }
 
     // Keys any row of the block may see; ranges only move right as rows go down.
-    const KeyRange first = visible_keys(p, task.row_begin);
-    const KeyRange last = visible_keys(p, task.row_end - 1);
+    const int64_t seqlen_k = batch_seqlen_k(p, task.batch);
+    const KeyRange first = visible_keys(p, task.row_begin, seqlen_k);
+    const KeyRange last = visible_keys(p, task.row_end - 1, seqlen_k);
     const int64_t kv_begin = first.begin;
     const int64_t kv_end = last.end;
 
@@ -166,7 +167,7 @@ void attend_block(const AttentionParams& p, const BlockTask& task, A* workspace)
         for (int64_t i = 0; i < rows; ++i) {
             A* srow = s + i * Bk;
             if (partial) {
-                const KeyRange r = visible_keys(p, task.row_begin + i);
+                const KeyRange r = visible_keys(p, task.row_begin + i, seqlen_k);
                 for (int64_t j = 0; j < Bk; ++j) {
                     const int64_t key = tile + j;
                     if (j >= keys || key < r.begin || key >= r.end) srow[j] = neg_inf<A>();
@@ -209,8 +210,6 @@ void attend_block_f32(const AttentionParams& p, const BlockTask& t, float* ws) {
 void attend_block_f64(const AttentionParams& p, const BlockTask& t, double* ws) {
     attend_block<double, double>(p, t, ws);
 }
-
-const KernelTable kTable = {ATTNFAST_KERNEL_NAME, attend_block_f32, attend_block_f64};
 
 }  // namespace
 }  // namespace ATTNFAST_KERNEL_NS

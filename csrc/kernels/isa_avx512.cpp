@@ -1,6 +1,9 @@
 // Kernel tier "avx512": the shared kernel templates compiled with this file's flags (CMakeLists.txt).
 #define ATTNFAST_KERNEL_NS isa_avx512
 #define ATTNFAST_KERNEL_NAME "avx512"
+#define ATTNFAST_SIMD_BYTES 64  // vector register width the kernels are tuned for
 #include "block_attention.inl"
+#include "decode_attention.inl"
+#include "export_table.inl"
 
 const attnfast::KernelTable* attnfast::kernel_table_avx512() { return &isa_avx512::kTable; }

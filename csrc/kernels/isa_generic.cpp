@@ -1,6 +1,9 @@
 // Kernel tier "generic": the shared kernel templates compiled with this file's flags (CMakeLists.txt).
 #define ATTNFAST_KERNEL_NS isa_generic
 #define ATTNFAST_KERNEL_NAME "generic"
+#define ATTNFAST_SIMD_BYTES 16  // vector register width the kernels are tuned for
 #include "block_attention.inl"
+#include "decode_attention.inl"
+#include "export_table.inl"
 
 const attnfast::KernelTable* attnfast::kernel_table_generic() { return &isa_generic::kTable; }

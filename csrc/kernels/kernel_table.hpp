@@ -6,6 +6,9 @@
 
 #include "../attnfast.hpp"
 
+// The helpers below are `static inline`: every translation unit keeps its own copy, so the
+// linker can never hand the baseline drivers a copy compiled with AVX-512 flags.
+
 namespace attnfast {
 
 // Query rows per block and keys per KV tile of the streaming prefill. Fixed numbers (not
@@ -22,7 +25,7 @@ struct BlockTask {
 };
 
 // Scratch one thread needs for one BlockTask, in accumulator elements (float or double).
-inline int64_t block_workspace_elems(const AttentionParams& p) {
+static inline int64_t block_workspace_elems(const AttentionParams& p) {
     return kBlockRows * p.head_dim        // scaled query rows
          + p.head_dim * kTileKeys         // K tile, packed transposed
          + kBlockRows * kTileKeys         // scores / probabilities
@@ -30,11 +33,90 @@ inline int64_t block_workspace_elems(const AttentionParams& p) {
          + 2 * kBlockRows;                // running max, running sum
 }
 
+// ---- decode (short queries against a long KV cache; csrc/decode.cpp) ----
+// Queries of at most this many rows take the decode path: bandwidth-bound, all H/Hkv query
+// heads of one KV head together, KV split into fixed chunks merged by (out, lse).
+constexpr int64_t kDecodeMaxQueryRows = 16;
+// Query rows (heads x positions) one pass over a block of keys serves; more rows re-read
+// the block from cache (L2), not from memory.
+constexpr int64_t kDecodeGroupRows = 32;
+// Bytes of K plus V one chunk spans (sized for L2), and the bounds on its key count.
+constexpr int64_t kDecodeChunkBytes = 512 * 1024;
+constexpr int64_t kDecodeMinChunkKeys = 64;
+constexpr int64_t kDecodeMaxChunkKeys = 4096;
+
+// Keys per decode chunk: a function of the sizes only (never of the thread count), so the
+// split points, and with them the result bits, are the same for any thread count.
+static inline int64_t decode_chunk_keys(const AttentionParams& p) {
+    const int64_t elem = p.dtype == DType::kF64 ? 8 : 4;
+    int64_t keys = kDecodeMaxChunkKeys;
+    while (keys > kDecodeMinChunkKeys && keys * (p.head_dim + p.head_dim_v) * elem > kDecodeChunkBytes)
+        keys /= 2;
+    return keys;
+}
+
+// Rows of a decode problem handled together for one KV head: (H / Hkv) * Tq, row
+// r = (query head within the group) * Tq + (query position).
+static inline int64_t decode_rows(const AttentionParams& p) {
+    return (p.heads / p.kv_heads) * p.seqlen_q;
+}
+
+// One unit of decode work: keys [key_begin, key_end) (one chunk, clipped to the keys any
+// row may see) of one (batch, kv head), for all its decode_rows() query rows.
+struct DecodeTask {
+    int64_t batch;
+    int64_t kv_head;
+    int64_t key_begin;
+    int64_t key_end;
+    int64_t seqlen_k;  // keys valid for this batch entry (seqlens_k[batch] or seqlen_k)
+};
+
+// The decode kernel pads query rows to whole vectors of this many bytes (the widest
+// vector register of any tier: 16 floats, 8 doubles).
+constexpr int64_t kDecodeVectorBytes = 64;
+
+// Elements between the decode kernel's scaled query rows: D rounded up to whole vectors.
+static inline int64_t decode_query_stride(const AttentionParams& p) {
+    const int64_t lanes = kDecodeVectorBytes / (p.dtype == DType::kF64 ? 8 : 4);
+    return (p.head_dim + lanes - 1) / lanes * lanes;
+}
+
+// Keys the decode kernel scores, softmaxes and accumulates at a time (online softmax across
+// blocks, when a chunk holds more): small enough that a block's V stays in L2 between the
+// pass over its K (which prefetches it) and the pass over its V; long runs of each stream
+// measured faster than finer interleaving.
+constexpr int64_t kDecodeKeyBlock = 512;
+// Elements between score rows in the decode workspace: a key block plus a cache line or
+// two, so the rows do not all fall into the same few L1 sets (a power-of-two stride would).
+constexpr int64_t kDecodeScoreStride = kDecodeKeyBlock + 16;
+
+// Scratch one thread needs for one DecodeTask (and for a merge), in accumulator elements.
+static inline int64_t decode_workspace_elems(const AttentionParams& p) {
+    const int64_t merge = p.head_dim_v;
+    const int64_t task = kDecodeGroupRows * (decode_query_stride(p) + kDecodeScoreStride);
+    return task > merge ? task : merge;
+}
+
 struct KernelTable {
     const char* name;
     // Attend one block of query rows over all the keys it may see; writes its out/lse rows.
     void (*attend_block_f32)(const AttentionParams&, const BlockTask&, float* workspace);
     void (*attend_block_f64)(const AttentionParams&, const BlockTask&, double* workspace);
+    // Decode, step 1: one chunk for all rows of a (batch, kv head). Writes the chunk's
+    // unnormalised accumulator acc (rows x Dv), row max m and row sum l (rows each);
+    // a row that sees no key of the chunk gets m = -inf, l = 0, acc = 0.
+    void (*decode_chunk_f32)(const AttentionParams&, const DecodeTask&, float* workspace,
+                             float* acc, float* m, float* l);
+    void (*decode_chunk_f64)(const AttentionParams&, const DecodeTask&, double* workspace,
+                             double* acc, double* m, double* l);
+    // Decode, step 2: merge the `chunks` partial results of a (batch, kv head), laid out one
+    // after the other as written by step 1, in chunk order; writes its out and lse rows.
+    void (*decode_merge_f32)(const AttentionParams&, int64_t batch, int64_t kv_head,
+                             int64_t chunks, const float* acc, const float* m,
+                             const float* l, float* workspace);
+    void (*decode_merge_f64)(const AttentionParams&, int64_t batch, int64_t kv_head,
+                             int64_t chunks, const double* acc, const double* m,
+                             const double* l, double* workspace);
 };
 
 // One per ISA file; each returns nullptr when that tier was not compiled in.
@@ -45,22 +127,32 @@ const KernelTable* kernel_table_avx512();
 // The table in use (chosen once; see dispatch.cpp).
 const KernelTable& active_kernels();
 
-// Visible key range [begin, end) of query row `row`, from causal and window.
+// Keys valid for batch entry `batch`: seqlens_k[batch], or seqlen_k when that is null.
+static inline int64_t batch_seqlen_k(const AttentionParams& p, int64_t batch) {
+    return p.seqlens_k ? p.seqlens_k[batch] : p.seqlen_k;
+}
+
+// Visible key range [begin, end) of query row `row`, from causal and window, for a batch
+// entry with `seqlen_k` valid keys (see batch_seqlen_k).
 // Row i is aligned to key i + (Tk - Tq) (bottom-right, as flash-attn >= 2.1).
 struct KeyRange {
     int64_t begin;
     int64_t end;
 };
-inline KeyRange visible_keys(const AttentionParams& p, int64_t row) {
-    const int64_t aligned = row + (p.seqlen_k - p.seqlen_q);
+static inline KeyRange visible_keys(const AttentionParams& p, int64_t row, int64_t seqlen_k) {
+    const int64_t aligned = row + (seqlen_k - p.seqlen_q);
     int64_t begin = 0;
-    int64_t end = p.seqlen_k;
+    int64_t end = seqlen_k;
     if (p.causal && aligned + 1 < end) end = aligned + 1;
     if (p.window_right >= 0 && aligned + p.window_right + 1 < end) end = aligned + p.window_right + 1;
     if (p.window_left >= 0 && aligned - p.window_left > begin) begin = aligned - p.window_left;
     if (end < begin) end = begin;
     if (end < 0) end = begin = 0;
     return {begin, end};
+}
+// The same with every batch entry at the full seqlen_k.
+static inline KeyRange visible_keys(const AttentionParams& p, int64_t row) {
+    return visible_keys(p, row, p.seqlen_k);
 }
 
 }  // namespace attnfast

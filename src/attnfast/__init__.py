@@ -1,13 +1,15 @@
 """attnfast: exact attention for CPUs, from NumPy.
 
-Streaming (FlashAttention-style) prefill that never builds the Tq x Tk score matrix, with
-C++ kernels chosen at run time for the CPU, OpenMP threads and the GIL released.
+Streaming (FlashAttention-style) prefill that never builds the Tq x Tk score matrix, and
+bandwidth-bound KV-cache decoding (KVCache, attention_with_kvcache), with C++ kernels chosen
+at run time for the CPU, OpenMP threads and the GIL released.
 """
 __version__ = "0.1.0"
 
 from ._runtime import get_num_threads, set_num_threads, show_config, _check_forced_isa
 from ._api import attention, attention_weights, merge_attention_states
 from ._varlen import attention_varlen
+from ._kvcache import KVCache, attention_with_kvcache
 
 _check_forced_isa()
 del _check_forced_isa
@@ -17,6 +19,8 @@ __all__ = [
     "attention_weights",
     "attention_varlen",
     "merge_attention_states",
+    "KVCache",
+    "attention_with_kvcache",
     "get_num_threads",
     "set_num_threads",
     "show_config",

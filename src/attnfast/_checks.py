@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._runtime import resolve_threads
+from ._runtime import _positive_int, resolve_threads
 
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _PLANNED_DTYPES = ("float16", "bfloat16")
@@ -228,3 +228,224 @@ def check_cu_seqlens(cu, name: str, total: int, max_seqlen) -> np.ndarray:
             raise ValueError(f"max_seqlen for {name} is {max_seqlen} but a sequence has "
                              f"{longest} tokens")
     return arr
+
+
+# ---- KV cache: attention_with_kvcache and KVCache (attnfast._kvcache) ----
+
+def _exact_dtype(arr: np.ndarray, name: str) -> np.dtype:
+    """The dtype of an array attnfast writes into in place: a kernel dtype, native order
+    (a conversion would be a copy, and the writes would be lost)."""
+    dt = arr.dtype
+    if dt in _KERNEL_DTYPES and dt.isnative:
+        return dt
+    if dt.name in _PLANNED_DTYPES:
+        raise NotImplementedError(
+            f"{name} has dtype {dt.name}: float16 and bfloat16 are not implemented yet; "
+            "pass float32 or float64")
+    raise TypeError(f"{name} must be a float32 or float64 array in native byte order, "
+                    f"got dtype {_dtype_name(dt)}")
+
+
+def check_cache_spec(batch, kv_heads, head_dim, capacity, dtype, v_head_dim):
+    """KVCache(...) arguments -> (B, Hkv, D, capacity, dtype, Dv), all checked."""
+    B = _positive_int(batch, "batch")
+    Hkv = _positive_int(kv_heads, "kv_heads")
+    D = _positive_int(head_dim, "head_dim")
+    C = _positive_int(capacity, "capacity")
+    Dv = D if v_head_dim is None else _positive_int(v_head_dim, "v_head_dim")
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
+    if dt.name in _PLANNED_DTYPES:
+        raise NotImplementedError(f"dtype {dt.name} is not implemented yet; use float32 or float64")
+    if dt not in _KERNEL_DTYPES:
+        raise TypeError(f"dtype must be float32 or float64, got {dt}")
+    return B, Hkv, D, C, dt, Dv
+
+
+def check_batch_index(batch_index, batch: int) -> np.ndarray:
+    """batch_index (None = every sequence, an int, or a 1-D array of distinct ints in
+    [0, batch)) -> int64 array of sequence indices."""
+    if batch_index is None:
+        return np.arange(batch, dtype=np.int64)
+    if isinstance(batch_index, (bool, np.bool_)):
+        raise TypeError(f"batch_index must be an int or an array of ints, got bool {batch_index!r}")
+    arr = np.asarray(batch_index)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"batch_index must be an int or an array of ints, got dtype {arr.dtype}")
+    if arr.ndim > 1 or arr.size == 0:
+        raise ValueError(f"batch_index must be an int or a non-empty 1-D array, got shape {arr.shape}")
+    arr = arr.reshape(-1)
+    if arr.min() < 0 or arr.max() >= batch:  # before the int64 cast: uint64 stays exact
+        bad = arr[(arr < 0) | (arr >= batch)][0]
+        raise ValueError(f"batch_index values must be in [0, {batch}) (the cache's batch), got {bad}")
+    idx = arr.astype(np.int64)
+    if np.unique(idx).size != idx.size:
+        raise ValueError(f"batch_index must not repeat a sequence, got {arr.tolist()}")
+    return idx
+
+
+def check_cache_seqlens(cache_seqlens, batch: int, capacity: int, new_tokens: int) -> np.ndarray:
+    """cache_seqlens (an int, or integers of shape (batch,)) -> int64 (batch,), each in
+    [0, capacity - new_tokens] so the new tokens fit."""
+    if isinstance(cache_seqlens, (bool, np.bool_)):
+        raise TypeError(f"cache_seqlens must be an int or an integer array, got bool {cache_seqlens!r}")
+    arr = np.asarray(cache_seqlens)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"cache_seqlens must be an int or an integer array, got dtype {arr.dtype}")
+    if arr.ndim == 0:
+        arr = np.full(batch, arr, dtype=arr.dtype)
+    if arr.shape != (batch,):
+        raise ValueError(f"cache_seqlens must be an int or have shape ({batch},) (one length per "
+                         f"sequence), got shape {arr.shape}")
+    if batch and arr.min() < 0:
+        b = int(np.argmax(arr < 0))
+        raise ValueError(f"cache_seqlens must be >= 0; cache_seqlens[{b}] = {arr[b]}")
+    room = capacity - new_tokens
+    if batch and arr.max() > room:
+        b = int(np.argmax(arr > room))
+        if new_tokens:
+            raise ValueError(f"cache full: cache_seqlens[{b}] = {arr[b]} plus {new_tokens} new "
+                             f"token(s) exceeds the cache capacity {capacity}")
+        raise ValueError(f"cache_seqlens[{b}] = {arr[b]} exceeds the cache capacity {capacity}")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def check_cache_pair(k_cache, v_cache, *, names=("k_cache", "v_cache")):
+    """Caller-owned caches (B, Hkv, capacity, D) and (B, Hkv, capacity, Dv) -> shapes."""
+    kn, vn = names
+    for name, a in ((kn, k_cache), (vn, v_cache)):
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"{name} must be a numpy.ndarray (it is read and written in place), "
+                            f"got {type(a).__name__}")
+        if a.ndim != 4:
+            raise ValueError(f"{name} must be 4-D (batch, kv_heads, capacity, head_dim), got "
+                             f"shape {_shape_str(a)}")
+    kd, vd = _exact_dtype(k_cache, kn), _exact_dtype(v_cache, vn)
+    if kd != vd:
+        raise TypeError(f"{kn} and {vn} must share a dtype; got {kd} and {vd}")
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"{vn} must match {kn} on (batch, kv_heads, capacity); got {kn} "
+                         f"{_shape_str(k_cache)}, {vn} {_shape_str(v_cache)}")
+    if k_cache.shape[3] < 1 or v_cache.shape[3] < 1:
+        raise ValueError(f"head dims must be >= 1; got {kn} {_shape_str(k_cache)}, "
+                         f"{vn} {_shape_str(v_cache)}")
+    return k_cache.shape, v_cache.shape[3], kd
+
+
+def check_cache_room(lengths: np.ndarray, seq_index: np.ndarray, new_tokens: int,
+                     capacity: int) -> None:
+    """KVCache: the selected sequences must have room for new_tokens more tokens."""
+    over = lengths[seq_index] + new_tokens > capacity
+    if np.any(over):
+        b = int(seq_index[np.argmax(over)])
+        raise ValueError(f"cache full: sequence {b} holds {lengths[b]} token(s); {new_tokens} more "
+                         f"would exceed the capacity {capacity} (nothing was written)")
+
+
+def check_new_tokens(k_new, v_new, *, batch, kv_heads, head_dim, head_dim_v, dtype):
+    """k_new (batch, kv_heads, t, head_dim) and v_new (batch, kv_heads, t, head_dim_v), both
+    or neither -> (k_new, v_new, t) with t >= 1, or (None, None, 0)."""
+    if k_new is None and v_new is None:
+        return None, None, 0
+    if k_new is None or v_new is None:
+        given, missing = ("k_new", "v_new") if v_new is None else ("v_new", "k_new")
+        raise ValueError(f"k_new and v_new must be given together; got {given} but {missing} is None")
+    k_new = as_float_array(k_new, "k_new")
+    v_new = as_float_array(v_new, "v_new")
+    for name, a in (("k_new", k_new), ("v_new", v_new)):
+        if a.dtype != dtype:
+            raise TypeError(f"{name} must have the cache's dtype {dtype}, got {a.dtype}")
+        if a.ndim != 4:
+            raise ValueError(f"{name} must be 4-D (batch, kv_heads, new_tokens, dim), got shape "
+                             f"{_shape_str(a)}")
+    t = k_new.shape[2]
+    want_k = (batch, kv_heads, t, head_dim)
+    want_v = (batch, kv_heads, t, head_dim_v)
+    if k_new.shape != want_k or t < 1:
+        raise ValueError(f"k_new must have shape (batch={batch}, kv_heads={kv_heads}, "
+                         f"new_tokens>=1, head_dim={head_dim}), got {_shape_str(k_new)}")
+    if v_new.shape != want_v:
+        raise ValueError(f"v_new must have shape {want_v} (k_new has {t} new token(s)), "
+                         f"got {_shape_str(v_new)}")
+    return k_new, v_new, t
+
+
+@dataclass
+class KVCacheCall:
+    """A checked attention over a KV cache: `attn` holds the kernel-ready q and the options
+    (its k, v are the caches as given: they are made kernel-ready after the new tokens are
+    written); the new tokens go to positions starts[b] .. starts[b] + new_tokens."""
+    attn: AttentionCall
+    k_cache: np.ndarray
+    v_cache: np.ndarray
+    starts: np.ndarray
+    k_new: np.ndarray | None
+    v_new: np.ndarray | None
+    new_tokens: int
+
+    @property
+    def seqlens_after(self) -> np.ndarray:
+        """Keys each sequence attends over: its cached length plus the new tokens."""
+        return self.starts + self.new_tokens
+
+
+def check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, *, causal,
+                            scale, window, num_threads,
+                            cache_names=("k_cache", "v_cache")) -> KVCacheCall:
+    """Everything attention over a KV cache needs, checked before anything is written."""
+    (B, Hkv, C, D), Dv, dtype = check_cache_pair(k_cache, v_cache, names=cache_names)
+    kn, vn = cache_names
+    q = as_float_array(q, "q")
+    if q.ndim != 4:
+        raise ValueError(f"q must be 4-D (batch, heads, query_len, head_dim), got shape {_shape_str(q)}")
+    if q.dtype != dtype:
+        raise TypeError(f"q must have the cache's dtype {dtype}, got {q.dtype}")
+    Bq, H, Tq, Dq = q.shape
+    if Bq != B:
+        raise ValueError(f"batch size differs: q {_shape_str(q)} has {Bq}, {kn} "
+                         f"{_shape_str(k_cache)} has {B}")
+    if Dq != D:
+        raise ValueError(f"q and {kn} must share the head dim D; got q {_shape_str(q)}, "
+                         f"{kn} {_shape_str(k_cache)}")
+    if H % Hkv != 0:
+        raise ValueError(f"query heads must be a multiple of kv heads (GQA/MQA); got q "
+                         f"{_shape_str(q)} with H={H}, {kn} {_shape_str(k_cache)} with Hkv={Hkv}")
+    k_new, v_new, t = check_new_tokens(k_new, v_new, batch=B, kv_heads=Hkv, head_dim=D,
+                                       head_dim_v=Dv, dtype=dtype)
+    starts = check_cache_seqlens(cache_seqlens, B, C, t)
+    if t:
+        for name, a in ((kn, k_cache), (vn, v_cache)):
+            if not a.flags.writeable:
+                raise ValueError(f"{name} is read-only, but k_new/v_new must be written into it")
+        if _overlap(k_cache, v_cache):
+            raise ValueError(f"{kn} and {vn} share memory; new tokens cannot be written into both")
+    attn = AttentionCall(
+        q=kernel_ready(q), k=k_cache, v=v_cache, rank=4, batch=B, heads=H, kv_heads=Hkv,
+        seqlen_q=Tq, seqlen_k=C, head_dim=D, head_dim_v=Dv, dtype=dtype,
+        scale=check_scale(scale, D), causal=bool(causal), window=check_window(window),
+        num_threads=resolve_threads(num_threads))
+    return KVCacheCall(attn=attn, k_cache=k_cache, v_cache=v_cache, starts=starts,
+                       k_new=k_new, v_new=v_new, new_tokens=t)
+
+
+def check_truncate(n, lengths: np.ndarray) -> np.ndarray:
+    """truncate(n): n an int or one int per sequence, 0 <= n <= current length."""
+    if isinstance(n, (bool, np.bool_)):
+        raise TypeError(f"n must be an int or an array of ints, got bool {n!r}")
+    arr = np.asarray(n)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"n must be an int or an array of ints, got {type(n).__name__} with dtype {arr.dtype}")
+    if arr.ndim == 0:
+        arr = np.full(lengths.shape, arr, dtype=arr.dtype)
+    if arr.shape != lengths.shape:
+        raise ValueError(f"n must be an int or have shape {lengths.shape} (one length per "
+                         f"sequence), got shape {arr.shape}")
+    if arr.size and arr.min() < 0:
+        raise ValueError(f"n must be >= 0, got {arr.min()}")
+    if arr.size and np.any(arr > lengths):
+        b = int(np.argmax(arr > lengths))
+        raise ValueError(f"cannot truncate sequence {b} to {arr[b]}: it holds only {lengths[b]} "
+                         "token(s) (truncate only shortens)")
+    return arr.astype(np.int64)

@@ -30,6 +30,7 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
         int64_t out_batch_stride, out_head_stride, out_row_stride
         int64_t lse_batch_stride, lse_head_stride, lse_row_stride
         int64_t batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, head_dim_v
+        const int64_t* seqlens_k
         DType dtype
         double scale
         cbool causal
@@ -64,10 +65,15 @@ cdef DType _dtype_code(cnp.ndarray a) except *:
 
 def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
                       lse, *, bint causal, double scale, int64_t window_left,
-                      int64_t window_right, int num_threads):
-    """Run the streaming attention kernel; q, k, v, out are 4-D, lse 3-D or None."""
+                      int64_t window_right, int num_threads, seqlens_k=None):
+    """Run the streaming attention kernel; q, k, v, out are 4-D, lse 3-D or None.
+
+    seqlens_k: None, or a C-contiguous int64 array (B,) of keys valid per batch entry, each
+    in [0, k.shape[2]] (checked by attnfast._checks; the core re-checks as a guard).
+    """
     cdef AttentionParams p = default_params()
     cdef cnp.ndarray lse_arr
+    cdef cnp.ndarray seqlens_arr
     p.q = cnp.PyArray_DATA(q)
     p.k = cnp.PyArray_DATA(k)
     p.v = cnp.PyArray_DATA(v)
@@ -89,6 +95,12 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
     p.window_left = window_left
     p.window_right = window_right
     p.num_threads = num_threads
+    if seqlens_k is not None:
+        seqlens_arr = seqlens_k
+        if (cnp.PyArray_TYPE(seqlens_arr) != cnp.NPY_INT64 or seqlens_arr.ndim != 1
+                or seqlens_arr.shape[0] != p.batch or not seqlens_arr.flags.c_contiguous):
+            raise TypeError("attnfast._ext: seqlens_k must be a contiguous int64 array (B,)")
+        p.seqlens_k = <const int64_t*> cnp.PyArray_DATA(seqlens_arr)
     with nogil:
         attention_forward(p)
 

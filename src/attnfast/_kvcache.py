@@ -1,0 +1,286 @@
+"""Attention over a KV cache: the decode half of attnfast.
+
+`KVCache` owns preallocated K/V arrays and a length per sequence; `attention_with_kvcache`
+is the functional form over caller-owned arrays (flash-attn's ``flash_attn_with_kvcache``,
+in PyTorch SDPA's (batch, heads, tokens, dim) layout). Both check everything first
+(attnfast._checks), write new tokens only then, and run the C++ kernels, which pick the
+bandwidth-bound decode path for queries of up to 16 tokens.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _ext
+from ._checks import (
+    check_batch_index,
+    check_cache_room,
+    check_cache_spec,
+    check_kvcache_attention,
+    check_new_tokens,
+    check_out,
+    check_truncate,
+    kernel_ready,
+    reject_unimplemented,
+)
+
+__all__ = ["KVCache", "attention_with_kvcache"]
+
+
+def _write_tokens(k_cache, v_cache, seqs, starts, k_new, v_new) -> None:
+    """k_cache[seqs[i], :, starts[i]:starts[i] + t] = k_new[i], and the same for v."""
+    t = k_new.shape[2]
+    for i, (b, s) in enumerate(zip(seqs.tolist(), starts.tolist())):
+        k_cache[b, :, s:s + t] = k_new[i]
+        v_cache[b, :, s:s + t] = v_new[i]
+
+
+def _attend(attn, parts, user_out, return_lse):
+    """Run the kernels. parts: (rows of q/out, k view, v view, int64 key lengths) per call."""
+    target = user_out if user_out is not None else np.empty(attn.out_shape(), attn.dtype)
+    # The kernels need a contiguous last axis; a strided `out` is filled from a temporary.
+    result = target if kernel_ready(target) is target else np.empty(target.shape, attn.dtype)
+    lse = np.empty(attn.lse_shape(), attn.lse_dtype) if return_lse else None
+    for rows, k, v, seqlens in parts:
+        _ext.run_attention(
+            attn.q[rows], kernel_ready(k), kernel_ready(v), result[rows],
+            None if lse is None else lse[rows],
+            causal=attn.causal, scale=attn.scale, window_left=attn.window[0],
+            window_right=attn.window[1], num_threads=attn.num_threads,
+            seqlens_k=np.ascontiguousarray(seqlens, dtype=np.int64))
+    if result is not target:
+        np.copyto(target, result)
+    return (target, lse) if return_lse else target
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *,
+                           causal=True, scale=None, window=None, softcap=None,
+                           alibi_slopes=None, sinks=None, mask=None, return_lse=False,
+                           out=None, num_threads=None):
+    """Attention of new queries over a KV cache held in caller-owned arrays.
+
+    flash-attn's ``flash_attn_with_kvcache`` in PyTorch SDPA's layout. For each sequence b,
+    when ``k_new``/``v_new`` are given they are first written in place into
+    ``k_cache[b, :, cache_seqlens[b] : cache_seqlens[b] + t]`` (and ``v_cache``); then
+    ``q[b]`` attends over the first ``cache_seqlens[b] + t`` keys of the cache (t = 0
+    without new tokens). Queries of up to 16 tokens take the bandwidth-bound decode kernel
+    (all query heads of a KV head share one pass over it; long caches are split across
+    threads and merged exactly).
+
+    Parameters
+    ----------
+    q : array (B, H, Tq, D)
+    k_cache : ndarray (B, Hkv, capacity, D), written in place when k_new is given
+    v_cache : ndarray (B, Hkv, capacity, Dv)
+        float32 or float64, the dtype of q; H % Hkv == 0 (GQA/MQA). Any strides on the
+        first three axes (a (B, capacity, Hkv, D) buffer passes as ``.transpose(0, 2, 1, 3)``).
+    cache_seqlens : int or integer array (B,)
+        Tokens already in each sequence's cache. Not modified: add t yourself after the call
+        (as flash-attn). Each value must leave room for the new tokens:
+        ``0 <= cache_seqlens[b] <= capacity - t``.
+    k_new, v_new : arrays (B, Hkv, t, D) and (B, Hkv, t, Dv), t >= 1, or None (both or neither)
+    causal : bool, default True
+        Bottom-right aligned: query i of sequence b sees key j iff
+        ``j <= i + (cache_seqlens[b] + t - Tq)``. Unlike flash-attn (whose default is False)
+        this defaults to True, as :meth:`KVCache.attend` does: with one query token both are
+        the same, and with several new tokens (a prompt chunk, speculative verification)
+        causal is what decoding means; pass ``causal=False`` to let every query see every
+        cached key.
+    scale, window, return_lse, out, num_threads
+        As in :func:`attnfast.attention` (window is aligned like causal).
+    softcap, alibi_slopes, sinks, mask
+        Not implemented yet: passing one raises NotImplementedError.
+
+    Returns
+    -------
+    out (B, H, Tq, Dv), or (out, lse) when return_lse; lse (B, H, Tq) is float32 (float64
+    for float64). A query that sees no key (e.g. an empty cache) gives zeros and lse = -inf.
+
+    Every argument is checked before anything is written: a rejected call leaves the caches
+    and ``out`` untouched.
+    """
+    reject_unimplemented(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
+    call = check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                   causal=causal, scale=scale, window=window,
+                                   num_threads=num_threads)
+    user_out = check_out(out, call.attn.out_shape(), call.attn.dtype,
+                         [("q", call.attn.q), ("k_cache", k_cache), ("v_cache", v_cache),
+                          ("k_new", call.k_new), ("v_new", call.v_new)])
+    if call.new_tokens:
+        _write_tokens(k_cache, v_cache, np.arange(call.attn.batch), call.starts,
+                      call.k_new, call.v_new)
+    parts = [(slice(None), k_cache, v_cache, call.seqlens_after)]
+    return _attend(call.attn, parts, user_out, return_lse)
+
+
+class KVCache:
+    """A preallocated KV cache for batched incremental decoding.
+
+    ``KVCache(batch, kv_heads, head_dim, capacity, *, dtype=np.float32, v_head_dim=None)``
+    holds ``k`` (batch, kv_heads, capacity, head_dim) and ``v`` (batch, kv_heads, capacity,
+    v_head_dim) arrays and, per sequence, ``lengths[b]``: how many tokens it holds (keys
+    ``[0, lengths[b])`` are valid). Sequences may hold different numbers of tokens.
+
+    Typical decode loop::
+
+        cache = attnfast.KVCache(1, 8, 128, capacity=4096)
+        out = cache.step(q_prompt, k_prompt, v_prompt)      # prefill: causal over the prompt
+        for _ in range(n_tokens):
+            out = cache.step(q_tok, k_tok, v_tok)           # one token: O(length) work
+
+    Every method checks all its arguments before changing anything: a rejected call (for
+    instance appending past ``capacity``, which raises ValueError) leaves ``k``, ``v`` and
+    ``lengths`` exactly as they were.
+
+    ``batch_index`` (an int, or an array of distinct ints) selects the sequences a call
+    works on; the arrays passed then hold those sequences, in that order, on axis 0.
+    """
+
+    def __init__(self, batch, kv_heads, head_dim, capacity, *, dtype=np.float32,
+                 v_head_dim=None):
+        B, Hkv, D, C, dt, Dv = check_cache_spec(batch, kv_heads, head_dim, capacity, dtype,
+                                                v_head_dim)
+        self._k = np.zeros((B, Hkv, C, D), dtype=dt)
+        self._v = np.zeros((B, Hkv, C, Dv), dtype=dt)
+        self._lengths = np.zeros(B, dtype=np.int64)
+
+    # ---- state ----
+    @property
+    def k(self) -> np.ndarray:
+        """Keys, (batch, kv_heads, capacity, head_dim); only [:, :, :lengths[b]] is in use."""
+        return self._k
+
+    @property
+    def v(self) -> np.ndarray:
+        """Values, (batch, kv_heads, capacity, v_head_dim)."""
+        return self._v
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Tokens held per sequence, int64 (batch,) (a read-only view)."""
+        view = self._lengths.view()
+        view.flags.writeable = False
+        return view
+
+    batch = property(lambda self: self._k.shape[0], doc="Number of sequences.")
+    kv_heads = property(lambda self: self._k.shape[1], doc="KV heads (Hkv).")
+    capacity = property(lambda self: self._k.shape[2], doc="Tokens each sequence can hold.")
+    head_dim = property(lambda self: self._k.shape[3], doc="Head dim of keys (and queries).")
+    v_head_dim = property(lambda self: self._v.shape[3], doc="Head dim of values.")
+    dtype = property(lambda self: self._k.dtype, doc="dtype of k, v and the queries.")
+
+    def __repr__(self) -> str:
+        return (f"KVCache(batch={self.batch}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, "
+                f"capacity={self.capacity}, dtype={self.dtype}, v_head_dim={self.v_head_dim}; "
+                f"lengths={self._lengths.tolist() if self.batch <= 8 else '...'})")
+
+    # ---- methods ----
+    def append(self, k_new, v_new, *, batch_index=None) -> None:
+        """Append t >= 1 tokens to every sequence (or to those of ``batch_index``).
+
+        k_new: (n, kv_heads, t, head_dim), v_new: (n, kv_heads, t, v_head_dim), in the cache's
+        dtype, n = batch (or the number of sequences batch_index selects). Raises ValueError,
+        changing nothing, when a sequence has fewer than t free slots.
+        """
+        seqs = check_batch_index(batch_index, self.batch)
+        self._check_leading(seqs, k_new=k_new, v_new=v_new)
+        k_new, v_new, t = check_new_tokens(
+            k_new, v_new, batch=seqs.size, kv_heads=self.kv_heads, head_dim=self.head_dim,
+            head_dim_v=self.v_head_dim, dtype=self.dtype)
+        if t == 0:
+            raise ValueError("append needs both k_new and v_new; both are None")
+        check_cache_room(self._lengths, seqs, t, self.capacity)
+        _write_tokens(self._k, self._v, seqs, self._lengths[seqs], k_new, v_new)
+        self._lengths[seqs] += t
+
+    def attend(self, q, *, batch_index=None, causal=True, scale=None, window=None,
+               softcap=None, alibi_slopes=None, sinks=None, mask=None, return_lse=False,
+               out=None, num_threads=None):
+        """Attention of q (n, H, Tq, head_dim) over each sequence's cached tokens.
+
+        Causal by default, bottom-right aligned: query i of sequence b sees the keys
+        ``j <= i + (lengths[b] - Tq)``, so the last query sees the whole sequence. Other
+        options as in :func:`attnfast.attention`. Returns out (n, H, Tq, v_head_dim), or
+        (out, lse) when return_lse.
+        """
+        return self._run(q, None, None, batch_index=batch_index, causal=causal, scale=scale,
+                         window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                         sinks=sinks, mask=mask, return_lse=return_lse, out=out,
+                         num_threads=num_threads)
+
+    def step(self, q, k_new, v_new, *, batch_index=None, causal=True, scale=None,
+             window=None, softcap=None, alibi_slopes=None, sinks=None, mask=None,
+             return_lse=False, out=None, num_threads=None):
+        """The decode step: :meth:`append` k_new, v_new, then :meth:`attend` q, in one call.
+
+        With a prompt (t = Tq tokens) this is causal prefill; with one token, one decode
+        step. Everything is checked before the tokens are written.
+        """
+        if k_new is None or v_new is None:
+            missing = " and ".join(n for n, a in (("k_new", k_new), ("v_new", v_new)) if a is None)
+            raise ValueError(f"step needs both k_new and v_new; {missing} is None (use attend() "
+                             "to attend without appending)")
+        return self._run(q, k_new, v_new, batch_index=batch_index, causal=causal, scale=scale,
+                         window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                         sinks=sinks, mask=mask, return_lse=return_lse, out=out,
+                         num_threads=num_threads)
+
+    def truncate(self, n) -> None:
+        """Roll every sequence back to n tokens (or sequence b to n[b]), e.g. to drop rejected
+        speculative tokens. n may not exceed a sequence's current length (ValueError)."""
+        self._lengths[:] = check_truncate(n, self._lengths)
+
+    def reset(self) -> None:
+        """Empty every sequence (lengths = 0; the arrays are kept, not cleared)."""
+        self._lengths[:] = 0
+
+    # ---- internals ----
+    def _check_leading(self, seqs, **arrays) -> None:
+        """Axis 0 of each 4-D array must be the number of selected sequences (other ranks
+        are reported by the shape checks)."""
+        for name, a in arrays.items():
+            if a is None or np.ndim(a) != 4:
+                continue
+            n = np.shape(a)[0]
+            if n != seqs.size:
+                what = (f"the cache holds {self.batch}" if seqs.size == self.batch
+                        else f"batch_index selects {seqs.size}")
+                raise ValueError(f"{name} has {n} sequence(s) on axis 0 (shape {np.shape(a)}), "
+                                 f"but {what}")
+
+    def _views(self, seqs):
+        """(rows of the selection, batch slice of the cache) for each kernel call: one call
+        when the indices are evenly spaced (a strided view, no copy), else one per sequence."""
+        if seqs.size == 1:
+            b = int(seqs[0])
+            return [(slice(0, 1), slice(b, b + 1))]
+        steps = np.diff(seqs)
+        if steps[0] > 0 and np.all(steps == steps[0]):
+            return [(slice(None), slice(int(seqs[0]), int(seqs[-1]) + 1, int(steps[0])))]
+        return [(slice(i, i + 1), slice(b, b + 1)) for i, b in enumerate(seqs.tolist())]
+
+    def _run(self, q, k_new, v_new, *, batch_index, causal, scale, window, softcap,
+             alibi_slopes, sinks, mask, return_lse, out, num_threads):
+        reject_unimplemented(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
+        seqs = check_batch_index(batch_index, self.batch)
+        self._check_leading(seqs, q=q, k_new=k_new, v_new=v_new)
+        t = np.shape(k_new)[2] if k_new is not None and np.ndim(k_new) == 4 else 0
+        if t:
+            check_cache_room(self._lengths, seqs, t, self.capacity)
+        # Checked against a stand-in of the selection's shape: batch stride 0, no copy.
+        n = seqs.size
+        k_sel = np.lib.stride_tricks.as_strided(self._k, (n,) + self._k.shape[1:],
+                                                (0,) + self._k.strides[1:])
+        v_sel = np.lib.stride_tricks.as_strided(self._v, (n,) + self._v.shape[1:],
+                                                (0,) + self._v.strides[1:])
+        call = check_kvcache_attention(q, k_sel, v_sel, self._lengths[seqs], k_new, v_new,
+                                       causal=causal, scale=scale, window=window,
+                                       num_threads=num_threads, cache_names=("cache.k", "cache.v"))
+        user_out = check_out(out, call.attn.out_shape(), call.attn.dtype,
+                             [("q", call.attn.q), ("cache.k", self._k), ("cache.v", self._v),
+                              ("k_new", call.k_new), ("v_new", call.v_new)])
+        if call.new_tokens:
+            _write_tokens(self._k, self._v, seqs, call.starts, call.k_new, call.v_new)
+            self._lengths[seqs] += call.new_tokens
+        parts = [(rows, self._k[cache_rows], self._v[cache_rows], self._lengths[cache_rows])
+                 for rows, cache_rows in self._views(seqs)]
+        return _attend(call.attn, parts, user_out, return_lse)
