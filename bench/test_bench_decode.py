@@ -23,9 +23,6 @@ HEADS = [(8, 8), (32, 8)]
 BIG_L = 65536  # from here the caches take 0.5-1 GiB: marked slow
 ROUNDS = 30
 
-pytestmark = pytest.mark.skipif(not hasattr(af, "KVCache"), reason="attnfast.KVCache not built yet")
-
-
 def _cases():
     for h, hkv in HEADS:
         for L in LENGTHS:

@@ -364,52 +364,21 @@ def linear_fit(xs, ys) -> dict:
     return {"slope": float(slope), "intercept": float(intercept), "r2": r2}
 
 
-class _StandInKVCache:
-    """TEMPORARY until attnfast.KVCache lands: the same interface over attnfast.attention."""
-
-    def __init__(self, batch, kv_heads, head_dim, capacity, *, dtype=np.float32):
-        import attnfast
-        self._af = attnfast
-        self.k = np.zeros((batch, kv_heads, capacity, head_dim), dtype)
-        self.v = np.zeros((batch, kv_heads, capacity, head_dim), dtype)
-        self.lengths = np.zeros(batch, np.int64)
-
-    def append(self, k_new, v_new):
-        n, t = int(self.lengths[0]), k_new.shape[2]
-        self.k[:, :, n:n + t] = k_new
-        self.v[:, :, n:n + t] = v_new
-        self.lengths[:] = n + t
-
-    def attend(self, q):
-        n = int(self.lengths[0])
-        return self._af.attention(q, self.k[:, :, :n], self.v[:, :, :n], causal=True)
-
-    def step(self, q, k_new, v_new):
-        self.append(k_new, v_new)
-        return self.attend(q)
-
-    def truncate(self, n):
-        self.lengths[:] = n
-
-
-def _kvcache(af):
-    return getattr(af, "KVCache", _StandInKVCache)
-
-
 class DecodeBench:
     """One preallocated ``KVCache`` filled once to the longest context; each decode step at
     context L is measured as ``cache.step`` of one token on a cache holding L - 1 tokens (so it
     attends over L keys), rolled back with ``truncate`` (untimed) between repeats."""
 
+    CHUNK = 4096  # tokens per append while filling: bounded temporaries
+
     def __init__(self, af, rng, batch, heads, kv_heads, head_dim, dtype, max_len):
         self.af = af
         self.batch, self.heads, self.kv_heads, self.head_dim = batch, heads, kv_heads, head_dim
         self.dtype = dtype
-        self.cache = _kvcache(af)(batch, kv_heads, head_dim, max_len, dtype=dtype)
-        chunk = 4096  # bounded temporaries while filling
+        self.cache = af.KVCache(batch, kv_heads, head_dim, max_len, dtype=dtype)
         filled = 0
         while filled < max_len - 1:
-            t = min(chunk, max_len - 1 - filled)
+            t = min(self.CHUNK, max_len - 1 - filled)
             self.cache.append(random_array(rng, (batch, kv_heads, t, head_dim), dtype),
                               random_array(rng, (batch, kv_heads, t, head_dim), dtype))
             filled += t
@@ -417,10 +386,24 @@ class DecodeBench:
         self.k_new = random_array(rng, (batch, kv_heads, 1, head_dim), dtype)
         self.v_new = random_array(rng, (batch, kv_heads, 1, head_dim), dtype)
 
-    def step_at(self, length: int, budget: float, min_repeats: int) -> list[float]:
+    def set_length(self, n: int) -> None:
+        """Make the cache hold ``n`` tokens. ``truncate`` only shortens; to grow back, the
+        tokens still stored past the length are appended again (copies, chunk by chunk)."""
         cache = self.cache
-        rollback = lambda: cache.truncate(length - 1)  # noqa: E731
-        step = lambda: cache.step(self.q, self.k_new, self.v_new)  # noqa: E731
+        current = int(cache.lengths[0])
+        if n <= current:
+            cache.truncate(n)
+            return
+        while current < n:
+            t = min(self.CHUNK, n - current)
+            cache.append(cache.k[:, :, current:current + t].copy(),
+                         cache.v[:, :, current:current + t].copy())
+            current += t
+
+    def step_at(self, length: int, budget: float, min_repeats: int) -> list[float]:
+        self.set_length(length - 1)
+        rollback = lambda: self.cache.truncate(length - 1)  # noqa: E731
+        step = lambda: self.cache.step(self.q, self.k_new, self.v_new)  # noqa: E731
         return time_call(step, budget=budget, min_repeats=min_repeats, setup=rollback)
 
     def context(self, length: int):
@@ -436,11 +419,11 @@ def run_generation(af, rng, batch, heads, kv_heads, head_dim, dtype, prompt, tok
     v = random_array(rng, (batch, kv_heads, total, head_dim), dtype)
 
     # Warm both paths up on a throwaway cache / a short call (first-touch page faults, thread pool).
-    warm = _kvcache(af)(batch, kv_heads, head_dim, 2, dtype=dtype)
+    warm = af.KVCache(batch, kv_heads, head_dim, 2, dtype=dtype)
     warm.step(q[:, :, :1], k[:, :, :1], v[:, :, :1])
     af.attention(q[:, :, :8], k[:, :, :8], v[:, :, :8], causal=True)
 
-    cache = _kvcache(af)(batch, kv_heads, head_dim, total, dtype=dtype)
+    cache = af.KVCache(batch, kv_heads, head_dim, total, dtype=dtype)
     t0 = time.perf_counter()
     cache.step(q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt])
     prompt_time = time.perf_counter() - t0
