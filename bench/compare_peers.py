@@ -454,7 +454,12 @@ def main(argv=None) -> int:
     names = [e.name for e in engines]
     have_torch = "torch" in names or "torch-fold" in names
 
+    load_before = ab.load_average()
+    warning = ab.busy_warning(load_before, ab.available_cpus())
+    if warning:
+        print(warning, file=sys.stderr)
     meta = {
+        "load_average_before": load_before, "busy_warning": warning,
         "command": "python bench/compare_peers.py " + " ".join(argv),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "cpu": ab.cpu_name(), "cpus": ab.available_cpus(),
@@ -555,6 +560,8 @@ class Report:
         out.append(f"CPU: {m['cpu']}, {m['cpus']} CPUs, last-level cache {m['last_level_cache_mib']} MiB; "
                    f"NumPy BLAS: {m['blas']}")
         out.append("versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
+        if m.get("busy_warning"):
+            out.append(m["busy_warning"])
         for name, why in m["skipped"].items():
             out.append(f"skipped {name}: {why}")
 

@@ -233,6 +233,23 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def busy_warning(load: float | None, cpus: int) -> str | None:
+    """A warning when other processes already keep the CPUs busy: multi-threaded timings then
+    stall at every barrier on a thread that was descheduled."""
+    if load is None or load < 0.5:
+        return None
+    return (f"warning: the machine is busy before this run (load average {load:.2f} on {cpus} "
+            f"CPUs): timings, above all multi-threaded ones, will be slow and noisy")
+
+
 def available_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -540,6 +557,10 @@ def main(argv=None) -> int:
     recompute_L = [L for L in decode_L if L <= args.recompute_max_L] or [min(decode_L)]
     threads = args.threads
 
+    load_before = load_average()
+    warning = busy_warning(load_before, available_cpus())
+    if warning:
+        print(warning, file=sys.stderr)
     n_steps = len(threads) * (2 + len(args.prefill_T) + len(decode_L) + len(recompute_L) + 1) + 1
     progress = Progress(n_steps, enabled=not args.no_progress)
     info = _runtime.config()
@@ -547,6 +568,7 @@ def main(argv=None) -> int:
         "command": "attnfast bench " + " ".join(argv),
         "attnfast": info, "numpy": np.__version__, "blas": blas_description(),
         "cpu": cpu_name(), "cpus": available_cpus(), "last_level_cache_bytes": llc,
+        "load_average_before": load_before, "busy_warning": warning,
         "dtype": dtype.name, "batch": b, "head_dim": d,
         "prefill_heads": [ph, phkv], "heads": [h, hkv],
         "limits": {}, "prefill": [], "decode": [], "decode_fit": {}, "recompute": [],
@@ -643,6 +665,8 @@ def render_report(results: dict, args) -> str:
     out.append(f"dtype {results['dtype']}, batch {results['batch']}, D = Dv = {results['head_dim']}; "
                f"times are medians of repeats")
     out.append(f"command: {results['command']}")
+    if results.get("busy_warning"):
+        out.append(results["busy_warning"])
 
     out.append("\nMachine limits (same thread counts as attnfast)")
     rows = []
