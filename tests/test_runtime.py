@@ -53,13 +53,16 @@ def test_show_config(capsys):
     assert info["num_threads"] == af.get_num_threads()
 
 
-def test_gil_is_released_during_compute(rng):
-    """Python threads calling attention concurrently each get the right answer."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_concurrent_python_threads(rng, threads):
+    """Python threads calling at once (GIL released; each call's OpenMP team shrunk to what
+    the cores leave free) each get the bits of a lone call."""
     from concurrent.futures import ThreadPoolExecutor
 
     q = rng.standard_normal((4, 256, 64)).astype(np.float32)
-    expected = af.attention(q, q, q, causal=True, num_threads=1)
+    expected = af.attention(q, q, q, causal=True, num_threads=threads)
     with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda _: af.attention(q, q, q, causal=True, num_threads=1), range(8)))
+        results = list(pool.map(lambda _: af.attention(q, q, q, causal=True, num_threads=threads),
+                                range(8)))
     for r in results:
         np.testing.assert_array_equal(r, expected)
