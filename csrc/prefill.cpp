@@ -39,14 +39,15 @@ void check_params(const AttentionParams& p) {
 
 template <class A>
 void run_blocks(const AttentionParams& p,
-                void (*attend)(const AttentionParams&, const BlockTask&, A*)) {
-    const int64_t blocks_per_head = (p.seqlen_q + kBlockRows - 1) / kBlockRows;
+                void (*attend)(const AttentionParams&, const BlockTask&, A*), const PrefillPlan& plan) {
+    const int64_t block_rows = plan.block_rows;
+    const int64_t blocks_per_head = (p.seqlen_q + block_rows - 1) / block_rows;
     const int64_t heads_total = p.batch * p.heads;
     const int64_t tasks = heads_total * blocks_per_head;
     if (tasks == 0) return;
     const int threads = p.num_threads < tasks ? p.num_threads : static_cast<int>(tasks);
 
-    const int64_t ws_elems = block_workspace_elems(p);
+    const int64_t ws_elems = plan.workspace_elems;
     std::unique_ptr<A[]> workspace(new A[static_cast<size_t>(ws_elems * threads)]);
 
     // Tasks go out in order of decreasing query block: under a causal mask the late blocks
@@ -57,8 +58,8 @@ void run_blocks(const AttentionParams& p,
         BlockTask task;
         task.batch = bh / p.heads;
         task.head = bh % p.heads;
-        task.row_begin = block * kBlockRows;
-        task.row_end = task.row_begin + kBlockRows < p.seqlen_q ? task.row_begin + kBlockRows : p.seqlen_q;
+        task.row_begin = block * block_rows;
+        task.row_end = task.row_begin + block_rows < p.seqlen_q ? task.row_begin + block_rows : p.seqlen_q;
         attend(p, task, workspace.get() + ws_elems * thread_id);
     });
 }
@@ -68,8 +69,12 @@ void run_blocks(const AttentionParams& p,
 void attention_forward(const AttentionParams& p) {
     check_params(p);
     const KernelTable& kernels = active_kernels();
-    if (p.dtype == DType::kF32) run_blocks<float>(p, kernels.attend_block_f32);
-    else run_blocks<double>(p, kernels.attend_block_f64);
+    if (p.dtype == DType::kF32) {
+        run_blocks<float>(p, kernels.attend_block_f32, kernels.plan_f32(p));
+    } else {
+        const PrefillPlan plan{kBlockRows, block_workspace_elems(p)};
+        run_blocks<double>(p, kernels.attend_block_f64, plan);
+    }
 }
 
 bool openmp_enabled() { return parallel::enabled(); }

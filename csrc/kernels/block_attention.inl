@@ -210,7 +210,12 @@ void attend_block_f64(const AttentionParams& p, const BlockTask& t, double* ws) 
     attend_block<double, double>(p, t, ws);
 }
 
-const KernelTable kTable = {ATTNFAST_KERNEL_NAME, attend_block_f32, attend_block_f64};
+PrefillPlan plan_f32_generic(const AttentionParams& p) {
+    PrefillPlan plan;
+    plan.block_rows = kBlockRows;
+    plan.workspace_elems = block_workspace_elems(p);
+    return plan;
+}
 
 }  // namespace
 }  // namespace ATTNFAST_KERNEL_NS

@@ -3,4 +3,12 @@
 #define ATTNFAST_KERNEL_NAME "generic"
 #include "block_attention.inl"
 
-const attnfast::KernelTable* attnfast::kernel_table_generic() { return &isa_generic::kTable; }
+namespace attnfast {
+namespace isa_generic {
+namespace {
+const KernelTable kTable = {ATTNFAST_KERNEL_NAME, attend_block_f32, attend_block_f64, plan_f32_generic};
+}  // namespace
+}  // namespace isa_generic
+
+const KernelTable* kernel_table_generic() { return &isa_generic::kTable; }
+}  // namespace attnfast

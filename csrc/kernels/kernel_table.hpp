@@ -30,12 +30,30 @@ inline int64_t block_workspace_elems(const AttentionParams& p) {
          + 2 * kBlockRows;                // running max, running sum
 }
 
+// How a tier splits a float32 prefill: query rows per BlockTask and scratch floats per
+// thread. A function of the problem's shape and the cache sizes, never of the thread count.
+struct PrefillPlan {
+    int64_t block_rows;
+    int64_t workspace_elems;
+};
+
 struct KernelTable {
     const char* name;
     // Attend one block of query rows over all the keys it may see; writes its out/lse rows.
     void (*attend_block_f32)(const AttentionParams&, const BlockTask&, float* workspace);
     void (*attend_block_f64)(const AttentionParams&, const BlockTask&, double* workspace);
+    // Block rows and workspace for attend_block_f32 (attend_block_f64 always uses
+    // kBlockRows and block_workspace_elems).
+    PrefillPlan (*plan_f32)(const AttentionParams&);
 };
+
+// Per-core data cache sizes in bytes, read once from the OS (with safe defaults when it
+// does not say); kernels derive their tile sizes from them.
+struct CacheSizes {
+    int64_t l1d;
+    int64_t l2;
+};
+const CacheSizes& cache_sizes();
 
 // One per ISA file; each returns nullptr when that tier was not compiled in.
 const KernelTable* kernel_table_generic();

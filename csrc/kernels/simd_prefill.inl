@@ -1,0 +1,375 @@
+// Hand-written float32 prefill kernel for the x86 SIMD tiers (AVX-512 and AVX2+FMA).
+// Included by kernels/isa_avx512.cpp and kernels/isa_avx2.cpp after block_attention.inl,
+// inside their ATTNFAST_KERNEL_NS; the intrinsics below compile only under those files'
+// -m flags. The generic tier and float64 keep the auto-vectorised templates.
+//
+// Layout: query rows live in vector lanes. One block holds Bq = kQueryVecs * W query rows:
+//   qt  (D  x Bq)  Qᵀ, pre-multiplied by scale * log2(e) (so the softmax runs in base 2)
+//   st  (Bk x Bq)  Sᵀ of the current KV tile, overwritten in place by Pᵀ
+//   ot  (Dv x Bq)  Oᵀ, the unnormalised output accumulator
+// With queries in lanes the row max, the row sum and the rescaling of the output are plain
+// element-wise vector operations, never horizontal reductions. K and V are read straight
+// from the caller's arrays (any row stride) as broadcast scalars, so nothing is packed
+// per tile and any D, Dv works without padding:
+//   S micro-kernel:  kRows keys x kQueryVecs query vectors of accumulators, looping over d:
+//                    acc[t][v] += k[key t][d] * qt[d][v-th vector]
+//   PV micro-kernel: kRows output columns x kQueryVecs query vectors, looping over keys j:
+//                    acc[t][v] += v[j][col t] * pt[j][v-th vector]
+// Rounding and summation order depend only on the tile sizes (functions of D, Dv and the
+// cache sizes), never on the thread count.
+//
+// No std:: templates here (see block_attention.inl).
+#include <immintrin.h>
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "simd_prefill.inl needs at least -mavx2 -mfma"
+#endif
+
+namespace attnfast {
+namespace ATTNFAST_KERNEL_NS {
+namespace {
+namespace simd {
+
+// ---------------------------------------------------------------- vector layer
+#if defined(__AVX512F__)
+using Vec = __m512;
+using Mask = __mmask16;
+constexpr int W = 16;           // float lanes
+constexpr int kQueryVecs = 2;   // query vectors per block: Bq = 32 rows
+constexpr int kRows = 12;       // keys (S) or output columns (PV) per micro-tile: 24 accumulators
+
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vset(float x) { return _mm512_set1_ps(x); }
+inline Vec vload(const float* p) { return _mm512_load_ps(p); }
+inline void vstore(float* p, Vec x) { _mm512_store_ps(p, x); }
+inline Vec vbcast(const float* p) { return _mm512_set1_ps(*p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+// Lanes whose [begin, end) key range (relative to the tile) contains `key`.
+inline Mask key_visible(const int32_t* begin, const int32_t* end, int32_t key) {
+    const __m512i kv = _mm512_set1_epi32(key);
+    return _mm512_cmp_epi32_mask(_mm512_load_si512(begin), kv, _MM_CMPINT_LE) &
+           _mm512_cmp_epi32_mask(kv, _mm512_load_si512(end), _MM_CMPINT_LT);
+}
+inline Vec keep_or_neg_inf(Mask keep, Vec x) {
+    return _mm512_mask_blend_ps(keep, vset(-__builtin_inff()), x);
+}
+// m == -inf ? 0 : m. The shift for a lane that has seen no key yet, so exp2(-inf - shift) = 0.
+inline Vec finite_or_zero(Vec m) {
+    const Mask ninf = _mm512_cmp_ps_mask(m, vset(-__builtin_inff()), _CMP_EQ_OQ);
+    return _mm512_mask_blend_ps(ninf, m, vzero());
+}
+#else  // AVX2 + FMA
+using Vec = __m256;
+using Mask = __m256;
+constexpr int W = 8;
+constexpr int kQueryVecs = 2;   // Bq = 16 rows
+constexpr int kRows = 6;        // 12 accumulators of the 16 ymm registers
+
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset(float x) { return _mm256_set1_ps(x); }
+inline Vec vload(const float* p) { return _mm256_load_ps(p); }
+inline void vstore(float* p, Vec x) { _mm256_store_ps(p, x); }
+inline Vec vbcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline Mask key_visible(const int32_t* begin, const int32_t* end, int32_t key) {
+    const __m256i kv = _mm256_set1_epi32(key);
+    const __m256i b = _mm256_load_si256(reinterpret_cast<const __m256i*>(begin));
+    const __m256i e = _mm256_load_si256(reinterpret_cast<const __m256i*>(end));
+    // begin <= key && key < end  <=>  !(begin > key) && (end > key)
+    return _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(b, kv), _mm256_cmpgt_epi32(e, kv)));
+}
+inline Vec keep_or_neg_inf(Mask keep, Vec x) { return _mm256_blendv_ps(vset(-__builtin_inff()), x, keep); }
+inline Vec finite_or_zero(Vec m) {
+    return _mm256_andnot_ps(_mm256_cmp_ps(m, vset(-__builtin_inff()), _CMP_EQ_OQ), m);
+}
+#endif
+
+constexpr int64_t Bq = kQueryVecs * W;
+
+// 2^x for x <= 0, as 2^n * p(r), n = round(x), r = x - n in [-1/2, 1/2] (exact), p a degree-6
+// minimax polynomial for 2^r (relative error 1.9e-9; <= 0.94 ulp after float32 Horner
+// rounding). x < -126 (including -inf) gives exactly 0: underflow is flushed, never denormal.
+// NaN stays NaN.
+inline Vec exp2_neg(Vec x) {
+    constexpr float c1 = 6.931471825e-01f, c2 = 2.402264625e-01f, c3 = 5.550328642e-02f,
+                    c4 = 9.618489072e-03f, c5 = 1.339993090e-03f, c6 = 1.534581243e-04f;
+#if defined(__AVX512F__)
+    const Mask keep = _mm512_cmp_ps_mask(x, vset(-126.0f), _CMP_NLT_UQ);
+    const Vec n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const Vec r = vsub(x, n);
+#else
+    const Vec keep = _mm256_cmp_ps(x, vset(-126.0f), _CMP_NLT_UQ);
+    const Vec xc = _mm256_max_ps(vset(-127.0f), x);  // keeps 2^n's exponent field >= 0; NaN passes
+    const Vec n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const Vec r = vsub(xc, n);
+#endif
+    Vec p = vfma(vset(c6), r, vset(c5));
+    p = vfma(p, r, vset(c4));
+    p = vfma(p, r, vset(c3));
+    p = vfma(p, r, vset(c2));
+    p = vfma(p, r, vset(c1));
+    p = vfma(p, r, vset(1.0f));
+#if defined(__AVX512F__)
+    return _mm512_maskz_scalef_ps(keep, p, n);
+#else
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(keep, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+#endif
+}
+
+// ---------------------------------------------------------------- block state
+struct Block {
+    int64_t D, Dv, Bk;
+    float* qt;            // D x Bq
+    float* st;            // Bk x Bq
+    float* ot;            // Dv x Bq
+    float* m;             // Bq: running max (base-2 scaled scores)
+    float* l;             // Bq: running sum
+    float* corr;          // Bq: rescale of this tile
+    int32_t* rel_begin;   // Bq: visible keys of each lane relative to the tile start
+    int32_t* rel_end;
+    const float* k;       // key row 0 of this (batch, kv head)
+    const float* v;
+    int64_t k_stride, v_stride;
+};
+
+inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+// Tile sizes of the float32 prefill, from D, Dv and the cache sizes only.
+struct Tiling {
+    int64_t Bk;
+    int64_t qt, st, ot, vecs;  // float counts of the workspace regions (multiples of W)
+    int64_t total;             // workspace floats, including slack for alignment
+};
+inline Tiling tiling(const AttentionParams& p) {
+    Tiling t;
+    // Sᵀ and the streamed K rows should sit in L1 next to Qᵀ's working slice; the key tile
+    // is also the granule of the causal diagonal, where up to ~Bq x Bk/2 pairs are wasted.
+    const int64_t l1 = cache_sizes().l1d;
+    int64_t bk = (l1 / 4) / (Bq * static_cast<int64_t>(sizeof(float)));
+    if (bk < 2 * kRows) bk = 2 * kRows;
+    if (bk > 16 * kRows) bk = 16 * kRows;
+    t.Bk = bk / kRows * kRows;
+    t.qt = p.head_dim * Bq;
+    t.st = t.Bk * Bq;
+    t.ot = p.head_dim_v * Bq;
+    t.vecs = 5 * Bq;  // m, l, corr, rel_begin, rel_end
+    t.total = t.qt + t.st + t.ot + t.vecs + 64 / sizeof(float);
+    return t;
+}
+
+inline Block carve(const AttentionParams& p, float* workspace) {
+    const Tiling t = tiling(p);
+    Block b;
+    float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(workspace) + 63) & ~uintptr_t(63));
+    b.D = p.head_dim;
+    b.Dv = p.head_dim_v;
+    b.Bk = t.Bk;
+    b.qt = base;
+    b.st = b.qt + t.qt;
+    b.ot = b.st + t.st;
+    b.m = b.ot + t.ot;
+    b.l = b.m + Bq;
+    b.corr = b.l + Bq;
+    b.rel_begin = reinterpret_cast<int32_t*>(b.corr + Bq);
+    b.rel_end = b.rel_begin + Bq;
+    return b;
+}
+
+// ---------------------------------------------------------------- micro-kernels
+// Sᵀ rows [j0, j0 + R) of the tile starting at key `tile`: scores of R keys against all Bq
+// query lanes; masked to -inf outside each lane's range when `partial`; folds the row max.
+template <int R>
+void scores_rows(const Block& b, int64_t tile, int64_t j0, bool partial, Vec* tile_max) {
+    Vec acc[R][kQueryVecs];
+#pragma GCC unroll 16
+    for (int t = 0; t < R; ++t)
+#pragma GCC unroll 4
+        for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = vzero();
+    const float* krow[R];
+#pragma GCC unroll 16
+    for (int t = 0; t < R; ++t) krow[t] = b.k + (tile + j0 + t) * b.k_stride;
+    const float* q = b.qt;
+    for (int64_t d = 0; d < b.D; ++d, q += Bq) {
+        Vec qv[kQueryVecs];
+#pragma GCC unroll 4
+        for (int u = 0; u < kQueryVecs; ++u) qv[u] = vload(q + u * W);
+#pragma GCC unroll 16
+        for (int t = 0; t < R; ++t) {
+            const Vec kb = vbcast(krow[t] + d);
+#pragma GCC unroll 4
+            for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = vfma(kb, qv[u], acc[t][u]);
+        }
+    }
+    float* s = b.st + j0 * Bq;
+#pragma GCC unroll 16
+    for (int t = 0; t < R; ++t)
+#pragma GCC unroll 4
+        for (int u = 0; u < kQueryVecs; ++u) {
+            Vec x = acc[t][u];
+            if (partial)
+                x = keep_or_neg_inf(key_visible(b.rel_begin + u * W, b.rel_end + u * W,
+                                                static_cast<int32_t>(j0 + t)), x);
+            tile_max[u] = vmax(tile_max[u], x);
+            vstore(s + t * Bq + u * W, x);
+        }
+}
+
+// Oᵀ rows [e0, e0 + R) = corr * Oᵀ + Vᵀ[e0:e0+R, tile keys] Pᵀ over `keys` keys.
+template <int R>
+void pv_rows(const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* corr) {
+    Vec acc[R][kQueryVecs];
+    float* o = b.ot + e0 * Bq;
+#pragma GCC unroll 16
+    for (int t = 0; t < R; ++t)
+#pragma GCC unroll 4
+        for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = vmul(vload(o + t * Bq + u * W), corr[u]);
+    const float* vrow = b.v + tile * b.v_stride + e0;
+    const float* pt = b.st;
+    for (int64_t j = 0; j < keys; ++j, vrow += b.v_stride, pt += Bq) {
+        Vec pv[kQueryVecs];
+#pragma GCC unroll 4
+        for (int u = 0; u < kQueryVecs; ++u) pv[u] = vload(pt + u * W);
+#pragma GCC unroll 16
+        for (int t = 0; t < R; ++t) {
+            const Vec vb = vbcast(vrow + t);
+#pragma GCC unroll 4
+            for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = vfma(vb, pv[u], acc[t][u]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int t = 0; t < R; ++t)
+#pragma GCC unroll 4
+        for (int u = 0; u < kQueryVecs; ++u) vstore(o + t * Bq + u * W, acc[t][u]);
+}
+
+// Remainder micro-tiles (fewer than kRows keys or columns), picked by an if-chain at
+// compile time. (No static table: its constructor would run AVX code at library load.)
+template <int R>
+inline void scores_tail(int64_t rows, const Block& b, int64_t tile, int64_t j0, bool partial, Vec* tile_max) {
+    if (rows == R) scores_rows<R>(b, tile, j0, partial, tile_max);
+    else if constexpr (R > 1) scores_tail<R - 1>(rows, b, tile, j0, partial, tile_max);
+}
+template <int R>
+inline void pv_tail(int64_t cols, const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* corr) {
+    if (cols == R) pv_rows<R>(b, tile, keys, e0, corr);
+    else if constexpr (R > 1) pv_tail<R - 1>(cols, b, tile, keys, e0, corr);
+}
+
+// ---------------------------------------------------------------- one KV tile
+// Online-softmax update of the block with keys [tile, tile + keys).
+void attend_tile(const Block& b, int64_t tile, int64_t keys, bool partial) {
+    // 1. Sᵀ = K_tile Qᵀ (scaled, base 2), masked on partial tiles, with the tile's row max.
+    Vec tile_max[kQueryVecs];
+    for (int u = 0; u < kQueryVecs; ++u) tile_max[u] = vset(-__builtin_inff());
+    int64_t j0 = 0;
+    for (; j0 + kRows <= keys; j0 += kRows) scores_rows<kRows>(b, tile, j0, partial, tile_max);
+    if (j0 < keys) scores_tail<kRows - 1>(keys - j0, b, tile, j0, partial, tile_max);
+
+    // 2. New max, rescale factor of the old state, Pᵀ = 2^(Sᵀ - m) in place, row sums.
+    Vec shift[kQueryVecs], corr[kQueryVecs], sum[kQueryVecs];
+    for (int u = 0; u < kQueryVecs; ++u) {
+        const Vec m_old = vload(b.m + u * W);
+        const Vec m_new = vmax(m_old, tile_max[u]);
+        shift[u] = finite_or_zero(m_new);
+        corr[u] = exp2_neg(vsub(m_old, shift[u]));  // 0 while m_old is -inf
+        sum[u] = vmul(vload(b.l + u * W), corr[u]);
+        vstore(b.m + u * W, m_new);
+    }
+    float* s = b.st;
+    for (int64_t j = 0; j < keys; ++j, s += Bq)
+#pragma GCC unroll 4
+        for (int u = 0; u < kQueryVecs; ++u) {
+            const Vec pj = exp2_neg(vsub(vload(s + u * W), shift[u]));
+            vstore(s + u * W, pj);
+            sum[u] = vadd(sum[u], pj);
+        }
+    for (int u = 0; u < kQueryVecs; ++u) vstore(b.l + u * W, sum[u]);
+
+    // 3. Oᵀ = corr * Oᵀ + Vᵀ Pᵀ.
+    int64_t e0 = 0;
+    for (; e0 + kRows <= b.Dv; e0 += kRows) pv_rows<kRows>(b, tile, keys, e0, corr);
+    if (e0 < b.Dv) pv_tail<kRows - 1>(b.Dv - e0, b, tile, keys, e0, corr);
+}
+
+// ---------------------------------------------------------------- one block
+void attend_block(const AttentionParams& p, const BlockTask& task, float* workspace) {
+    Block b = carve(p, workspace);
+    const int64_t D = b.D, Dv = b.Dv;
+    const int64_t rows = task.row_end - task.row_begin;  // 1..Bq
+    const int64_t kv_head = task.head / (p.heads / p.kv_heads);
+    const float* q = static_cast<const float*>(p.q) + task.batch * p.q_batch_stride + task.head * p.q_head_stride;
+    b.k = static_cast<const float*>(p.k) + task.batch * p.k_batch_stride + kv_head * p.k_head_stride;
+    b.v = static_cast<const float*>(p.v) + task.batch * p.v_batch_stride + kv_head * p.v_head_stride;
+    b.k_stride = p.k_row_stride;
+    b.v_stride = p.v_row_stride;
+
+    // Qᵀ scaled into base 2 (exp(x) = 2^(x log2 e)); lanes past the last row stay 0.
+    const float qscale = static_cast<float>(p.scale * 1.4426950408889634);
+    for (int64_t i = 0; i < rows; ++i) {
+        const float* qrow = q + (task.row_begin + i) * p.q_row_stride;
+        for (int64_t d = 0; d < D; ++d) b.qt[d * Bq + i] = qrow[d] * qscale;
+    }
+    for (int64_t d = 0; d < D; ++d)
+        for (int64_t i = rows; i < Bq; ++i) b.qt[d * Bq + i] = 0.0f;
+    for (int64_t i = 0; i < Bq; ++i) {
+        b.m[i] = -__builtin_inff();
+        b.l[i] = 0.0f;
+    }
+    for (int64_t x = 0; x < Dv * Bq; ++x) b.ot[x] = 0.0f;
+
+    // Keys any row of the block may see; ranges only move right as rows go down. Padding
+    // lanes copy the last row's range so they never make a tile partial.
+    const KeyRange first = visible_keys(p, task.row_begin);
+    const KeyRange last = visible_keys(p, task.row_end - 1);
+    const int64_t kv_begin = first.begin, kv_end = last.end;
+    for (int64_t tile = kv_begin; tile < kv_end; tile += b.Bk) {
+        const int64_t keys = kv_end - tile < b.Bk ? kv_end - tile : b.Bk;
+        const bool partial = tile < last.begin || tile + keys > first.end;
+        if (partial) {
+            for (int64_t i = 0; i < Bq; ++i) {
+                const KeyRange r = visible_keys(p, task.row_begin + (i < rows ? i : rows - 1));
+                int64_t rb = r.begin - tile, re = r.end - tile;
+                rb = rb < 0 ? 0 : (rb > keys ? keys : rb);
+                re = re < rb ? rb : (re > keys ? keys : re);
+                b.rel_begin[i] = static_cast<int32_t>(rb);
+                b.rel_end[i] = static_cast<int32_t>(re);
+            }
+        }
+        attend_tile(b, tile, keys, partial);
+    }
+
+    // out = Oᵀᵀ / l; lse = ln(l) + m ln 2. A row that saw no key: zeros and -inf.
+    float* out = static_cast<float*>(p.out) + task.batch * p.out_batch_stride + task.head * p.out_head_stride;
+    float* lse = static_cast<float*>(p.lse);
+    if (lse) lse += task.batch * p.lse_batch_stride + task.head * p.lse_head_stride;
+    for (int64_t i = 0; i < rows; ++i) {
+        float* orow = out + (task.row_begin + i) * p.out_row_stride;
+        const float li = b.l[i];
+        const float inv = li > 0.0f ? 1.0f / li : 0.0f;
+        for (int64_t e = 0; e < Dv; ++e) orow[e] = b.ot[e * Bq + i] * inv;
+        if (lse)
+            lse[(task.row_begin + i) * p.lse_row_stride] =
+                li > 0.0f ? b.m[i] * 0.6931471805599453f + __builtin_logf(li) : -__builtin_inff();
+    }
+}
+
+PrefillPlan plan(const AttentionParams& p) {
+    PrefillPlan plan;
+    plan.block_rows = Bq;
+    plan.workspace_elems = tiling(p).total;
+    return plan;
+}
+
+}  // namespace simd
+}  // namespace
+}  // namespace ATTNFAST_KERNEL_NS
+}  // namespace attnfast
