@@ -41,9 +41,10 @@ template <class A>
 void run_blocks(const AttentionParams& p,
                 void (*attend)(const AttentionParams&, const BlockTask&, A*), const PrefillPlan& plan) {
     const int64_t block_rows = plan.block_rows;
+    const int64_t heads_per_task = plan.heads_per_task;
     const int64_t blocks_per_head = (p.seqlen_q + block_rows - 1) / block_rows;
-    const int64_t heads_total = p.batch * p.heads;
-    const int64_t tasks = heads_total * blocks_per_head;
+    const int64_t head_groups = p.batch * (p.heads / heads_per_task);
+    const int64_t tasks = head_groups * blocks_per_head;
     if (tasks == 0) return;
     const int threads = p.num_threads < tasks ? p.num_threads : static_cast<int>(tasks);
 
@@ -53,11 +54,12 @@ void run_blocks(const AttentionParams& p,
     // Tasks go out in order of decreasing query block: under a causal mask the late blocks
     // see the most keys, so the dynamic schedule starts the costliest work first.
     parallel::for_each_dynamic(tasks, threads, [&](int64_t index, int thread_id) {
-        const int64_t block = blocks_per_head - 1 - index / heads_total;
-        const int64_t bh = index % heads_total;
+        const int64_t block = blocks_per_head - 1 - index / head_groups;
+        const int64_t group = index % head_groups;
         BlockTask task;
-        task.batch = bh / p.heads;
-        task.head = bh % p.heads;
+        task.batch = group / (p.heads / heads_per_task);
+        task.head = group % (p.heads / heads_per_task) * heads_per_task;
+        task.head_count = heads_per_task;
         task.row_begin = block * block_rows;
         task.row_end = task.row_begin + block_rows < p.seqlen_q ? task.row_begin + block_rows : p.seqlen_q;
         attend(p, task, workspace.get() + ws_elems * thread_id);

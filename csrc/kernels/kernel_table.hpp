@@ -13,12 +13,14 @@ namespace attnfast {
 constexpr int64_t kBlockRows = 64;
 constexpr int64_t kTileKeys = 64;
 
-// One unit of prefill work: query rows [row_begin, row_end) of one (batch, head).
+// One unit of prefill work: query rows [row_begin, row_end) of one (batch, head), or of
+// heads [head, head + head_count) that all read one KV head (GQA; float32 SIMD tiers only).
 struct BlockTask {
     int64_t batch;
     int64_t head;
     int64_t row_begin;
     int64_t row_end;
+    int64_t head_count = 1;
 };
 
 // Scratch one thread needs for one BlockTask, in accumulator elements (float or double).
@@ -30,11 +32,13 @@ inline int64_t block_workspace_elems(const AttentionParams& p) {
          + 2 * kBlockRows;                // running max, running sum
 }
 
-// How a tier splits a float32 prefill: query rows per BlockTask and scratch floats per
-// thread. A function of the problem's shape and the cache sizes, never of the thread count.
+// How a tier splits a float32 prefill: query rows and heads per BlockTask, and scratch
+// floats per thread. A function of the problem's shape and the cache sizes, never of the
+// thread count (so every thread count computes the same bits).
 struct PrefillPlan {
     int64_t block_rows;
     int64_t workspace_elems;
+    int64_t heads_per_task = 1;  // divides heads / kv_heads
 };
 
 struct KernelTable {

@@ -126,62 +126,79 @@ inline Vec exp2_neg(Vec x) {
 }
 
 // ---------------------------------------------------------------- block state
+// One sub-block: Bq query rows of one head, with its own online-softmax state. The
+// scratch shared by the sub-blocks of a task (Sᵀ, masks) is reached from here too.
 struct Block {
     int64_t D, Dv, Bk;
     float* qt;            // D x Bq
-    float* st;            // Bk x Bq
     float* ot;            // Dv x Bq
     float* m;             // Bq: running max (base-2 scaled scores)
     float* l;             // Bq: running sum
-    float* corr;          // Bq: rescale of this tile
-    int32_t* rel_begin;   // Bq: visible keys of each lane relative to the tile start
+    float* st;            // Bk x Bq, shared
+    int32_t* rel_begin;   // Bq, shared: visible keys of each lane relative to the tile start
     int32_t* rel_end;
     const float* k;       // key row 0 of this (batch, kv head)
     const float* v;
     int64_t k_stride, v_stride;
+    int64_t head, row_begin, rows;
+    KeyRange first, last;  // visible keys of the first and last row
 };
 
-inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+inline int64_t round_down(int64_t x, int64_t to) { return x / to * to; }
+inline int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+// Most sub-blocks one task holds. Their states live in L2 while a KV super-tile is reused.
+constexpr int64_t kMaxSubBlocks = 8;
 
 // Tile sizes of the float32 prefill, from D, Dv and the cache sizes only.
 struct Tiling {
-    int64_t Bk;
-    int64_t qt, st, ot, vecs;  // float counts of the workspace regions (multiples of W)
-    int64_t total;             // workspace floats, including slack for alignment
+    int64_t Bk;          // keys per tile: Sᵀ (Bk x Bq) and the K rows in flight share L1
+    int64_t super_keys;  // keys per super-tile: its K and V stay in L2 while every sub-block
+                         // of the task walks them (FlashAttention's Bc ~ M / 4d with M = L2)
+    int64_t sub_elems;   // floats of one sub-block's state
+    int64_t shared_elems;
 };
 inline Tiling tiling(const AttentionParams& p) {
+    const CacheSizes& cache = cache_sizes();
     Tiling t;
-    // Sᵀ and the streamed K rows should sit in L1 next to Qᵀ's working slice; the key tile
-    // is also the granule of the causal diagonal, where up to ~Bq x Bk/2 pairs are wasted.
-    const int64_t l1 = cache_sizes().l1d;
-    int64_t bk = (l1 / 4) / (Bq * static_cast<int64_t>(sizeof(float)));
-    if (bk < 2 * kRows) bk = 2 * kRows;
-    if (bk > 16 * kRows) bk = 16 * kRows;
-    t.Bk = bk / kRows * kRows;
-    t.qt = p.head_dim * Bq;
-    t.st = t.Bk * Bq;
-    t.ot = p.head_dim_v * Bq;
-    t.vecs = 5 * Bq;  // m, l, corr, rel_begin, rel_end
-    t.total = t.qt + t.st + t.ot + t.vecs + 64 / sizeof(float);
+    const int64_t bk = (cache.l1d / 4) / (Bq * static_cast<int64_t>(sizeof(float)));
+    t.Bk = round_down(clamp64(bk, 2 * kRows, 16 * kRows), kRows);
+    const int64_t row_bytes = (p.head_dim + p.head_dim_v) * static_cast<int64_t>(sizeof(float));
+    t.super_keys = round_down(clamp64((cache.l2 / 2) / row_bytes, t.Bk, 1 << 20), t.Bk);
+    t.sub_elems = (p.head_dim + p.head_dim_v + 2) * Bq;
+    t.shared_elems = t.Bk * Bq + 2 * Bq;
     return t;
 }
 
-inline Block carve(const AttentionParams& p, float* workspace) {
+// How tasks group sub-blocks: heads of one KV head (GQA) and consecutive row blocks.
+// Depends on the shape and the cache sizes only.
+PrefillPlan plan(const AttentionParams& p) {
     const Tiling t = tiling(p);
-    Block b;
-    float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(workspace) + 63) & ~uintptr_t(63));
-    b.D = p.head_dim;
-    b.Dv = p.head_dim_v;
-    b.Bk = t.Bk;
-    b.qt = base;
-    b.st = b.qt + t.qt;
-    b.ot = b.st + t.st;
-    b.m = b.ot + t.ot;
-    b.l = b.m + Bq;
-    b.corr = b.l + Bq;
-    b.rel_begin = reinterpret_cast<int32_t*>(b.corr + Bq);
-    b.rel_end = b.rel_begin + Bq;
-    return b;
+    const int64_t group = p.heads / p.kv_heads;
+    // Heads per task: the largest divisor of the group not above kMaxSubBlocks / 2.
+    int64_t heads = 1;
+    for (int64_t h = 1; h <= group && h <= kMaxSubBlocks / 2; ++h)
+        if (group % h == 0) heads = h;
+    // Row blocks per task: only worth it when one head's K and V do not fit in L2.
+    const int64_t kv_bytes = p.seqlen_k * (p.head_dim + p.head_dim_v) * static_cast<int64_t>(sizeof(float));
+    int64_t row_blocks = kv_bytes > cache_sizes().l2 / 2 ? kMaxSubBlocks / 2 / heads : 1;
+    if (row_blocks < 1) row_blocks = 1;
+    // Keep enough tasks to balance any thread count a machine may have.
+    const int64_t q_blocks = (p.seqlen_q + Bq - 1) / Bq;
+    auto tasks = [&](int64_t rb, int64_t hd) {
+        return p.batch * (p.heads / hd) * ((q_blocks + rb - 1) / rb);
+    };
+    while (row_blocks > 1 && tasks(row_blocks, heads) < 64) row_blocks /= 2;
+    while (heads > 1 && tasks(row_blocks, heads) < 64) {
+        int64_t h = heads - 1;
+        while (group % h != 0) --h;
+        heads = h;
+    }
+    PrefillPlan plan;
+    plan.block_rows = row_blocks * Bq;
+    plan.heads_per_task = heads;
+    plan.workspace_elems = heads * row_blocks * t.sub_elems + t.shared_elems + 64 / sizeof(float);
+    return plan;
 }
 
 // ---------------------------------------------------------------- micro-kernels
@@ -265,13 +282,32 @@ inline void pv_tail(int64_t cols, const Block& b, int64_t tile, int64_t keys, in
 }
 
 // ---------------------------------------------------------------- one KV tile
+// Asks for rows [first, first + count) of a (rows x row_floats) array with row stride
+// `stride` to be brought towards L2 while the current tile computes: K and V of a long
+// sequence do not fit L2, and the hardware prefetchers do not follow many strided rows.
+inline void prefetch_rows(const float* base, int64_t stride, int64_t first, int64_t count, int64_t row_floats) {
+    for (int64_t r = first; r < first + count; ++r) {
+        const char* row = reinterpret_cast<const char*>(base + r * stride);
+        for (int64_t off = 0; off < row_floats * 4; off += 64) _mm_prefetch(row + off, _MM_HINT_T1);
+    }
+}
+
 // Online-softmax update of the block with keys [tile, tile + keys).
-void attend_tile(const Block& b, int64_t tile, int64_t keys, bool partial) {
+void attend_tile(const Block& b, int64_t tile, int64_t keys, int64_t next_keys, bool partial) {
     // 1. Sᵀ = K_tile Qᵀ (scaled, base 2), masked on partial tiles, with the tile's row max.
+    //    Meanwhile K and V rows of the next tile are prefetched, a few rows per micro-tile.
     Vec tile_max[kQueryVecs];
     for (int u = 0; u < kQueryVecs; ++u) tile_max[u] = vset(-__builtin_inff());
+    const int64_t micro_tiles = (keys + kRows - 1) / kRows;
+    const int64_t ahead = (next_keys + micro_tiles - 1) / micro_tiles;
     int64_t j0 = 0;
-    for (; j0 + kRows <= keys; j0 += kRows) scores_rows<kRows>(b, tile, j0, partial, tile_max);
+    for (; j0 + kRows <= keys; j0 += kRows) {
+        const int64_t first = j0 / kRows * ahead;
+        const int64_t count = first + ahead <= next_keys ? ahead : (first < next_keys ? next_keys - first : 0);
+        prefetch_rows(b.k + (tile + b.Bk) * b.k_stride, b.k_stride, first, count, b.D);
+        prefetch_rows(b.v + (tile + b.Bk) * b.v_stride, b.v_stride, first, count, b.Dv);
+        scores_rows<kRows>(b, tile, j0, partial, tile_max);
+    }
     if (j0 < keys) scores_tail<kRows - 1>(keys - j0, b, tile, j0, partial, tile_max);
 
     // 2. New max, rescale factor of the old state, Pᵀ = 2^(Sᵀ - m) in place, row sums.
@@ -300,73 +336,124 @@ void attend_tile(const Block& b, int64_t tile, int64_t keys, bool partial) {
     if (e0 < b.Dv) pv_tail<kRows - 1>(b.Dv - e0, b, tile, keys, e0, corr);
 }
 
-// ---------------------------------------------------------------- one block
-void attend_block(const AttentionParams& p, const BlockTask& task, float* workspace) {
-    Block b = carve(p, workspace);
-    const int64_t D = b.D, Dv = b.Dv;
-    const int64_t rows = task.row_end - task.row_begin;  // 1..Bq
-    const int64_t kv_head = task.head / (p.heads / p.kv_heads);
-    const float* q = static_cast<const float*>(p.q) + task.batch * p.q_batch_stride + task.head * p.q_head_stride;
-    b.k = static_cast<const float*>(p.k) + task.batch * p.k_batch_stride + kv_head * p.k_head_stride;
-    b.v = static_cast<const float*>(p.v) + task.batch * p.v_batch_stride + kv_head * p.v_head_stride;
-    b.k_stride = p.k_row_stride;
-    b.v_stride = p.v_row_stride;
-
-    // Qᵀ scaled into base 2 (exp(x) = 2^(x log2 e)); lanes past the last row stay 0.
+// ---------------------------------------------------------------- one task
+// Sets up one sub-block: Qᵀ scaled into base 2 (exp(x) = 2^(x log2 e)), lanes past the
+// last row 0; empty state.
+void init_sub_block(const AttentionParams& p, Block& b, const float* q) {
     const float qscale = static_cast<float>(p.scale * 1.4426950408889634);
-    for (int64_t i = 0; i < rows; ++i) {
-        const float* qrow = q + (task.row_begin + i) * p.q_row_stride;
-        for (int64_t d = 0; d < D; ++d) b.qt[d * Bq + i] = qrow[d] * qscale;
+    for (int64_t i = 0; i < b.rows; ++i) {
+        const float* qrow = q + (b.row_begin + i) * p.q_row_stride;
+        for (int64_t d = 0; d < b.D; ++d) b.qt[d * Bq + i] = qrow[d] * qscale;
     }
-    for (int64_t d = 0; d < D; ++d)
-        for (int64_t i = rows; i < Bq; ++i) b.qt[d * Bq + i] = 0.0f;
+    for (int64_t d = 0; d < b.D; ++d)
+        for (int64_t i = b.rows; i < Bq; ++i) b.qt[d * Bq + i] = 0.0f;
     for (int64_t i = 0; i < Bq; ++i) {
         b.m[i] = -__builtin_inff();
         b.l[i] = 0.0f;
     }
-    for (int64_t x = 0; x < Dv * Bq; ++x) b.ot[x] = 0.0f;
+    for (int64_t x = 0; x < b.Dv * Bq; ++x) b.ot[x] = 0.0f;
+    // Ranges only move right as rows go down.
+    b.first = visible_keys(p, b.row_begin);
+    b.last = visible_keys(p, b.row_begin + b.rows - 1);
+}
 
-    // Keys any row of the block may see; ranges only move right as rows go down. Padding
-    // lanes copy the last row's range so they never make a tile partial.
-    const KeyRange first = visible_keys(p, task.row_begin);
-    const KeyRange last = visible_keys(p, task.row_end - 1);
-    const int64_t kv_begin = first.begin, kv_end = last.end;
-    for (int64_t tile = kv_begin; tile < kv_end; tile += b.Bk) {
-        const int64_t keys = kv_end - tile < b.Bk ? kv_end - tile : b.Bk;
-        const bool partial = tile < last.begin || tile + keys > first.end;
-        if (partial) {
-            for (int64_t i = 0; i < Bq; ++i) {
-                const KeyRange r = visible_keys(p, task.row_begin + (i < rows ? i : rows - 1));
-                int64_t rb = r.begin - tile, re = r.end - tile;
-                rb = rb < 0 ? 0 : (rb > keys ? keys : rb);
-                re = re < rb ? rb : (re > keys ? keys : re);
-                b.rel_begin[i] = static_cast<int32_t>(rb);
-                b.rel_end[i] = static_cast<int32_t>(re);
-            }
-        }
-        attend_tile(b, tile, keys, partial);
-    }
-
-    // out = Oᵀᵀ / l; lse = ln(l) + m ln 2. A row that saw no key: zeros and -inf.
-    float* out = static_cast<float*>(p.out) + task.batch * p.out_batch_stride + task.head * p.out_head_stride;
+// out = Oᵀᵀ / l; lse = ln(l) + m ln 2. A row that saw no key: zeros and -inf.
+void finish_sub_block(const AttentionParams& p, const Block& b, int64_t batch) {
+    float* out = static_cast<float*>(p.out) + batch * p.out_batch_stride + b.head * p.out_head_stride;
     float* lse = static_cast<float*>(p.lse);
-    if (lse) lse += task.batch * p.lse_batch_stride + task.head * p.lse_head_stride;
-    for (int64_t i = 0; i < rows; ++i) {
-        float* orow = out + (task.row_begin + i) * p.out_row_stride;
+    if (lse) lse += batch * p.lse_batch_stride + b.head * p.lse_head_stride;
+    for (int64_t i = 0; i < b.rows; ++i) {
+        float* orow = out + (b.row_begin + i) * p.out_row_stride;
         const float li = b.l[i];
         const float inv = li > 0.0f ? 1.0f / li : 0.0f;
-        for (int64_t e = 0; e < Dv; ++e) orow[e] = b.ot[e * Bq + i] * inv;
+        for (int64_t e = 0; e < b.Dv; ++e) orow[e] = b.ot[e * Bq + i] * inv;
         if (lse)
-            lse[(task.row_begin + i) * p.lse_row_stride] =
+            lse[(b.row_begin + i) * p.lse_row_stride] =
                 li > 0.0f ? b.m[i] * 0.6931471805599453f + __builtin_logf(li) : -__builtin_inff();
     }
 }
 
-PrefillPlan plan(const AttentionParams& p) {
-    PrefillPlan plan;
-    plan.block_rows = Bq;
-    plan.workspace_elems = tiling(p).total;
-    return plan;
+// Keys [tile, tile + keys) for sub-block b: masks when some lane's range cuts the tile.
+void attend_sub_tile(const AttentionParams& p, const Block& b, int64_t tile, int64_t keys, int64_t next_keys) {
+    const bool partial = tile < b.last.begin || tile + keys > b.first.end;
+    if (partial) {
+        // Padding lanes copy the last row's range so they never make a tile partial.
+        for (int64_t i = 0; i < Bq; ++i) {
+            const KeyRange r = visible_keys(p, b.row_begin + (i < b.rows ? i : b.rows - 1));
+            const int64_t rb = clamp64(r.begin - tile, 0, keys);
+            b.rel_begin[i] = static_cast<int32_t>(rb);
+            b.rel_end[i] = static_cast<int32_t>(clamp64(r.end - tile, rb, keys));
+        }
+    }
+    attend_tile(b, tile, keys, next_keys, partial);
+}
+
+// One task: heads [head, head + head_count) (all of one KV head) x rows [row_begin, row_end),
+// as sub-blocks of Bq rows. The keys are walked in L2-sized super-tiles; every sub-block
+// walks a super-tile (in Bk tiles) before the next, so K and V come from L3 once per task
+// instead of once per sub-block. The tile grid starts at the task's first visible key.
+void attend_block(const AttentionParams& p, const BlockTask& task, float* workspace) {
+    const Tiling t = tiling(p);
+    const int64_t head_count = task.head_count;
+    const int64_t row_blocks = (task.row_end - task.row_begin + Bq - 1) / Bq;
+    const int64_t subs = head_count * row_blocks;  // <= kMaxSubBlocks (plan)
+    const int64_t kv_head = task.head / (p.heads / p.kv_heads);
+
+    float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(workspace) + 63) & ~uintptr_t(63));
+    float* st = base;
+    int32_t* rel_begin = reinterpret_cast<int32_t*>(st + t.Bk * Bq);
+    int32_t* rel_end = rel_begin + Bq;
+    float* sub_base = base + t.shared_elems;
+
+    Block blocks[kMaxSubBlocks];
+    int64_t kv_begin = 0, kv_end = 0;
+    for (int64_t sidx = 0; sidx < subs; ++sidx) {
+        Block& b = blocks[sidx];
+        b.D = p.head_dim;
+        b.Dv = p.head_dim_v;
+        b.Bk = t.Bk;
+        b.qt = sub_base + sidx * t.sub_elems;
+        b.ot = b.qt + b.D * Bq;
+        b.m = b.ot + b.Dv * Bq;
+        b.l = b.m + Bq;
+        b.st = st;
+        b.rel_begin = rel_begin;
+        b.rel_end = rel_end;
+        b.k = static_cast<const float*>(p.k) + task.batch * p.k_batch_stride + kv_head * p.k_head_stride;
+        b.v = static_cast<const float*>(p.v) + task.batch * p.v_batch_stride + kv_head * p.v_head_stride;
+        b.k_stride = p.k_row_stride;
+        b.v_stride = p.v_row_stride;
+        b.head = task.head + sidx / row_blocks;
+        b.row_begin = task.row_begin + (sidx % row_blocks) * Bq;
+        b.rows = task.row_end - b.row_begin < Bq ? task.row_end - b.row_begin : Bq;
+        const float* q = static_cast<const float*>(p.q) + task.batch * p.q_batch_stride + b.head * p.q_head_stride;
+        init_sub_block(p, b, q);
+        if (sidx == 0 || b.first.begin < kv_begin) kv_begin = b.first.begin;
+        if (sidx == 0 || b.last.end > kv_end) kv_end = b.last.end;
+    }
+
+    for (int64_t super = kv_begin; super < kv_end; super += t.super_keys) {
+        const int64_t super_end = super + t.super_keys < kv_end ? super + t.super_keys : kv_end;
+        int64_t covered = super;  // keys of this super-tile some earlier sub-block has read
+        for (int64_t sidx = 0; sidx < subs; ++sidx) {
+            const Block& b = blocks[sidx];
+            const int64_t lo = b.first.begin, hi = b.last.end < super_end ? b.last.end : super_end;
+            int64_t tile = super;
+            if (lo > tile) tile += round_down(lo - tile, t.Bk);  // skip tiles before the range
+            for (; tile < hi; tile += t.Bk) {
+                const int64_t keys = hi - tile < t.Bk ? hi - tile : t.Bk;
+                // Prefetch the next tile unless an earlier sub-block already brought it in.
+                int64_t next_keys = 0;
+                if (tile + t.Bk >= covered) {
+                    const int64_t after = kv_end - (tile + t.Bk);
+                    next_keys = after <= 0 ? 0 : (after < t.Bk ? after : t.Bk);
+                }
+                attend_sub_tile(p, b, tile, keys, next_keys);
+            }
+            if (hi > covered) covered = hi;
+        }
+    }
+    for (int64_t sidx = 0; sidx < subs; ++sidx) finish_sub_block(p, blocks[sidx], task.batch);
 }
 
 }  // namespace simd
