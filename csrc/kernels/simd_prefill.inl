@@ -25,6 +25,13 @@
 #error "simd_prefill.inl needs at least -mavx2 -mfma"
 #endif
 
+// GCC 12 warns about the deliberately undefined pass-through operand inside
+// _mm512_max_ps (_mm512_undefined_ps); a false positive.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
 namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {
 namespace {
@@ -460,3 +467,7 @@ void attend_block(const AttentionParams& p, const BlockTask& task, float* worksp
 }  // namespace
 }  // namespace ATTNFAST_KERNEL_NS
 }  // namespace attnfast
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
