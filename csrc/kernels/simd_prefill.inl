@@ -162,6 +162,7 @@ struct Tiling {
     int64_t Bk;          // keys per tile: Sᵀ (Bk x Bq) and the K rows in flight share L1
     int64_t super_keys;  // keys per super-tile: its K and V stay in L2 while every sub-block
                          // of the task walks them (FlashAttention's Bc ~ M / 4d with M = L2)
+    bool prefetch;       // one head's K and V do not fit in half of L2
     int64_t sub_elems;   // floats of one sub-block's state
     int64_t shared_elems;
 };
@@ -172,6 +173,7 @@ inline Tiling tiling(const AttentionParams& p) {
     t.Bk = round_down(clamp64(bk, 2 * kRows, 16 * kRows), kRows);
     const int64_t row_bytes = (p.head_dim + p.head_dim_v) * static_cast<int64_t>(sizeof(float));
     t.super_keys = round_down(clamp64((cache.l2 / 2) / row_bytes, t.Bk, 1 << 20), t.Bk);
+    t.prefetch = p.seqlen_k * row_bytes > cache.l2 / 2;
     t.sub_elems = (p.head_dim + p.head_dim_v + 2) * Bq;
     t.shared_elems = t.Bk * Bq + 2 * Bq;
     return t;
@@ -187,8 +189,7 @@ PrefillPlan plan(const AttentionParams& p) {
     for (int64_t h = 1; h <= group && h <= kMaxSubBlocks / 2; ++h)
         if (group % h == 0) heads = h;
     // Row blocks per task: only worth it when one head's K and V do not fit in L2.
-    const int64_t kv_bytes = p.seqlen_k * (p.head_dim + p.head_dim_v) * static_cast<int64_t>(sizeof(float));
-    int64_t row_blocks = kv_bytes > cache_sizes().l2 / 2 ? kMaxSubBlocks / 2 / heads : 1;
+    int64_t row_blocks = t.prefetch ? kMaxSubBlocks / 2 / heads : 1;
     if (row_blocks < 1) row_blocks = 1;
     // Keep enough tasks to balance any thread count a machine may have.
     const int64_t q_blocks = (p.seqlen_q + Bq - 1) / Bq;
@@ -207,6 +208,53 @@ PrefillPlan plan(const AttentionParams& p) {
     plan.workspace_elems = heads * row_blocks * t.sub_elems + t.shared_elems + 64 / sizeof(float);
     return plan;
 }
+
+// ---------------------------------------------------------------- prefetch
+// Brings the K and V rows of the next tile towards L2, a line or two per step, while the
+// current tile computes. Needed when one head's K and V do not fit in L2 (they then come
+// from L3 and the hardware prefetchers do not follow many strided rows); spread thinly
+// because a burst of prefetches stalls the load pipeline.
+struct PrefetchStream {
+    const char* k_row = nullptr;
+    const char* v_row = nullptr;
+    int64_t k_stride = 0, v_stride = 0;  // bytes
+    int64_t k_bytes = 0, v_bytes = 0;    // bytes of one row
+    int64_t k_lines = 0, lines = 0;      // lines per row: K's, then V's
+    int64_t line = 0;                    // next line of the current row
+    int64_t rows_left = 0;
+
+    PrefetchStream() = default;
+    PrefetchStream(const Block& b, int64_t first_row, int64_t rows) {
+        k_stride = b.k_stride * 4;
+        v_stride = b.v_stride * 4;
+        k_row = reinterpret_cast<const char*>(b.k) + first_row * k_stride;
+        v_row = reinterpret_cast<const char*>(b.v) + first_row * v_stride;
+        k_bytes = b.D * 4;
+        v_bytes = b.Dv * 4;
+        k_lines = k_bytes / 64 + 1;  // + 1: a row need not start on a line
+        lines = k_lines + v_bytes / 64 + 1;
+        rows_left = rows;
+    }
+    int64_t total_lines() const { return rows_left * lines; }
+    void step() {
+        if (rows_left <= 0) return;
+        const char* at;
+        if (line < k_lines) {
+            const int64_t off = line * 64;
+            at = k_row + (off < k_bytes ? off : k_bytes - 1);
+        } else {
+            const int64_t off = (line - k_lines) * 64;
+            at = v_row + (off < v_bytes ? off : v_bytes - 1);
+        }
+        _mm_prefetch(at, _MM_HINT_T1);
+        if (++line == lines) {
+            line = 0;
+            k_row += k_stride;
+            v_row += v_stride;
+            --rows_left;
+        }
+    }
+};
 
 // ---------------------------------------------------------------- micro-kernels
 // Sᵀ rows [j0, j0 + R) of the tile starting at key `tile`: scores of R keys against all Bq
@@ -247,9 +295,11 @@ void scores_rows(const Block& b, int64_t tile, int64_t j0, bool partial, Vec* ti
         }
 }
 
-// Oᵀ rows [e0, e0 + R) = corr * Oᵀ + Vᵀ[e0:e0+R, tile keys] Pᵀ over `keys` keys.
+// Oᵀ rows [e0, e0 + R) = corr * Oᵀ + Vᵀ[e0:e0+R, tile keys] Pᵀ over `keys` keys; steps the
+// prefetch stream `pf_steps` times per key.
 template <int R>
-void pv_rows(const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* corr) {
+void pv_rows(const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* corr,
+             PrefetchStream& pf, int pf_steps) {
     Vec acc[R][kQueryVecs];
     float* o = b.ot + e0 * Bq;
 #pragma GCC unroll 16
@@ -259,6 +309,7 @@ void pv_rows(const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* 
     const float* vrow = b.v + tile * b.v_stride + e0;
     const float* pt = b.st;
     for (int64_t j = 0; j < keys; ++j, vrow += b.v_stride, pt += Bq) {
+        for (int i = 0; i < pf_steps; ++i) pf.step();
         Vec pv[kQueryVecs];
 #pragma GCC unroll 4
         for (int u = 0; u < kQueryVecs; ++u) pv[u] = vload(pt + u * W);
@@ -283,38 +334,33 @@ inline void scores_tail(int64_t rows, const Block& b, int64_t tile, int64_t j0, 
     else if constexpr (R > 1) scores_tail<R - 1>(rows, b, tile, j0, partial, tile_max);
 }
 template <int R>
-inline void pv_tail(int64_t cols, const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* corr) {
-    if (cols == R) pv_rows<R>(b, tile, keys, e0, corr);
-    else if constexpr (R > 1) pv_tail<R - 1>(cols, b, tile, keys, e0, corr);
+inline void pv_cols(int64_t cols, const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* corr,
+                    PrefetchStream& pf, int pf_steps) {
+    if (cols == R) pv_rows<R>(b, tile, keys, e0, corr, pf, pf_steps);
+    else if constexpr (R > 1) pv_cols<R - 1>(cols, b, tile, keys, e0, corr, pf, pf_steps);
 }
 
 // ---------------------------------------------------------------- one KV tile
-// Asks for rows [first, first + count) of a (rows x row_floats) array with row stride
-// `stride` to be brought towards L2 while the current tile computes: K and V of a long
-// sequence do not fit L2, and the hardware prefetchers do not follow many strided rows.
-inline void prefetch_rows(const float* base, int64_t stride, int64_t first, int64_t count, int64_t row_floats) {
-    for (int64_t r = first; r < first + count; ++r) {
-        const char* row = reinterpret_cast<const char*>(base + r * stride);
-        for (int64_t off = 0; off < row_floats * 4; off += 64) _mm_prefetch(row + off, _MM_HINT_T1);
-    }
+// Pᵀ = 2^(Sᵀ - shift) in place over `keys` rows of Sᵀ; adds each row into sum (lane-wise,
+// in key order).
+inline void exp_pass(const Block& b, int64_t keys, const Vec* shift, Vec* sum) {
+    float* s = b.st;
+    for (int64_t j = 0; j < keys; ++j, s += Bq)
+#pragma GCC unroll 4
+        for (int u = 0; u < kQueryVecs; ++u) {
+            const Vec pj = exp2_neg(vsub(vload(s + u * W), shift[u]));
+            vstore(s + u * W, pj);
+            sum[u] = vadd(sum[u], pj);
+        }
 }
 
 // Online-softmax update of the block with keys [tile, tile + keys).
 void attend_tile(const Block& b, int64_t tile, int64_t keys, int64_t next_keys, bool partial) {
     // 1. Sᵀ = K_tile Qᵀ (scaled, base 2), masked on partial tiles, with the tile's row max.
-    //    Meanwhile K and V rows of the next tile are prefetched, a few rows per micro-tile.
     Vec tile_max[kQueryVecs];
     for (int u = 0; u < kQueryVecs; ++u) tile_max[u] = vset(-__builtin_inff());
-    const int64_t micro_tiles = (keys + kRows - 1) / kRows;
-    const int64_t ahead = (next_keys + micro_tiles - 1) / micro_tiles;
     int64_t j0 = 0;
-    for (; j0 + kRows <= keys; j0 += kRows) {
-        const int64_t first = j0 / kRows * ahead;
-        const int64_t count = first + ahead <= next_keys ? ahead : (first < next_keys ? next_keys - first : 0);
-        prefetch_rows(b.k + (tile + b.Bk) * b.k_stride, b.k_stride, first, count, b.D);
-        prefetch_rows(b.v + (tile + b.Bk) * b.v_stride, b.v_stride, first, count, b.Dv);
-        scores_rows<kRows>(b, tile, j0, partial, tile_max);
-    }
+    for (; j0 + kRows <= keys; j0 += kRows) scores_rows<kRows>(b, tile, j0, partial, tile_max);
     if (j0 < keys) scores_tail<kRows - 1>(keys - j0, b, tile, j0, partial, tile_max);
 
     // 2. New max, rescale factor of the old state, Pᵀ = 2^(Sᵀ - m) in place, row sums.
@@ -327,20 +373,23 @@ void attend_tile(const Block& b, int64_t tile, int64_t keys, int64_t next_keys, 
         sum[u] = vmul(vload(b.l + u * W), corr[u]);
         vstore(b.m + u * W, m_new);
     }
-    float* s = b.st;
-    for (int64_t j = 0; j < keys; ++j, s += Bq)
-#pragma GCC unroll 4
-        for (int u = 0; u < kQueryVecs; ++u) {
-            const Vec pj = exp2_neg(vsub(vload(s + u * W), shift[u]));
-            vstore(s + u * W, pj);
-            sum[u] = vadd(sum[u], pj);
-        }
+    exp_pass(b, keys, shift, sum);
     for (int u = 0; u < kQueryVecs; ++u) vstore(b.l + u * W, sum[u]);
 
-    // 3. Oᵀ = corr * Oᵀ + Vᵀ Pᵀ.
-    int64_t e0 = 0;
-    for (; e0 + kRows <= b.Dv; e0 += kRows) pv_rows<kRows>(b, tile, keys, e0, corr);
-    if (e0 < b.Dv) pv_tail<kRows - 1>(b.Dv - e0, b, tile, keys, e0, corr);
+    // 3. Oᵀ = corr * Oᵀ + Vᵀ Pᵀ, in passes of near-equal width (Dv = 64: 11+11+11+11+10+10,
+    //    not 12 x 5 + 4), prefetching the next tile on the way.
+    const int64_t passes = (b.Dv + kRows - 1) / kRows;
+    PrefetchStream pf;
+    int pf_steps = 0;
+    if (next_keys > 0) {
+        pf = PrefetchStream(b, tile + b.Bk, next_keys);
+        pf_steps = static_cast<int>((pf.total_lines() + passes * keys - 1) / (passes * keys));
+    }
+    for (int64_t pass = 0, e0 = 0; pass < passes; ++pass) {
+        const int64_t cols = b.Dv / passes + (pass < b.Dv % passes ? 1 : 0);
+        pv_cols<kRows>(cols, b, tile, keys, e0, corr, pf, pf_steps);
+        e0 += cols;
+    }
 }
 
 // ---------------------------------------------------------------- one task
@@ -451,7 +500,7 @@ void attend_block(const AttentionParams& p, const BlockTask& task, float* worksp
                 const int64_t keys = hi - tile < t.Bk ? hi - tile : t.Bk;
                 // Prefetch the next tile unless an earlier sub-block already brought it in.
                 int64_t next_keys = 0;
-                if (tile + t.Bk >= covered) {
+                if (t.prefetch && tile + t.Bk >= covered) {
                     const int64_t after = kv_end - (tile + t.Bk);
                     next_keys = after <= 0 ? 0 : (after < t.Bk ? after : t.Bk);
                 }
