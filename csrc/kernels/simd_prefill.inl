@@ -393,15 +393,54 @@ void attend_tile(const Block& b, int64_t tile, int64_t keys, int64_t next_keys, 
 }
 
 // ---------------------------------------------------------------- one task
+// r[c] <- column c of the 8 x 8 block whose rows are r[0..7] (AVX; both tiers have it).
+inline void transpose8(__m256* r) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+    const __m256 u1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+    const __m256 u3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+    const __m256 u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+    const __m256 u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
 // Sets up one sub-block: Qᵀ scaled into base 2 (exp(x) = 2^(x log2 e)), lanes past the
 // last row 0; empty state.
 void init_sub_block(const AttentionParams& p, Block& b, const float* q) {
     const float qscale = static_cast<float>(p.scale * 1.4426950408889634);
-    for (int64_t i = 0; i < b.rows; ++i) {
-        const float* qrow = q + (b.row_begin + i) * p.q_row_stride;
-        for (int64_t d = 0; d < b.D; ++d) b.qt[d * Bq + i] = qrow[d] * qscale;
+    const __m256 scale8 = _mm256_set1_ps(qscale);
+    const int64_t D = b.D;
+    int64_t i0 = 0;
+    for (; i0 + 8 <= b.rows; i0 += 8) {  // 8 x 8 blocks through registers
+        const float* q0 = q + (b.row_begin + i0) * p.q_row_stride;
+        int64_t d0 = 0;
+        for (; d0 + 8 <= D; d0 += 8) {
+            __m256 r[8];
+            for (int c = 0; c < 8; ++c) r[c] = _mm256_mul_ps(_mm256_loadu_ps(q0 + c * p.q_row_stride + d0), scale8);
+            transpose8(r);
+            for (int c = 0; c < 8; ++c) _mm256_store_ps(b.qt + (d0 + c) * Bq + i0, r[c]);
+        }
+        for (; d0 < D; ++d0)
+            for (int c = 0; c < 8; ++c) b.qt[d0 * Bq + i0 + c] = q0[c * p.q_row_stride + d0] * qscale;
     }
-    for (int64_t d = 0; d < b.D; ++d)
+    for (; i0 < b.rows; ++i0) {
+        const float* qrow = q + (b.row_begin + i0) * p.q_row_stride;
+        for (int64_t d = 0; d < D; ++d) b.qt[d * Bq + i0] = qrow[d] * qscale;
+    }
+    for (int64_t d = 0; d < D; ++d)
         for (int64_t i = b.rows; i < Bq; ++i) b.qt[d * Bq + i] = 0.0f;
     for (int64_t i = 0; i < Bq; ++i) {
         b.m[i] = -__builtin_inff();
@@ -418,15 +457,31 @@ void finish_sub_block(const AttentionParams& p, const Block& b, int64_t batch) {
     float* out = static_cast<float*>(p.out) + batch * p.out_batch_stride + b.head * p.out_head_stride;
     float* lse = static_cast<float*>(p.lse);
     if (lse) lse += batch * p.lse_batch_stride + b.head * p.lse_head_stride;
-    for (int64_t i = 0; i < b.rows; ++i) {
-        float* orow = out + (b.row_begin + i) * p.out_row_stride;
-        const float li = b.l[i];
-        const float inv = li > 0.0f ? 1.0f / li : 0.0f;
-        for (int64_t e = 0; e < b.Dv; ++e) orow[e] = b.ot[e * Bq + i] * inv;
-        if (lse)
-            lse[(b.row_begin + i) * p.lse_row_stride] =
-                li > 0.0f ? b.m[i] * 0.6931471805599453f + __builtin_logf(li) : -__builtin_inff();
+    alignas(64) float inv[Bq];
+    for (int64_t i = 0; i < Bq; ++i) inv[i] = b.l[i] > 0.0f ? 1.0f / b.l[i] : 0.0f;
+    const int64_t Dv = b.Dv;
+    int64_t i0 = 0;
+    for (; i0 + 8 <= b.rows; i0 += 8) {  // 8 x 8 blocks through registers
+        float* o0 = out + (b.row_begin + i0) * p.out_row_stride;
+        const __m256 inv8 = _mm256_load_ps(inv + i0);
+        int64_t e0 = 0;
+        for (; e0 + 8 <= Dv; e0 += 8) {
+            __m256 r[8];
+            for (int c = 0; c < 8; ++c) r[c] = _mm256_mul_ps(_mm256_load_ps(b.ot + (e0 + c) * Bq + i0), inv8);
+            transpose8(r);
+            for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o0 + c * p.out_row_stride + e0, r[c]);
+        }
+        for (; e0 < Dv; ++e0)
+            for (int c = 0; c < 8; ++c) o0[c * p.out_row_stride + e0] = b.ot[e0 * Bq + i0 + c] * inv[i0 + c];
     }
+    for (; i0 < b.rows; ++i0) {
+        float* orow = out + (b.row_begin + i0) * p.out_row_stride;
+        for (int64_t e = 0; e < Dv; ++e) orow[e] = b.ot[e * Bq + i0] * inv[i0];
+    }
+    if (lse)
+        for (int64_t i = 0; i < b.rows; ++i)
+            lse[(b.row_begin + i) * p.lse_row_stride] =
+                b.l[i] > 0.0f ? b.m[i] * 0.6931471805599453f + __builtin_logf(b.l[i]) : -__builtin_inff();
 }
 
 // Keys [tile, tile + keys) for sub-block b: masks when some lane's range cuts the tile.
