@@ -135,6 +135,24 @@ def test_strided_inputs(tier, rng):
     check_against_reference(q, k, v, causal=True)
 
 
+def test_negative_strides(tier, rng):
+    # Reversed views: every row stride is negative.
+    q, k, v = make_qkv(rng, 1, 2, 2, 70, 90, 33, 20)
+    check_against_reference(q[:, :, ::-1], k[:, :, ::-1], v[:, :, ::-1], causal=True)
+
+
+@pytest.mark.parametrize("d,dv", [(512, 512), (1000, 7), (7, 1000)])
+def test_wide_heads(tier, rng, d, dv):
+    q, k, v = make_qkv(rng, 1, 2, 1, 50, 300, d, dv)
+    check_against_reference(q, k, v, causal=True)
+
+
+def test_no_keys(tier, rng):
+    q, k, v = make_qkv(rng, 1, 2, 2, 5, 0, 8, 3)
+    out, lse = af.attention(q, k, v, return_lse=True)
+    assert out.shape == (1, 2, 5, 3) and np.all(out == 0) and np.all(lse == -np.inf)
+
+
 @pytest.mark.parametrize("shape", [
     # b, h, hkv, tq, tk, d, dv
     (2, 4, 2, 300, 300, 64, 64),     # GQA heads grouped into one task
