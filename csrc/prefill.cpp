@@ -53,7 +53,7 @@ void run_blocks(const AttentionParams& p,
 
     // Tasks go out in order of decreasing query block: under a causal mask the late blocks
     // see the most keys, so the dynamic schedule starts the costliest work first.
-    parallel::for_each_dynamic(tasks, threads, [&](int64_t index, int thread_id) {
+    auto task_at = [&](int64_t index) {
         const int64_t block = blocks_per_head - 1 - index / head_groups;
         const int64_t group = index % head_groups;
         BlockTask task;
@@ -62,7 +62,22 @@ void run_blocks(const AttentionParams& p,
         task.head_count = heads_per_task;
         task.row_begin = block * block_rows;
         task.row_end = task.row_begin + block_rows < p.seqlen_q ? task.row_begin + block_rows : p.seqlen_q;
-        attend(p, task, workspace.get() + ws_elems * thread_id);
+        return task;
+    };
+    const int64_t q_row_bytes = p.head_dim * static_cast<int64_t>(sizeof(A));
+    parallel::for_each_dynamic(tasks, threads, [&](int64_t index, int thread_id) {
+        // The dynamic schedule most likely hands this thread index + threads next: start
+        // bringing that task's query rows in now, a whole task ahead (a cache hint only).
+        if (index + threads < tasks) {
+            const BlockTask next = task_at(index + threads);
+            for (int64_t h = next.head; h < next.head + next.head_count; ++h)
+                for (int64_t r = next.row_begin; r < next.row_end; ++r) {
+                    const char* row = static_cast<const char*>(p.q) +
+                        (next.batch * p.q_batch_stride + h * p.q_head_stride + r * p.q_row_stride) * static_cast<int64_t>(sizeof(A));
+                    for (int64_t off = 0; off < q_row_bytes; off += 64) __builtin_prefetch(row + off, 0, 2);
+                }
+        }
+        attend(p, task_at(index), workspace.get() + ws_elems * thread_id);
     });
 }
 

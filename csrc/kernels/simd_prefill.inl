@@ -69,6 +69,7 @@ inline Vec finite_or_zero(Vec m) {
     const Mask ninf = _mm512_cmp_ps_mask(m, vset(-__builtin_inff()), _CMP_EQ_OQ);
     return _mm512_mask_blend_ps(ninf, m, vzero());
 }
+inline bool all_ones(Vec x) { return _mm512_cmp_ps_mask(x, vset(1.0f), _CMP_NEQ_UQ) == 0; }
 #else  // AVX2 + FMA
 using Vec = __m256;
 using Mask = __m256;
@@ -97,6 +98,7 @@ inline Vec keep_or_neg_inf(Mask keep, Vec x) { return _mm256_blendv_ps(vset(-__b
 inline Vec finite_or_zero(Vec m) {
     return _mm256_andnot_ps(_mm256_cmp_ps(m, vset(-__builtin_inff()), _CMP_EQ_OQ), m);
 }
+inline bool all_ones(Vec x) { return _mm256_movemask_ps(_mm256_cmp_ps(x, vset(1.0f), _CMP_NEQ_UQ)) == 0; }
 #endif
 
 constexpr int64_t Bq = kQueryVecs * W;
@@ -295,17 +297,24 @@ void scores_rows(const Block& b, int64_t tile, int64_t j0, bool partial, Vec* ti
         }
 }
 
-// Oᵀ rows [e0, e0 + R) = corr * Oᵀ + Vᵀ[e0:e0+R, tile keys] Pᵀ over `keys` keys; steps the
-// prefetch stream `pf_steps` times per key.
+// Oᵀ rows [e0, e0 + R) = corr * Oᵀ + Vᵀ[e0:e0+R, tile keys] Pᵀ over `keys` keys (corr
+// nullptr: all ones); steps the prefetch stream `pf_steps` times per key.
 template <int R>
 void pv_rows(const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* corr,
              PrefetchStream& pf, int pf_steps) {
     Vec acc[R][kQueryVecs];
     float* o = b.ot + e0 * Bq;
+    if (corr) {
 #pragma GCC unroll 16
-    for (int t = 0; t < R; ++t)
+        for (int t = 0; t < R; ++t)
 #pragma GCC unroll 4
-        for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = vmul(vload(o + t * Bq + u * W), corr[u]);
+            for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = vmul(vload(o + t * Bq + u * W), corr[u]);
+    } else {
+#pragma GCC unroll 16
+        for (int t = 0; t < R; ++t)
+#pragma GCC unroll 4
+            for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = vload(o + t * Bq + u * W);
+    }
     const float* vrow = b.v + tile * b.v_stride + e0;
     const float* pt = b.st;
     for (int64_t j = 0; j < keys; ++j, vrow += b.v_stride, pt += Bq) {
@@ -375,6 +384,9 @@ void attend_tile(const Block& b, int64_t tile, int64_t keys, int64_t next_keys, 
     }
     exp_pass(b, keys, shift, sum);
     for (int u = 0; u < kQueryVecs; ++u) vstore(b.l + u * W, sum[u]);
+    // Once the running max settles, corr is all ones: skip multiplying Oᵀ by it.
+    bool rescale = false;
+    for (int u = 0; u < kQueryVecs; ++u) rescale = rescale || !all_ones(corr[u]);
 
     // 3. Oᵀ = corr * Oᵀ + Vᵀ Pᵀ, in passes of near-equal width (Dv = 64: 11+11+11+11+10+10,
     //    not 12 x 5 + 4), prefetching the next tile on the way.
@@ -387,7 +399,7 @@ void attend_tile(const Block& b, int64_t tile, int64_t keys, int64_t next_keys, 
     }
     for (int64_t pass = 0, e0 = 0; pass < passes; ++pass) {
         const int64_t cols = b.Dv / passes + (pass < b.Dv % passes ? 1 : 0);
-        pv_cols<kRows>(cols, b, tile, keys, e0, corr, pf, pf_steps);
+        pv_cols<kRows>(cols, b, tile, keys, e0, rescale ? corr : nullptr, pf, pf_steps);
         e0 += cols;
     }
 }
