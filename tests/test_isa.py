@@ -155,7 +155,8 @@ def test_no_keys(tier, rng):
 
 @pytest.mark.parametrize("shape", [
     # b, h, hkv, tq, tk, d, dv
-    (2, 4, 2, 300, 300, 64, 64),     # GQA heads grouped into one task
+    (2, 4, 2, 500, 500, 64, 64),     # pairs of GQA heads share one task
+    (2, 8, 2, 520, 600, 40, 24),     # four GQA heads share one task
     (1, 4, 4, 1100, 1100, 64, 64),   # K and V over half of L2: several row blocks per task
     (3, 3, 1, 97, 1025, 59, 111),
 ])

@@ -156,8 +156,9 @@ struct Block {
 inline int64_t round_down(int64_t x, int64_t to) { return x / to * to; }
 inline int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
-// Most sub-blocks one task holds. Their states live in L2 while a KV super-tile is reused.
-constexpr int64_t kMaxSubBlocks = 8;
+// Most sub-blocks one task holds: each K/V super-tile is read from L3 once per task and
+// reused from L2 by up to this many sub-blocks, whose states (Qᵀ, Oᵀ) also live in L2.
+constexpr int64_t kMaxSubBlocks = 4;
 
 // Tile sizes of the float32 prefill, from D, Dv and the cache sizes only.
 struct Tiling {
@@ -186,14 +187,15 @@ inline Tiling tiling(const AttentionParams& p) {
 PrefillPlan plan(const AttentionParams& p) {
     const Tiling t = tiling(p);
     const int64_t group = p.heads / p.kv_heads;
-    // Heads per task: the largest divisor of the group not above kMaxSubBlocks / 2.
+    // Heads per task: the largest divisor of the group up to kMaxSubBlocks.
     int64_t heads = 1;
-    for (int64_t h = 1; h <= group && h <= kMaxSubBlocks / 2; ++h)
+    for (int64_t h = 1; h <= group && h <= kMaxSubBlocks; ++h)
         if (group % h == 0) heads = h;
     // Row blocks per task: only worth it when one head's K and V do not fit in L2.
-    int64_t row_blocks = t.prefetch ? kMaxSubBlocks / 2 / heads : 1;
+    int64_t row_blocks = t.prefetch ? kMaxSubBlocks / heads : 1;
     if (row_blocks < 1) row_blocks = 1;
-    // Keep enough tasks to balance any thread count a machine may have.
+    // Keep enough tasks (64) to balance the thread counts of most machines; a function of
+    // the shape only, so the result does not depend on the thread count.
     const int64_t q_blocks = (p.seqlen_q + Bq - 1) / Bq;
     auto tasks = [&](int64_t rb, int64_t hd) {
         return p.batch * (p.heads / hd) * ((q_blocks + rb - 1) / rb);
