@@ -214,3 +214,12 @@ def test_force_isa_rejects_unknown_and_keeps_tier():
     with pytest.raises(ValueError, match="unknown kernel tier"):
         _ext.force_isa("sse9")
     assert _ext.runtime_info()["isa"] == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True])
+def test_full_scale_head(tier, rng, causal):
+    # One 4096 x 4096 head at D = 128: K and V exceed L2, so tasks group row blocks over
+    # several KV super-tiles with the next tile prefetched.
+    q, k, v = make_qkv(rng, 1, 1, 1, 4096, 4096, 128, 128)
+    check_against_reference(q, k, v, causal=causal)
