@@ -6,6 +6,10 @@
 #include <mutex>
 #include <string>
 
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
+#endif
+
 #include "attnfast.hpp"
 #include "kernels/kernel_table.hpp"
 
@@ -138,6 +142,36 @@ bool isa_force(const char* name) {
     active_kernels();
     std::lock_guard<std::mutex> lock(g_mutex);
     return select_locked(name);
+}
+
+namespace {
+// sysconf's answer for `name`, clamped to [lo, hi]; `fallback` when the OS does not say
+// (some VMs and libcs report 0).
+int64_t cache_bytes(int name, int64_t fallback, int64_t lo, int64_t hi) {
+    int64_t bytes = 0;
+#if defined(__unix__) || defined(__APPLE__)
+    if (name >= 0) bytes = static_cast<int64_t>(sysconf(name));
+#else
+    (void)name;
+#endif
+    if (bytes <= 0) return fallback;
+    return bytes < lo ? lo : (bytes > hi ? hi : bytes);
+}
+}  // namespace
+
+const CacheSizes& cache_sizes() {
+    static const CacheSizes sizes = [] {
+        CacheSizes c;
+#if defined(_SC_LEVEL1_DCACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE)
+        c.l1d = cache_bytes(_SC_LEVEL1_DCACHE_SIZE, 32 << 10, 16 << 10, 256 << 10);
+        c.l2 = cache_bytes(_SC_LEVEL2_CACHE_SIZE, 1 << 20, 128 << 10, 8 << 20);
+#else
+        c.l1d = cache_bytes(-1, 32 << 10, 16 << 10, 256 << 10);
+        c.l2 = cache_bytes(-1, 1 << 20, 128 << 10, 8 << 20);
+#endif
+        return c;
+    }();
+    return sizes;
 }
 
 const char* isa_error() {

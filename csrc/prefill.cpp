@@ -47,27 +47,45 @@ void check_params(const AttentionParams& p) {
 
 template <class A>
 void run_blocks(const AttentionParams& p,
-                void (*attend)(const AttentionParams&, const BlockTask&, A*)) {
-    const int64_t blocks_per_head = (p.seqlen_q + kBlockRows - 1) / kBlockRows;
-    const int64_t heads_total = p.batch * p.heads;
-    const int64_t tasks = heads_total * blocks_per_head;
+                void (*attend)(const AttentionParams&, const BlockTask&, A*), const PrefillPlan& plan) {
+    const int64_t block_rows = plan.block_rows;
+    const int64_t heads_per_task = plan.heads_per_task;
+    const int64_t blocks_per_head = (p.seqlen_q + block_rows - 1) / block_rows;
+    const int64_t head_groups = p.batch * (p.heads / heads_per_task);
+    const int64_t tasks = head_groups * blocks_per_head;
     if (tasks == 0) return;
     const int threads = p.num_threads < tasks ? p.num_threads : static_cast<int>(tasks);
 
-    const int64_t ws_elems = block_workspace_elems(p);
+    const int64_t ws_elems = plan.workspace_elems;
     std::unique_ptr<A[]> workspace(new A[static_cast<size_t>(ws_elems * threads)]);
 
     // Tasks go out in order of decreasing query block: under a causal mask the late blocks
     // see the most keys, so the dynamic schedule starts the costliest work first.
-    parallel::for_each_dynamic(tasks, threads, [&](int64_t index, int thread_id) {
-        const int64_t block = blocks_per_head - 1 - index / heads_total;
-        const int64_t bh = index % heads_total;
+    auto task_at = [&](int64_t index) {
+        const int64_t block = blocks_per_head - 1 - index / head_groups;
+        const int64_t group = index % head_groups;
         BlockTask task;
-        task.batch = bh / p.heads;
-        task.head = bh % p.heads;
-        task.row_begin = block * kBlockRows;
-        task.row_end = task.row_begin + kBlockRows < p.seqlen_q ? task.row_begin + kBlockRows : p.seqlen_q;
-        attend(p, task, workspace.get() + ws_elems * thread_id);
+        task.batch = group / (p.heads / heads_per_task);
+        task.head = group % (p.heads / heads_per_task) * heads_per_task;
+        task.head_count = heads_per_task;
+        task.row_begin = block * block_rows;
+        task.row_end = task.row_begin + block_rows < p.seqlen_q ? task.row_begin + block_rows : p.seqlen_q;
+        return task;
+    };
+    const int64_t q_row_bytes = p.head_dim * static_cast<int64_t>(sizeof(A));
+    parallel::for_each_dynamic(tasks, threads, [&](int64_t index, int thread_id) {
+        // The dynamic schedule most likely hands this thread index + threads next: start
+        // bringing that task's query rows in now, a whole task ahead (a cache hint only).
+        if (index + threads < tasks) {
+            const BlockTask next = task_at(index + threads);
+            for (int64_t h = next.head; h < next.head + next.head_count; ++h)
+                for (int64_t r = next.row_begin; r < next.row_end; ++r) {
+                    const char* row = static_cast<const char*>(p.q) +
+                        (next.batch * p.q_batch_stride + h * p.q_head_stride + r * p.q_row_stride) * static_cast<int64_t>(sizeof(A));
+                    for (int64_t off = 0; off < q_row_bytes; off += 64) __builtin_prefetch(row + off, 0, 2);
+                }
+        }
+        attend(p, task_at(index), workspace.get() + ws_elems * thread_id);
     });
 }
 
@@ -80,8 +98,12 @@ void attention_forward(const AttentionParams& p) {
         return;
     }
     const KernelTable& kernels = active_kernels();
-    if (p.dtype == DType::kF32) run_blocks<float>(p, kernels.attend_block_f32);
-    else run_blocks<double>(p, kernels.attend_block_f64);
+    if (p.dtype == DType::kF32) {
+        run_blocks<float>(p, kernels.attend_block_f32, kernels.plan_f32(p));
+    } else {
+        const PrefillPlan plan{kBlockRows, block_workspace_elems(p)};
+        run_blocks<double>(p, kernels.attend_block_f64, plan);
+    }
 }
 
 bool openmp_enabled() { return parallel::enabled(); }

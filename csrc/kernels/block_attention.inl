@@ -204,11 +204,19 @@ void attend_block(const AttentionParams& p, const BlockTask& task, A* workspace)
     }
 }
 
-void attend_block_f32(const AttentionParams& p, const BlockTask& t, float* ws) {
+[[maybe_unused]] void attend_block_f32(const AttentionParams& p, const BlockTask& t, float* ws) {
     attend_block<float, float>(p, t, ws);
 }
 void attend_block_f64(const AttentionParams& p, const BlockTask& t, double* ws) {
     attend_block<double, double>(p, t, ws);
+}
+
+// The float32 plan of this kernel (the SIMD tiers use their own kernel and plan for float32).
+[[maybe_unused]] PrefillPlan plan_f32_generic(const AttentionParams& p) {
+    PrefillPlan plan;
+    plan.block_rows = kBlockRows;
+    plan.workspace_elems = block_workspace_elems(p);
+    return plan;
 }
 
 }  // namespace

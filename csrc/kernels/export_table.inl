@@ -1,7 +1,13 @@
 // The KernelTable of one ISA file: every kernel template it compiled, by entry point.
-// Included last by kernels/isa_*.cpp, after block_attention.inl and decode_attention.inl.
+// Included last by kernels/isa_*.cpp, after the kernel .inl files. A tier with its own float32
+// prefill kernel names it (and its plan) in ATTNFAST_PREFILL_F32 / ATTNFAST_PREFILL_PLAN_F32;
+// otherwise the shared template is used.
 #ifndef ATTNFAST_KERNEL_NS
 #error "define ATTNFAST_KERNEL_NS and include the kernel .inl files before export_table.inl"
+#endif
+#ifndef ATTNFAST_PREFILL_F32
+#define ATTNFAST_PREFILL_F32 attend_block_f32
+#define ATTNFAST_PREFILL_PLAN_F32 plan_f32_generic
 #endif
 
 namespace attnfast {
@@ -10,7 +16,8 @@ namespace {
 
 const KernelTable kTable = {
     ATTNFAST_KERNEL_NAME,
-    attend_block_f32, attend_block_f64,
+    ATTNFAST_PREFILL_F32, attend_block_f64,
+    ATTNFAST_PREFILL_PLAN_F32,
     decode_chunk_f32, decode_chunk_f64,
     decode_merge_f32, decode_merge_f64,
 };

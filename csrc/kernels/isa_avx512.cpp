@@ -1,9 +1,14 @@
-// Kernel tier "avx512": the shared kernel templates compiled with this file's flags (CMakeLists.txt).
+// Kernel tier "avx512": float32 prefill from the hand-written SIMD kernel (simd_prefill.inl);
+// float64 prefill and decode from the shared auto-vectorised templates; all compiled with this
+// file's flags (CMakeLists.txt).
 #define ATTNFAST_KERNEL_NS isa_avx512
 #define ATTNFAST_KERNEL_NAME "avx512"
 #define ATTNFAST_SIMD_BYTES 64  // vector register width the kernels are tuned for
 #include "block_attention.inl"
 #include "decode_attention.inl"
+#include "simd_prefill.inl"
+#define ATTNFAST_PREFILL_F32 simd::attend_block
+#define ATTNFAST_PREFILL_PLAN_F32 simd::plan
 #include "export_table.inl"
 
 const attnfast::KernelTable* attnfast::kernel_table_avx512() { return &isa_avx512::kTable; }

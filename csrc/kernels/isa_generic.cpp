@@ -1,4 +1,5 @@
-// Kernel tier "generic": the shared kernel templates compiled with this file's flags (CMakeLists.txt).
+// Kernel tier "generic": the shared kernel templates compiled with this file's flags
+// (baseline ISA; the compiler's auto-vectorisation only).
 #define ATTNFAST_KERNEL_NS isa_generic
 #define ATTNFAST_KERNEL_NAME "generic"
 #define ATTNFAST_SIMD_BYTES 16  // vector register width the kernels are tuned for

@@ -16,12 +16,14 @@ namespace attnfast {
 constexpr int64_t kBlockRows = 64;
 constexpr int64_t kTileKeys = 64;
 
-// One unit of prefill work: query rows [row_begin, row_end) of one (batch, head).
+// One unit of prefill work: query rows [row_begin, row_end) of one (batch, head), or of
+// heads [head, head + head_count) that all read one KV head (GQA; float32 SIMD tiers only).
 struct BlockTask {
     int64_t batch;
     int64_t head;
     int64_t row_begin;
     int64_t row_end;
+    int64_t head_count = 1;
 };
 
 // Scratch one thread needs for one BlockTask, in accumulator elements (float or double).
@@ -97,11 +99,23 @@ static inline int64_t decode_workspace_elems(const AttentionParams& p) {
     return task > merge ? task : merge;
 }
 
+// How a tier splits a float32 prefill: query rows and heads per BlockTask, and scratch
+// floats per thread. A function of the problem's shape and the cache sizes, never of the
+// thread count (so every thread count computes the same bits).
+struct PrefillPlan {
+    int64_t block_rows;
+    int64_t workspace_elems;
+    int64_t heads_per_task = 1;  // divides heads / kv_heads
+};
+
 struct KernelTable {
     const char* name;
     // Attend one block of query rows over all the keys it may see; writes its out/lse rows.
     void (*attend_block_f32)(const AttentionParams&, const BlockTask&, float* workspace);
     void (*attend_block_f64)(const AttentionParams&, const BlockTask&, double* workspace);
+    // Block rows and workspace for attend_block_f32 (attend_block_f64 always uses
+    // kBlockRows and block_workspace_elems).
+    PrefillPlan (*plan_f32)(const AttentionParams&);
     // Decode, step 1: one chunk for all rows of a (batch, kv head). Writes the chunk's
     // unnormalised accumulator acc (rows x Dv), row max m and row sum l (rows each);
     // a row that sees no key of the chunk gets m = -inf, l = 0, acc = 0.
@@ -118,6 +132,14 @@ struct KernelTable {
                              int64_t chunks, const double* acc, const double* m,
                              const double* l, double* workspace);
 };
+
+// Per-core data cache sizes in bytes, read once from the OS (with safe defaults when it
+// does not say); kernels derive their tile sizes from them.
+struct CacheSizes {
+    int64_t l1d;
+    int64_t l2;
+};
+const CacheSizes& cache_sizes();
 
 // One per ISA file; each returns nullptr when that tier was not compiled in.
 const KernelTable* kernel_table_generic();
@@ -149,10 +171,6 @@ static inline KeyRange visible_keys(const AttentionParams& p, int64_t row, int64
     if (end < begin) end = begin;
     if (end < 0) end = begin = 0;
     return {begin, end};
-}
-// The same with every batch entry at the full seqlen_k.
-static inline KeyRange visible_keys(const AttentionParams& p, int64_t row) {
-    return visible_keys(p, row, p.seqlen_k);
 }
 
 }  // namespace attnfast
