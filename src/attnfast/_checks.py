@@ -286,19 +286,27 @@ def check_batch_index(batch_index, batch: int) -> np.ndarray:
     return idx
 
 
+def _ints_per_sequence(value, name: str, shape: tuple) -> np.ndarray:
+    """An int (the same for every sequence) or integers of `shape` -> an integer array of
+    `shape` (dtype kept, so range checks see the values exactly as given)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int or an integer array, got bool {value!r}")
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an int or an integer array, got "
+                        f"{type(value).__name__} with dtype {arr.dtype}")
+    if arr.ndim == 0:
+        arr = np.full(shape, arr, dtype=arr.dtype)
+    if arr.shape != shape:
+        raise ValueError(f"{name} must be an int or have shape {shape} (one length per "
+                         f"sequence), got shape {arr.shape}")
+    return arr
+
+
 def check_cache_seqlens(cache_seqlens, batch: int, capacity: int, new_tokens: int) -> np.ndarray:
     """cache_seqlens (an int, or integers of shape (batch,)) -> int64 (batch,), each in
     [0, capacity - new_tokens] so the new tokens fit."""
-    if isinstance(cache_seqlens, (bool, np.bool_)):
-        raise TypeError(f"cache_seqlens must be an int or an integer array, got bool {cache_seqlens!r}")
-    arr = np.asarray(cache_seqlens)
-    if arr.dtype.kind not in "iu":
-        raise TypeError(f"cache_seqlens must be an int or an integer array, got dtype {arr.dtype}")
-    if arr.ndim == 0:
-        arr = np.full(batch, arr, dtype=arr.dtype)
-    if arr.shape != (batch,):
-        raise ValueError(f"cache_seqlens must be an int or have shape ({batch},) (one length per "
-                         f"sequence), got shape {arr.shape}")
+    arr = _ints_per_sequence(cache_seqlens, "cache_seqlens", (batch,))
     if batch and arr.min() < 0:
         b = int(np.argmax(arr < 0))
         raise ValueError(f"cache_seqlens must be >= 0; cache_seqlens[{b}] = {arr[b]}")
@@ -432,16 +440,7 @@ def check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, *,
 
 def check_truncate(n, lengths: np.ndarray) -> np.ndarray:
     """truncate(n): n an int or one int per sequence, 0 <= n <= current length."""
-    if isinstance(n, (bool, np.bool_)):
-        raise TypeError(f"n must be an int or an array of ints, got bool {n!r}")
-    arr = np.asarray(n)
-    if arr.dtype.kind not in "iu":
-        raise TypeError(f"n must be an int or an array of ints, got {type(n).__name__} with dtype {arr.dtype}")
-    if arr.ndim == 0:
-        arr = np.full(lengths.shape, arr, dtype=arr.dtype)
-    if arr.shape != lengths.shape:
-        raise ValueError(f"n must be an int or have shape {lengths.shape} (one length per "
-                         f"sequence), got shape {arr.shape}")
+    arr = _ints_per_sequence(n, "n", lengths.shape)
     if arr.size and arr.min() < 0:
         raise ValueError(f"n must be >= 0, got {arr.min()}")
     if arr.size and np.any(arr > lengths):
