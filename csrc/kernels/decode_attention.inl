@@ -309,7 +309,7 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
             for (int64_t j = j0; j < j1; ++j) {
                 // Start this key's V row towards L2 now, so the V stream is fetched alongside
                 // the K stream instead of after it (a block's V, at most half of
-                // kDecodeChunkBytes, stays in L2 until its pass). Measured on one core of an
+                // the chunk's bytes, stays in L2 until its pass). Measured on one core of an
                 // AMD EPYC: +30% GB/s; the hardware prefetcher alone stalls at each switch.
                 // (Interleaving K and V in smaller blocks, or prefetching the next chunk's K
                 // during the V pass, measured slower.)

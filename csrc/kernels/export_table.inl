@@ -1,13 +1,17 @@
 // The KernelTable of one ISA file: every kernel template it compiled, by entry point.
 // Included last by kernels/isa_*.cpp, after the kernel .inl files. A tier with its own float32
 // prefill kernel names it (and its plan) in ATTNFAST_PREFILL_F32 / ATTNFAST_PREFILL_PLAN_F32;
-// otherwise the shared template is used.
+// otherwise the shared template is used. Likewise a float32 decode chunk kernel in
+// ATTNFAST_DECODE_CHUNK_F32.
 #ifndef ATTNFAST_KERNEL_NS
 #error "define ATTNFAST_KERNEL_NS and include the kernel .inl files before export_table.inl"
 #endif
 #ifndef ATTNFAST_PREFILL_F32
 #define ATTNFAST_PREFILL_F32 attend_block_f32
 #define ATTNFAST_PREFILL_PLAN_F32 plan_f32_generic
+#endif
+#ifndef ATTNFAST_DECODE_CHUNK_F32
+#define ATTNFAST_DECODE_CHUNK_F32 decode_chunk_f32
 #endif
 
 namespace attnfast {
@@ -18,7 +22,7 @@ const KernelTable kTable = {
     ATTNFAST_KERNEL_NAME,
     ATTNFAST_PREFILL_F32, attend_block_f64,
     ATTNFAST_PREFILL_PLAN_F32,
-    decode_chunk_f32, decode_chunk_f64,
+    ATTNFAST_DECODE_CHUNK_F32, decode_chunk_f64,
     decode_merge_f32, decode_merge_f64,
 };
 

@@ -1,5 +1,5 @@
-// Kernel tier "avx512": float32 prefill from the hand-written SIMD kernel (simd_prefill.inl);
-// float64 prefill and decode from the shared auto-vectorised templates; all compiled with this
+// Kernel tier "avx512": float32 prefill and decode from the hand-written SIMD kernels
+// (simd_prefill.inl, simd_decode.inl); float64 from the shared auto-vectorised templates; all compiled with this
 // file's flags (CMakeLists.txt).
 #define ATTNFAST_KERNEL_NS isa_avx512
 #define ATTNFAST_KERNEL_NAME "avx512"
@@ -7,8 +7,10 @@
 #include "block_attention.inl"
 #include "decode_attention.inl"
 #include "simd_prefill.inl"
+#include "simd_decode.inl"
 #define ATTNFAST_PREFILL_F32 simd::attend_block
 #define ATTNFAST_PREFILL_PLAN_F32 simd::plan
+#define ATTNFAST_DECODE_CHUNK_F32 simd_decode::decode_chunk_f32
 #include "export_table.inl"
 
 const attnfast::KernelTable* attnfast::kernel_table_avx512() { return &isa_avx512::kTable; }
