@@ -63,21 +63,34 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
     user_out = check_out(out, call.out_shape(), call.dtype,
                          [("q", call.q), ("k", call.k), ("v", call.v)])
 
+    return run_kernels(call, user_out, return_lse)
+
+
+attention.__doc__ += _MASK_DRAWING
+
+
+def run_kernels(call, user_out, return_lse, parts=None):
+    """Run the C++ kernels for a checked call and return out (and lse).
+
+    ``parts`` lists the kernel calls as (rows of q/out/lse on axis 0, k, v, key lengths per
+    row or None); by default one call over everything with ``call.k`` and ``call.v``.
+    """
     target = user_out if user_out is not None else np.empty(call.out_shape(), call.dtype)
     target4 = to_4d(target)
     # The kernels need a contiguous last axis; a strided `out` is filled from a temporary.
     result4 = target4 if kernel_ready(target4) is target4 else np.empty(target4.shape, call.dtype)
     lse = np.empty(call.lse_shape(), call.lse_dtype) if return_lse else None
-    _ext.run_attention(
-        call.q, call.k, call.v, result4, None if lse is None else to_3d(lse),
-        causal=call.causal, scale=call.scale, window_left=call.window[0],
-        window_right=call.window[1], num_threads=call.num_threads)
+    lse3 = None if lse is None else to_3d(lse)
+    for rows, k, v, seqlens in parts or [(slice(None), call.k, call.v, None)]:
+        _ext.run_attention(
+            call.q[rows], kernel_ready(k), kernel_ready(v), result4[rows],
+            None if lse3 is None else lse3[rows],
+            causal=call.causal, scale=call.scale, window_left=call.window[0],
+            window_right=call.window[1], num_threads=call.num_threads,
+            seqlens_k=None if seqlens is None else np.ascontiguousarray(seqlens, dtype=np.int64))
     if result4 is not target4:
         np.copyto(target4, result4)
     return (target, lse) if return_lse else target
-
-
-attention.__doc__ += _MASK_DRAWING
 
 
 def _visible(call) -> np.ndarray:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _ext
+from ._api import run_kernels
 from ._checks import (
     check_batch_index,
     check_cache_room,
@@ -19,7 +19,6 @@ from ._checks import (
     check_new_tokens,
     check_out,
     check_truncate,
-    kernel_ready,
     reject_unimplemented,
 )
 
@@ -32,24 +31,6 @@ def _write_tokens(k_cache, v_cache, seqs, starts, k_new, v_new) -> None:
     for i, (b, s) in enumerate(zip(seqs.tolist(), starts.tolist())):
         k_cache[b, :, s:s + t] = k_new[i]
         v_cache[b, :, s:s + t] = v_new[i]
-
-
-def _attend(attn, parts, user_out, return_lse):
-    """Run the kernels. parts: (rows of q/out, k view, v view, int64 key lengths) per call."""
-    target = user_out if user_out is not None else np.empty(attn.out_shape(), attn.dtype)
-    # The kernels need a contiguous last axis; a strided `out` is filled from a temporary.
-    result = target if kernel_ready(target) is target else np.empty(target.shape, attn.dtype)
-    lse = np.empty(attn.lse_shape(), attn.lse_dtype) if return_lse else None
-    for rows, k, v, seqlens in parts:
-        _ext.run_attention(
-            attn.q[rows], kernel_ready(k), kernel_ready(v), result[rows],
-            None if lse is None else lse[rows],
-            causal=attn.causal, scale=attn.scale, window_left=attn.window[0],
-            window_right=attn.window[1], num_threads=attn.num_threads,
-            seqlens_k=np.ascontiguousarray(seqlens, dtype=np.int64))
-    if result is not target:
-        np.copyto(target, result)
-    return (target, lse) if return_lse else target
 
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *,
@@ -109,7 +90,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
         _write_tokens(k_cache, v_cache, np.arange(call.attn.batch), call.starts,
                       call.k_new, call.v_new)
     parts = [(slice(None), k_cache, v_cache, call.seqlens_after)]
-    return _attend(call.attn, parts, user_out, return_lse)
+    return run_kernels(call.attn, user_out, return_lse, parts)
 
 
 class KVCache:
@@ -283,4 +264,4 @@ class KVCache:
             self._lengths[seqs] += call.new_tokens
         parts = [(rows, self._k[cache_rows], self._v[cache_rows], self._lengths[cache_rows])
                  for rows, cache_rows in self._views(seqs)]
-        return _attend(call.attn, parts, user_out, return_lse)
+        return run_kernels(call.attn, user_out, return_lse, parts)
