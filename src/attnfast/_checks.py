@@ -21,6 +21,14 @@ def _dtype_name(dt: np.dtype) -> str:
     return str(dt)
 
 
+def _reject_planned_dtype(dt: np.dtype, name: str) -> None:
+    """float16 / bfloat16 are part of the contract but have no kernels yet."""
+    if dt.name in _PLANNED_DTYPES:
+        raise NotImplementedError(
+            f"{name} has dtype {dt.name}: float16 and bfloat16 are not implemented yet; "
+            "pass float32 or float64")
+
+
 def as_float_array(x, name: str) -> np.ndarray:
     """`x` as an ndarray of a dtype the kernels take (no copy when it already is one)."""
     arr = np.asarray(x)
@@ -30,10 +38,7 @@ def as_float_array(x, name: str) -> np.ndarray:
         dt = arr.dtype
     if dt in _KERNEL_DTYPES:
         return arr
-    if dt.name in _PLANNED_DTYPES:
-        raise NotImplementedError(
-            f"{name} has dtype {dt.name}: float16 and bfloat16 are not implemented yet; "
-            "pass float32 or float64")
+    _reject_planned_dtype(dt, name)
     raise TypeError(f"{name} must be float32 or float64, got dtype {_dtype_name(dt)}")
 
 
@@ -238,10 +243,7 @@ def _exact_dtype(arr: np.ndarray, name: str) -> np.dtype:
     dt = arr.dtype
     if dt in _KERNEL_DTYPES and dt.isnative:
         return dt
-    if dt.name in _PLANNED_DTYPES:
-        raise NotImplementedError(
-            f"{name} has dtype {dt.name}: float16 and bfloat16 are not implemented yet; "
-            "pass float32 or float64")
+    _reject_planned_dtype(dt, name)
     raise TypeError(f"{name} must be a float32 or float64 array in native byte order, "
                     f"got dtype {_dtype_name(dt)}")
 
@@ -257,8 +259,7 @@ def check_cache_spec(batch, kv_heads, head_dim, capacity, dtype, v_head_dim):
         dt = np.dtype(dtype)
     except TypeError:
         raise TypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
-    if dt.name in _PLANNED_DTYPES:
-        raise NotImplementedError(f"dtype {dt.name} is not implemented yet; use float32 or float64")
+    _reject_planned_dtype(dt, "dtype")
     if dt not in _KERNEL_DTYPES:
         raise TypeError(f"dtype must be float32 or float64, got {dt}")
     return B, Hkv, D, C, dt, Dv
