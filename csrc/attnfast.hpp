@@ -44,6 +44,7 @@ struct AttentionParams {
     bool causal;         // bottom-right aligned: row i sees key j iff j <= i + (Tk - Tq)
     int64_t window_left;   // row i sees keys j >= i + (Tk - Tq) - window_left; -1 = unbounded
     int64_t window_right;  // row i sees keys j <= i + (Tk - Tq) + window_right; -1 = unbounded
+                           // (any value up to INT64_MAX is safe: no overflow)
 
     // Reserved for options that are not implemented yet; the Python layer rejects them
     // before they get here, and the kernels require them to be at their "off" values.
@@ -55,7 +56,9 @@ struct AttentionParams {
     MaskKind mask_kind;
     int64_t mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
 
-    int num_threads;     // >= 1; the result does not depend on it
+    int num_threads;     // >= 1 (more than the processors are not started); the result
+                         // does not depend on it
+    bool interruptible;  // stop early (out/lse then unspecified) after request_interrupt()
 };
 
 // Returns a params struct with every option off and every pointer null.
@@ -68,7 +71,15 @@ AttentionParams default_params();
 // (the Python layer checks first, so this is a guard, not the user-facing check).
 void attention_forward(const AttentionParams& params);
 
+// ---- interrupts (Ctrl-C) ----
+// Asks running interruptible calls to stop: they skip the work items not yet started and
+// return with out/lse unspecified. Lock-free: may be called from a signal handler.
+void request_interrupt() noexcept;
+// Whether an interrupt was requested since the last call; clears the request.
+bool take_interrupt() noexcept;
+
 // ---- runtime facts ----
+int processor_count() noexcept;  // processors this process may run on (1 without OpenMP)
 bool openmp_enabled();
 int openmp_max_threads();        // omp_get_max_threads(), or 1 without OpenMP
 const char* openmp_runtime_name();

@@ -36,6 +36,7 @@ void check_params(const AttentionParams& p) {
     require(p.head_dim >= 1 && p.head_dim_v >= 1, "head_dim and head_dim_v must be >= 1");
     require(p.kv_heads >= 1 && p.heads % p.kv_heads == 0, "heads must be a multiple of kv_heads");
     require(p.num_threads >= 1, "num_threads must be >= 1");
+    require(p.window_left >= -1 && p.window_right >= -1, "window bounds must be >= -1");
     require(p.softcap == 0.0 && !p.alibi_slopes && !p.sinks && !p.mask,
             "softcap, alibi_slopes, sinks and mask are not implemented");
     require(p.dtype == DType::kF32 || p.dtype == DType::kF64, "dtype not supported by the kernels");
@@ -73,7 +74,7 @@ void run_blocks(const AttentionParams& p,
         return task;
     };
     const int64_t q_row_bytes = p.head_dim * static_cast<int64_t>(sizeof(A));
-    parallel::for_each_dynamic(tasks, threads, [&](int64_t index, int thread_id) {
+    parallel::for_each_dynamic(tasks, threads, p.interruptible, [&](int64_t index, int thread_id) {
         // The dynamic schedule most likely hands this thread index + threads next: start
         // bringing that task's query rows in now, a whole task ahead (a cache hint only).
         if (index + threads < tasks) {
@@ -105,6 +106,10 @@ void attention_forward(const AttentionParams& p) {
         run_blocks<double>(p, kernels.attend_block_f64, plan);
     }
 }
+
+void request_interrupt() noexcept { parallel::interrupt_flag().store(1); }
+bool take_interrupt() noexcept { return parallel::interrupt_flag().exchange(0) != 0; }
+int processor_count() noexcept { return parallel::processors(); }
 
 bool openmp_enabled() { return parallel::enabled(); }
 int openmp_max_threads() { return parallel::max_threads(); }

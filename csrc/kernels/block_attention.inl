@@ -28,12 +28,15 @@ constexpr int kLanes = 16;  // partial sums kept per reduction, so reductions ve
 static_assert(Bk % kLanes == 0, "tile must be a multiple of the reduction lanes");
 
 template <class A> inline A neg_inf() { return -static_cast<A>(__builtin_inf()); }
-template <class A> inline A max_of(A a, A b) { return a > b ? a : b; }
+// max that propagates NaN from either side (a NaN score must reach the row's out and lse,
+// never be dropped by a comparison).
+template <class A> inline A max_of(A a, A b) { return (a > b || a != a) ? a : b; }
 
 // exp for float: Cody-Waite range reduction and a degree-6 polynomial (Cephes' expf
 // coefficients), ~1 ulp on the range softmax uses; flushes to 0 below -87.3 (and for -inf).
 inline float exp_acc(float x) {
-    const float xc = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+    float xc = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+    xc = xc == xc ? xc : 0.0f;  // NaN: computed on 0 (no undefined int conversion), returned as is
     const float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
     const float n = (xc * 1.44269504088896341f + round_magic) - round_magic;
     float r = xc - n * 0.693359375f;
@@ -48,7 +51,7 @@ inline float exp_acc(float x) {
     const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
     float two_n;
     std::memcpy(&two_n, &bits, sizeof two_n);
-    return x < -87.3f ? 0.0f : er * two_n;
+    return x < -87.3f ? 0.0f : (x == x ? er * two_n : x);
 }
 inline double exp_acc(double x) { return __builtin_exp(x); }
 
@@ -193,7 +196,7 @@ void attend_block(const AttentionParams& p, const BlockTask& task, A* workspace)
     for (int64_t i = 0; i < rows; ++i) {
         T* orow = out + (task.row_begin + i) * p.out_row_stride;
         const A* acc_row = acc + i * Dv;
-        if (l[i] > A(0)) {
+        if (l[i] != A(0)) {  // saw keys; NaN here (a NaN score) gives NaN out and lse
             const A inv = A(1) / l[i];
             for (int64_t e = 0; e < Dv; ++e) orow[e] = store_from_acc<T>(acc_row[e] * inv);
             if (lse) lse[(task.row_begin + i) * p.lse_row_stride] = m[i] + log_acc(l[i]);

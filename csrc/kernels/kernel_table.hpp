@@ -169,13 +169,15 @@ struct KeyRange {
     int64_t begin;
     int64_t end;
 };
+// Window bounds may be as large as INT64_MAX (any bound >= Tq + Tk means unbounded): each
+// one is compared with a distance between positions before it is added, never overflowing.
 static inline KeyRange visible_keys(const AttentionParams& p, int64_t row, int64_t seqlen_k) {
     const int64_t aligned = row + (seqlen_k - p.seqlen_q);
     int64_t begin = 0;
     int64_t end = seqlen_k;
     if (p.causal && aligned + 1 < end) end = aligned + 1;
-    if (p.window_right >= 0 && aligned + p.window_right + 1 < end) end = aligned + p.window_right + 1;
-    if (p.window_left >= 0 && aligned - p.window_left > begin) begin = aligned - p.window_left;
+    if (p.window_right >= 0 && p.window_right < end - aligned - 1) end = aligned + p.window_right + 1;
+    if (p.window_left >= 0 && p.window_left < aligned - begin) begin = aligned - p.window_left;
     if (end < begin) end = begin;
     if (end < 0) end = begin = 0;
     return {begin, end};

@@ -1,6 +1,8 @@
 """Public attention functions: check (attnfast._checks), then run the C++ kernels."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from . import _ext
@@ -81,13 +83,16 @@ def run_kernels(call, user_out, return_lse, parts=None):
     result4 = target4 if kernel_ready(target4) is target4 else np.empty(target4.shape, call.dtype)
     lse = np.empty(call.lse_shape(), call.lse_dtype) if return_lse else None
     lse3 = None if lse is None else to_3d(lse)
+    # Ctrl-C stops the kernels early only in the main thread, which alone receives it.
+    interruptible = threading.current_thread() is threading.main_thread()
     for rows, k, v, seqlens in parts or [(slice(None), call.k, call.v, None)]:
         _ext.run_attention(
             call.q[rows], kernel_ready(k), kernel_ready(v), result4[rows],
             None if lse3 is None else lse3[rows],
             causal=call.causal, scale=call.scale, window_left=call.window[0],
             window_right=call.window[1], num_threads=call.num_threads,
-            seqlens_k=None if seqlens is None else np.ascontiguousarray(seqlens, dtype=np.int64))
+            seqlens_k=None if seqlens is None else np.ascontiguousarray(seqlens, dtype=np.int64),
+            interruptible=interruptible)
     if result4 is not target4:
         np.copyto(target4, result4)
     return (target, lse) if return_lse else target

@@ -67,14 +67,29 @@ def _shape_str(a) -> str:
     return "(" + ", ".join(str(s) for s in a.shape) + ")" if a.ndim != 1 else f"({a.shape[0]},)"
 
 
-def check_scale(scale, head_dim: int) -> float:
+def _compute_dtype(dtype: np.dtype) -> np.dtype:
+    """The precision the kernels compute in for inputs of `dtype`."""
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+def check_scale(scale, head_dim: int, dtype: np.dtype) -> float:
+    """scale: a real number > 0 that stays finite and non-zero in the compute precision
+    (float32 for float32 inputs), also once multiplied by log2(e) as the kernels do."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"scale must be a real number, got {type(scale).__name__} {scale!r}")
-    s = float(scale)
+    try:
+        s = float(scale)
+    except OverflowError:
+        s = math.inf
     if not math.isfinite(s) or s <= 0:
-        raise ValueError(f"scale must be finite and > 0, got {s!r}")
+        raise ValueError(f"scale must be finite and > 0, got {scale!r}")
+    info = np.finfo(_compute_dtype(dtype))
+    if not float(info.tiny) <= s * math.log2(math.e) <= float(info.max):
+        raise ValueError(f"scale={scale!r} is outside the range of {info.dtype} (the compute "
+                         f"precision of {np.dtype(dtype)} inputs): it must lie in "
+                         f"[{float(info.tiny) / math.log2(math.e):.3g}, {float(info.max) / math.log2(math.e):.3g}]")
     return s
 
 
@@ -84,12 +99,21 @@ def check_window(window) -> tuple[int, int]:
         return -1, -1
     try:
         left, right = window
+        if isinstance(left, (bool, np.bool_)) or isinstance(right, (bool, np.bool_)):
+            raise TypeError
         left, right = operator.index(left), operator.index(right)
     except (TypeError, ValueError):
         raise TypeError(f"window must be a pair of ints (left, right), got {window!r}") from None
     if left < -1 or right < -1:
         raise ValueError(f"window values must be >= -1 (-1 = unbounded), got {window!r}")
     return left, right
+
+
+def bound_window(window: tuple[int, int], seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """A window bound of Tq + Tk or more excludes no key: it becomes -1 (unbounded), so any
+    Python int (2**63, 10**30) reaches the kernels as a valid int64."""
+    reach = seqlen_q + seqlen_k
+    return tuple(-1 if w >= reach else w for w in window)
 
 
 def reject_unimplemented(**options) -> None:
@@ -181,7 +205,8 @@ def check_attention(q, k, v, *, causal, scale, window, num_threads, need_v=True)
         q=kernel_ready(q4), k=kernel_ready(k4), v=None if v4 is None else kernel_ready(v4),
         rank=rank, batch=B, heads=H, kv_heads=Hkv, seqlen_q=Tq, seqlen_k=Tk,
         head_dim=D, head_dim_v=Dv, dtype=q.dtype,
-        scale=check_scale(scale, D), causal=bool(causal), window=check_window(window),
+        scale=check_scale(scale, D, q.dtype), causal=bool(causal),
+        window=bound_window(check_window(window), Tq, Tk),
         num_threads=resolve_threads(num_threads))
 
 
@@ -217,9 +242,12 @@ def check_cu_seqlens(cu, name: str, total: int, max_seqlen) -> np.ndarray:
     `total` (the packed length); `max_seqlen`, if given, must be >= the longest sequence."""
     arr = np.asarray(cu)
     if arr.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be an integer array, got dtype {arr.dtype}")
+        raise TypeError(f"{name} must be an integer array, got {type(cu).__name__} with dtype "
+                        f"{arr.dtype}")
     if arr.ndim != 1 or arr.shape[0] < 1:
         raise ValueError(f"{name} must be 1-D with batch + 1 >= 1 entries, got shape {arr.shape}")
+    if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{name} values must be <= {total} (the packed length), got {arr.max()}")
     arr = arr.astype(np.int64)
     if arr[0] != 0 or arr[-1] != total:
         raise ValueError(f"{name} must start at 0 and end at {total} (the packed length), "
@@ -228,10 +256,17 @@ def check_cu_seqlens(cu, name: str, total: int, max_seqlen) -> np.ndarray:
     if (lengths < 0).any():
         raise ValueError(f"{name} must be non-decreasing, got {arr.tolist()}")
     if max_seqlen is not None:
+        arg = "max_seqlen_q" if name.endswith("_q") else "max_seqlen_k"
+        if isinstance(max_seqlen, (bool, np.bool_)):
+            raise TypeError(f"{arg} must be an int, got bool {max_seqlen!r}")
+        try:
+            limit = operator.index(max_seqlen)
+        except TypeError:
+            raise TypeError(f"{arg} must be an int, got {type(max_seqlen).__name__} "
+                            f"{max_seqlen!r}") from None
         longest = int(lengths.max(initial=0))
-        if operator.index(max_seqlen) < longest:
-            raise ValueError(f"max_seqlen for {name} is {max_seqlen} but a sequence has "
-                             f"{longest} tokens")
+        if limit < longest:
+            raise ValueError(f"{arg} is {limit} but a sequence in {name} has {longest} tokens")
     return arr
 
 
@@ -273,10 +308,14 @@ def check_batch_index(batch_index, batch: int) -> np.ndarray:
     if isinstance(batch_index, (bool, np.bool_)):
         raise TypeError(f"batch_index must be an int or an array of ints, got bool {batch_index!r}")
     arr = np.asarray(batch_index)
+    if arr.size == 0:
+        raise ValueError(f"batch_index must select at least one sequence; got an empty "
+                         f"{type(batch_index).__name__} (shape {arr.shape})")
     if arr.dtype.kind not in "iu":
-        raise TypeError(f"batch_index must be an int or an array of ints, got dtype {arr.dtype}")
-    if arr.ndim > 1 or arr.size == 0:
-        raise ValueError(f"batch_index must be an int or a non-empty 1-D array, got shape {arr.shape}")
+        raise TypeError(f"batch_index must be an int or an array of ints, got "
+                        f"{type(batch_index).__name__} with dtype {arr.dtype}")
+    if arr.ndim > 1:
+        raise ValueError(f"batch_index must be an int or a 1-D array, got shape {arr.shape}")
     arr = arr.reshape(-1)
     if arr.min() < 0 or arr.max() >= batch:  # before the int64 cast: uint64 stays exact
         bad = arr[(arr < 0) | (arr >= batch)][0]
@@ -433,7 +472,8 @@ def check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, *,
     attn = AttentionCall(
         q=kernel_ready(q), k=k_cache, v=v_cache, rank=4, batch=B, heads=H, kv_heads=Hkv,
         seqlen_q=Tq, seqlen_k=C, head_dim=D, head_dim_v=Dv, dtype=dtype,
-        scale=check_scale(scale, D), causal=bool(causal), window=check_window(window),
+        scale=check_scale(scale, D, dtype), causal=bool(causal),
+        window=bound_window(check_window(window), Tq, C),
         num_threads=resolve_threads(num_threads))
     return KVCacheCall(attn=attn, k_cache=k_cache, v_cache=v_cache, starts=starts,
                        k_new=k_new, v_new=v_new, new_tokens=t)

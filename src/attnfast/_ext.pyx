@@ -6,7 +6,9 @@ Arguments arrive already checked and shaped by attnfast._checks: q, k, v, out ar
 only fills the params struct, releases the GIL and calls the kernels.
 """
 from libc.stdint cimport int64_t
+from libc.string cimport memset
 from libcpp cimport bool as cbool
+from posix.signal cimport sigaction, sigaction_t, sigemptyset
 cimport numpy as cnp
 
 cnp.import_array()
@@ -36,8 +38,12 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
         cbool causal
         int64_t window_left, window_right
         int num_threads
+        cbool interruptible
 
     AttentionParams default_params() noexcept nogil
+    void request_interrupt() noexcept nogil
+    cbool take_interrupt() noexcept nogil
+    int processor_count() noexcept nogil
     void attention_forward(const AttentionParams&) except + nogil
     cbool openmp_enabled() noexcept nogil
     int openmp_max_threads() noexcept nogil
@@ -47,6 +53,47 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
     const char* isa_compiled() noexcept nogil
     cbool isa_force(const char* name) noexcept nogil
     const char* isa_error() noexcept nogil
+
+
+cdef extern from "<signal.h>":
+    enum: SIGINT
+
+cdef extern from "Python.h":
+    void PyErr_SetInterrupt()
+    int PyErr_CheckSignals() except -1
+
+
+cdef void _on_sigint(int signum) noexcept nogil:
+    request_interrupt()
+
+
+cdef void _run_interruptible(AttentionParams* p) except *:
+    """attention_forward(p) with Ctrl-C turned into a stop request for the kernels.
+
+    While the kernels run (GIL released) SIGINT only sets the core's interrupt flag; the
+    previous handler is then restored and, if SIGINT came, handed the signal (Python's
+    default handler raises KeyboardInterrupt). Only for the main thread, which alone
+    receives Python's signals.
+    """
+    cdef sigaction_t ours, previous
+    memset(&ours, 0, sizeof(ours))
+    ours.sa_handler = _on_sigint
+    sigemptyset(&ours.sa_mask)
+    take_interrupt()  # drop a request left over from an earlier call
+    p.interruptible = True
+    if sigaction(SIGINT, &ours, &previous) != 0:  # cannot install: run uninterruptible
+        p.interruptible = False
+        with nogil:
+            attention_forward(p[0])
+        return
+    try:
+        with nogil:
+            attention_forward(p[0])
+    finally:
+        sigaction(SIGINT, &previous, NULL)
+    if take_interrupt():
+        PyErr_SetInterrupt()
+        PyErr_CheckSignals()
 
 
 cdef inline int64_t _stride(cnp.ndarray a, int axis) noexcept:
@@ -65,8 +112,12 @@ cdef DType _dtype_code(cnp.ndarray a) except *:
 
 def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
                       lse, *, bint causal, double scale, int64_t window_left,
-                      int64_t window_right, int num_threads, seqlens_k=None):
+                      int64_t window_right, int num_threads, seqlens_k=None,
+                      bint interruptible=False):
     """Run the streaming attention kernel; q, k, v, out are 4-D, lse 3-D or None.
+
+    interruptible: call from the main thread only; Ctrl-C then stops the kernels early
+    (out and lse unspecified) and raises KeyboardInterrupt.
 
     seqlens_k: None, or a C-contiguous int64 array (B,) of keys valid per batch entry, each
     in [0, k.shape[2]] (checked by attnfast._checks; the core re-checks as a guard).
@@ -101,8 +152,11 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
                 or seqlens_arr.shape[0] != p.batch or not seqlens_arr.flags.c_contiguous):
             raise TypeError("attnfast._ext: seqlens_k must be a contiguous int64 array (B,)")
         p.seqlens_k = <const int64_t*> cnp.PyArray_DATA(seqlens_arr)
-    with nogil:
-        attention_forward(p)
+    if interruptible:
+        _run_interruptible(&p)
+    else:
+        with nogil:
+            attention_forward(p)
 
 
 def runtime_info():
@@ -126,3 +180,8 @@ def force_isa(str name):
 
 def openmp_threads():
     return openmp_max_threads()
+
+
+def processors():
+    """Processors this process may run on (1 without OpenMP): the most threads a call starts."""
+    return processor_count()

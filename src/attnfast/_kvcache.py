@@ -8,6 +8,8 @@ bandwidth-bound decode path for queries of up to 16 tokens.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from ._api import run_kernels
@@ -114,6 +116,14 @@ class KVCache:
 
     ``batch_index`` (an int, or an array of distinct ints) selects the sequences a call
     works on; the arrays passed then hold those sequences, in that order, on axis 0.
+
+    Thread safety: one cache may be shared by Python threads. Each method holds the cache's
+    lock for its whole call, so concurrent ``append``/``step``/``attend``/``truncate``/
+    ``reset`` calls run one after the other, each seeing the others' tokens complete (the
+    kernels still use every core for each call). Writing to ``k``/``v`` directly bypasses it.
+
+    Ctrl-C: a ``step`` interrupted while attending raises KeyboardInterrupt and leaves the
+    cache as it was before the call (``lengths`` restored).
     """
 
     def __init__(self, batch, kv_heads, head_dim, capacity, *, dtype=np.float32,
@@ -123,6 +133,7 @@ class KVCache:
         self._k = np.zeros((B, Hkv, C, D), dtype=dt)
         self._v = np.zeros((B, Hkv, C, Dv), dtype=dt)
         self._lengths = np.zeros(B, dtype=np.int64)
+        self._lock = threading.Lock()  # held by every method for its whole call
 
     # ---- state ----
     @property
@@ -162,6 +173,10 @@ class KVCache:
         dtype, n = batch (or the number of sequences batch_index selects). Raises ValueError,
         changing nothing, when a sequence has fewer than t free slots.
         """
+        with self._lock:
+            self._append(k_new, v_new, batch_index)
+
+    def _append(self, k_new, v_new, batch_index) -> None:
         seqs = check_batch_index(batch_index, self.batch)
         self._check_leading(seqs, k_new=k_new, v_new=v_new)
         k_new, v_new, t = check_new_tokens(
@@ -208,11 +223,13 @@ class KVCache:
     def truncate(self, n) -> None:
         """Roll every sequence back to n tokens (or sequence b to n[b]), e.g. to drop rejected
         speculative tokens. n may not exceed a sequence's current length (ValueError)."""
-        self._lengths[:] = check_truncate(n, self._lengths)
+        with self._lock:
+            self._lengths[:] = check_truncate(n, self._lengths)
 
     def reset(self) -> None:
         """Empty every sequence (lengths = 0; the arrays are kept, not cleared)."""
-        self._lengths[:] = 0
+        with self._lock:
+            self._lengths[:] = 0
 
     # ---- internals ----
     def _check_leading(self, seqs, **arrays) -> None:
@@ -239,8 +256,12 @@ class KVCache:
             return [(slice(None), slice(int(seqs[0]), int(seqs[-1]) + 1, int(steps[0])))]
         return [(slice(i, i + 1), slice(b, b + 1)) for i, b in enumerate(seqs.tolist())]
 
-    def _run(self, q, k_new, v_new, *, batch_index, causal, scale, window, softcap,
-             alibi_slopes, sinks, mask, return_lse, out, num_threads):
+    def _run(self, q, k_new, v_new, **kwargs):
+        with self._lock:
+            return self._run_locked(q, k_new, v_new, **kwargs)
+
+    def _run_locked(self, q, k_new, v_new, *, batch_index, causal, scale, window, softcap,
+                    alibi_slopes, sinks, mask, return_lse, out, num_threads):
         reject_unimplemented(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
         seqs = check_batch_index(batch_index, self.batch)
         self._check_leading(seqs, q=q, k_new=k_new, v_new=v_new)
@@ -261,7 +282,11 @@ class KVCache:
                               ("k_new", call.k_new), ("v_new", call.v_new)])
         if call.new_tokens:
             _write_tokens(self._k, self._v, seqs, call.starts, call.k_new, call.v_new)
-            self._lengths[seqs] += call.new_tokens
-        parts = [(rows, self._k[cache_rows], self._v[cache_rows], self._lengths[cache_rows])
-                 for rows, cache_rows in self._views(seqs)]
-        return run_kernels(call.attn, user_out, return_lse, parts)
+        try:
+            self._lengths[seqs] = call.seqlens_after
+            parts = [(rows, self._k[cache_rows], self._v[cache_rows], self._lengths[cache_rows])
+                     for rows, cache_rows in self._views(seqs)]
+            return run_kernels(call.attn, user_out, return_lse, parts)
+        except BaseException:  # KeyboardInterrupt: the step did not happen
+            self._lengths[seqs] = call.starts
+            raise
