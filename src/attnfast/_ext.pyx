@@ -19,6 +19,7 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
         kF64
         kF16
         kBF16
+        kI8
 
     cdef struct AttentionParams:
         const void* q
@@ -34,6 +35,11 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
         int64_t batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, head_dim_v
         const int64_t* seqlens_k
         DType dtype
+        DType kv_dtype
+        const float* k_scale
+        const float* v_scale
+        int64_t k_scale_batch_stride, k_scale_head_stride, k_scale_row_stride
+        int64_t v_scale_batch_stride, v_scale_head_stride, v_scale_row_stride
         double scale
         cbool causal
         int64_t window_left, window_right
@@ -101,21 +107,35 @@ cdef inline int64_t _stride(cnp.ndarray a, int axis) noexcept:
     return cnp.PyArray_STRIDES(a)[axis] // cnp.PyArray_ITEMSIZE(a)
 
 
+import ml_dtypes
+import numpy as np
+
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
 cdef DType _dtype_code(cnp.ndarray a) except *:
     cdef int num = cnp.PyArray_TYPE(a)
     if num == cnp.NPY_FLOAT32:
         return DType.kF32
     if num == cnp.NPY_FLOAT64:
         return DType.kF64
+    if num == cnp.NPY_FLOAT16:
+        return DType.kF16
+    if num == cnp.NPY_INT8:
+        return DType.kI8
+    if a.dtype == _BFLOAT16:
+        return DType.kBF16
     raise TypeError(f"attnfast._ext: unsupported dtype {a.dtype}")
 
 
 def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
                       lse, *, bint causal, double scale, int64_t window_left,
                       int64_t window_right, int num_threads, seqlens_k=None,
-                      bint interruptible=False):
+                      bint interruptible=False, k_scale=None, v_scale=None):
     """Run the streaming attention kernel; q, k, v, out are 4-D, lse 3-D or None.
 
+    k_scale, v_scale: with an int8 k/v, float32 (B, Hkv, Tk) row scales (strides in whole
+    elements; checked by attnfast._checks).
     interruptible: call from the main thread only; Ctrl-C then stops the kernels early
     (out and lse unspecified) and raises KeyboardInterrupt.
 
@@ -125,6 +145,7 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
     cdef AttentionParams p = default_params()
     cdef cnp.ndarray lse_arr
     cdef cnp.ndarray seqlens_arr
+    cdef cnp.ndarray ks_arr, vs_arr
     p.q = cnp.PyArray_DATA(q)
     p.k = cnp.PyArray_DATA(k)
     p.v = cnp.PyArray_DATA(v)
@@ -141,6 +162,22 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
     p.batch, p.heads, p.seqlen_q, p.head_dim = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
     p.kv_heads, p.seqlen_k, p.head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     p.dtype = _dtype_code(q)
+    p.kv_dtype = _dtype_code(k)
+    if _dtype_code(v) != p.kv_dtype:
+        raise TypeError("attnfast._ext: k and v dtypes differ")
+    if k_scale is not None or v_scale is not None:
+        ks_arr, vs_arr = k_scale, v_scale
+        for arr in (ks_arr, vs_arr):
+            if (cnp.PyArray_TYPE(arr) != cnp.NPY_FLOAT32 or arr.ndim != 3
+                    or arr.shape[0] != p.batch or arr.shape[1] != p.kv_heads
+                    or arr.shape[2] != p.seqlen_k):
+                raise TypeError("attnfast._ext: scales must be float32 (B, Hkv, Tk)")
+        p.k_scale = <const float*> cnp.PyArray_DATA(ks_arr)
+        p.v_scale = <const float*> cnp.PyArray_DATA(vs_arr)
+        p.k_scale_batch_stride, p.k_scale_head_stride, p.k_scale_row_stride = (
+            _stride(ks_arr, 0), _stride(ks_arr, 1), _stride(ks_arr, 2))
+        p.v_scale_batch_stride, p.v_scale_head_stride, p.v_scale_row_stride = (
+            _stride(vs_arr, 0), _stride(vs_arr, 1), _stride(vs_arr, 2))
     p.scale = scale
     p.causal = causal
     p.window_left = window_left
