@@ -1,5 +1,6 @@
 """The installed extension runs on any x86-64 CPU: no AVX/AVX2/AVX-512/FMA/F16C/BMI/SSE3+
 instruction outside the ISA-specific kernels (tests/isa_scan.py explains the rules)."""
+import os
 import platform
 import shutil
 import subprocess
@@ -82,3 +83,14 @@ def test_installed_extension_is_baseline_outside_the_kernels():
     assert not result["violations"], (
         "functions outside the AVX2/AVX-512 kernels use instructions a baseline x86-64 CPU "
         "lacks:\n" + isa_scan.report(result))
+
+
+@pytest.mark.skipif(os.environ.get("ATTNFAST_EXPECT_OPENMP") != "1",
+                    reason="set ATTNFAST_EXPECT_OPENMP=1 (release wheels: cibuildwheel, "
+                           "tools/build_wheel.sh) to require an OpenMP build")
+def test_built_with_openmp():
+    """CMake falls back to a single-threaded build with only a warning when it cannot find
+    OpenMP (e.g. a macOS runner without libomp): a release wheel must not ship like that."""
+    from attnfast import _ext
+    info = _ext.runtime_info()
+    assert info["openmp"], f"attnfast was built without OpenMP: {info['openmp_runtime']}"

@@ -98,7 +98,7 @@ status=0
 for tier in $TIERS; do
     step "ATTNFAST_ISA=$tier python -m pytest -q (installed wheel, tests copied to $WORK/tests)"
     set +e
-    ATTNFAST_ISA=$tier "$VPY" -m pytest -q -rs -p no:cacheprovider -c "$ROOT/pyproject.toml" \
+    ATTNFAST_EXPECT_OPENMP=1 ATTNFAST_ISA=$tier "$VPY" -m pytest -q -rs -p no:cacheprovider -c "$ROOT/pyproject.toml" \
         --rootdir "$WORK" "$WORK/tests" 2>&1 | tee "$WORK/pytest-$tier.log"
     rc=${PIPESTATUS[0]}
     set -e
