@@ -71,6 +71,9 @@ step "fresh venv $WORK/venv"
 "$PY" -m venv "$WORK/venv"
 VPY="$WORK/venv/bin/python"
 t0=$(now)
+"$VPY" -m pip install -q --no-deps "$WHEEL"
+WHEEL_S=$(elapsed "$t0" "$(now)")
+t0=$(now)
 "$VPY" -m pip install -q "$WHEEL"
 INSTALL_S=$(elapsed "$t0" "$(now)")
 t0=$(now)
@@ -112,7 +115,9 @@ size=$(stat -c %s "$WHEEL")
 echo "wheel:   $(basename "$WHEEL")"
 echo "tag:     $(basename "$WHEEL" .whl | cut -d- -f3-)"
 echo "size:    $size bytes ($(awk -v s="$size" 'BEGIN { printf "%.2f", s / 1048576 }') MiB)"
-echo "install: ${INSTALL_S} s  (pip install <wheel> into the fresh venv, numpy included)"
+echo "install: ${WHEEL_S} s  (pip install --no-deps <wheel> into the fresh venv: attnfast itself)"
+echo "         ${INSTALL_S} s  (then its dependencies: numpy)"
 echo "         ${TEST_DEPS_S} s  (then the [test] extra)"
+echo "load:    $(cut -d' ' -f1-3 /proc/loadavg) (load average; $(nproc) CPUs)"
 for tier in $TIERS; do echo "tests ATTNFAST_ISA=$tier: ${RESULT[$tier]}"; done
 exit $status
