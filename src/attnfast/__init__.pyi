@@ -77,7 +77,8 @@ def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray
                            softcap: float | None = ..., alibi_slopes: ArrayLike | None = ...,
                            sinks: ArrayLike | None = ..., mask: ArrayLike | None = ...,
                            return_lse: Literal[False] = ..., out: NDArray[Any] | None = ...,
-                           num_threads: int | None = ...) -> _Out: ...
+                           num_threads: int | None = ..., k_scale: NDArray[np.float32] | None = ...,
+                           v_scale: NDArray[np.float32] | None = ...) -> _Out: ...
 @overload
 def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray[Any],
                            cache_seqlens: int | ArrayLike, k_new: ArrayLike | None = ...,
@@ -86,7 +87,8 @@ def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray
                            softcap: float | None = ..., alibi_slopes: ArrayLike | None = ...,
                            sinks: ArrayLike | None = ..., mask: ArrayLike | None = ...,
                            return_lse: Literal[True], out: NDArray[Any] | None = ...,
-                           num_threads: int | None = ...) -> _OutLse: ...
+                           num_threads: int | None = ..., k_scale: NDArray[np.float32] | None = ...,
+                           v_scale: NDArray[np.float32] | None = ...) -> _OutLse: ...
 @overload
 def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray[Any],
                            cache_seqlens: int | ArrayLike, k_new: ArrayLike | None = None,
@@ -95,7 +97,8 @@ def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray
                            softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
                            sinks: ArrayLike | None = None, mask: ArrayLike | None = None,
                            return_lse: bool = False, out: NDArray[Any] | None = None,
-                           num_threads: int | None = None) -> _Out | _OutLse: ...
+                           num_threads: int | None = None, k_scale: NDArray[np.float32] | None = None,
+                           v_scale: NDArray[np.float32] | None = None) -> _Out | _OutLse: ...
 
 class KVCache:
     def __init__(self, batch: int, kv_heads: int, head_dim: int, capacity: int, *,
@@ -104,6 +107,10 @@ class KVCache:
     def k(self) -> NDArray[Any]: ...
     @property
     def v(self) -> NDArray[Any]: ...
+    @property
+    def k_scale(self) -> NDArray[np.float32] | None: ...
+    @property
+    def v_scale(self) -> NDArray[np.float32] | None: ...
     @property
     def lengths(self) -> NDArray[np.int64]: ...
     @property
