@@ -94,10 +94,22 @@ inline Vec<float> vload(const f16_t* p) {
     return f;
 }
 inline Vec<float> vload(const int8_t* p) {  // an int8 cache's values (scaled by the caller)
+    Vec<float> f;
+#if defined(__AVX512F__) && ATTNFAST_SIMD_BYTES == 64
+    // (GCC turns a one-step int8 -> float __builtin_convertvector into 16 scalar conversions)
+    const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    __builtin_memcpy(&f, &x, sizeof f);
+#elif defined(__AVX2__) && ATTNFAST_SIMD_BYTES == 32
+    const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    __builtin_memcpy(&f, &x, sizeof f);
+#else
     typedef int8_t Bytes __attribute__((vector_size(ATTNFAST_SIMD_BYTES / 4)));
+    typedef int32_t Words __attribute__((vector_size(ATTNFAST_SIMD_BYTES)));
     Bytes b;
     __builtin_memcpy(&b, p, sizeof b);
-    return __builtin_convertvector(b, Vec<float>);
+    f = __builtin_convertvector(__builtin_convertvector(b, Words), Vec<float>);
+#endif
+    return f;
 }
 
 // Sum of the lanes in a fixed tree: add the upper half onto the lower half until 4 float

@@ -7,7 +7,7 @@
 // output is stored (round to nearest even; NaN stays NaN).
 #include <cstdint>
 #include <cstring>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
