@@ -50,9 +50,15 @@ struct AttentionParams {
     int64_t k_scale_batch_stride, k_scale_head_stride, k_scale_row_stride;
     int64_t v_scale_batch_stride, v_scale_head_stride, v_scale_row_stride;
     double scale;        // multiplies q . k
-    bool causal;         // bottom-right aligned: row i sees key j iff j <= i + (Tk - Tq)
-    int64_t window_left;   // row i sees keys j >= i + (Tk - Tq) - window_left; -1 = unbounded
-    int64_t window_right;  // row i sees keys j <= i + (Tk - Tq) + window_right; -1 = unbounded
+    bool causal;         // row i sees key j iff j <= i' (i' below)
+    // Where query row i sits among the keys, i': by default i + (Tk - Tq), bottom-right
+    // aligned (Tk: seqlens_k[b] when given); with has_query_offset, i + query_offset for
+    // every batch entry (e.g. 0: top-left, a prompt written into an empty static cache).
+    // causal, window and ALiBi distances are measured from i'. |query_offset| <= 2^62.
+    bool has_query_offset;
+    int64_t query_offset;
+    int64_t window_left;   // row i sees keys j >= i' - window_left; -1 = unbounded
+    int64_t window_right;  // row i sees keys j <= i' + window_right; -1 = unbounded
                            // (any value up to INT64_MAX is safe: no overflow)
 
     // Reserved for options that are not implemented yet; the Python layer rejects them

@@ -38,6 +38,9 @@ void check_params(const AttentionParams& p) {
     require(p.kv_heads >= 1 && p.heads % p.kv_heads == 0, "heads must be a multiple of kv_heads");
     require(p.num_threads >= 1, "num_threads must be >= 1");
     require(p.window_left >= -1 && p.window_right >= -1, "window bounds must be >= -1");
+    require(!p.has_query_offset || (p.query_offset <= (int64_t(1) << 62) &&
+                                    p.query_offset >= -(int64_t(1) << 62)),
+            "|query_offset| must be <= 2^62");
     require(p.softcap == 0.0 && !p.alibi_slopes && !p.sinks && !p.mask,
             "softcap, alibi_slopes, sinks and mask are not implemented");
     const DType q = p.dtype, kv = p.kv_dtype;

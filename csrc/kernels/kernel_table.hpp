@@ -183,7 +183,8 @@ static inline int64_t batch_seqlen_k(const AttentionParams& p, int64_t batch) {
 
 // Visible key range [begin, end) of query row `row`, from causal and window, for a batch
 // entry with `seqlen_k` valid keys (see batch_seqlen_k).
-// Row i is aligned to key i + (Tk - Tq) (bottom-right, as flash-attn >= 2.1).
+// Row i is aligned to key i + (Tk - Tq) (bottom-right, as flash-attn >= 2.1), or to
+// i + query_offset when the caller gives one.
 struct KeyRange {
     int64_t begin;
     int64_t end;
@@ -191,12 +192,13 @@ struct KeyRange {
 // Window bounds may be as large as INT64_MAX (any bound >= Tq + Tk means unbounded): each
 // one is compared with a distance between positions before it is added, never overflowing.
 static inline KeyRange visible_keys(const AttentionParams& p, int64_t row, int64_t seqlen_k) {
-    const int64_t aligned = row + (seqlen_k - p.seqlen_q);
+    const int64_t aligned = row + (p.has_query_offset ? p.query_offset : seqlen_k - p.seqlen_q);
     int64_t begin = 0;
     int64_t end = seqlen_k;
     if (p.causal && aligned + 1 < end) end = aligned + 1;
     if (p.window_right >= 0 && p.window_right < end - aligned - 1) end = aligned + p.window_right + 1;
     if (p.window_left >= 0 && p.window_left < aligned - begin) begin = aligned - p.window_left;
+    if (begin > seqlen_k) begin = seqlen_k;  // (a query_offset past the keys)
     if (end < begin) end = begin;
     if (end < 0) end = begin = 0;
     return {begin, end};

@@ -17,26 +17,26 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               scale: float | None = ..., window: _Window = ..., softcap: float | None = ...,
               alibi_slopes: ArrayLike | None = ..., sinks: ArrayLike | None = ...,
               mask: ArrayLike | None = ..., return_lse: Literal[False] = ...,
-              out: NDArray[Any] | None = ..., num_threads: int | None = ...) -> _Out: ...
+              out: NDArray[Any] | None = ..., num_threads: int | None = ..., query_offset: int | None = ...) -> _Out: ...
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               scale: float | None = ..., window: _Window = ..., softcap: float | None = ...,
               alibi_slopes: ArrayLike | None = ..., sinks: ArrayLike | None = ...,
               mask: ArrayLike | None = ..., return_lse: Literal[True],
-              out: NDArray[Any] | None = ..., num_threads: int | None = ...) -> _OutLse: ...
+              out: NDArray[Any] | None = ..., num_threads: int | None = ..., query_offset: int | None = ...) -> _OutLse: ...
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
               scale: float | None = None, window: _Window = None, softcap: float | None = None,
               alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None,
               mask: ArrayLike | None = None, return_lse: bool = False,
               out: NDArray[Any] | None = None,
-              num_threads: int | None = None) -> _Out | _OutLse: ...
+              num_threads: int | None = None, query_offset: int | None = None) -> _Out | _OutLse: ...
 
 def attention_weights(q: ArrayLike, k: ArrayLike, *, causal: bool = False,
                       scale: float | None = None, window: _Window = None,
                       softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
                       sinks: ArrayLike | None = None, mask: ArrayLike | None = None,
-                      num_threads: int | None = None) -> NDArray[Any]: ...
+                      num_threads: int | None = None, query_offset: int | None = None) -> NDArray[Any]: ...
 
 def merge_attention_states(outs: Sequence[ArrayLike],
                            lses: Sequence[ArrayLike]) -> _OutLse: ...
@@ -77,7 +77,7 @@ def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray
                            softcap: float | None = ..., alibi_slopes: ArrayLike | None = ...,
                            sinks: ArrayLike | None = ..., mask: ArrayLike | None = ...,
                            return_lse: Literal[False] = ..., out: NDArray[Any] | None = ...,
-                           num_threads: int | None = ..., k_scale: NDArray[np.float32] | None = ...,
+                           num_threads: int | None = ..., query_offset: int | None = ..., k_scale: NDArray[np.float32] | None = ...,
                            v_scale: NDArray[np.float32] | None = ...) -> _Out: ...
 @overload
 def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray[Any],
@@ -87,7 +87,7 @@ def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray
                            softcap: float | None = ..., alibi_slopes: ArrayLike | None = ...,
                            sinks: ArrayLike | None = ..., mask: ArrayLike | None = ...,
                            return_lse: Literal[True], out: NDArray[Any] | None = ...,
-                           num_threads: int | None = ..., k_scale: NDArray[np.float32] | None = ...,
+                           num_threads: int | None = ..., query_offset: int | None = ..., k_scale: NDArray[np.float32] | None = ...,
                            v_scale: NDArray[np.float32] | None = ...) -> _OutLse: ...
 @overload
 def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray[Any],
@@ -97,7 +97,7 @@ def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray
                            softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
                            sinks: ArrayLike | None = None, mask: ArrayLike | None = None,
                            return_lse: bool = False, out: NDArray[Any] | None = None,
-                           num_threads: int | None = None, k_scale: NDArray[np.float32] | None = None,
+                           num_threads: int | None = None, query_offset: int | None = None, k_scale: NDArray[np.float32] | None = None,
                            v_scale: NDArray[np.float32] | None = None) -> _Out | _OutLse: ...
 
 class KVCache:
@@ -133,35 +133,35 @@ class KVCache:
                softcap: float | None = ..., alibi_slopes: ArrayLike | None = ...,
                sinks: ArrayLike | None = ..., mask: ArrayLike | None = ...,
                return_lse: Literal[False] = ..., out: NDArray[Any] | None = ...,
-               num_threads: int | None = ...) -> _Out: ...
+               num_threads: int | None = ..., query_offset: int | None = ...) -> _Out: ...
     @overload
     def attend(self, q: ArrayLike, *, batch_index: int | ArrayLike | None = ...,
                causal: bool = ..., scale: float | None = ..., window: _Window = ...,
                softcap: float | None = ..., alibi_slopes: ArrayLike | None = ...,
                sinks: ArrayLike | None = ..., mask: ArrayLike | None = ...,
                return_lse: Literal[True], out: NDArray[Any] | None = ...,
-               num_threads: int | None = ...) -> _OutLse: ...
+               num_threads: int | None = ..., query_offset: int | None = ...) -> _OutLse: ...
     @overload
     def attend(self, q: ArrayLike, *, batch_index: int | ArrayLike | None = None,
                causal: bool = True, scale: float | None = None, window: _Window = None,
                softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
                sinks: ArrayLike | None = None, mask: ArrayLike | None = None,
                return_lse: bool = False, out: NDArray[Any] | None = None,
-               num_threads: int | None = None) -> _Out | _OutLse: ...
+               num_threads: int | None = None, query_offset: int | None = None) -> _Out | _OutLse: ...
     @overload
     def step(self, q: ArrayLike, k_new: ArrayLike, v_new: ArrayLike, *,
              batch_index: int | ArrayLike | None = ..., causal: bool = ...,
              scale: float | None = ..., window: _Window = ..., softcap: float | None = ...,
              alibi_slopes: ArrayLike | None = ..., sinks: ArrayLike | None = ...,
              mask: ArrayLike | None = ..., return_lse: Literal[False] = ...,
-             out: NDArray[Any] | None = ..., num_threads: int | None = ...) -> _Out: ...
+             out: NDArray[Any] | None = ..., num_threads: int | None = ..., query_offset: int | None = ...) -> _Out: ...
     @overload
     def step(self, q: ArrayLike, k_new: ArrayLike, v_new: ArrayLike, *,
              batch_index: int | ArrayLike | None = ..., causal: bool = ...,
              scale: float | None = ..., window: _Window = ..., softcap: float | None = ...,
              alibi_slopes: ArrayLike | None = ..., sinks: ArrayLike | None = ...,
              mask: ArrayLike | None = ..., return_lse: Literal[True],
-             out: NDArray[Any] | None = ..., num_threads: int | None = ...) -> _OutLse: ...
+             out: NDArray[Any] | None = ..., num_threads: int | None = ..., query_offset: int | None = ...) -> _OutLse: ...
     @overload
     def step(self, q: ArrayLike, k_new: ArrayLike, v_new: ArrayLike, *,
              batch_index: int | ArrayLike | None = None, causal: bool = True,
@@ -169,7 +169,7 @@ class KVCache:
              alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None,
              mask: ArrayLike | None = None, return_lse: bool = False,
              out: NDArray[Any] | None = None,
-             num_threads: int | None = None) -> _Out | _OutLse: ...
+             num_threads: int | None = None, query_offset: int | None = None) -> _Out | _OutLse: ...
     def truncate(self, n: int | ArrayLike) -> None: ...
     def reset(self) -> None: ...
 

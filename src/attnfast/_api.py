@@ -28,7 +28,7 @@ _MASK_DRAWING = """
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
               alibi_slopes=None, sinks=None, mask=None, return_lse=False, out=None,
-              num_threads=None):
+              num_threads=None, query_offset=None):
     """Exact scaled dot-product attention, streamed: the Tq x Tk matrix is never built.
 
     ``out[.., h, i, :] = sum_j softmax_j(scale * q[.., h, i, :] . k[.., g, j, :]) v[.., g, j, :]``
@@ -46,6 +46,12 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
     scale : float, default 1/sqrt(D)
     window : (left, right) or None
         Query i sees keys in [i' - left, i' + right], i' = i + (Tk - Tq); -1 = unbounded.
+    query_offset : int, optional
+        Where the queries sit among the keys: query i is at key position
+        ``i' = i + query_offset`` (causal and window are measured from there). The default,
+        ``Tk - Tq``, aligns the last query with the last key (bottom-right); 0 aligns the
+        first query with the first key (top-left: a prompt written into an empty, larger
+        cache). Any int with |value| <= 2**62.
     softcap, alibi_slopes, sinks, mask
         Not implemented yet: passing one raises NotImplementedError.
     return_lse : bool
@@ -62,7 +68,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
     """
     reject_unimplemented(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
     call = check_attention(q, k, v, causal=causal, scale=scale, window=window,
-                           num_threads=num_threads)
+                           num_threads=num_threads, query_offset=query_offset)
     user_out = check_out(out, call.out_shape(), call.dtype,
                          [("q", call.q), ("k", call.k), ("v", call.v)])
 
@@ -96,7 +102,8 @@ def run_kernels(call, user_out, return_lse, parts=None):
             causal=call.causal, scale=call.scale, window_left=call.window[0],
             window_right=call.window[1], num_threads=call.num_threads,
             seqlens_k=None if seqlens is None else np.ascontiguousarray(seqlens, dtype=np.int64),
-            interruptible=interruptible, k_scale=k_scale, v_scale=v_scale)
+            interruptible=interruptible, k_scale=k_scale, v_scale=v_scale,
+            query_offset=call.query_offset)
     if result4 is not target4:
         np.copyto(target4, result4)
     return (target, lse) if return_lse else target
@@ -104,7 +111,8 @@ def run_kernels(call, user_out, return_lse, parts=None):
 
 def _visible(call) -> np.ndarray:
     """(Tq, Tk) boolean: which keys each query row may see (causal, window)."""
-    rows = np.arange(call.seqlen_q)[:, None] + (call.seqlen_k - call.seqlen_q)
+    shift = call.seqlen_k - call.seqlen_q if call.query_offset is None else call.query_offset
+    rows = np.arange(call.seqlen_q)[:, None] + shift
     keys = np.arange(call.seqlen_k)[None, :]
     left, right = call.window
     keep = np.ones((call.seqlen_q, call.seqlen_k), dtype=bool)
@@ -118,7 +126,8 @@ def _visible(call) -> np.ndarray:
 
 
 def attention_weights(q, k, *, causal=False, scale=None, window=None, softcap=None,
-                      alibi_slopes=None, sinks=None, mask=None, num_threads=None):
+                      alibi_slopes=None, sinks=None, mask=None, num_threads=None,
+                      query_offset=None):
     """The explicit attention probabilities, shape (.., H, Tq, Tk), dtype of q.
 
     For inspection and teaching on small inputs: unlike :func:`attention` this materialises
@@ -128,7 +137,7 @@ def attention_weights(q, k, *, causal=False, scale=None, window=None, softcap=No
     """
     reject_unimplemented(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
     call = check_attention(q, k, None, causal=causal, scale=scale, window=window,
-                           num_threads=num_threads, need_v=False)
+                           num_threads=num_threads, need_v=False, query_offset=query_offset)
     group = call.heads // call.kv_heads
     k_per_head = np.repeat(call.k, group, axis=1) if group > 1 else call.k
     compute = np.float64 if call.dtype == np.float64 else np.float32  # never in 16 bits

@@ -121,11 +121,31 @@ def check_window(window) -> tuple[int, int]:
     return left, right
 
 
-def bound_window(window: tuple[int, int], seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
-    """A window bound of Tq + Tk or more excludes no key: it becomes -1 (unbounded), so any
-    Python int (2**63, 10**30) reaches the kernels as a valid int64."""
-    reach = seqlen_q + seqlen_k
+def bound_window(window: tuple[int, int], seqlen_q: int, seqlen_k: int,
+                 query_offset: int | None = None) -> tuple[int, int]:
+    """A window bound of Tq + Tk (+ |query_offset|) or more excludes no key: it becomes -1
+    (unbounded), so any Python int (2**63, 10**30) reaches the kernels as a valid int64."""
+    reach = seqlen_q + seqlen_k + (abs(query_offset) if query_offset is not None else 0)
     return tuple(-1 if w >= reach else w for w in window)
+
+
+_MAX_QUERY_OFFSET = 2**62
+
+
+def check_query_offset(query_offset) -> int | None:
+    """query_offset: None (bottom-right alignment) or an int with |value| <= 2**62."""
+    if query_offset is None:
+        return None
+    if isinstance(query_offset, (bool, np.bool_)):
+        raise TypeError(f"query_offset must be an int or None, got bool {query_offset!r}")
+    try:
+        value = operator.index(query_offset)
+    except TypeError:
+        raise TypeError(f"query_offset must be an int or None, got "
+                        f"{type(query_offset).__name__} {query_offset!r}") from None
+    if abs(value) > _MAX_QUERY_OFFSET:
+        raise ValueError(f"query_offset must lie in [-2**62, 2**62], got {value}")
+    return value
 
 
 def reject_unimplemented(**options) -> None:
@@ -154,6 +174,7 @@ class AttentionCall:
     scale: float
     causal: bool
     window: tuple[int, int]
+    query_offset: int | None  # None: bottom-right; else query row i sits at key i + offset
     num_threads: int
 
     def out_shape(self) -> tuple[int, ...]:
@@ -169,7 +190,8 @@ class AttentionCall:
         return np.dtype(np.float64) if self.dtype == np.float64 else np.dtype(np.float32)
 
 
-def check_attention(q, k, v, *, causal, scale, window, num_threads, need_v=True) -> AttentionCall:
+def check_attention(q, k, v, *, causal, scale, window, num_threads, need_v=True,
+                    query_offset=None) -> AttentionCall:
     """Check q, k (and v) and the common options; returns kernel-ready 4-D views."""
     q = as_float_array(q, "q")
     k = as_float_array(k, "k")
@@ -218,7 +240,8 @@ def check_attention(q, k, v, *, causal, scale, window, num_threads, need_v=True)
         rank=rank, batch=B, heads=H, kv_heads=Hkv, seqlen_q=Tq, seqlen_k=Tk,
         head_dim=D, head_dim_v=Dv, dtype=q.dtype, kv_dtype=k.dtype,
         scale=check_scale(scale, D, q.dtype), causal=bool(causal),
-        window=bound_window(check_window(window), Tq, Tk),
+        window=bound_window(check_window(window), Tq, Tk, check_query_offset(query_offset)),
+        query_offset=check_query_offset(query_offset),
         num_threads=resolve_threads(num_threads))
 
 
@@ -487,6 +510,7 @@ class KVCacheCall:
 
 def check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, *, causal,
                             scale, window, num_threads, k_scale=None, v_scale=None,
+                            query_offset=None,
                             cache_names=("k_cache", "v_cache"),
                             scale_names=("k_scale", "v_scale")) -> KVCacheCall:
     """Everything attention over a KV cache needs, checked before anything is written."""
@@ -521,7 +545,8 @@ def check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, *,
         q=kernel_ready(q), k=k_cache, v=v_cache, rank=4, batch=B, heads=H, kv_heads=Hkv,
         seqlen_q=Tq, seqlen_k=C, head_dim=D, head_dim_v=Dv, dtype=q.dtype, kv_dtype=dtype,
         scale=check_scale(scale, D, q.dtype), causal=bool(causal),
-        window=bound_window(check_window(window), Tq, C),
+        window=bound_window(check_window(window), Tq, C, check_query_offset(query_offset)),
+        query_offset=check_query_offset(query_offset),
         num_threads=resolve_threads(num_threads))
     return KVCacheCall(attn=attn, k_cache=k_cache, v_cache=v_cache, starts=starts,
                        k_new=k_new, v_new=v_new, new_tokens=t, k_scale=k_scale, v_scale=v_scale)

@@ -42,6 +42,8 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
         int64_t v_scale_batch_stride, v_scale_head_stride, v_scale_row_stride
         double scale
         cbool causal
+        cbool has_query_offset
+        int64_t query_offset
         int64_t window_left, window_right
         int num_threads
         cbool interruptible
@@ -131,7 +133,8 @@ cdef DType _dtype_code(cnp.ndarray a) except *:
 def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
                       lse, *, bint causal, double scale, int64_t window_left,
                       int64_t window_right, int num_threads, seqlens_k=None,
-                      bint interruptible=False, k_scale=None, v_scale=None):
+                      bint interruptible=False, k_scale=None, v_scale=None,
+                      query_offset=None):
     """Run the streaming attention kernel; q, k, v, out are 4-D, lse 3-D or None.
 
     k_scale, v_scale: with an int8 k/v, float32 (B, Hkv, Tk) row scales (strides in whole
@@ -180,6 +183,9 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
             _stride(vs_arr, 0), _stride(vs_arr, 1), _stride(vs_arr, 2))
     p.scale = scale
     p.causal = causal
+    if query_offset is not None:
+        p.has_query_offset = True
+        p.query_offset = query_offset
     p.window_left = window_left
     p.window_right = window_right
     p.num_threads = num_threads

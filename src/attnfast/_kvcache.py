@@ -60,7 +60,8 @@ def _write_tokens(k_cache, v_cache, seqs, starts, k_new, v_new, k_scale=None, v_
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *,
                            causal=True, scale=None, window=None, softcap=None,
                            alibi_slopes=None, sinks=None, mask=None, return_lse=False,
-                           out=None, num_threads=None, k_scale=None, v_scale=None):
+                           out=None, num_threads=None, query_offset=None, k_scale=None,
+                           v_scale=None):
     """Attention of new queries over a KV cache held in caller-owned arrays.
 
     flash-attn's ``flash_attn_with_kvcache`` in PyTorch SDPA's layout. For each sequence b,
@@ -99,6 +100,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
         cached key.
     scale, window, return_lse, out, num_threads
         As in :func:`attnfast.attention` (window is aligned like causal).
+    query_offset : int, optional
+        Query i sits at cache position ``i + query_offset`` in every sequence (causal and
+        window measured from there) instead of bottom-right; e.g. 0 for a prompt written
+        into an empty static cache whose capacity exceeds the prompt.
     softcap, alibi_slopes, sinks, mask
         Not implemented yet: passing one raises NotImplementedError.
 
@@ -113,7 +118,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     reject_unimplemented(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
     call = check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                    causal=causal, scale=scale, window=window,
-                                   num_threads=num_threads, k_scale=k_scale, v_scale=v_scale)
+                                   num_threads=num_threads, k_scale=k_scale, v_scale=v_scale,
+                                   query_offset=query_offset)
     user_out = check_out(out, call.attn.out_shape(), call.attn.dtype,
                          [("q", call.attn.q), ("k_cache", k_cache), ("v_cache", v_cache),
                           ("k_new", call.k_new), ("v_new", call.v_new),
@@ -238,7 +244,7 @@ class KVCache:
 
     def attend(self, q, *, batch_index=None, causal=True, scale=None, window=None,
                softcap=None, alibi_slopes=None, sinks=None, mask=None, return_lse=False,
-               out=None, num_threads=None):
+               out=None, num_threads=None, query_offset=None):
         """Attention of q (n, H, Tq, head_dim) over each sequence's cached tokens.
 
         Causal by default, bottom-right aligned: query i of sequence b sees the keys
@@ -249,11 +255,11 @@ class KVCache:
         return self._run(q, None, None, batch_index=batch_index, causal=causal, scale=scale,
                          window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                          sinks=sinks, mask=mask, return_lse=return_lse, out=out,
-                         num_threads=num_threads)
+                         num_threads=num_threads, query_offset=query_offset)
 
     def step(self, q, k_new, v_new, *, batch_index=None, causal=True, scale=None,
              window=None, softcap=None, alibi_slopes=None, sinks=None, mask=None,
-             return_lse=False, out=None, num_threads=None):
+             return_lse=False, out=None, num_threads=None, query_offset=None):
         """The decode step: :meth:`append` k_new, v_new, then :meth:`attend` q, in one call.
 
         With a prompt (t = Tq tokens) this is causal prefill; with one token, one decode
@@ -266,7 +272,7 @@ class KVCache:
         return self._run(q, k_new, v_new, batch_index=batch_index, causal=causal, scale=scale,
                          window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                          sinks=sinks, mask=mask, return_lse=return_lse, out=out,
-                         num_threads=num_threads)
+                         num_threads=num_threads, query_offset=query_offset)
 
     def truncate(self, n) -> None:
         """Roll every sequence back to n tokens (or sequence b to n[b]), e.g. to drop rejected
@@ -309,7 +315,7 @@ class KVCache:
             return self._run_locked(q, k_new, v_new, **kwargs)
 
     def _run_locked(self, q, k_new, v_new, *, batch_index, causal, scale, window, softcap,
-                    alibi_slopes, sinks, mask, return_lse, out, num_threads):
+                    alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset):
         reject_unimplemented(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
         seqs = check_batch_index(batch_index, self.batch)
         self._check_leading(seqs, q=q, k_new=k_new, v_new=v_new)
@@ -329,6 +335,7 @@ class KVCache:
         call = check_kvcache_attention(q, k_sel, v_sel, self._lengths[seqs], k_new, v_new,
                                        causal=causal, scale=scale, window=window,
                                        num_threads=num_threads, k_scale=s_sel, v_scale=s_sel,
+                                       query_offset=query_offset,
                                        cache_names=("cache.k", "cache.v"),
                                        scale_names=("cache.k_scale", "cache.v_scale"))
         user_out = check_out(out, call.attn.out_shape(), call.attn.dtype,
