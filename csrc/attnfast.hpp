@@ -9,7 +9,7 @@ namespace attnfast {
 // kI8 is a KV-cache storage type only (symmetric int8 with one float32 scale per row).
 enum class DType : int32_t { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kI8 = 4 };
 
-// How `mask` is read (reserved: the mask option is not implemented yet).
+// How `mask` is read: bool (one byte, nonzero = keep) or added to the scores.
 enum class MaskKind : int32_t { kNone = 0, kBool = 1, kAdditive = 2 };
 
 // One attention problem: out = softmax(q k^T * scale (+ options)) v, per (batch, head).
@@ -61,15 +61,20 @@ struct AttentionParams {
     int64_t window_right;  // row i sees keys j <= i' + window_right; -1 = unbounded
                            // (any value up to INT64_MAX is safe: no overflow)
 
-    // Reserved for options that are not implemented yet; the Python layer rejects them
-    // before they get here, and the kernels require them to be at their "off" values.
-    double softcap;                 // 0 = off; else scores -> softcap * tanh(scores / softcap)
-    const float* alibi_slopes;      // nullptr = off; (batch, heads) with alibi_batch_stride
+    // Score options, applied in this order to each scaled score s = scale * q_i . k_j
+    // (flash-attn's order), then causal / window:
+    double softcap;                 // 0 = off; else s -> softcap * tanh(s / softcap)
+    const float* alibi_slopes;      // nullptr = off; s -= slope[b, h] * |i' - j|; slopes of
+                                    // (batch, heads) at alibi_batch_stride, heads contiguous
     int64_t alibi_batch_stride;     // 0 when slopes are per head only
-    const float* sinks;             // nullptr = off; (heads,) logits joining the denominator
-    const void* mask;               // nullptr = off; broadcastable (B, H, Tq, Tk)
-    MaskKind mask_kind;
-    int64_t mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
+    const void* mask;               // nullptr = off; element (b, h, i, j) at the strides below
+                                    // (0 for a broadcast axis); j spans seqlen_k
+    MaskKind mask_kind;             // kBool: 0 drops the key; kAdditive: s += mask
+    DType mask_dtype;               // kAdditive: kF32 or kF64 (bool masks are one byte)
+    int64_t mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;  // elements
+    const float* sinks;             // nullptr = off; (heads,) one logit per query head that
+                                    // joins the softmax denominator (adds no value); lse
+                                    // includes it, and a row seeing no key gets lse = sink
 
     int num_threads;     // >= 1 (more than the processors are not started); the result
                          // does not depend on it

@@ -41,8 +41,11 @@ void check_params(const AttentionParams& p) {
     require(!p.has_query_offset || (p.query_offset <= (int64_t(1) << 62) &&
                                     p.query_offset >= -(int64_t(1) << 62)),
             "|query_offset| must be <= 2^62");
-    require(p.softcap == 0.0 && !p.alibi_slopes && !p.sinks && !p.mask,
-            "softcap, alibi_slopes, sinks and mask are not implemented");
+    require(p.softcap >= 0.0, "softcap must be >= 0 (0 = off)");
+    require(!p.mask || p.mask_kind == MaskKind::kBool ||
+                (p.mask_kind == MaskKind::kAdditive &&
+                 (p.mask_dtype == DType::kF32 || p.mask_dtype == DType::kF64)),
+            "mask must be bool, or additive float32 / float64");
     const DType q = p.dtype, kv = p.kv_dtype;
     const bool same = q == kv && q != DType::kI8;
     const bool f32_q_lowp_kv = q == DType::kF32 && (kv == DType::kF16 || kv == DType::kBF16);
@@ -109,11 +112,11 @@ void attention_forward(const AttentionParams& p) {
         return;
     }
     const KernelTable& kernels = active_kernels();
-    if (p.dtype == DType::kF32 && p.kv_dtype == DType::kF32) {
+    if (p.dtype == DType::kF32 && p.kv_dtype == DType::kF32 && !has_score_options(p)) {
         run_blocks<float>(p, kernels.attend_block_f32, kernels.plan_f32(p));
-    } else if (p.dtype != DType::kF64) {  // 16-bit or int8 somewhere: converting template
+    } else if (p.dtype != DType::kF64) {  // 16-bit, int8 or score options: the templates
         const PrefillPlan plan{kBlockRows, block_workspace_elems(p)};
-        run_blocks<float>(p, kernels.attend_block_lowp, plan);
+        run_blocks<float>(p, kernels.attend_block_any, plan);
     } else {
         const PrefillPlan plan{kBlockRows, block_workspace_elems(p)};
         run_blocks<double>(p, kernels.attend_block_f64, plan);

@@ -21,8 +21,13 @@ def visible_mask(tq, tk, causal=False, window=None):
     return keep
 
 
-def reference_attention(q, k, v, causal=False, scale=None, window=None):
-    """Returns (out, lse, weights) in float64 for q (.., H, Tq, D), k/v (.., Hkv, Tk, D/Dv)."""
+def reference_attention(q, k, v, causal=False, scale=None, window=None, softcap=None,
+                        alibi_slopes=None, sinks=None, mask=None):
+    """Returns (out, lse, weights) in float64 for q (.., H, Tq, D), k/v (.., Hkv, Tk, D/Dv).
+
+    Options as attnfast documents them: softcap c: s -> c tanh(s / c); alibi_slopes (H,) or
+    (B, H): s -= slope |i' - j|; mask: bool (True keeps) or added; sinks (H,): one more
+    logit per head in the denominator. Applied in that order, then causal / window."""
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
     v = np.asarray(v, dtype=np.float64)
@@ -35,12 +40,26 @@ def reference_attention(q, k, v, causal=False, scale=None, window=None):
         scale = 1.0 / np.sqrt(d)
     scores = np.einsum("...id,...jd->...ij", q, k) * scale
     tq, tk = scores.shape[-2:]
+    if softcap is not None:
+        scores = softcap * np.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        slopes = np.asarray(alibi_slopes, np.float64)
+        dist = np.abs(np.arange(tq)[:, None] + (tk - tq) - np.arange(tk)[None, :])
+        scores = scores - slopes[..., None, None] * dist
+    if mask is not None:
+        mask = np.asarray(mask)
+        scores = np.where(mask, scores, -np.inf) if mask.dtype == bool else scores + mask
     keep = visible_mask(tq, tk, causal, window)
     scores = np.where(keep, scores, -np.inf)
     top = scores.max(axis=-1, keepdims=True, initial=-np.inf)
+    if sinks is not None:
+        sink = np.asarray(sinks, np.float64)[:, None, None]
+        top = np.maximum(top, sink)
     top = np.where(np.isfinite(top), top, 0.0)
     e = np.exp(scores - top)
     total = e.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + np.exp(sink - top)
     weights = np.where(total > 0, e / np.where(total > 0, total, 1.0), 0.0)
     out = np.einsum("...ij,...jd->...id", weights, v)
     with np.errstate(divide="ignore"):

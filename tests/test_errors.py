@@ -142,12 +142,14 @@ def test_out_aliasing_inputs(rng):
     rejects(ValueError, r"overlaps the memory of v", q, k, v, out=v[:, :10])
 
 
-@pytest.mark.parametrize("option", ["softcap", "alibi_slopes", "sinks", "mask"])
-def test_unimplemented_options_raise(qkv, option):
+@pytest.mark.parametrize("option,value,error", [
+    ("softcap", -1.0, ValueError), ("alibi_slopes", 1.0, ValueError), ("sinks", 1.0, ValueError),
+    ("mask", np.ones((3, 5, 7), bool), ValueError), ("mask", np.ones(1, np.int64), TypeError)])
+def test_bad_options_raise(qkv, option, value, error):
     q, k, v = qkv
-    rejects(NotImplementedError, option, q, k, v, **{option: 1.0}, out=sentinel_out())
-    with pytest.raises(NotImplementedError, match=option):
-        af.attention_weights(q, k, **{option: 1.0})
+    rejects(error, option, q, k, v, **{option: value}, out=sentinel_out())
+    with pytest.raises(error, match=option):
+        af.attention_weights(q, k, **{option: value})
 
 
 def test_attention_weights_checks(qkv):

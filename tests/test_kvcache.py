@@ -217,10 +217,10 @@ def bad_step_calls(rng):
         ("bad window", lambda c: c.step(q, k, v, window=(-2, 0)), ValueError, 'window'),
         ("bad scale", lambda c: c.step(q, k, v, scale=-1.0), ValueError, 'scale'),
         ("bad num_threads", lambda c: c.step(q, k, v, num_threads=0), ValueError, 'num_threads'),
-        ("softcap", lambda c: c.step(q, k, v, softcap=30.0), NotImplementedError, 'softcap'),
-        ("alibi_slopes", lambda c: c.step(q, k, v, alibi_slopes=np.ones(4)), NotImplementedError, 'alibi_slopes'),
-        ("sinks", lambda c: c.step(q, k, v, sinks=np.zeros(4)), NotImplementedError, 'sinks'),
-        ("mask", lambda c: c.step(q, k, v, mask=np.ones((1, 1), bool)), NotImplementedError, 'mask'),
+        ("softcap", lambda c: c.step(q, k, v, softcap=0.0), ValueError, 'softcap'),
+        ("alibi_slopes", lambda c: c.step(q, k, v, alibi_slopes=np.ones(4)), TypeError, 'alibi_slopes must be float32'),
+        ("sinks", lambda c: c.step(q, k, v, sinks=np.zeros(3, np.float32)), ValueError, 'sinks must have shape'),
+        ("mask", lambda c: c.step(q, k, v, mask=np.ones((1, 2), bool)), ValueError, 'mask of shape'),
     ]
 
 
@@ -335,8 +335,8 @@ def bad_functional_calls(rng):
                                           v_scale=np.zeros((B, Hkv, C), np.float32)),
          ValueError, "k_scale is only for an int8 cache"),
         ("bad out", dict(out=np.empty((B, 4, 2, D), np.float32)), ValueError, 'out must have shape'),
-        ("softcap", dict(softcap=1.0), NotImplementedError, 'softcap'),
-        ("mask", dict(mask=np.ones((1,), bool)), NotImplementedError, 'mask'),
+        ("softcap", dict(softcap=float("nan")), ValueError, 'softcap'),
+        ("mask", dict(mask=np.ones((2,), bool)), ValueError, 'mask of shape'),
     ]
 
 

@@ -50,7 +50,8 @@ def test_errors_write_nothing(rng):
         (dict(q=q[None]), ValueError, r"q must be 3-D"),
         (dict(v=v[:6]), ValueError, r"same tokens and kv heads"),
         (dict(out=out[:6]), ValueError, r"out must have shape \(7, 4, 12\)"),
-        (dict(softcap=30.0), NotImplementedError, r"softcap"),
+        (dict(softcap=-30.0), ValueError, r"softcap"),
+        (dict(mask=np.ones(1, bool)), NotImplementedError, r"mask has no natural shape"),
     ]
     for change, exc, match in bad:
         args = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, out=out)

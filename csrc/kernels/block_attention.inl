@@ -59,6 +59,8 @@ inline double exp_acc(double x) { return __builtin_exp(x); }
 
 inline float log_acc(float x) { return __builtin_logf(x); }
 inline double log_acc(double x) { return __builtin_log(x); }
+inline float tanh_acc(float x) { return __builtin_tanhf(x); }
+inline double tanh_acc(double x) { return __builtin_tanh(x); }
 
 
 // s[i][j] = sum_d qs[i][d] * kt[d][j] for i < rows, all Bk columns (kt packed D x Bk).
@@ -131,6 +133,73 @@ inline RowScales row_scales(const float* scale, int64_t batch_stride, int64_t he
     return r;
 }
 
+// The score options of one query row (softcap, ALiBi, mask; see AttentionParams), applied to
+// s[0, n) holding the scaled scores of keys first_key .. first_key + n.
+template <class A>
+struct RowOptions {
+    A softcap = 0;                   // 0: off
+    A inv_softcap = 0;
+    A slope = 0;                     // ALiBi slope of the row's head (0: off)
+    int64_t aligned = 0;             // i', the row's key position
+    MaskKind mask_kind = MaskKind::kNone;
+    const uint8_t* bool_mask = nullptr;  // the row's mask entries, col_stride apart
+    const float* add_mask_f32 = nullptr;
+    const double* add_mask_f64 = nullptr;
+    int64_t col_stride = 0;
+
+    RowOptions(const AttentionParams& p, int64_t batch, int64_t head, int64_t row,
+               int64_t seqlen_k) {
+        if (p.softcap > 0) {
+            softcap = static_cast<A>(p.softcap);
+            inv_softcap = static_cast<A>(1.0 / p.softcap);
+        }
+        if (p.alibi_slopes) slope = static_cast<A>(p.alibi_slopes[batch * p.alibi_batch_stride + head]);
+        aligned = aligned_row(p, row, seqlen_k);
+        if (p.mask) {
+            mask_kind = p.mask_kind;
+            const int64_t at = batch * p.mask_batch_stride + head * p.mask_head_stride + row * p.mask_row_stride;
+            if (p.mask_kind == MaskKind::kBool) bool_mask = static_cast<const uint8_t*>(p.mask) + at;
+            else if (p.mask_dtype == DType::kF64) add_mask_f64 = static_cast<const double*>(p.mask) + at;
+            else add_mask_f32 = static_cast<const float*>(p.mask) + at;
+            col_stride = p.mask_col_stride;
+        }
+    }
+    void apply(A* __restrict s, int64_t first_key, int64_t n) const {
+        if (softcap != A(0))
+            for (int64_t j = 0; j < n; ++j) s[j] = softcap * tanh_acc(s[j] * inv_softcap);
+        if (slope != A(0))
+            for (int64_t j = 0; j < n; ++j) {
+                const int64_t dist = aligned - (first_key + j);
+                s[j] -= slope * static_cast<A>(dist < 0 ? -dist : dist);
+            }
+        if (bool_mask) {
+            for (int64_t j = 0; j < n; ++j)
+                if (!bool_mask[(first_key + j) * col_stride]) s[j] = neg_inf<A>();
+        } else if (add_mask_f32) {
+            for (int64_t j = 0; j < n; ++j) s[j] += static_cast<A>(add_mask_f32[(first_key + j) * col_stride]);
+        } else if (add_mask_f64) {
+            for (int64_t j = 0; j < n; ++j) s[j] += static_cast<A>(add_mask_f64[(first_key + j) * col_stride]);
+        }
+    }
+};
+
+// Folds the sink logit of a row (gpt-oss) into its online-softmax state: one more term of
+// the denominator, no value. A row that saw no key gets m = sink, l = 1, acc = 0.
+template <class A>
+inline void add_sink(A sink, A& m, A& l, A* acc, int64_t dim_v) {
+    if (m == neg_inf<A>()) {
+        m = sink;
+        l = 1;
+        return;
+    }
+    const A m_new = max_of(m, sink);
+    const A correction = exp_acc(m - m_new);
+    l = l * correction + exp_acc(sink - m_new);
+    if (correction != A(1))
+        for (int64_t e = 0; e < dim_v; ++e) acc[e] *= correction;
+    m = m_new;
+}
+
 // TQ: type of q and out; TKV: type of k and v (TQ, or a 16-bit / int8 cache under float32
 // queries); A: the accumulator (float, or double for float64).
 template <class TQ, class TKV, class A>
@@ -169,6 +238,7 @@ void attend_block(const AttentionParams& p, const BlockTask& task, A* workspace)
     const KeyRange last = visible_keys(p, task.row_end - 1, seqlen_k);
     const int64_t kv_begin = first.begin;
     const int64_t kv_end = last.end;
+    const bool options = p.softcap > 0 || p.alibi_slopes || p.mask;
 
     for (int64_t tile = kv_begin; tile < kv_end; tile += Bk) {
         const int64_t keys = (kv_end - tile < Bk) ? kv_end - tile : Bk;
@@ -188,6 +258,8 @@ void attend_block(const AttentionParams& p, const BlockTask& task, A* workspace)
         const bool partial = keys < Bk || tile < last.begin || tile + keys > first.end;
         for (int64_t i = 0; i < rows; ++i) {
             A* srow = s + i * Bk;
+            if (options)
+                RowOptions<A>(p, task.batch, task.head, task.row_begin + i, seqlen_k).apply(srow, tile, keys);
             if (partial) {
                 const KeyRange r = visible_keys(p, task.row_begin + i, seqlen_k);
                 for (int64_t j = 0; j < Bk; ++j) {
@@ -215,7 +287,8 @@ void attend_block(const AttentionParams& p, const BlockTask& task, A* workspace)
     if (lse) lse += task.batch * p.lse_batch_stride + task.head * p.lse_head_stride;
     for (int64_t i = 0; i < rows; ++i) {
         TQ* orow = out + (task.row_begin + i) * p.out_row_stride;
-        const A* acc_row = acc + i * Dv;
+        A* acc_row = acc + i * Dv;
+        if (p.sinks) add_sink(static_cast<A>(p.sinks[task.head]), m[i], l[i], acc_row, Dv);
         if (l[i] != A(0)) {  // saw keys; NaN here (a NaN score) gives NaN out and lse
             const A inv = A(1) / l[i];
             for (int64_t e = 0; e < Dv; ++e) orow[e] = store_from_acc<TQ>(acc_row[e] * inv);
@@ -233,9 +306,10 @@ void attend_block(const AttentionParams& p, const BlockTask& task, A* workspace)
 void attend_block_f64(const AttentionParams& p, const BlockTask& t, double* ws) {
     attend_block<double, double, double>(p, t, ws);
 }
-// The reduced-precision combinations (checked by attention_forward): 16-bit q/k/v, float32
-// q over a 16-bit cache, and float32 / 16-bit q over an int8 cache.
-void attend_block_lowp(const AttentionParams& p, const BlockTask& t, float* ws) {
+// Every float32-accumulated combination (checked by attention_forward): 16-bit q/k/v,
+// float32 q over a 16-bit cache, float32 / 16-bit q over an int8 cache, and float32 with
+// score options.
+void attend_block_any(const AttentionParams& p, const BlockTask& t, float* ws) {
     const DType q = p.dtype, kv = p.kv_dtype;
     if (kv == DType::kBF16) {
         if (q == DType::kBF16) attend_block<bf16_t, bf16_t, float>(p, t, ws);
@@ -243,6 +317,8 @@ void attend_block_lowp(const AttentionParams& p, const BlockTask& t, float* ws) 
     } else if (kv == DType::kF16) {
         if (q == DType::kF16) attend_block<f16_t, f16_t, float>(p, t, ws);
         else attend_block<float, f16_t, float>(p, t, ws);
+    } else if (kv == DType::kF32) {  // float32 with score options
+        attend_block<float, float, float>(p, t, ws);
     } else {  // kI8
         if (q == DType::kBF16) attend_block<bf16_t, int8_t, float>(p, t, ws);
         else if (q == DType::kF16) attend_block<f16_t, int8_t, float>(p, t, ws);

@@ -330,6 +330,7 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
                  task.kv_head * p.v_head_stride + task.key_begin * p.v_row_stride;
     const A scale = static_cast<A>(p.scale);
     const int64_t v_row_bytes = Dv * static_cast<int64_t>(sizeof(T));
+    const bool options = p.softcap > 0 || p.alibi_slopes || p.mask;
 
     for (int64_t r0 = 0; r0 < rows; r0 += kGroupRows) {
         const int64_t n = rows - r0 < kGroupRows ? rows - r0 : kGroupRows;
@@ -380,6 +381,11 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
                 const int64_t e = (hi[rr] < j1 ? hi[rr] : j1) - j0;
                 if (k_scale.scale)  // int8 K: the score of key j is k_scale[j] * (q . k_int8[j])
                     for (int64_t c = b; c < e; ++c) srow[c] *= static_cast<A>(k_scale.at(j0 + c));
+                if (options && b < e) {
+                    const int64_t head = task.kv_head * group + r / tq, pos = r % tq;
+                    RowOptions<A>(p, task.batch, head, pos, task.seqlen_k)
+                        .apply(srow + b, task.key_begin + j0 + b, e - b);
+                }
                 A block_max = neg_inf<A>();
                 if (b < e) block_max = range_max(srow + b, e - b);
                 if (block_max == neg_inf<A>()) {  // sees nothing in this block: weight 0
@@ -432,13 +438,20 @@ void decode_merge(const AttentionParams& p, int64_t batch, int64_t kv_head, int6
         A* lse_at = lse ? lse + head * p.lse_head_stride + pos * p.lse_row_stride : nullptr;
         A top = neg_inf<A>();
         for (int64_t c = 0; c < chunks; ++c) top = max_of(top, m[c * rows + r]);
-        if (top == neg_inf<A>()) {  // the row sees no key: zeros and -inf, never NaN
+        if (top == neg_inf<A>()) {  // the row sees no key: zeros and -inf (the sink's
+                                    // logit with sinks), never NaN
             for (int64_t e = 0; e < Dv; ++e) orow[e] = store_from_acc<T>(A(0));
-            if (lse_at) *lse_at = neg_inf<A>();
+            if (lse_at) *lse_at = p.sinks ? static_cast<A>(p.sinks[head]) : neg_inf<A>();
             continue;
         }
-        // Chunks in their fixed order, so the bits never depend on who computed them.
+        // The sink (once per row, after the chunks): one more term of the denominator.
         A total = 0;
+        if (p.sinks) {
+            const A sink = static_cast<A>(p.sinks[head]);
+            top = max_of(top, sink);
+            total = exp_acc(sink - top);
+        }
+        // Chunks in their fixed order, so the bits never depend on who computed them.
         for (int64_t e = 0; e < Dv; ++e) sum[e] = 0;
         for (int64_t c = 0; c < chunks; ++c) {
             const A mc = m[c * rows + r];
@@ -461,8 +474,8 @@ void decode_chunk_f64(const AttentionParams& p, const DecodeTask& t, double* ws,
                       double* m, double* l) {
     decode_chunk<double, double, double>(p, t, ws, acc, m, l);
 }
-// The reduced-precision combinations, as attend_block_lowp.
-void decode_chunk_lowp(const AttentionParams& p, const DecodeTask& t, float* ws, float* acc,
+// Every float32-accumulated combination, as attend_block_any.
+void decode_chunk_any(const AttentionParams& p, const DecodeTask& t, float* ws, float* acc,
                        float* m, float* l) {
     const DType q = p.dtype, kv = p.kv_dtype;
     if (kv == DType::kBF16) {
@@ -471,13 +484,15 @@ void decode_chunk_lowp(const AttentionParams& p, const DecodeTask& t, float* ws,
     } else if (kv == DType::kF16) {
         if (q == DType::kF16) decode_chunk<f16_t, f16_t, float>(p, t, ws, acc, m, l);
         else decode_chunk<float, f16_t, float>(p, t, ws, acc, m, l);
+    } else if (kv == DType::kF32) {  // float32 with score options
+        decode_chunk<float, float, float>(p, t, ws, acc, m, l);
     } else {  // kI8
         if (q == DType::kBF16) decode_chunk<bf16_t, int8_t, float>(p, t, ws, acc, m, l);
         else if (q == DType::kF16) decode_chunk<f16_t, int8_t, float>(p, t, ws, acc, m, l);
         else decode_chunk<float, int8_t, float>(p, t, ws, acc, m, l);
     }
 }
-void decode_merge_lowp(const AttentionParams& p, int64_t b, int64_t g, int64_t chunks,
+void decode_merge_any(const AttentionParams& p, int64_t b, int64_t g, int64_t chunks,
                        const float* acc, const float* m, const float* l, float* ws) {
     if (p.dtype == DType::kBF16) decode_merge<bf16_t, float>(p, b, g, chunks, acc, m, l, ws);
     else if (p.dtype == DType::kF16) decode_merge<f16_t, float>(p, b, g, chunks, acc, m, l, ws);

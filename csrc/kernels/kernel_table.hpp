@@ -157,13 +157,14 @@ struct KernelTable {
     void (*decode_merge_f64)(const AttentionParams&, int64_t batch, int64_t kv_head,
                              int64_t chunks, const double* acc, const double* m,
                              const double* l, double* workspace);
-    // The reduced-precision paths (float16 / bfloat16 q, k, v; float32 q over a 16-bit or
-    // int8 cache; 16-bit q over an int8 cache), all accumulating in float32: the same
-    // contracts as the float32 entries, dispatching on p.dtype and p.kv_dtype.
-    void (*attend_block_lowp)(const AttentionParams&, const BlockTask&, float* workspace);
-    void (*decode_chunk_lowp)(const AttentionParams&, const DecodeTask&, float* workspace,
+    // The converting templates, for every dtype combination but float64 (float16 / bfloat16
+    // q, k, v; float32 q over a 16-bit or int8 cache; 16-bit q over an int8 cache; float32)
+    // and every score option (softcap, ALiBi, mask, sinks), all accumulating in float32: the
+    // same contracts as the float32 entries, dispatching on p.dtype and p.kv_dtype.
+    void (*attend_block_any)(const AttentionParams&, const BlockTask&, float* workspace);
+    void (*decode_chunk_any)(const AttentionParams&, const DecodeTask&, float* workspace,
                               float* acc, float* m, float* l);
-    void (*decode_merge_lowp)(const AttentionParams&, int64_t batch, int64_t kv_head,
+    void (*decode_merge_any)(const AttentionParams&, int64_t batch, int64_t kv_head,
                               int64_t chunks, const float* acc, const float* m,
                               const float* l, float* workspace);
 };
@@ -175,6 +176,17 @@ const KernelTable* kernel_table_avx512();
 
 // The table in use (chosen once; see dispatch.cpp).
 const KernelTable& active_kernels();
+
+// Whether any score option (softcap, ALiBi, mask, sinks) is on: the hand-written float32
+// kernels do not take them, the templates (the *_any and *_f64 entries) do.
+static inline bool has_score_options(const AttentionParams& p) {
+    return p.softcap != 0.0 || p.alibi_slopes || p.mask || p.sinks;
+}
+
+// Key position of query row `row`, i' (see AttentionParams::has_query_offset).
+static inline int64_t aligned_row(const AttentionParams& p, int64_t row, int64_t seqlen_k) {
+    return row + (p.has_query_offset ? p.query_offset : seqlen_k - p.seqlen_q);
+}
 
 // Keys valid for batch entry `batch`: seqlens_k[batch], or seqlen_k when that is null.
 static inline int64_t batch_seqlen_k(const AttentionParams& p, int64_t batch) {
@@ -192,7 +204,7 @@ struct KeyRange {
 // Window bounds may be as large as INT64_MAX (any bound >= Tq + Tk means unbounded): each
 // one is compared with a distance between positions before it is added, never overflowing.
 static inline KeyRange visible_keys(const AttentionParams& p, int64_t row, int64_t seqlen_k) {
-    const int64_t aligned = row + (p.has_query_offset ? p.query_offset : seqlen_k - p.seqlen_q);
+    const int64_t aligned = aligned_row(p, row, seqlen_k);
     int64_t begin = 0;
     int64_t end = seqlen_k;
     if (p.causal && aligned + 1 < end) end = aligned + 1;

@@ -7,7 +7,7 @@ import numpy as np
 
 from . import _ext
 from ._checks import (BFLOAT16, FLOAT16, FLOAT32, FLOAT64, check_attention, check_out,
-                      kernel_ready, reject_unimplemented, to_3d, to_4d)
+                      kernel_ready, to_3d, to_4d)
 
 __all__ = ["attention", "attention_weights", "merge_attention_states"]
 
@@ -66,9 +66,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
     -------
     out, or (out, lse) when return_lse.
     """
-    reject_unimplemented(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
     call = check_attention(q, k, v, causal=causal, scale=scale, window=window,
-                           num_threads=num_threads, query_offset=query_offset)
+                           num_threads=num_threads, query_offset=query_offset, softcap=softcap,
+                           alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
     user_out = check_out(out, call.out_shape(), call.dtype,
                          [("q", call.q), ("k", call.k), ("v", call.v)])
 
@@ -96,6 +96,7 @@ def run_kernels(call, user_out, return_lse, parts=None):
     for part in parts or [(slice(None), call.k, call.v, None)]:
         rows, k, v, seqlens = part[:4]
         k_scale, v_scale = part[4:6] if len(part) > 4 else (None, None)
+        options = call.options.rows(rows)
         _ext.run_attention(
             call.q[rows], kernel_ready(k), kernel_ready(v), result4[rows],
             None if lse3 is None else lse3[rows],
@@ -103,7 +104,8 @@ def run_kernels(call, user_out, return_lse, parts=None):
             window_right=call.window[1], num_threads=call.num_threads,
             seqlens_k=None if seqlens is None else np.ascontiguousarray(seqlens, dtype=np.int64),
             interruptible=interruptible, k_scale=k_scale, v_scale=v_scale,
-            query_offset=call.query_offset)
+            query_offset=call.query_offset, softcap=options.softcap, alibi=options.alibi,
+            sinks=options.sinks, mask=options.mask)
     if result4 is not target4:
         np.copyto(target4, result4)
     return (target, lse) if return_lse else target
@@ -132,25 +134,44 @@ def attention_weights(q, k, *, causal=False, scale=None, window=None, softcap=No
 
     For inspection and teaching on small inputs: unlike :func:`attention` this materialises
     the full Tq x Tk matrix per head, by design. Options mean what they mean in
-    :func:`attention`; rows that see no key are all zeros. ``num_threads`` is accepted for
-    symmetry and checked, but this NumPy computation does not use it.
+    :func:`attention` (with ``sinks`` a row's weights sum to less than 1: the sink takes the
+    rest); rows that see no key are all zeros. ``num_threads`` is accepted for symmetry and
+    checked, but this NumPy computation does not use it.
     """
-    reject_unimplemented(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
     call = check_attention(q, k, None, causal=causal, scale=scale, window=window,
-                           num_threads=num_threads, need_v=False, query_offset=query_offset)
+                           num_threads=num_threads, need_v=False, query_offset=query_offset,
+                           softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
     group = call.heads // call.kv_heads
     k_per_head = np.repeat(call.k, group, axis=1) if group > 1 else call.k
     compute = np.float64 if call.dtype == np.float64 else np.float32  # never in 16 bits
     scores = np.matmul(call.q.astype(compute, copy=False),
                        np.swapaxes(k_per_head.astype(compute, copy=False), -1, -2))
     scores = scores * compute(call.scale)
+    opts = call.options
+    if opts.softcap:
+        scores = compute(opts.softcap) * np.tanh(scores / compute(opts.softcap))
+    shift = call.seqlen_k - call.seqlen_q if call.query_offset is None else call.query_offset
+    if opts.alibi is not None:
+        dist = np.abs(np.arange(call.seqlen_q)[:, None] + shift - np.arange(call.seqlen_k)[None, :])
+        scores = scores - opts.alibi.astype(compute)[:, :, None, None] * dist.astype(compute)
+    if opts.mask is not None:
+        if opts.mask.dtype == np.bool_:
+            scores = np.where(opts.mask, scores, -np.inf)
+        else:
+            scores = scores + opts.mask.astype(compute, copy=False)
     keep = _visible(call)
     scores = np.where(keep, scores, -np.inf)
     row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
+    if opts.sinks is not None:
+        sink = opts.sinks.astype(compute)[None, :, None, None]
+        row_max = np.maximum(row_max, sink)
     safe_max = np.where(np.isfinite(row_max), row_max, 0)
-    weights = np.exp(scores - safe_max)
-    total = weights.sum(axis=-1, keepdims=True)
-    weights = np.divide(weights, total, out=np.zeros_like(weights), where=total != 0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        weights = np.exp(scores - safe_max)
+        total = weights.sum(axis=-1, keepdims=True)
+        if opts.sinks is not None:
+            total = total + np.exp(sink - safe_max)
+        weights = np.divide(weights, total, out=np.zeros_like(weights), where=total != 0)
     return weights.astype(call.dtype, copy=False).reshape(call.out_shape()[:-1] + (call.seqlen_k,))
 
 

@@ -148,11 +148,89 @@ def check_query_offset(query_offset) -> int | None:
     return value
 
 
-def reject_unimplemented(**options) -> None:
-    for name, value in options.items():
-        if value is not None:
-            raise NotImplementedError(f"{name} is not implemented yet (got a value for it); "
-                                      "leave it as None")
+@dataclass(frozen=True)
+class ScoreOptions:
+    """Checked score options, in the kernels' terms (see AttentionParams in csrc/attnfast.hpp)."""
+    softcap: float = 0.0                # 0 = off
+    alibi: np.ndarray | None = None     # float32 (B, H), batch stride 0 for per-head slopes
+    sinks: np.ndarray | None = None     # float32 (H,), contiguous
+    mask: np.ndarray | None = None      # 4-D (B, H, Tq, Tk) view (zero strides where
+                                        # broadcast): bool, or float32 / float64 additive
+
+    @property
+    def any(self) -> bool:
+        return bool(self.softcap) or self.alibi is not None or self.sinks is not None \
+            or self.mask is not None
+
+    def rows(self, rows) -> "ScoreOptions":
+        """The options of the batch entries `rows` (a slice of axis 0)."""
+        return ScoreOptions(self.softcap, None if self.alibi is None else self.alibi[rows],
+                            self.sinks, None if self.mask is None else self.mask[rows])
+
+
+NO_OPTIONS = ScoreOptions()
+
+
+def check_softcap(softcap, dtype: np.dtype) -> float:
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.integer, np.floating)):
+        raise TypeError(f"softcap must be a real number > 0 or None, got {type(softcap).__name__} "
+                        f"{softcap!r}")
+    c = float(softcap)
+    info = np.finfo(_compute_dtype(dtype))
+    if not (math.isfinite(c) and float(info.tiny) <= c <= float(info.max)):
+        raise ValueError(f"softcap must be finite and > 0 in {info.dtype}, got {softcap!r}")
+    return c
+
+
+def _float32_vector(x, name: str, shapes: tuple, shape_text: str) -> np.ndarray:
+    if not isinstance(x, np.ndarray):
+        x = np.asarray(x)
+        if x.dtype == np.float64:  # a Python list of floats: take it as float32
+            x = x.astype(np.float32)
+    if x.dtype != FLOAT32:
+        raise TypeError(f"{name} must be float32, got dtype {x.dtype}")
+    if x.shape not in shapes:
+        raise ValueError(f"{name} must have shape {shape_text}, got {_shape_str(x)}")
+    return np.ascontiguousarray(x)
+
+
+def check_score_options(softcap, alibi_slopes, sinks, mask, *, batch, heads, seqlen_q,
+                        seqlen_k, rank, dtype, mask_supported=True) -> ScoreOptions:
+    """softcap, alibi_slopes (H,) or (B, H), sinks (H,), mask broadcastable to
+    (B, H, Tq, Tk) (the call's rank) -> ScoreOptions for the kernels."""
+    cap = check_softcap(softcap, dtype)
+    alibi = sink = view = None
+    if alibi_slopes is not None:
+        a = _float32_vector(alibi_slopes, "alibi_slopes", ((heads,), (batch, heads)),
+                            f"(H,) = ({heads},) or (B, H) = ({batch}, {heads})")
+        alibi = np.broadcast_to(a, (batch, heads)) if a.ndim == 1 else a
+    if sinks is not None:
+        sink = _float32_vector(sinks, "sinks", ((heads,),), f"(H,) = ({heads},)")
+    if mask is not None:
+        if not mask_supported:
+            raise NotImplementedError("mask has no natural shape for packed varlen sequences; "
+                                      "call attention() per sequence to mask")
+        m = mask if isinstance(mask, np.ndarray) else np.asarray(mask)
+        if m.dtype == np.bool_:
+            pass
+        elif m.dtype in (FLOAT32, FLOAT64) and m.dtype.isnative:
+            if m.dtype == FLOAT64 and dtype != FLOAT64:
+                m = m.astype(np.float32)  # the compute precision (a copy of the mask as given)
+        elif m.dtype in LOWP_DTYPES and m.dtype == dtype:
+            m = m.astype(np.float32)
+        else:
+            raise TypeError(f"mask must be bool (True = keep) or additive float32 (or q's dtype "
+                            f"{dtype}), got dtype {m.dtype}")
+        full = (batch, heads, seqlen_q, seqlen_k)[4 - rank:]
+        try:
+            view = np.broadcast_to(m, full)
+        except ValueError:
+            raise ValueError(f"mask of shape {_shape_str(m)} does not broadcast to {full} "
+                             f"(the call's (.., H, Tq, Tk))") from None
+        view = view.reshape((1,) * (4 - rank) + full)
+    return ScoreOptions(cap, alibi, sink, view)
 
 
 @dataclass
@@ -176,6 +254,7 @@ class AttentionCall:
     window: tuple[int, int]
     query_offset: int | None  # None: bottom-right; else query row i sits at key i + offset
     num_threads: int
+    options: ScoreOptions = NO_OPTIONS
 
     def out_shape(self) -> tuple[int, ...]:
         full = (self.batch, self.heads, self.seqlen_q, self.head_dim_v)
@@ -191,7 +270,8 @@ class AttentionCall:
 
 
 def check_attention(q, k, v, *, causal, scale, window, num_threads, need_v=True,
-                    query_offset=None) -> AttentionCall:
+                    query_offset=None, softcap=None, alibi_slopes=None, sinks=None,
+                    mask=None, mask_supported=True) -> AttentionCall:
     """Check q, k (and v) and the common options; returns kernel-ready 4-D views."""
     q = as_float_array(q, "q")
     k = as_float_array(k, "k")
@@ -242,6 +322,9 @@ def check_attention(q, k, v, *, causal, scale, window, num_threads, need_v=True,
         scale=check_scale(scale, D, q.dtype), causal=bool(causal),
         window=bound_window(check_window(window), Tq, Tk, check_query_offset(query_offset)),
         query_offset=check_query_offset(query_offset),
+        options=check_score_options(softcap, alibi_slopes, sinks, mask, batch=B, heads=H,
+                                    seqlen_q=Tq, seqlen_k=Tk, rank=rank, dtype=q.dtype,
+                                    mask_supported=mask_supported),
         num_threads=resolve_threads(num_threads))
 
 
@@ -510,7 +593,8 @@ class KVCacheCall:
 
 def check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, *, causal,
                             scale, window, num_threads, k_scale=None, v_scale=None,
-                            query_offset=None,
+                            query_offset=None, softcap=None, alibi_slopes=None, sinks=None,
+                            mask=None,
                             cache_names=("k_cache", "v_cache"),
                             scale_names=("k_scale", "v_scale")) -> KVCacheCall:
     """Everything attention over a KV cache needs, checked before anything is written."""
@@ -547,6 +631,8 @@ def check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, *,
         scale=check_scale(scale, D, q.dtype), causal=bool(causal),
         window=bound_window(check_window(window), Tq, C, check_query_offset(query_offset)),
         query_offset=check_query_offset(query_offset),
+        options=check_score_options(softcap, alibi_slopes, sinks, mask, batch=B, heads=H,
+                                    seqlen_q=Tq, seqlen_k=C, rank=4, dtype=q.dtype),
         num_threads=resolve_threads(num_threads))
     return KVCacheCall(attn=attn, k_cache=k_cache, v_cache=v_cache, starts=starts,
                        k_new=k_new, v_new=v_new, new_tokens=t, k_scale=k_scale, v_scale=v_scale)

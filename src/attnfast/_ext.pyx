@@ -14,6 +14,11 @@ cimport numpy as cnp
 cnp.import_array()
 
 cdef extern from "attnfast.hpp" namespace "attnfast":
+    cdef enum class MaskKind(int):
+        kNone
+        kBool
+        kAdditive
+
     cdef enum class DType(int):
         kF32
         kF64
@@ -45,6 +50,14 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
         cbool has_query_offset
         int64_t query_offset
         int64_t window_left, window_right
+        double softcap
+        const float* alibi_slopes
+        int64_t alibi_batch_stride
+        const void* mask
+        MaskKind mask_kind
+        DType mask_dtype
+        int64_t mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride
+        const float* sinks
         int num_threads
         cbool interruptible
 
@@ -134,9 +147,13 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
                       lse, *, bint causal, double scale, int64_t window_left,
                       int64_t window_right, int num_threads, seqlens_k=None,
                       bint interruptible=False, k_scale=None, v_scale=None,
-                      query_offset=None):
+                      query_offset=None, double softcap=0.0, alibi=None, sinks=None,
+                      mask=None):
     """Run the streaming attention kernel; q, k, v, out are 4-D, lse 3-D or None.
 
+    softcap (0 = off), alibi (float32 (B, H), heads contiguous), sinks (float32 (H,),
+    contiguous), mask (4-D (B, H, Tq, Tk) bool / float32 / float64 view, any strides):
+    the score options, checked by attnfast._checks.ScoreOptions.
     k_scale, v_scale: with an int8 k/v, float32 (B, Hkv, Tk) row scales (strides in whole
     elements; checked by attnfast._checks).
     interruptible: call from the main thread only; Ctrl-C then stops the kernels early
@@ -149,6 +166,7 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
     cdef cnp.ndarray lse_arr
     cdef cnp.ndarray seqlens_arr
     cdef cnp.ndarray ks_arr, vs_arr
+    cdef cnp.ndarray alibi_arr, sinks_arr, mask_arr
     p.q = cnp.PyArray_DATA(q)
     p.k = cnp.PyArray_DATA(k)
     p.v = cnp.PyArray_DATA(v)
@@ -183,6 +201,37 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
             _stride(vs_arr, 0), _stride(vs_arr, 1), _stride(vs_arr, 2))
     p.scale = scale
     p.causal = causal
+    p.softcap = softcap
+    if alibi is not None:
+        alibi_arr = alibi
+        if (cnp.PyArray_TYPE(alibi_arr) != cnp.NPY_FLOAT32 or alibi_arr.ndim != 2
+                or alibi_arr.shape[0] != p.batch or alibi_arr.shape[1] != p.heads
+                or (p.heads > 1 and _stride(alibi_arr, 1) != 1)):
+            raise TypeError("attnfast._ext: alibi must be float32 (B, H), heads contiguous")
+        p.alibi_slopes = <const float*> cnp.PyArray_DATA(alibi_arr)
+        p.alibi_batch_stride = _stride(alibi_arr, 0)
+    if sinks is not None:
+        sinks_arr = sinks
+        if (cnp.PyArray_TYPE(sinks_arr) != cnp.NPY_FLOAT32 or sinks_arr.ndim != 1
+                or sinks_arr.shape[0] != p.heads or not sinks_arr.flags.c_contiguous):
+            raise TypeError("attnfast._ext: sinks must be contiguous float32 (H,)")
+        p.sinks = <const float*> cnp.PyArray_DATA(sinks_arr)
+    if mask is not None:
+        mask_arr = mask
+        if (mask_arr.ndim != 4 or mask_arr.shape[0] != p.batch or mask_arr.shape[1] != p.heads
+                or mask_arr.shape[2] != p.seqlen_q or mask_arr.shape[3] != p.seqlen_k):
+            raise TypeError("attnfast._ext: mask must be 4-D (B, H, Tq, Tk)")
+        if cnp.PyArray_TYPE(mask_arr) == cnp.NPY_BOOL:
+            p.mask_kind = MaskKind.kBool
+        elif cnp.PyArray_TYPE(mask_arr) == cnp.NPY_FLOAT32:
+            p.mask_kind, p.mask_dtype = MaskKind.kAdditive, DType.kF32
+        elif cnp.PyArray_TYPE(mask_arr) == cnp.NPY_FLOAT64:
+            p.mask_kind, p.mask_dtype = MaskKind.kAdditive, DType.kF64
+        else:
+            raise TypeError("attnfast._ext: mask must be bool, float32 or float64")
+        p.mask = cnp.PyArray_DATA(mask_arr)
+        p.mask_batch_stride, p.mask_head_stride = _stride(mask_arr, 0), _stride(mask_arr, 1)
+        p.mask_row_stride, p.mask_col_stride = _stride(mask_arr, 2), _stride(mask_arr, 3)
     if query_offset is not None:
         p.has_query_offset = True
         p.query_offset = query_offset

@@ -21,7 +21,6 @@ from ._checks import (
     check_new_tokens,
     check_out,
     check_truncate,
-    reject_unimplemented,
 )
 
 __all__ = ["KVCache", "attention_with_kvcache"]
@@ -115,11 +114,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     Every argument is checked before anything is written: a rejected call leaves the caches
     and ``out`` untouched.
     """
-    reject_unimplemented(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
     call = check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                    causal=causal, scale=scale, window=window,
                                    num_threads=num_threads, k_scale=k_scale, v_scale=v_scale,
-                                   query_offset=query_offset)
+                                   query_offset=query_offset, softcap=softcap,
+                                   alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
     user_out = check_out(out, call.attn.out_shape(), call.attn.dtype,
                          [("q", call.attn.q), ("k_cache", k_cache), ("v_cache", v_cache),
                           ("k_new", call.k_new), ("v_new", call.v_new),
@@ -316,7 +315,6 @@ class KVCache:
 
     def _run_locked(self, q, k_new, v_new, *, batch_index, causal, scale, window, softcap,
                     alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset):
-        reject_unimplemented(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
         seqs = check_batch_index(batch_index, self.batch)
         self._check_leading(seqs, q=q, k_new=k_new, v_new=v_new)
         t = np.shape(k_new)[2] if k_new is not None and np.ndim(k_new) == 4 else 0
@@ -335,7 +333,8 @@ class KVCache:
         call = check_kvcache_attention(q, k_sel, v_sel, self._lengths[seqs], k_new, v_new,
                                        causal=causal, scale=scale, window=window,
                                        num_threads=num_threads, k_scale=s_sel, v_scale=s_sel,
-                                       query_offset=query_offset,
+                                       query_offset=query_offset, softcap=softcap,
+                                       alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
                                        cache_names=("cache.k", "cache.v"),
                                        scale_names=("cache.k_scale", "cache.v_scale"))
         user_out = check_out(out, call.attn.out_shape(), call.attn.dtype,

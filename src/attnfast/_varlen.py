@@ -28,7 +28,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
     max_seqlen_q, max_seqlen_k : int, optional
         Accepted for flash-attn compatibility and checked (>= the longest sequence).
     Other options as in :func:`attnfast.attention`; causal is aligned bottom-right within
-    each sequence.
+    each sequence. ``alibi_slopes`` is (H,) or (batch, H); ``mask`` has no natural shape
+    here and raises NotImplementedError.
 
     Returns
     -------
@@ -62,9 +63,21 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
     def head_major(a, lo, hi):
         return a[lo:hi].transpose(1, 0, 2)
 
-    options = dict(causal=causal, scale=scale, window=window, softcap=softcap,
-                   alibi_slopes=alibi_slopes, sinks=sinks, mask=mask, num_threads=num_threads)
-    probe = attention(head_major(q, 0, 0), head_major(k, 0, 0), head_major(v, 0, 0), **options)
+    if mask is not None:
+        raise NotImplementedError("mask has no natural shape for packed varlen sequences (each "
+                                  "has its own Tq x Tk); use causal/window, or attention() per "
+                                  "sequence with its own mask")
+    batch = cu_q.shape[0] - 1
+    slopes = [alibi_slopes] * batch  # (H,) for every sequence, or row b of (B, H)
+    if alibi_slopes is not None and np.ndim(alibi_slopes) == 2:
+        if np.shape(alibi_slopes)[0] != batch:
+            raise ValueError(f"alibi_slopes of shape {np.shape(alibi_slopes)} must be (H,) or "
+                             f"(batch, H) with batch = {batch} sequences")
+        slopes = list(alibi_slopes)
+    options = dict(causal=causal, scale=scale, window=window, softcap=softcap, sinks=sinks,
+                   num_threads=num_threads)
+    probe = attention(head_major(q, 0, 0), head_major(k, 0, 0), head_major(v, 0, 0),
+                      alibi_slopes=slopes[0] if batch else alibi_slopes, **options)
     total_q, heads, dim_v = q.shape[0], q.shape[1], v.shape[2]
     check_out(out, (total_q, heads, dim_v), probe.dtype, [("q", q), ("k", k), ("v", v)])
     result = out if out is not None else np.empty((total_q, heads, dim_v), probe.dtype)
@@ -74,7 +87,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
         if q1 == q0:
             continue
         res = attention(head_major(q, q0, q1), head_major(k, k0, k1), head_major(v, k0, k1),
-                        out=head_major(result, q0, q1), return_lse=return_lse, **options)
+                        out=head_major(result, q0, q1), return_lse=return_lse,
+                        alibi_slopes=slopes[b], **options)
         if return_lse:
             lse[:, q0:q1] = res[1]
     return (result, lse) if return_lse else result

@@ -1,0 +1,178 @@
+"""softcap, ALiBi, attention sinks and masks, fused into every path, on every kernel tier,
+against the float64 reference (tests/reference.py)."""
+import numpy as np
+import pytest
+
+import attnfast as af
+from attnfast import _ext
+from reference import TOLERANCE, reference_attention
+
+TIERS = _ext.runtime_info()["isa_available"]
+F32 = TOLERANCE[np.dtype(np.float32)]
+
+
+@pytest.fixture(params=TIERS)
+def tier(request):
+    _ext.force_isa(request.param)
+    yield request.param
+    _ext.force_isa("")
+
+
+def qkv(rng, b, h, hkv, tq, tk, d, dv, dtype=np.float32):
+    return (rng.standard_normal((b, h, tq, d)).astype(dtype),
+            rng.standard_normal((b, hkv, tk, d)).astype(dtype),
+            rng.standard_normal((b, hkv, tk, dv)).astype(dtype))
+
+
+def check(q, k, v, tol=F32, **opts):
+    out, lse = af.attention(q, k, v, return_lse=True, **opts)
+    ref_out, ref_lse, ref_w = reference_attention(q, k, v, **opts)
+    np.testing.assert_allclose(out, ref_out, **tol)
+    np.testing.assert_allclose(lse, ref_lse, **tol)
+    w = af.attention_weights(q, k, **{n: o for n, o in opts.items()})
+    np.testing.assert_allclose(w, ref_w, **tol)
+    return out, lse
+
+
+SHAPES = [(1, 4, 2, 3, 40, 16, 16), (2, 4, 4, 37, 37, 24, 8), (1, 8, 2, 70, 130, 64, 64)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_each_option_alone(tier, rng, shape, causal):
+    b, h, hkv, tq, tk, d, dv = shape
+    q, k, v = qkv(rng, b, h, hkv, tq, tk, d, dv)
+    q *= 3  # scores big enough that softcap matters
+    check(q, k, v, causal=causal, softcap=2.5)
+    check(q, k, v, causal=causal, alibi_slopes=rng.uniform(0.01, 0.5, h).astype(np.float32))
+    check(q, k, v, causal=causal, alibi_slopes=rng.uniform(0.01, 0.5, (b, h)).astype(np.float32))
+    check(q, k, v, causal=causal, sinks=rng.standard_normal(h).astype(np.float32))
+    check(q, k, v, causal=causal, mask=rng.random((b, 1, tq, tk)) < 0.7)
+    check(q, k, v, causal=causal, mask=(rng.standard_normal((tq, tk)) * 2).astype(np.float32))
+
+
+@pytest.mark.parametrize("tq", [1, 3, 16, 40])
+def test_everything_together_with_gqa_and_window(tier, rng, tq):
+    b, h, hkv, tk, d, dv = 2, 8, 2, 300, 32, 48
+    q, k, v = qkv(rng, b, h, hkv, tq, tk, d, dv)
+    opts = dict(causal=True, window=(120, 0), softcap=5.0,
+                alibi_slopes=rng.uniform(0.0, 0.05, h).astype(np.float32),
+                sinks=rng.standard_normal(h).astype(np.float32),
+                mask=rng.random((b, h, 1, tk)) < 0.8)
+    check(q, k, v, **opts)
+
+
+def test_decode_split_kv_chunk_boundary_with_options(tier, rng):
+    """A cache long enough to be split into chunks merged by lse: the sink is added once."""
+    b, h, hkv, d = 1, 4, 1, 128
+    length = 9000  # several decode chunks
+    cache = af.KVCache(b, hkv, d, length + 1)
+    k = rng.standard_normal((b, hkv, length, d)).astype(np.float32)
+    v = rng.standard_normal((b, hkv, length, d)).astype(np.float32)
+    cache.append(k, v)
+    q = rng.standard_normal((b, h, 1, d)).astype(np.float32) * 2
+    sinks = np.full(h, 3.0, np.float32)
+    mask = np.ones((1, 1, 1, length + 1), bool)
+    mask[..., 4000:4100] = False
+    opts = dict(window=(6000, 0), softcap=4.0, sinks=sinks,
+                alibi_slopes=np.full(h, 1e-4, np.float32))
+    out, lse = cache.attend(q, mask=mask, return_lse=True, **opts)
+    ref, ref_lse, _ = reference_attention(q, k, v, causal=True, mask=mask[..., :length], **opts)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-4)
+    one = cache.attend(q, mask=mask, num_threads=1, **opts)
+    np.testing.assert_array_equal(one, cache.attend(q, mask=mask, num_threads=2, **opts))
+
+
+def test_kvcache_alibi_uses_each_sequences_length(tier, rng):
+    cache = af.KVCache(2, 1, 16, 64)
+    cache.append(*qkv(rng, 2, 1, 1, 1, 30, 16, 16)[1:])
+    cache.append(*qkv(rng, 1, 1, 1, 1, 10, 16, 16)[1:], batch_index=1)
+    q = rng.standard_normal((2, 2, 3, 16)).astype(np.float32)
+    slopes = np.array([0.3, 0.1], np.float32)
+    out = cache.attend(q, alibi_slopes=slopes)
+    for bi, n in enumerate(cache.lengths):
+        ref, _, _ = reference_attention(q[bi], cache.k[bi, :, :n], cache.v[bi, :, :n], causal=True,
+                                        alibi_slopes=slopes)
+        np.testing.assert_allclose(out[bi], ref, **F32)
+
+
+def test_sinks_row_that_sees_no_key(tier, rng):
+    q, k, v = qkv(rng, 1, 2, 2, 20, 10, 8, 8)
+    sinks = np.array([0.5, -1.0], np.float32)
+    out, lse = af.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+    assert np.all(out[:, :, :10] == 0)
+    np.testing.assert_array_equal(lse[0, :, :10], np.broadcast_to(sinks[:, None], (2, 10)))
+    _, ref_lse, _ = reference_attention(q, k, v, causal=True, sinks=sinks)
+    np.testing.assert_allclose(lse[:, :, 10:], ref_lse[:, :, 10:], **F32)
+
+
+def test_mask_dropping_every_key_gives_zeros_and_no_warning(tier, rng):
+    import warnings
+    q, k, v = qkv(rng, 1, 2, 1, 5, 30, 8, 8)
+    mask = np.ones((1, 1, 5, 30), bool)
+    mask[0, 0, 2] = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = af.attention(q, k, v, mask=mask, return_lse=True)
+    assert np.all(out[:, :, 2] == 0) and np.all(lse[:, :, 2] == -np.inf)
+    assert np.all(np.isfinite(out))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+def test_options_on_other_dtypes(tier, rng, dtype):
+    import ml_dtypes
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    q, k, v = qkv(rng, 1, 4, 2, 20, 50, 32, 32, dt)
+    opts = dict(causal=True, softcap=3.0, alibi_slopes=np.full(4, 0.05, np.float32),
+                sinks=np.zeros(4, np.float32), mask=rng.random((20, 50)) < 0.9)
+    out = af.attention(q, k, v, **opts)
+    ref, _, _ = reference_attention(q, k, v, **opts)
+    tol = TOLERANCE[dt] if dt == np.float64 else dict(rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(out.astype(np.float64), ref, **tol)
+
+
+def test_varlen_options(rng):
+    q = rng.standard_normal((9, 4, 16)).astype(np.float32)
+    k = rng.standard_normal((12, 2, 16)).astype(np.float32)
+    v = rng.standard_normal((12, 2, 16)).astype(np.float32)
+    slopes = rng.uniform(0, 0.3, (2, 4)).astype(np.float32)
+    sinks = rng.standard_normal(4).astype(np.float32)
+    out = af.attention_varlen(q, k, v, [0, 4, 9], [0, 5, 12], causal=True, softcap=2.0,
+                              alibi_slopes=slopes, sinks=sinks)
+    for b, ((q0, q1), (k0, k1)) in enumerate((((0, 4), (0, 5)), ((4, 9), (5, 12)))):
+        ref, _, _ = reference_attention(q[q0:q1].transpose(1, 0, 2), k[k0:k1].transpose(1, 0, 2),
+                                        v[k0:k1].transpose(1, 0, 2), causal=True, softcap=2.0,
+                                        alibi_slopes=slopes[b], sinks=sinks)
+        np.testing.assert_allclose(out[q0:q1].transpose(1, 0, 2), ref, **F32)
+    with pytest.raises(NotImplementedError, match="mask has no natural shape"):
+        af.attention_varlen(q, k, v, [0, 4, 9], [0, 5, 12], mask=np.ones((1,), bool))
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(softcap=0.0), ValueError, "softcap must be finite and > 0"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
+    (dict(softcap=float("nan")), ValueError, "softcap"),
+    (dict(softcap=float("inf")), ValueError, "softcap"),
+    (dict(softcap="1"), TypeError, "softcap"),
+    (dict(alibi_slopes=np.ones(3, np.float32)), ValueError, r"alibi_slopes must have shape \(H,\)"),
+    (dict(alibi_slopes=np.ones(4, np.float64)), TypeError, "alibi_slopes must be float32"),
+    (dict(alibi_slopes=np.ones((3, 4), np.float32)), ValueError, "alibi_slopes"),
+    (dict(sinks=np.ones(2, np.float32)), ValueError, r"sinks must have shape \(H,\) = \(4,\)"),
+    (dict(sinks=np.ones(4, np.int32)), TypeError, "sinks must be float32"),
+    (dict(mask=np.ones((3, 7), bool)), ValueError, "mask of shape \\(3, 7\\) does not broadcast"),
+    (dict(mask=np.ones((5, 7), np.int32)), TypeError, "mask must be bool"),
+])
+def test_bad_options_write_nothing(rng, kwargs, error, match):
+    q, k, v = qkv(rng, 2, 4, 2, 5, 7, 8, 8)
+    out = np.full((2, 4, 5, 8), 3.0, np.float32)
+    with pytest.raises(error, match=match):
+        af.attention(q, k, v, out=out, **kwargs)
+    assert np.all(out == 3.0)
+    cache = af.KVCache(2, 2, 8, 12)
+    cache.append(k, v)
+    before = cache.k.copy(), cache.lengths.copy()
+    with pytest.raises(error):
+        cache.step(q[:, :, :1], k[:, :, :1], v[:, :, :1],
+                   **{n: (x[..., :1] if n == "mask" else x) for n, x in kwargs.items()})
+    assert np.array_equal(cache.k, before[0]) and np.array_equal(cache.lengths, before[1])
