@@ -3,9 +3,11 @@
 Profiles (ATTNFAST_HYPOTHESIS_PROFILE):
 - "ci" (default): derandomized, so every run draws the same examples; the whole file takes
   about a minute on 2 cores.
-- "long": >= 10^5 examples in total, random (new examples each run). Its tests are marked
-  slow, so they run only when asked for:
+- "long": >= 10^5 examples in total, random (new examples each run; failures are kept in
+  hypothesis' local database and replayed first). Its tests are marked slow, so they run
+  only when asked for:
       ATTNFAST_HYPOTHESIS_PROFILE=long python -m pytest -m slow tests/test_properties.py
+  (ATTNFAST_HYPOTHESIS_MAX_EXAMPLES=n sets the examples per test for a shorter soak.)
 """
 import os
 
@@ -33,9 +35,14 @@ if LONG:
     pytestmark = pytest.mark.slow
 
 
+# ATTNFAST_HYPOTHESIS_MAX_EXAMPLES overrides the long profile's count per test (e.g. for a
+# shorter soak run); the default gives 6 x 15k + 2 x 10k + 15k state-machine runs >= 10^5.
+LONG_EXAMPLES = int(os.environ.get("ATTNFAST_HYPOTHESIS_MAX_EXAMPLES", "0")) or None
+
+
 def examples(ci, long=15_000):
-    """max_examples for one test under the active profile (long: 8 tests x 15k >= 10^5)."""
-    return settings(max_examples=long if LONG else ci)
+    """max_examples for one test under the active profile."""
+    return settings(max_examples=(LONG_EXAMPLES or long) if LONG else ci)
 
 
 DTYPES = [np.dtype(np.float32), np.dtype(np.float64)]
@@ -430,5 +437,5 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 
 KVCacheMachine.TestCase.settings = settings(
-    max_examples=15_000 if LONG else 60, stateful_step_count=25 if LONG else 15)
+    max_examples=(LONG_EXAMPLES or 15_000) if LONG else 60, stateful_step_count=25 if LONG else 15)
 test_kvcache_state_machine = KVCacheMachine.TestCase

@@ -137,13 +137,16 @@ def threads():
     return int(re.search(r"Threads:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
 q = np.ones((1, 512, 64, 4), np.float32)   # hundreds of (head, query block) tasks
 kd = np.ones((1, 512, 300, 4), np.float32)
+base = threads()                                            # before any OpenMP team exists
 af.attention(q, q, q, num_threads={n})                      # prefill
 af.attention(q[:, :, :2], kd, kd, num_threads={n})          # decode (split-KV)
-print("THREADS", threads(), "GET", af.get_num_threads())
+print("THREADS", threads() - base, "GET", af.get_num_threads())
 """
 
 
 def _probe(n="None", env=None):
+    """Threads a fresh process gained through two attnfast calls, and get_num_threads()."""
+    env = {"OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env or {})}
     res = run_python(_THREADS_PROBE.format(n=n), env=env, timeout=120)
     assert res.returncode == 0, res.stderr
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("THREADS")][-1].split()
@@ -152,15 +155,16 @@ def _probe(n="None", env=None):
 
 @pytest.mark.parametrize("n", [10**9, 2**31 - 1])
 def test_huge_num_threads_argument_starts_no_more_threads_than_cores(n):
-    threads, _ = _probe(n=str(n))
-    assert threads <= CORES + 1, f"num_threads={n}: the process has {threads} threads on {CORES} cores"
+    added, _ = _probe(n=str(n))
+    # at most CORES - 1 OpenMP workers join the calling thread
+    assert added <= CORES - 1, f"num_threads={n}: {added} threads started on {CORES} cores"
 
 
 @pytest.mark.parametrize("var", ["OMP_NUM_THREADS", "ATTNFAST_NUM_THREADS"])
 def test_huge_thread_environment_is_clamped_to_the_cores(var):
-    threads, got = _probe(env={var: "100000"})
+    added, got = _probe(env={var: "100000"})
     assert got <= CORES, f"{var}=100000: get_num_threads() = {got} on {CORES} cores"
-    assert threads <= CORES + 1, f"{var}=100000: the process has {threads} threads on {CORES} cores"
+    assert added <= CORES - 1, f"{var}=100000: {added} threads started on {CORES} cores"
 
 
 def test_set_num_threads_beyond_the_cores_is_clamped_or_rejected():
@@ -372,7 +376,7 @@ def test_ctrl_c_during_kvcache_step_restores_the_lengths():
              "cache.append(q[:, :, :8], q[:, :, :8])\n"
              "before = cache.lengths.tolist()")
     elapsed, rc, out, err = _interrupt(setup, "cache.step(q[:, :, 8:], q[:, :, 8:], q[:, :, 8:], causal=False)",
-                                       after="before, cache.lengths.tolist()")
+                                       after="*(before, cache.lengths.tolist())")
     assert elapsed is not None, "still computing 2.5 s after SIGINT"
     line = [ln for ln in out.splitlines() if ln.startswith("INTERRUPTED")]
     assert line, out + err
@@ -411,7 +415,7 @@ def test_append_with_an_empty_batch_index_does_not_blame_a_dtype(rng):
     assert cache_bytes(cache) == before
 
 
-@pytest.mark.parametrize("value", ["abc", "-3", "0", "2.5", "99999999999999999999999"])
+@pytest.mark.parametrize("value", ["abc", "-3", "0", "2.5", "1e3"])
 def test_invalid_attnfast_num_threads_warns_and_is_ignored(value):
     code = """
     import warnings, io, contextlib
