@@ -4,7 +4,7 @@ Profiles (ATTNFAST_HYPOTHESIS_PROFILE):
 - "ci" (default): derandomized, so every run draws the same examples; the whole file takes
   about a minute on 2 cores.
 - "long": >= 10^5 examples in total, random (new examples each run; failures are kept in
-  hypothesis' local database and replayed first). Its tests are marked slow, so they run
+  build/hypothesis-db and replayed first). Its tests are marked slow, so they run
   only when asked for:
       ATTNFAST_HYPOTHESIS_PROFILE=long python -m pytest -m slow tests/test_properties.py
   (ATTNFAST_HYPOTHESIS_MAX_EXAMPLES=n sets the examples per test for a shorter soak.)
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
@@ -26,7 +27,10 @@ _COMMON = dict(deadline=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                       HealthCheck.filter_too_much])
 settings.register_profile("ci", derandomize=True, database=None, **_COMMON)
-settings.register_profile("long", derandomize=False, **_COMMON)
+# The long profile keeps its failures under build/ (git-ignored) and replays them first.
+_DB = DirectoryBasedExampleDatabase(os.path.join(os.path.dirname(__file__), os.pardir, "build",
+                                                 "hypothesis-db"))
+settings.register_profile("long", derandomize=False, database=_DB, **_COMMON)
 PROFILE = os.environ.get("ATTNFAST_HYPOTHESIS_PROFILE", "ci")
 settings.load_profile(PROFILE)
 LONG = PROFILE == "long"
