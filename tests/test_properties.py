@@ -99,7 +99,7 @@ def attention_problem(draw, max_t=40, finite=True):
     rank = draw(st.sampled_from([2, 3, 4]))
     B = draw(st.integers(0, 2)) if rank == 4 else 1
     Hkv = draw(st.integers(1, 3)) if rank >= 3 else 1
-    group = draw(st.integers(1, 3)) if rank >= 3 else 1
+    group = draw(st.one_of(st.integers(1, 3), st.just(0))) if rank >= 3 else 1  # 0: no heads
     H = Hkv * group
     # Tq <= 16 takes the decode path, longer the prefill tiling: draw both often.
     Tq = draw(st.one_of(st.integers(0, 16), st.integers(17, max_t)))

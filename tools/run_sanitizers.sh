@@ -52,23 +52,27 @@ case "$ext" in "$VENV"/*) echo "== extension: $ext";;
 
 rm -rf "$LOGDIR"; mkdir -p "$LOGDIR"
 export LD_PRELOAD="$ASAN_LIB $UBSAN_LIB${LD_PRELOAD:+ $LD_PRELOAD}"
-export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1:log_path=$LOGDIR/asan:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1"
-export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$LOGDIR/ubsan"
+# Reports go to fd 2 (a log_path is not honoured when both runtimes are preloaded); pytest
+# runs with --capture=sys so fd 2 stays the real stderr, which is teed into a log and
+# searched afterwards. UBSan aborts on the first report (-fno-sanitize-recover=undefined).
+export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 # Subprocesses started by the tests inherit LD_PRELOAD and the options (and report too).
 export PYTHONFAULTHANDLER=1
 
 if [ $# -eq 0 ]; then set -- -q; fi
 set +e
-"$VPY" -m pytest -p no:cacheprovider "$@"
+"$VPY" -m pytest -p no:cacheprovider --capture=sys "$@" 2> >(tee "$LOGDIR/stderr.log" >&2)
 status=$?
+wait
 set -e
 unset LD_PRELOAD
 
-reports=$(find "$LOGDIR" -type f -size +0 | sort)
 end=$(date +%s)
-if [ -n "$reports" ]; then
-  echo "== sanitizer reports:"
-  for f in $reports; do echo "--- $f"; cat "$f"; done
+pattern='runtime error:|ERROR: AddressSanitizer|ERROR: LeakSanitizer|SUMMARY: (Address|UndefinedBehavior)Sanitizer'
+if grep -Eq "$pattern" "$LOGDIR/stderr.log"; then
+  echo "== sanitizer reports (full log: $LOGDIR/stderr.log):"
+  grep -E -A12 "$pattern" "$LOGDIR/stderr.log" | grep -v -E '(Python|Objects|Modules|Include)/' | head -80
   status=1
 fi
 echo "== pytest/sanitizers exit status $status, $((end - start)) s"
