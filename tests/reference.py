@@ -72,3 +72,32 @@ TOLERANCE = {
     np.dtype(np.float32): dict(rtol=2e-5, atol=2e-5),
     np.dtype(np.float64): dict(rtol=1e-12, atol=1e-12),
 }
+
+
+def reference_nonfinite_rows(q, k, v, causal=False, window=None, scale=None):
+    """The non-finite rule, from the inputs alone: (out_nan (.., H, Tq, Dv) bool, lse_nan
+    (.., H, Tq) bool, sees_none (.., H, Tq) bool) for q (.., H, Tq, D), k/v (.., Hkv, Tk, ..).
+
+    (scale > 0 does not change the pattern.) A row that sees at least one key has NaN out and lse when its q row, or a key row it sees,
+    holds a NaN or inf; column d of its out is also NaN when column d of a value row it sees
+    holds a NaN. A row that sees no key gives zeros and lse = -inf (never NaN).
+    """
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    v = np.asarray(v, dtype=np.float64)
+    h, hkv = (q.shape[-3], k.shape[-3]) if q.ndim >= 3 else (1, 1)
+    if h != hkv:
+        k = np.repeat(k, h // hkv, axis=-3)
+        v = np.repeat(v, h // hkv, axis=-3)
+    tq, tk = q.shape[-2], k.shape[-2]
+    keep = visible_mask(tq, tk, causal, window)                       # (Tq, Tk)
+    bad_q = ~np.isfinite(q).all(axis=-1)                              # (.., H, Tq)
+    bad_k = ~np.isfinite(k).all(axis=-1)                              # (.., H, Tk)
+    nan_v = np.isnan(v)                                               # (.., H, Tk, Dv)
+    sees = keep.any(axis=-1)                                          # (Tq,)
+    sees_bad_k = (keep & bad_k[..., None, :]).any(axis=-1)            # (.., H, Tq)
+    # (.., H, Tq, Dv): row i sees a NaN in column d of v
+    sees_nan_v = np.einsum("ij,...jd->...id", keep.astype(np.int64), nan_v.astype(np.int64)) > 0
+    lse_nan = (bad_q | sees_bad_k) & sees
+    out_nan = lse_nan[..., None] | (sees_nan_v & sees[:, None])
+    return out_nan, lse_nan, np.broadcast_to(~sees, lse_nan.shape)
