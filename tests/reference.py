@@ -101,3 +101,17 @@ def reference_nonfinite_rows(q, k, v, causal=False, window=None, scale=None):
     lse_nan = (bad_q | sees_bad_k) & sees
     out_nan = lse_nan[..., None] | (sees_nan_v & sees[:, None])
     return out_nan, lse_nan, np.broadcast_to(~sees, lse_nan.shape)
+
+
+def nan_leak_allowed(out_shape, v, sees_none):
+    """attnfast's documented limit of the non-finite rule, (.., H, Tq, Dv) bool: a NaN in
+    column d of a value row that a query row does not see, but that shares a key tile with
+    rows that do, may also reach column d of that row (0 x NaN). True where that may happen:
+    rows that see some key, columns where some value row of their KV head holds a NaN."""
+    v = np.asarray(v, dtype=np.float64)
+    h = out_shape[-3] if len(out_shape) >= 3 else 1
+    hkv = v.shape[-3] if v.ndim >= 3 else 1
+    cols = np.isnan(v).any(axis=-2)                          # (.., Hkv, Dv)
+    if v.ndim >= 3 and h != hkv:
+        cols = np.repeat(cols, h // hkv, axis=-2)            # (.., H, Dv)
+    return (~np.asarray(sees_none))[..., None] & cols[..., None, :]

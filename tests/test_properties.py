@@ -21,7 +21,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 import attnfast as af
 from attnfast import _ext
-from reference import (TOLERANCE, reference_attention, reference_nonfinite_rows, visible_mask)
+from reference import (TOLERANCE, nan_leak_allowed, reference_attention, reference_nonfinite_rows,
+                       visible_mask)
 
 _COMMON = dict(deadline=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -196,7 +197,10 @@ def test_nonfinite_in_gives_nan_out_on_the_rows_that_see_it(p, isa, threads, dat
         out, lse = af.attention(q, k, v, return_lse=True, num_threads=threads, **opts)
     out_nan, lse_nan, sees_none = reference_nonfinite_rows(q, k, v, **opts)
     assert np.array_equal(np.isnan(lse), lse_nan), "lse NaN pattern"
-    assert np.array_equal(np.isnan(out), out_nan), "out NaN pattern"
+    got = np.isnan(out)
+    assert np.all(got[out_nan]), "out NaN pattern"
+    assert not np.any(got & ~out_nan & ~nan_leak_allowed(out.shape, v, sees_none)), \
+        "out NaN only where the rule (or its documented limit) says"
     assert np.all(np.isneginf(lse[sees_none])) and np.all(out[sees_none] == 0)
     # Rows untouched by the poison keep their exact values.
     clean_rows = ~out_nan.any(axis=-1) & ~sees_none

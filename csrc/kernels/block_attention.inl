@@ -133,6 +133,14 @@ inline RowScales row_scales(const float* scale, int64_t batch_stride, int64_t he
     return r;
 }
 
+// A raw score q . k of -inf comes only from an infinite (or overflowing) input: it becomes
+// NaN, so the row's out and lse say so instead of dropping the key as if masked. (+inf
+// already turns into NaN in the softmax.)
+template <class A>
+inline void nonfinite_to_nan(A* __restrict s, int64_t n) {
+    for (int64_t j = 0; j < n; ++j) s[j] = s[j] == neg_inf<A>() ? __builtin_nan("") : s[j];
+}
+
 // The score options of one query row (softcap, ALiBi, mask; see AttentionParams), applied to
 // s[0, n) holding the scaled scores of keys first_key .. first_key + n.
 template <class A>
@@ -258,6 +266,7 @@ void attend_block(const AttentionParams& p, const BlockTask& task, A* workspace)
         const bool partial = keys < Bk || tile < last.begin || tile + keys > first.end;
         for (int64_t i = 0; i < rows; ++i) {
             A* srow = s + i * Bk;
+            nonfinite_to_nan(srow, keys);
             if (options)
                 RowOptions<A>(p, task.batch, task.head, task.row_begin + i, seqlen_k).apply(srow, tile, keys);
             if (partial) {

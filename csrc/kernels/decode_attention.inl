@@ -379,6 +379,7 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
                 A* srow = s + rr * ss;  // column c is key j0 + c
                 const int64_t b = (lo[rr] > j0 ? lo[rr] : j0) - j0;
                 const int64_t e = (hi[rr] < j1 ? hi[rr] : j1) - j0;
+                nonfinite_to_nan(srow + b, e - b);
                 if (k_scale.scale)  // int8 K: the score of key j is k_scale[j] * (q . k_int8[j])
                     for (int64_t c = b; c < e; ++c) srow[c] *= static_cast<A>(k_scale.at(j0 + c));
                 if (options && b < e) {

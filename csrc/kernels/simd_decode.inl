@@ -260,6 +260,7 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
                 float* srow = s + rr * ss;  // column c is key j0 + c
                 const int64_t b = (lo[rr] > j0 ? lo[rr] : j0) - j0;
                 const int64_t e = (hi[rr] < j1 ? hi[rr] : j1) - j0;
+                nonfinite_to_nan(srow + b, e - b);  // -inf from an infinite input: NaN
                 const float block_max = b < e ? range_max(srow, b, e) : -__builtin_inff();
                 if (block_max == -__builtin_inff()) {  // sees nothing in this block: weight 0
                     for (int64_t c = 0; c < j1 - j0; ++c) srow[c] = 0;

@@ -70,6 +70,11 @@ inline Vec finite_or_zero(Vec m) {
     return _mm512_mask_blend_ps(ninf, m, vzero());
 }
 inline bool all_ones(Vec x) { return _mm512_cmp_ps_mask(x, vset(1.0f), _CMP_NEQ_UQ) == 0; }
+// A raw score of -inf (an infinite input) -> NaN, so the row's out and lse say so.
+inline Vec neg_inf_to_nan(Vec x) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, vset(-__builtin_inff()), _CMP_EQ_OQ), x,
+                                vset(__builtin_nanf("")));
+}
 #else  // AVX2 + FMA
 using Vec = __m256;
 using Mask = __m256;
@@ -99,6 +104,9 @@ inline Vec finite_or_zero(Vec m) {
     return _mm256_andnot_ps(_mm256_cmp_ps(m, vset(-__builtin_inff()), _CMP_EQ_OQ), m);
 }
 inline bool all_ones(Vec x) { return _mm256_movemask_ps(_mm256_cmp_ps(x, vset(1.0f), _CMP_NEQ_UQ)) == 0; }
+inline Vec neg_inf_to_nan(Vec x) {
+    return _mm256_blendv_ps(x, vset(__builtin_nanf("")), _mm256_cmp_ps(x, vset(-__builtin_inff()), _CMP_EQ_OQ));
+}
 #endif
 
 constexpr int64_t Bq = kQueryVecs * W;
@@ -291,7 +299,7 @@ void scores_rows(const Block& b, int64_t tile, int64_t j0, bool partial, Vec* ti
     for (int t = 0; t < R; ++t)
 #pragma GCC unroll 4
         for (int u = 0; u < kQueryVecs; ++u) {
-            Vec x = acc[t][u];
+            Vec x = neg_inf_to_nan(acc[t][u]);  // -inf only from an infinite input
             if (partial)
                 x = keep_or_neg_inf(key_visible(b.rel_begin + u * W, b.rel_end + u * W,
                                                 static_cast<int32_t>(j0 + t)), x);

@@ -6,7 +6,7 @@ import threading
 import numpy as np
 
 from . import _ext
-from ._checks import (BFLOAT16, FLOAT16, FLOAT32, FLOAT64, check_attention, check_out,
+from ._checks import (BFLOAT16, FLOAT16, FLOAT32, FLOAT64, check_attention, check_flag, check_out,
                       kernel_ready, to_3d, to_4d)
 
 __all__ = ["attention", "attention_weights", "merge_attention_states"]
@@ -66,6 +66,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
     -------
     out, or (out, lse) when return_lse.
     """
+    return_lse = check_flag(return_lse, "return_lse")
     call = check_attention(q, k, v, causal=causal, scale=scale, window=window,
                            num_threads=num_threads, query_offset=query_offset, softcap=softcap,
                            alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
@@ -141,6 +142,9 @@ def attention_weights(q, k, *, causal=False, scale=None, window=None, softcap=No
     call = check_attention(q, k, None, causal=causal, scale=scale, window=window,
                            num_threads=num_threads, need_v=False, query_offset=query_offset,
                            softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
+    shape = call.out_shape()[:-1] + (call.seqlen_k,)
+    if call.heads == 0 or call.seqlen_q == 0 or call.batch == 0:
+        return np.zeros(shape, call.dtype)
     group = call.heads // call.kv_heads
     k_per_head = np.repeat(call.k, group, axis=1) if group > 1 else call.k
     compute = np.float64 if call.dtype == np.float64 else np.float32  # never in 16 bits
@@ -183,6 +187,10 @@ def merge_attention_states(outs, lses):
     equal to one ``attention`` over all shards (split-KV decoding, prefix sharing,
     sequence-parallel attention). Shards whose row saw no key (lse = -inf) contribute nothing.
     """
+    for name, seq in (("outs", outs), ("lses", lses)):
+        if isinstance(seq, (str, bytes)) or not hasattr(seq, "__iter__"):
+            raise TypeError(f"{name} must be a sequence of arrays (one per shard), got "
+                            f"{type(seq).__name__}")
     if isinstance(outs, np.ndarray) or isinstance(lses, np.ndarray):
         raise TypeError("outs and lses must be sequences of arrays (one per shard), "
                         "not single arrays")

@@ -132,6 +132,15 @@ def bound_window(window: tuple[int, int], seqlen_q: int, seqlen_k: int,
 _MAX_QUERY_OFFSET = 2**62
 
 
+def check_flag(value, name: str) -> bool:
+    """A bool option (causal, return_lse): bool, NumPy bool or the ints 0 / 1."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}"[:200])
+
+
 def check_query_offset(query_offset) -> int | None:
     """query_offset: None (bottom-right alignment) or an int with |value| <= 2**62."""
     if query_offset is None:
@@ -319,7 +328,7 @@ def check_attention(q, k, v, *, causal, scale, window, num_threads, need_v=True,
         q=kernel_ready(q4), k=kernel_ready(k4), v=None if v4 is None else kernel_ready(v4),
         rank=rank, batch=B, heads=H, kv_heads=Hkv, seqlen_q=Tq, seqlen_k=Tk,
         head_dim=D, head_dim_v=Dv, dtype=q.dtype, kv_dtype=k.dtype,
-        scale=check_scale(scale, D, q.dtype), causal=bool(causal),
+        scale=check_scale(scale, D, q.dtype), causal=check_flag(causal, "causal"),
         window=bound_window(check_window(window), Tq, Tk, check_query_offset(query_offset)),
         query_offset=check_query_offset(query_offset),
         options=check_score_options(softcap, alibi_slopes, sinks, mask, batch=B, heads=H,
@@ -434,6 +443,11 @@ def check_cache_spec(batch, kv_heads, head_dim, capacity, dtype, v_head_dim):
     D = _positive_int(head_dim, "head_dim")
     C = _positive_int(capacity, "capacity")
     Dv = D if v_head_dim is None else _positive_int(v_head_dim, "v_head_dim")
+    limit = np.iinfo(np.intp).max // 8
+    if B * Hkv * C * max(D, Dv) > limit:
+        raise ValueError(f"KVCache(batch={B}, kv_heads={kv_heads}, capacity={C}, head_dim={D}, "
+                         f"v_head_dim={Dv}) is too large: {B * Hkv * C * max(D, Dv)} elements per "
+                         "array")
     try:
         dt = np.dtype(dtype)
     except TypeError:
@@ -553,11 +567,11 @@ def check_new_tokens(k_new, v_new, *, batch, kv_heads, head_dim, head_dim_v, dty
         elif a.dtype != dtype and not (dtype in LOWP_DTYPES and a.dtype == FLOAT32):
             allowed = f"{dtype} or float32 (rounded to {dtype})" if dtype in LOWP_DTYPES else str(dtype)
             raise TypeError(f"{name} must have the cache's dtype {allowed}, got {a.dtype}")
-    if k_new.dtype != v_new.dtype:
-        raise TypeError(f"k_new and v_new must share a dtype; got {k_new.dtype} and {v_new.dtype}")
         if a.ndim != 4:
             raise ValueError(f"{name} must be 4-D (batch, kv_heads, new_tokens, dim), got shape "
                              f"{_shape_str(a)}")
+    if k_new.dtype != v_new.dtype:
+        raise TypeError(f"k_new and v_new must share a dtype; got {k_new.dtype} and {v_new.dtype}")
     t = k_new.shape[2]
     want_k = (batch, kv_heads, t, head_dim)
     want_v = (batch, kv_heads, t, head_dim_v)
@@ -628,7 +642,7 @@ def check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, *,
     attn = AttentionCall(
         q=kernel_ready(q), k=k_cache, v=v_cache, rank=4, batch=B, heads=H, kv_heads=Hkv,
         seqlen_q=Tq, seqlen_k=C, head_dim=D, head_dim_v=Dv, dtype=q.dtype, kv_dtype=dtype,
-        scale=check_scale(scale, D, q.dtype), causal=bool(causal),
+        scale=check_scale(scale, D, q.dtype), causal=check_flag(causal, "causal"),
         window=bound_window(check_window(window), Tq, C, check_query_offset(query_offset)),
         query_offset=check_query_offset(query_offset),
         options=check_score_options(softcap, alibi_slopes, sinks, mask, batch=B, heads=H,

@@ -17,6 +17,7 @@ from ._checks import (
     check_batch_index,
     check_cache_room,
     check_cache_spec,
+    check_flag,
     check_kvcache_attention,
     check_new_tokens,
     check_out,
@@ -114,6 +115,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     Every argument is checked before anything is written: a rejected call leaves the caches
     and ``out`` untouched.
     """
+    return_lse = check_flag(return_lse, "return_lse")
     call = check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                    causal=causal, scale=scale, window=window,
                                    num_threads=num_threads, k_scale=k_scale, v_scale=v_scale,
@@ -237,6 +239,9 @@ class KVCache:
         if t == 0:
             raise ValueError("append needs both k_new and v_new; both are None")
         check_cache_room(self._lengths, seqs, t, self.capacity)
+        for name, a in (("cache.k", self._k), ("cache.v", self._v)):
+            if not a.flags.writeable:
+                raise ValueError(f"{name} is read-only, but k_new/v_new must be written into it")
         _write_tokens(self._k, self._v, seqs, self._lengths[seqs], k_new, v_new,
                       self._k_scale, self._v_scale)
         self._lengths[seqs] += t
@@ -315,6 +320,7 @@ class KVCache:
 
     def _run_locked(self, q, k_new, v_new, *, batch_index, causal, scale, window, softcap,
                     alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset):
+        return_lse = check_flag(return_lse, "return_lse")
         seqs = check_batch_index(batch_index, self.batch)
         self._check_leading(seqs, q=q, k_new=k_new, v_new=v_new)
         t = np.shape(k_new)[2] if k_new is not None and np.ndim(k_new) == 4 else 0

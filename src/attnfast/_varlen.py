@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._api import attention
-from ._checks import as_float_array, check_cu_seqlens, check_out, _shape_str
+from ._checks import as_float_array, check_cu_seqlens, check_flag, check_out, _shape_str
 
 __all__ = ["attention_varlen"]
 
@@ -35,6 +35,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
     -------
     out (total_q, H, Dv), or (out, lse) with lse of shape (H, total_q) as in flash-attn.
     """
+    return_lse = check_flag(return_lse, "return_lse")
     q = as_float_array(q, "q")
     k = as_float_array(k, "k")
     v = as_float_array(v, "v")
