@@ -205,24 +205,40 @@ inline void pv_rows(float* acc, int64_t Dv, const float* p, int64_t ps, const fl
     for (; e < Dv; e += W) pv_tile<RB, 1>(acc + e, Dv, p, ps, v + e, vs, j0, j1);
 }
 
-// Largest of x[b .. e).
+// Largest of x[b .. e), or NaN when any of them is NaN (max_ps alone may drop a NaN).
 inline float range_max(const float* x, int64_t b, int64_t e) {
 #if defined(__AVX512F__)
     __m512 mx = _mm512_set1_ps(-__builtin_inff());
+    __mmask16 nan = 0;
     int64_t c = b;
-    for (; c + W <= e; c += W) mx = _mm512_max_ps(mx, _mm512_loadu_ps(x + c));
+    for (; c + W <= e; c += W) {
+        const __m512 xv = _mm512_loadu_ps(x + c);
+        nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
+        mx = _mm512_max_ps(mx, xv);
+    }
     if (c < e) {
         const __mmask16 tail = static_cast<__mmask16>((1u << (e - c)) - 1u);
-        mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-__builtin_inff()), tail, x + c));
+        const __m512 xv = _mm512_mask_loadu_ps(_mm512_set1_ps(-__builtin_inff()), tail, x + c);
+        nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
+        mx = _mm512_max_ps(mx, xv);
     }
-    return hmax(mx);
+    return nan ? __builtin_nanf("") : hmax(mx);
 #else
     __m256 mx = _mm256_set1_ps(-__builtin_inff());
+    __m256 nan = _mm256_setzero_ps();
     int64_t c = b;
-    for (; c + W <= e; c += W) mx = _mm256_max_ps(mx, _mm256_loadu_ps(x + c));
+    for (; c + W <= e; c += W) {
+        const __m256 xv = _mm256_loadu_ps(x + c);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
+        mx = _mm256_max_ps(mx, xv);
+    }
     float m = hmax(mx);
-    for (; c < e; ++c) m = x[c] > m ? x[c] : m;
-    return m;
+    bool any_nan = _mm256_movemask_ps(nan) != 0;
+    for (; c < e; ++c) {
+        any_nan = any_nan || x[c] != x[c];
+        m = x[c] > m ? x[c] : m;
+    }
+    return any_nan ? __builtin_nanf("") : m;
 #endif
 }
 
