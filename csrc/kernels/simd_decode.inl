@@ -112,6 +112,23 @@ inline __m256i lanes_in(int64_t c0, int64_t b, int64_t e) {  // b <= c0 + lane <
 inline void store_lanes(float* s, V x, int first, int64_t n) {
     _mm256_maskstore_ps(s, lanes_in(0, first, first + n), x);
 }
+// The same for n == KB lanes starting at first (a multiple of KB): plain stores (a masked
+// store costs several uops on Intel and is microcoded on AMD Zen).
+template <int KB>
+inline void store_group(float* s, V x, int first) {
+    if constexpr (KB == 8) {
+        _mm256_storeu_ps(s, x);
+    } else {
+        const __m128 half = first < 4 ? _mm256_castps256_ps128(x) : _mm256_extractf128_ps(x, 1);
+        if constexpr (KB == 4) {
+            _mm_storeu_ps(s + first, half);
+        } else {
+            static_assert(KB == 2, "W / RB keys per group");
+            if ((first & 3) == 0) _mm_storel_pi(reinterpret_cast<__m64*>(s + first), half);
+            else _mm_storeh_pi(reinterpret_cast<__m64*>(s + first), half);
+        }
+    }
+}
 inline float hmax(V x) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -164,7 +181,15 @@ inline void score_keys(const float* __restrict q, int64_t qs, const float* __res
         }
     }
     const V dots = transpose_reduce(acc);  // lane r * KB + j: row r, key j
+#if defined(__AVX512F__)
     for (int r = 0; r < RB; ++r) store_lanes(s + r * ss - r * KB, dots, r * KB, keys);
+#else
+    if (keys == KB) {
+        for (int r = 0; r < RB; ++r) store_group<KB>(s + r * ss - r * KB, dots, r * KB);
+    } else {
+        for (int r = 0; r < RB; ++r) store_lanes(s + r * ss - r * KB, dots, r * KB, keys);
+    }
+#endif
 }
 
 // acc[r][c] += sum_{j0 <= j < j1} p[r][j] * v[j][c] for RB rows and NV vectors of columns;
