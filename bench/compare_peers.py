@@ -30,6 +30,13 @@ decode GB/s counts each K/V byte once: B * Hkv * L * (D + Dv) * 4.
 
 If OPENBLAS_CORETYPE is set (it is on some machines here, for old OpenBLAS builds) NumPy's GEMM
 can be slower than the CPU allows; run with `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE`.
+
+To judge a lower attnfast tier (ATTNFAST_ISA=avx2) on a CPU that has more, hold the peers and
+the GEMM limit to the same ISA in the environment: PyTorch's own kernels
+ATEN_CPU_CAPABILITY=avx2, its MKL GEMM (and torch.mm, a GEMM-limit candidate)
+MKL_ENABLE_INSTRUCTIONS=AVX2 (without it SDPA's blocks and torch.mm run AVX-512),
+oneDNN (PyTorch, OpenVINO) ONEDNN_MAX_CPU_ISA=AVX2, NumPy's OpenBLAS OPENBLAS_CORETYPE=Haswell
+(with OPENBLAS_L2_SIZE unset). The report's metadata records these variables.
 """
 from __future__ import annotations
 
@@ -467,6 +474,9 @@ def main(argv=None) -> int:
         "blas": ab.blas_description(),
         "versions": {e.name: e.version() for e in engines},
         "skipped": skipped,
+        "isa_env": {k: os.environ.get(k) for k in (
+            "ATTNFAST_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA",
+            "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if os.environ.get(k) is not None},
     }
     if os.environ.get("OPENBLAS_CORETYPE"):
         print("warning: OPENBLAS_CORETYPE is set; NumPy's GEMM (a machine-limit candidate and the "
@@ -560,6 +570,8 @@ class Report:
         out.append(f"CPU: {m['cpu']}, {m['cpus']} CPUs, last-level cache {m['last_level_cache_mib']} MiB; "
                    f"NumPy BLAS: {m['blas']}")
         out.append("versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
+        if m.get("isa_env"):
+            out.append("ISA environment: " + " ".join(f"{k}={v}" for k, v in m["isa_env"].items()))
         if m.get("busy_warning"):
             out.append(m["busy_warning"])
         for name, why in m["skipped"].items():

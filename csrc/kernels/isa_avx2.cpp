@@ -1,14 +1,16 @@
-// Kernel tier "avx2": float32 prefill from the hand-written SIMD kernel (simd_prefill.inl);
-// float64 prefill and decode from the shared auto-vectorised templates; all compiled with this
-// file's flags (CMakeLists.txt).
+// Kernel tier "avx2": float32 prefill and decode from the hand-written SIMD kernels
+// (simd_prefill.inl, simd_decode.inl); float64 from the shared auto-vectorised templates; all
+// compiled with this file's flags (CMakeLists.txt).
 #define ATTNFAST_KERNEL_NS isa_avx2
 #define ATTNFAST_KERNEL_NAME "avx2"
 #define ATTNFAST_SIMD_BYTES 32  // vector register width the kernels are tuned for
 #include "block_attention.inl"
 #include "decode_attention.inl"
 #include "simd_prefill.inl"
+#include "simd_decode.inl"
 #define ATTNFAST_PREFILL_F32 simd::attend_block
 #define ATTNFAST_PREFILL_PLAN_F32 simd::plan
+#define ATTNFAST_DECODE_CHUNK_F32 simd_decode::decode_chunk_f32
 #include "export_table.inl"
 
 const attnfast::KernelTable* attnfast::kernel_table_avx2() { return &isa_avx2::kTable; }

@@ -1,15 +1,16 @@
-// Hand-written float32 decode kernel for the AVX-512 tier. Included by kernels/isa_avx512.cpp
-// after decode_attention.inl and simd_prefill.inl (whose exp2_neg it uses), inside its
-// ATTNFAST_KERNEL_NS. Shapes it does not cover (D or Dv not a multiple of 16) and every other
-// tier keep the shared template decode_chunk<float, float>.
+// Hand-written float32 decode kernel for the x86 SIMD tiers (AVX-512: W = 16 lanes; AVX2+FMA:
+// W = 8). Included by kernels/isa_avx512.cpp and isa_avx2.cpp after decode_attention.inl and
+// simd_prefill.inl (whose exp2_neg it uses), inside their ATTNFAST_KERNEL_NS. Shapes it does
+// not cover (D or Dv not a multiple of W) and the generic tier keep the shared template
+// decode_chunk<float, float>.
 //
 // Same task and result contract as decode_chunk (one chunk of keys of one (batch, kv head),
 // all its query rows): one pass over a block's K rows writes its scores, a vectorised online
 // softmax per row, one pass over its V rows. What differs is the instruction mix:
-//   * scores: 16 dot products at a time (row blocks of 4, 2 or 1 query rows x 16 / rows
-//     keys), each in its own accumulator, then one transpose-reduce tree (30 shuffles) turns
-//     the 16 accumulators into one vector of 16 scores, instead of a horizontal sum per
-//     (row, key). Each K vector loaded serves every row of the row block.
+//   * scores: W dot products at a time (row blocks of 4, 2 or 1 query rows x W / rows
+//     keys), each in its own accumulator, then one transpose-reduce tree turns the W
+//     accumulators into one vector of W scores, instead of a horizontal sum per (row, key).
+//     Each K vector loaded serves every row of the row block.
 //   * softmax and rescaling in whole vectors (exp2_neg), no scalar exp per key.
 //   * P·V with all accumulators in registers.
 // The memory access order is the template's: keys one after the other, each key's V row
@@ -19,8 +20,8 @@
 // Rounding depends only on the shapes (never the thread count).
 //
 // No std:: templates here (see block_attention.inl).
-#if !defined(__AVX512F__)
-#error "simd_decode.inl needs AVX-512F"
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "simd_decode.inl needs AVX2+FMA or AVX-512F"
 #endif
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -33,12 +34,21 @@ namespace ATTNFAST_KERNEL_NS {
 namespace {
 namespace simd_decode {
 
-constexpr int W = 16;  // float lanes of a zmm register
 constexpr float kLog2e = 1.44269504088896340736f;
+
+#if defined(__AVX512F__)
+constexpr int W = 16;  // float lanes of a zmm register
+using V = __m512;
+inline V vld(const float* p) { return _mm512_loadu_ps(p); }
+inline void vst(float* p, V x) { _mm512_storeu_ps(p, x); }
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vset(float x) { return _mm512_set1_ps(x); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
 
 // out lane n = sum of the lanes of x[n], n < 16, in a fixed tree: pairs interleaved within
 // 128-bit lanes, then 64-bit pairs, then 128-bit lanes across registers.
-inline __m512 transpose_reduce16(const __m512* x) {
+inline __m512 transpose_reduce(const __m512* x) {
     __m512 t[8], u[4], w[2];
     for (int i = 0; i < 8; ++i)
         t[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]),
@@ -54,10 +64,91 @@ inline __m512 transpose_reduce16(const __m512* x) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
                          _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
 }
+// s[c] = lane c of x for first <= c < first + n (lanes are < W).
+inline void store_lanes(float* s, V x, int first, int64_t n) {
+    _mm512_mask_storeu_ps(s, static_cast<__mmask16>(((1u << n) - 1u) << first), x);
+}
+inline float hmax(V x) { return _mm512_reduce_max_ps(x); }
+inline float hsum(V x) { return _mm512_reduce_add_ps(x); }
+// Lanes c (counting from c0) with b <= c0 + c < e: x, others 0 (x may be garbage there).
+inline V keep_range(V x, int64_t c0, int64_t b, int64_t e) {
+    const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(static_cast<int32_t>(c0)));
+    const __mmask16 keep = _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(b)), idx, _MM_CMPINT_LE) &
+                           _mm512_cmp_epi32_mask(idx, _mm512_set1_epi32(static_cast<int32_t>(e)), _MM_CMPINT_LT);
+    return _mm512_maskz_mov_ps(keep, x);
+}
+#else  // AVX2 + FMA: 16 ymm registers
+constexpr int W = 8;
+using V = __m256;
+inline V vld(const float* p) { return _mm256_loadu_ps(p); }
+inline void vst(float* p, V x) { _mm256_storeu_ps(p, x); }
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vset(float x) { return _mm256_set1_ps(x); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
 
-// s[r * ss + j] = q[r] . k[j] for RB query rows (q rows qs apart, D a multiple of 16) and
-// the first `keys` (<= 16 / RB) of 16 / RB keys (key rows ks apart). Missing keys repeat the
-// last one and are not stored. With ND = D / 16 > 0 the loops are unrolled for that D and
+// out lane n = sum of the lanes of x[n], n < 8: pairs interleaved within 128-bit lanes,
+// then 64-bit pairs, then the two 128-bit halves.
+inline __m256 transpose_reduce(const __m256* x) {
+    __m256 t[4], u[2];
+    for (int i = 0; i < 4; ++i)
+        t[i] = _mm256_add_ps(_mm256_unpacklo_ps(x[2 * i], x[2 * i + 1]),
+                             _mm256_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+    for (int i = 0; i < 2; ++i) {
+        const __m256d a = _mm256_castps_pd(t[2 * i]), b = _mm256_castps_pd(t[2 * i + 1]);
+        u[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)),
+                             _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+    }
+    return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20),
+                         _mm256_permute2f128_ps(u[0], u[1], 0x31));
+}
+inline __m256i lanes_in(int64_t c0, int64_t b, int64_t e) {  // b <= c0 + lane < e
+    const __m256i idx = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                         _mm256_set1_epi32(static_cast<int32_t>(c0)));
+    return _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(b)), idx),
+                               _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(e)), idx));
+}
+inline void store_lanes(float* s, V x, int first, int64_t n) {
+    _mm256_maskstore_ps(s, lanes_in(0, first, first + n), x);
+}
+// The same for n == KB lanes starting at first (a multiple of KB): plain stores (a masked
+// store costs several uops on Intel and is microcoded on AMD Zen).
+template <int KB>
+inline void store_group(float* s, V x, int first) {
+    if constexpr (KB == 8) {
+        _mm256_storeu_ps(s, x);
+    } else {
+        const __m128 half = first < 4 ? _mm256_castps256_ps128(x) : _mm256_extractf128_ps(x, 1);
+        if constexpr (KB == 4) {
+            _mm_storeu_ps(s + first, half);
+        } else {
+            static_assert(KB == 2, "W / RB keys per group");
+            if ((first & 3) == 0) _mm_storel_pi(reinterpret_cast<__m64*>(s + first), half);
+            else _mm_storeh_pi(reinterpret_cast<__m64*>(s + first), half);
+        }
+    }
+}
+inline float hmax(V x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+inline float hsum(V x) {  // fixed tree: halves, then (0 + 2) + (1 + 3)
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_add_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+inline V keep_range(V x, int64_t c0, int64_t b, int64_t e) {
+    return _mm256_and_ps(_mm256_castsi256_ps(lanes_in(c0, b, e)), x);
+}
+#endif
+
+// s[r * ss + j] = q[r] . k[j] for RB query rows (q rows qs apart, D a multiple of W) and
+// the first `keys` (<= W / RB) of W / RB keys (key rows ks apart). Missing keys repeat the
+// last one and are not stored. With ND = D / W > 0 the loops are unrolled for that D and
 // walk the keys one after the other (ascending addresses: streamed from memory, 16 rows
 // walked side by side measured up to 40% slower, though faster from cache); ND = 0 takes any
 // D. When vpf is set, each key's V row (vpf + j * vsb, vrow_bytes long) is prefetched
@@ -69,30 +160,36 @@ inline void score_keys(const float* __restrict q, int64_t qs, const float* __res
     constexpr int KB = W / RB;
     const float* kp[KB];
     for (int j = 0; j < KB; ++j) kp[j] = k + (j < keys ? j : keys - 1) * ks;
-    __m512 acc[W];
-    for (int n = 0; n < W; ++n) acc[n] = _mm512_setzero_ps();
-#pragma GCC unroll 16  // keeps the 16 accumulators in registers (measured: +5-10% at 8/8)
+    V acc[W];
+    for (int n = 0; n < W; ++n) acc[n] = vzero();
+#pragma GCC unroll 16  // keeps the W accumulators in registers (measured: +5-10% at 8/8)
     for (int j = 0; j < KB; ++j) {
         if (vpf && j < keys)
             for (int64_t off = 0; off < vrow_bytes; off += 64) __builtin_prefetch(vpf + j * vsb + off, 0, 2);
         if (ND > 0) {
             for (int c = 0; c < ND; ++c) {
-                const __m512 kv = _mm512_loadu_ps(kp[j] + c * W);
+                const V kv = vld(kp[j] + c * W);
                 for (int r = 0; r < RB; ++r)
-                    acc[r * KB + j] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + r * qs + c * W), acc[r * KB + j]);
+                    acc[r * KB + j] = vfma(kv, vld(q + r * qs + c * W), acc[r * KB + j]);
             }
         } else {
             for (int64_t d = 0; d < D; d += W) {
-                const __m512 kv = _mm512_loadu_ps(kp[j] + d);
+                const V kv = vld(kp[j] + d);
                 for (int r = 0; r < RB; ++r)
-                    acc[r * KB + j] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + r * qs + d), acc[r * KB + j]);
+                    acc[r * KB + j] = vfma(kv, vld(q + r * qs + d), acc[r * KB + j]);
             }
         }
     }
-    const __m512 dots = transpose_reduce16(acc);  // lane r * KB + j: row r, key j
-    const __mmask16 valid = static_cast<__mmask16>((1u << keys) - 1u);
-    for (int r = 0; r < RB; ++r)
-        _mm512_mask_storeu_ps(s + r * ss - r * KB, static_cast<__mmask16>(valid << (r * KB)), dots);
+    const V dots = transpose_reduce(acc);  // lane r * KB + j: row r, key j
+#if defined(__AVX512F__)
+    for (int r = 0; r < RB; ++r) store_lanes(s + r * ss - r * KB, dots, r * KB, keys);
+#else
+    if (keys == KB) {
+        for (int r = 0; r < RB; ++r) store_group<KB>(s + r * ss - r * KB, dots, r * KB);
+    } else {
+        for (int r = 0; r < RB; ++r) store_lanes(s + r * ss - r * KB, dots, r * KB, keys);
+    }
+#endif
 }
 
 // acc[r][c] += sum_{j0 <= j < j1} p[r][j] * v[j][c] for RB rows and NV vectors of columns;
@@ -100,27 +197,34 @@ inline void score_keys(const float* __restrict q, int64_t qs, const float* __res
 template <int RB, int NV>
 inline void pv_tile(float* __restrict acc, int64_t acc_stride, const float* __restrict p,
                     int64_t ps, const float* __restrict v, int64_t vs, int64_t j0, int64_t j1) {
-    __m512 a[RB][NV];
+    V a[RB][NV];
     for (int r = 0; r < RB; ++r)
-        for (int c = 0; c < NV; ++c) a[r][c] = _mm512_loadu_ps(acc + r * acc_stride + c * W);
+        for (int c = 0; c < NV; ++c) a[r][c] = vld(acc + r * acc_stride + c * W);
     for (int64_t j = j0; j < j1; ++j) {
         const float* vrow = v + j * vs;
-        __m512 vv[NV];
-        for (int c = 0; c < NV; ++c) vv[c] = _mm512_loadu_ps(vrow + c * W);
+        V vv[NV];
+        for (int c = 0; c < NV; ++c) vv[c] = vld(vrow + c * W);
         for (int r = 0; r < RB; ++r) {
-            const __m512 pr = _mm512_set1_ps(p[r * ps + j]);
-            for (int c = 0; c < NV; ++c) a[r][c] = _mm512_fmadd_ps(pr, vv[c], a[r][c]);
+            const V pr = vset(p[r * ps + j]);
+            for (int c = 0; c < NV; ++c) a[r][c] = vfma(pr, vv[c], a[r][c]);
         }
     }
     for (int r = 0; r < RB; ++r)
-        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + r * acc_stride + c * W, a[r][c]);
+        for (int c = 0; c < NV; ++c) vst(acc + r * acc_stride + c * W, a[r][c]);
 }
 
-// All Dv columns (a multiple of 16) for RB rows: 16 accumulators a tile, then single vectors.
+// All Dv columns (a multiple of W) for RB rows: RB x NV accumulators a tile (16 with 32
+// zmm registers; 8-12 of the 16 ymm registers), then single vectors.
 template <int RB>
 inline void pv_rows(float* acc, int64_t Dv, const float* p, int64_t ps, const float* v,
                     int64_t vs, int64_t j0, int64_t j1) {
+#if defined(__AVX512F__)
     constexpr int NV = 16 / RB > 8 ? 8 : 16 / RB;
+#else
+    // RB = 4: 12 accumulators + 3 V vectors + 1 broadcast = 16 registers; measured +3-10%
+    // over 8 accumulators at 32/8 heads (Sapphire Rapids held to AVX2).
+    constexpr int NV = RB == 4 ? 3 : (RB == 2 ? 4 : 8);
+#endif
     int64_t e = 0;
     for (; e + NV * W <= Dv; e += NV * W) pv_tile<RB, NV>(acc + e, Dv, p, ps, v + e, vs, j0, j1);
     for (; e < Dv; e += W) pv_tile<RB, 1>(acc + e, Dv, p, ps, v + e, vs, j0, j1);
@@ -128,6 +232,7 @@ inline void pv_rows(float* acc, int64_t Dv, const float* p, int64_t ps, const fl
 
 // Largest of x[b .. e), or NaN when any of them is NaN (max_ps alone may drop a NaN).
 inline float range_max(const float* x, int64_t b, int64_t e) {
+#if defined(__AVX512F__)
     __m512 mx = _mm512_set1_ps(-__builtin_inff());
     __mmask16 nan = 0;
     int64_t c = b;
@@ -142,33 +247,44 @@ inline float range_max(const float* x, int64_t b, int64_t e) {
         nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
         mx = _mm512_max_ps(mx, xv);
     }
-    return nan ? __builtin_nanf("") : _mm512_reduce_max_ps(mx);
+    return nan ? __builtin_nanf("") : hmax(mx);
+#else
+    __m256 mx = _mm256_set1_ps(-__builtin_inff());
+    __m256 nan = _mm256_setzero_ps();
+    int64_t c = b;
+    for (; c + W <= e; c += W) {
+        const __m256 xv = _mm256_loadu_ps(x + c);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
+        mx = _mm256_max_ps(mx, xv);
+    }
+    float m = hmax(mx);
+    bool any_nan = _mm256_movemask_ps(nan) != 0;
+    for (; c < e; ++c) {
+        any_nan = any_nan || x[c] != x[c];
+        m = x[c] > m ? x[c] : m;
+    }
+    return any_nan ? __builtin_nanf("") : m;
+#endif
 }
 
-// x[c] = exp(x[c] - m) for b <= c < e and 0 for the other c < n (n rounded up to 16 may be
+// x[c] = exp(x[c] - m) for b <= c < e and 0 for the other c < n (n rounded up to W may be
 // written: the score rows have room); returns the sum over [b, e).
 inline float exp_shift_zero(float* x, int64_t n, int64_t b, int64_t e, float m) {
-    const __m512 mv = _mm512_set1_ps(m);
-    const __m512 log2e = _mm512_set1_ps(kLog2e);
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i bv = _mm512_set1_epi32(static_cast<int32_t>(b));
-    const __m512i ev = _mm512_set1_epi32(static_cast<int32_t>(e));
-    __m512 sum = _mm512_setzero_ps();
+    const V mv = vset(m);
+    const V log2e = vset(kLog2e);
+    V sum = vzero();
     for (int64_t c = 0; c < n; c += W) {
-        const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(c)));
-        const __mmask16 keep = _mm512_cmp_epi32_mask(bv, idx, _MM_CMPINT_LE) &
-                               _mm512_cmp_epi32_mask(idx, ev, _MM_CMPINT_LT);
-        const __m512 s = _mm512_maskz_loadu_ps(keep, x + c);
-        const __m512 pr = _mm512_maskz_mov_ps(
-            keep, simd::exp2_neg(_mm512_mul_ps(_mm512_sub_ps(s, mv), log2e)));
-        _mm512_storeu_ps(x + c, pr);
-        sum = _mm512_add_ps(sum, pr);
+        // Lanes outside [b, e) may hold anything (even NaN): zeroed before and after exp.
+        const V s = keep_range(vld(x + c), c, b, e);
+        const V pr = keep_range(simd::exp2_neg(vmul(simd::vsub(s, mv), log2e)), c, b, e);
+        vst(x + c, pr);
+        sum = simd::vadd(sum, pr);
     }
-    return _mm512_reduce_add_ps(sum);
+    return hsum(sum);
 }
 
 template <int RB, int ND>
-struct ScoreBlock {  // scores of RB rows against up to 16 keys, in groups of 16 / RB keys
+struct ScoreBlock {  // scores of RB rows against up to W keys, in groups of W / RB keys
     static void run(const float* qs, int64_t qstride, const float* k, int64_t ks, int64_t keys,
                     int64_t D, float* s, int64_t ss, const char* vpf, int64_t vsb,
                     int64_t vrow_bytes) {
@@ -184,7 +300,7 @@ inline bool covers(const AttentionParams& p) {
     return p.head_dim % W == 0 && p.head_dim_v % W == 0;
 }
 
-// ND: D / 16 when the score loops are unrolled for it (0: any multiple of 16).
+// ND: D / W when the score loops are unrolled for it (0: any multiple of W).
 template <int ND>
 void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, float* acc,
            float* m, float* l) {
@@ -233,7 +349,7 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
 
         for (int64_t j0 = used_lo; j0 < used_hi; j0 += kDecodeKeyBlock) {
             const int64_t j1 = j0 + kDecodeKeyBlock < used_hi ? j0 + kDecodeKeyBlock : used_hi;
-            // Scores, 16 keys at a time for every row block; the first row block also
+            // Scores, W keys at a time for every row block; the first row block also
             // starts those keys' V rows towards the cache (see decode_chunk).
             const int64_t vsb = p.v_row_stride * static_cast<int64_t>(sizeof(float));
             for (int64_t j = j0; j < j1; j += W) {
@@ -271,9 +387,8 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
                     const float correction = exp_acc(m[r] - m_new);
                     l[r] *= correction;
                     float* acc_row = acc + r * Dv;
-                    const __m512 cv = _mm512_set1_ps(correction);
-                    for (int64_t c = 0; c < Dv; c += W)
-                        _mm512_storeu_ps(acc_row + c, _mm512_mul_ps(cv, _mm512_loadu_ps(acc_row + c)));
+                    const V cv = vset(correction);
+                    for (int64_t c = 0; c < Dv; c += W) vst(acc_row + c, vmul(cv, vld(acc_row + c)));
                 }
                 m[r] = m_new;
                 l[r] += exp_shift_zero(srow, j1 - j0, b, e, m_new);
@@ -298,8 +413,8 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
 void decode_chunk_f32(const AttentionParams& p, const DecodeTask& task, float* workspace,
                       float* acc, float* m, float* l) {
     if (!covers(p)) decode_chunk<float, float>(p, task, workspace, acc, m, l);
-    else if (p.head_dim == 128) chunk<8>(p, task, workspace, acc, m, l);
-    else if (p.head_dim == 64) chunk<4>(p, task, workspace, acc, m, l);
+    else if (p.head_dim == 128) chunk<128 / W>(p, task, workspace, acc, m, l);
+    else if (p.head_dim == 64) chunk<64 / W>(p, task, workspace, acc, m, l);
     else chunk<0>(p, task, workspace, acc, m, l);
 }
 
