@@ -28,7 +28,9 @@ constexpr int kLanes = 16;  // partial sums kept per reduction, so reductions ve
 static_assert(Bk % kLanes == 0, "tile must be a multiple of the reduction lanes");
 
 template <class A> inline A neg_inf() { return -static_cast<A>(__builtin_inf()); }
-template <class A> inline A max_of(A a, A b) { return a > b ? a : b; }
+// NaN-sticky: once either argument is NaN the result is NaN, so a NaN score reaches the row
+// max and from there every probability of its row (NaN in, NaN out).
+template <class A> inline A max_of(A a, A b) { return (a > b || a != a) ? a : b; }
 
 // exp for float: Cody-Waite range reduction and a degree-6 polynomial (Cephes' expf
 // coefficients), ~1 ulp on the range softmax uses; flushes to 0 below -87.3 (and for -inf).
@@ -193,7 +195,7 @@ void attend_block(const AttentionParams& p, const BlockTask& task, A* workspace)
     for (int64_t i = 0; i < rows; ++i) {
         T* orow = out + (task.row_begin + i) * p.out_row_stride;
         const A* acc_row = acc + i * Dv;
-        if (l[i] > A(0)) {
+        if (l[i] != A(0)) {  // saw keys; a NaN sum (NaN input) gives NaN out and lse
             const A inv = A(1) / l[i];
             for (int64_t e = 0; e < Dv; ++e) orow[e] = store_from_acc<T>(acc_row[e] * inv);
             if (lse) lse[(task.row_begin + i) * p.lse_row_stride] = m[i] + log_acc(l[i]);
