@@ -5,7 +5,8 @@
 // and that 1 and 3 threads give identical bits. Built with -DATTNFAST_BUILD_TESTS=ON, run by
 // ctest (under qemu-user for cross builds: tools/run_cpp_tests.sh).
 //
-// Usage: test_tiers [--nan]   (--nan: only the NaN-contract cases)
+// Usage: test_tiers [--nan | --random N [seed]]
+//   --nan: only the NaN-contract cases; --random: N random shapes instead of the fixed matrix
 // Environment: ATTNFAST_TEST_NAN_XFAIL=tier,tier: NaN-contract failures of those tiers are
 // reported as XFAIL (known, not counted), a pass there as XPASS.
 #include <algorithm>
@@ -126,7 +127,7 @@ bool run_case(const Case& c, uint64_t seed, const char* dtype) {
     Tensor<T> v(c.B, c.Hkv, c.Tk, c.Dv, c.strided, kNaN);
     std::vector<int64_t> lens(static_cast<size_t>(c.B), c.Tk);
     if (c.seqlens)  // lengths down to 0 (a batch entry that sees nothing)
-        for (int64_t b = 0; b < c.B; ++b) lens[b] = b == 0 ? c.Tk : (b == 1 ? c.Tk / 2 + 1 : (b == 2 ? 0 : c.Tk - b));
+        for (int64_t b = 0; b < c.B; ++b) lens[b] = b == 0 ? c.Tk : (b == 1 ? c.Tk / 2 + 1 : (b == 2 ? 0 : std::max<int64_t>(0, c.Tk - b)));
     // Keys past a batch entry's length stay NaN: a kernel reading them shows.
     for (int64_t b = 0; b < c.B; ++b)
         for (int64_t h = 0; h < c.H; ++h)
@@ -286,6 +287,38 @@ std::vector<Case> accuracy_cases() {
     };
 }
 
+// `n` random problems (a longer, optional soak: test_tiers --random N [seed]), each at most
+// ~2e6 multiply-adds.
+std::vector<Case> random_cases(int n, uint64_t seed) {
+    Rng rng{seed};
+    auto pick = [&](int64_t lo, int64_t hi) {  // uniform in [lo, hi]
+        return lo + static_cast<int64_t>((rng.next(1.0) + 1.0) * 0.5 * static_cast<double>(hi - lo + 1)) % (hi - lo + 1);
+    };
+    std::vector<Case> cases;
+    for (int i = 0; i < n; ++i) {
+        Case c{};
+        c.B = pick(1, 3);
+        c.Hkv = pick(1, 2);
+        c.H = c.Hkv * (int64_t(1) << pick(0, 2));
+        c.Tq = pick(0, 1) ? pick(1, 16) : pick(17, 400);
+        c.Tk = pick(0, 3) ? pick(1, 400) : pick(401, 1500);
+        c.D = pick(0, 4) ? pick(1, 160) : pick(161, 300);
+        c.Dv = pick(0, 2) ? c.D : pick(1, 300);
+        c.causal = pick(0, 1) == 1;
+        c.wl = pick(0, 2) ? -1 : pick(0, 60);
+        c.wr = pick(0, 2) ? -1 : pick(0, 60);
+        c.strided = pick(0, 1) == 1;
+        c.seqlens = pick(0, 2) == 0;
+        c.amp = static_cast<double>(pick(1, 3));
+        while (c.Tq > 17 && c.B * c.H * c.Tq * c.Tk * (c.D + c.Dv) > 2000000) c.Tq = c.Tq / 2 > 17 ? c.Tq / 2 : 17;
+        while (c.B * c.H * c.Tq * c.Tk * (c.D + c.Dv) > 2000000 && c.Tk > 1) c.Tk /= 2;
+        cases.push_back(c);
+    }
+    return cases;
+}
+
+std::vector<Case> g_cases;  // the accuracy cases of this run (fixed matrix or random)
+
 std::vector<Case> nan_cases() {
     //      B  H Hkv  Tq    Tk    D    Dv  causal  wl   wr  strided seqlens amp nan
     return {
@@ -303,7 +336,7 @@ void run_tier(const std::string& tier, bool nan_only, Stats& total) {
     long nan_failed = 0, nan_checked = 0;
     uint64_t seed = 1;
     if (!nan_only)
-        for (const Case& c : accuracy_cases()) {
+        for (const Case& c : g_cases) {
             st.checks += 2;
             if (!run_case<float>(c, seed++, "f32")) ++st.failures;
             if (!run_case<double>(c, seed++, "f64")) ++st.failures;
@@ -348,6 +381,9 @@ std::vector<std::string> split(const std::string& s) {
 
 int main(int argc, char** argv) {
     const bool nan_only = argc > 1 && std::strcmp(argv[1], "--nan") == 0;
+    g_cases = accuracy_cases();
+    if (argc > 2 && std::strcmp(argv[1], "--random") == 0)
+        g_cases = random_cases(std::atoi(argv[2]), argc > 3 ? std::strtoull(argv[3], nullptr, 10) : 12345);
     if (const char* x = std::getenv("ATTNFAST_TEST_NAN_XFAIL")) g_xfail_tiers = "," + std::string(x) + ",";
     const std::string compiled = attnfast::isa_compiled(), available = attnfast::isa_available();
     const std::string automatic = attnfast::isa_selected();
@@ -379,7 +415,7 @@ int main(int argc, char** argv) {
     attnfast::isa_force("");
     total.failures += setup_failures;
     std::printf("SUMMARY: %zu tiers x %zu cases (%s): %ld problems checked, %ld failed", tiers.size(),
-                (nan_only ? 0 : accuracy_cases().size()) + nan_cases().size(),
+                (nan_only ? 0 : g_cases.size()) + nan_cases().size(),
                 nan_only ? "NaN contract only" : "accuracy + NaN contract", total.checks, total.failures);
     if (total.xfail || total.xpass) std::printf(", %ld known NaN-contract failures (XFAIL), %ld XPASS", total.xfail, total.xpass);
     std::printf("\n%s\n", total.failures == 0 ? "PASS" : "FAIL");
