@@ -5,8 +5,9 @@
 
 namespace attnfast {
 
-// Element type of q, k, v and out. Arithmetic accumulates in float32 (float64 for kF64).
-enum class DType : int32_t { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3 };
+// Element types. Arithmetic accumulates in float32 (float64 for kF64), never in 16 bits.
+// kI8 is a KV-cache storage type only (symmetric int8 with one float32 scale per row).
+enum class DType : int32_t { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kI8 = 4 };
 
 // How `mask` is read (reserved: the mask option is not implemented yet).
 enum class MaskKind : int32_t { kNone = 0, kBool = 1, kAdditive = 2 };
@@ -14,10 +15,10 @@ enum class MaskKind : int32_t { kNone = 0, kBool = 1, kAdditive = 2 };
 // One attention problem: out = softmax(q k^T * scale (+ options)) v, per (batch, head).
 // Layout is SDPA's (B, H, T, D); the last axis of every tensor is contiguous.
 struct AttentionParams {
-    const void* q;   // (batch, heads, seqlen_q, head_dim)
-    const void* k;   // (batch, kv_heads, seqlen_k, head_dim)
-    const void* v;   // (batch, kv_heads, seqlen_k, head_dim_v)
-    void* out;       // (batch, heads, seqlen_q, head_dim_v), same dtype as q
+    const void* q;   // (batch, heads, seqlen_q, head_dim), of `dtype`
+    const void* k;   // (batch, kv_heads, seqlen_k, head_dim), of `kv_dtype`
+    const void* v;   // (batch, kv_heads, seqlen_k, head_dim_v), of `kv_dtype`
+    void* out;       // (batch, heads, seqlen_q, head_dim_v), of `dtype`
     void* lse;       // (batch, heads, seqlen_q) log-sum-exp of the scaled scores, or nullptr;
                      // float32, or float64 when dtype is kF64
 
@@ -39,11 +40,26 @@ struct AttentionParams {
     int64_t head_dim;    // D, of q and k
     int64_t head_dim_v;  // Dv, of v and out
 
-    DType dtype;
+    DType dtype;         // of q and out
+    DType kv_dtype;      // of k and v: dtype, or (float32 q) kF16 / kBF16 / kI8, or
+                         // (kF16 / kBF16 q) kI8
+    // kv_dtype == kI8 only: float32 dequantisation scales (batch, kv_heads, seqlen_k), one
+    // per cached row: k[b, g, j, :] stands for k_scale[b, g, j] * (its int8 values).
+    const float* k_scale;
+    const float* v_scale;
+    int64_t k_scale_batch_stride, k_scale_head_stride, k_scale_row_stride;
+    int64_t v_scale_batch_stride, v_scale_head_stride, v_scale_row_stride;
     double scale;        // multiplies q . k
-    bool causal;         // bottom-right aligned: row i sees key j iff j <= i + (Tk - Tq)
-    int64_t window_left;   // row i sees keys j >= i + (Tk - Tq) - window_left; -1 = unbounded
-    int64_t window_right;  // row i sees keys j <= i + (Tk - Tq) + window_right; -1 = unbounded
+    bool causal;         // row i sees key j iff j <= i' (i' below)
+    // Where query row i sits among the keys, i': by default i + (Tk - Tq), bottom-right
+    // aligned (Tk: seqlens_k[b] when given); with has_query_offset, i + query_offset for
+    // every batch entry (e.g. 0: top-left, a prompt written into an empty static cache).
+    // causal, window and ALiBi distances are measured from i'. |query_offset| <= 2^62.
+    bool has_query_offset;
+    int64_t query_offset;
+    int64_t window_left;   // row i sees keys j >= i' - window_left; -1 = unbounded
+    int64_t window_right;  // row i sees keys j <= i' + window_right; -1 = unbounded
+                           // (any value up to INT64_MAX is safe: no overflow)
 
     // Reserved for options that are not implemented yet; the Python layer rejects them
     // before they get here, and the kernels require them to be at their "off" values.
@@ -55,7 +71,9 @@ struct AttentionParams {
     MaskKind mask_kind;
     int64_t mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
 
-    int num_threads;     // >= 1; the result does not depend on it
+    int num_threads;     // >= 1 (more than the processors are not started); the result
+                         // does not depend on it
+    bool interruptible;  // stop early (out/lse then unspecified) after request_interrupt()
 };
 
 // Returns a params struct with every option off and every pointer null.
@@ -68,7 +86,15 @@ AttentionParams default_params();
 // (the Python layer checks first, so this is a guard, not the user-facing check).
 void attention_forward(const AttentionParams& params);
 
+// ---- interrupts (Ctrl-C) ----
+// Asks running interruptible calls to stop: they skip the work items not yet started and
+// return with out/lse unspecified. Lock-free: may be called from a signal handler.
+void request_interrupt() noexcept;
+// Whether an interrupt was requested since the last call; clears the request.
+bool take_interrupt() noexcept;
+
 // ---- runtime facts ----
+int processor_count() noexcept;  // processors this process may run on (1 without OpenMP)
 bool openmp_enabled();
 int openmp_max_threads();        // omp_get_max_threads(), or 1 without OpenMP
 const char* openmp_runtime_name();

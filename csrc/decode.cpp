@@ -68,12 +68,12 @@ void run_decode(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMerge
     const int64_t ws_elems = decode_workspace_elems(p);
     std::unique_ptr<A[]> workspace(new A[static_cast<size_t>(ws_elems * threads)]);
 
-    parallel::for_each_dynamic(slots, threads, [&](int64_t slot, int thread_id) {
+    parallel::for_each_dynamic(slots, threads, p.interruptible, [&](int64_t slot, int thread_id) {
         chunk_fn(p, tasks[slot], workspace.get() + ws_elems * thread_id,
                  acc.get() + slot * rows * p.head_dim_v, row_max + slot * rows,
                  row_sum + slot * rows);
     });
-    parallel::for_each_dynamic(merges, threads, [&](int64_t index, int thread_id) {
+    parallel::for_each_dynamic(merges, threads, p.interruptible, [&](int64_t index, int thread_id) {
         const int64_t b = index / heads_kv, g = index % heads_kv;
         const int64_t base = slot_base[b] + g * chunk_count[b];
         merge_fn(p, b, g, chunk_count[b], acc.get() + base * rows * p.head_dim_v,
@@ -86,8 +86,10 @@ void run_decode(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMerge
 
 void decode_forward(const AttentionParams& p) {
     const KernelTable& kernels = active_kernels();
-    if (p.dtype == DType::kF32) run_decode<float>(p, kernels.decode_chunk_f32, kernels.decode_merge_f32);
-    else run_decode<double>(p, kernels.decode_chunk_f64, kernels.decode_merge_f64);
+    if (p.dtype == DType::kF64) run_decode<double>(p, kernels.decode_chunk_f64, kernels.decode_merge_f64);
+    else if (p.dtype == DType::kF32 && p.kv_dtype == DType::kF32)
+        run_decode<float>(p, kernels.decode_chunk_f32, kernels.decode_merge_f32);
+    else run_decode<float>(p, kernels.decode_chunk_lowp, kernels.decode_merge_lowp);
 }
 
 }  // namespace attnfast

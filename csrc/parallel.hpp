@@ -43,10 +43,24 @@ inline int processors() {
 #endif
 }
 
+// Ctrl-C: a signal handler calls request_interrupt() (a lock-free atomic store, safe in a
+// handler); regions started with `interruptible` then skip their remaining work items, and
+// the caller learns of it from take_interrupt(). Only the main Python thread's calls are
+// interruptible (it alone receives KeyboardInterrupt), so one flag serves the process.
+inline std::atomic<int>& interrupt_flag() {
+    static std::atomic<int> flag{0};
+    return flag;
+}
+inline bool interrupt_requested() { return interrupt_flag().load(std::memory_order_relaxed) != 0; }
+
 // A share of the machine for one parallel region; returned when it goes out of scope.
+// Never more threads than processors: more only slow a compute-bound region down (and
+// thousands of them can exhaust the OS's limit).
 class ThreadGrant {
 public:
     explicit ThreadGrant(int wanted) {
+        if (wanted > processors()) wanted = processors();
+        if (wanted < 1) wanted = 1;
         int busy = busy_threads().load();
         do {
             const int free_now = busy == 0 ? wanted : processors() - busy;
@@ -65,9 +79,10 @@ private:
 // Runs body(index, thread_id) for index in [0, count) on up to `threads` threads, handing
 // out indices one at a time in increasing order (so callers put the costliest work first).
 // thread_id < min(threads, count). Which thread runs an index never changes a result, so
-// running on fewer threads than asked (see ThreadGrant) is always safe.
+// running on fewer threads than asked (see ThreadGrant) is always safe. With
+// `interruptible`, indices not yet started are skipped once an interrupt is requested.
 template <class Body>
-void for_each_dynamic(int64_t count, int threads, Body&& body) {
+void for_each_dynamic(int64_t count, int threads, bool interruptible, Body&& body) {
     if (count <= 0) return;
     if (threads > count) threads = static_cast<int>(count);
 #ifdef _OPENMP
@@ -75,12 +90,18 @@ void for_each_dynamic(int64_t count, int threads, Body&& body) {
         const ThreadGrant grant(threads);
         threads = grant.threads();
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
-        for (int64_t index = 0; index < count; ++index) body(index, omp_get_thread_num());
+        for (int64_t index = 0; index < count; ++index) {
+            if (interruptible && interrupt_requested()) continue;
+            body(index, omp_get_thread_num());
+        }
         return;
     }
 #endif
     (void)threads;
-    for (int64_t index = 0; index < count; ++index) body(index, 0);
+    for (int64_t index = 0; index < count; ++index) {
+        if (interruptible && interrupt_requested()) return;
+        body(index, 0);
+    }
 }
 
 }  // namespace parallel

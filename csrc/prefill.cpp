@@ -17,6 +17,7 @@ namespace attnfast {
 AttentionParams default_params() {
     AttentionParams p{};
     p.dtype = DType::kF32;
+    p.kv_dtype = DType::kF32;
     p.scale = 1.0;
     p.window_left = -1;
     p.window_right = -1;
@@ -36,9 +37,19 @@ void check_params(const AttentionParams& p) {
     require(p.head_dim >= 1 && p.head_dim_v >= 1, "head_dim and head_dim_v must be >= 1");
     require(p.kv_heads >= 1 && p.heads % p.kv_heads == 0, "heads must be a multiple of kv_heads");
     require(p.num_threads >= 1, "num_threads must be >= 1");
+    require(p.window_left >= -1 && p.window_right >= -1, "window bounds must be >= -1");
+    require(!p.has_query_offset || (p.query_offset <= (int64_t(1) << 62) &&
+                                    p.query_offset >= -(int64_t(1) << 62)),
+            "|query_offset| must be <= 2^62");
     require(p.softcap == 0.0 && !p.alibi_slopes && !p.sinks && !p.mask,
             "softcap, alibi_slopes, sinks and mask are not implemented");
-    require(p.dtype == DType::kF32 || p.dtype == DType::kF64, "dtype not supported by the kernels");
+    const DType q = p.dtype, kv = p.kv_dtype;
+    const bool same = q == kv && q != DType::kI8;
+    const bool f32_q_lowp_kv = q == DType::kF32 && (kv == DType::kF16 || kv == DType::kBF16);
+    const bool int8_kv = kv == DType::kI8 && (q == DType::kF32 || q == DType::kF16 || q == DType::kBF16);
+    require(same || f32_q_lowp_kv || int8_kv, "dtype / kv_dtype combination not supported");
+    require((kv == DType::kI8) == (p.k_scale != nullptr && p.v_scale != nullptr),
+            "k_scale and v_scale are required with (and only with) an int8 cache");
     if (p.seqlens_k)
         for (int64_t b = 0; b < p.batch; ++b)
             require(p.seqlens_k[b] >= 0 && p.seqlens_k[b] <= p.seqlen_k,
@@ -73,7 +84,7 @@ void run_blocks(const AttentionParams& p,
         return task;
     };
     const int64_t q_row_bytes = p.head_dim * static_cast<int64_t>(sizeof(A));
-    parallel::for_each_dynamic(tasks, threads, [&](int64_t index, int thread_id) {
+    parallel::for_each_dynamic(tasks, threads, p.interruptible, [&](int64_t index, int thread_id) {
         // The dynamic schedule most likely hands this thread index + threads next: start
         // bringing that task's query rows in now, a whole task ahead (a cache hint only).
         if (index + threads < tasks) {
@@ -98,13 +109,20 @@ void attention_forward(const AttentionParams& p) {
         return;
     }
     const KernelTable& kernels = active_kernels();
-    if (p.dtype == DType::kF32) {
+    if (p.dtype == DType::kF32 && p.kv_dtype == DType::kF32) {
         run_blocks<float>(p, kernels.attend_block_f32, kernels.plan_f32(p));
+    } else if (p.dtype != DType::kF64) {  // 16-bit or int8 somewhere: converting template
+        const PrefillPlan plan{kBlockRows, block_workspace_elems(p)};
+        run_blocks<float>(p, kernels.attend_block_lowp, plan);
     } else {
         const PrefillPlan plan{kBlockRows, block_workspace_elems(p)};
         run_blocks<double>(p, kernels.attend_block_f64, plan);
     }
 }
+
+void request_interrupt() noexcept { parallel::interrupt_flag().store(1); }
+bool take_interrupt() noexcept { return parallel::interrupt_flag().exchange(0) != 0; }
+int processor_count() noexcept { return parallel::processors(); }
 
 bool openmp_enabled() { return parallel::enabled(); }
 int openmp_max_threads() { return parallel::max_threads(); }

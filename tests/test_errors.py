@@ -69,18 +69,28 @@ def test_v_shape(qkv):
 
 def test_dtypes(qkv):
     q, k, v = qkv
-    rejects(TypeError, r"share a dtype.*q float32.*k float64", q, k.astype(np.float64), v,
-            out=sentinel_out())
-    rejects(TypeError, r"v must be float32 or float64, got dtype int64", q, k, v.astype(np.int64))
-    rejects(TypeError, r"q must be float32 or float64, got dtype complex64", q.astype(np.complex64), k, v)
-    rejects(NotImplementedError, r"q has dtype float16", q.astype(np.float16),
+    rejects(TypeError, r"k and v must share a dtype; got k float64, v float32", q,
+            k.astype(np.float64), v, out=sentinel_out())
+    rejects(TypeError, r"q has dtype float32 and k, v float64: they must share a dtype", q,
+            k.astype(np.float64), v.astype(np.float64), out=sentinel_out())
+    rejects(TypeError, r"q has dtype float16 and k, v float32", q.astype(np.float16), k, v)
+    rejects(TypeError, r"v must be float32, float64, float16 or bfloat16, got dtype int64", q, k,
+            v.astype(np.int64))
+    rejects(TypeError, r"q must be float32, float64, float16 or bfloat16, got dtype complex64",
+            q.astype(np.complex64), k, v)
+
+
+def test_bfloat16_and_float16_mixes(qkv):
+    import ml_dtypes
+    q, k, v = qkv
+    bf = ml_dtypes.bfloat16
+    # a float16 q cannot read a bfloat16 cache, nor a float64 q a 16-bit one
+    rejects(TypeError, r"q has dtype float16 and k, v bfloat16", q.astype(np.float16),
+            k.astype(bf), v.astype(bf))
+    rejects(TypeError, r"q has dtype float64 and k, v float16", q.astype(np.float64),
             k.astype(np.float16), v.astype(np.float16))
-
-
-def test_bfloat16_not_yet(qkv):
-    ml_dtypes = pytest.importorskip("ml_dtypes")
-    q, k, v = (a.astype(ml_dtypes.bfloat16) for a in qkv)
-    rejects(NotImplementedError, r"bfloat16", q, k, v)
+    rejects(TypeError, r"out must have dtype bfloat16", q.astype(bf), k.astype(bf), v.astype(bf),
+            out=np.zeros(af.attention(q, k, v).shape, np.float32))
 
 
 def test_non_native_byte_order_is_converted(qkv):

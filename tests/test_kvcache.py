@@ -177,7 +177,7 @@ def test_overflow_raises_and_leaves_cache_bit_identical(rng):
 @pytest.mark.parametrize("kwargs,error", [
     (dict(batch=0), ValueError), (dict(kv_heads=-1), ValueError), (dict(head_dim=2.0), TypeError),
     (dict(capacity=0), ValueError), (dict(dtype=np.int32), TypeError),
-    (dict(dtype=np.float16), NotImplementedError), (dict(v_head_dim=0), ValueError),
+    (dict(dtype=np.uint8), TypeError), (dict(v_head_dim=0), ValueError),
 ])
 def test_bad_constructor_arguments(kwargs, error):
     args = dict(batch=2, kv_heads=2, head_dim=8, capacity=16)
@@ -194,7 +194,7 @@ def bad_step_calls(rng):
     q, k, v = tokens(rng, B, 4, 1, D), tokens(rng, B, Hkv, 1, D), tokens(rng, B, Hkv, 1, D)
     return [
         ("heads not a multiple of kv heads", lambda c: c.step(tokens(rng, B, 3, 1, D), k, v), ValueError, 'multiple of kv heads'),
-        ("q of another dtype", lambda c: c.step(q.astype(np.float64), k, v), TypeError, 'q must have'),
+        ("q of another dtype", lambda c: c.step(q.astype(np.float64), k, v), TypeError, 'q has dtype float64 and the cache'),
         ("k_new of another dtype", lambda c: c.step(q, k.astype(np.float64), v), TypeError, 'k_new must have'),
         ("q with another head dim", lambda c: c.step(tokens(rng, B, 4, 1, D + 1), k, v), ValueError, 'head dim'),
         ("k_new with another head dim", lambda c: c.step(q, tokens(rng, B, Hkv, 1, D + 1), v), ValueError, 'k_new must have shape'),
@@ -303,7 +303,7 @@ def bad_functional_calls(rng):
     ro_k.flags.writeable = False
     return [
         ("wrong head count", dict(q=tokens(rng, B, 3, 1, D)), ValueError, 'multiple of kv heads'),
-        ("q dtype", dict(q=tokens(rng, B, 4, 1, D, np.float64)), TypeError, 'q must have'),
+        ("q dtype", dict(q=tokens(rng, B, 4, 1, D, np.float64)), TypeError, 'q has dtype float64 and the cache'),
         ("k_new dtype", dict(k_new=k_new.astype(np.float64)), TypeError, 'k_new must have'),
         ("q head dim", dict(q=tokens(rng, B, 4, 1, D - 1)), ValueError, 'head dim'),
         ("k_new head dim", dict(k_new=tokens(rng, B, Hkv, 2, D - 1)), ValueError, 'k_new must have shape'),
@@ -325,9 +325,15 @@ def bad_functional_calls(rng):
         ("3-D cache", dict(k_cache=np.zeros((Hkv, C, D), np.float32)), ValueError, 'k_cache must be 4-D'),
         ("read-only cache", dict(k_cache=ro_k), ValueError, 'read-only'),
         ("cache as both k and v", dict(v_cache="same"), ValueError, 'share memory'),
-        ("float16 cache", dict(k_cache=np.zeros((B, Hkv, C, D), np.float16),
-                               v_cache=np.zeros((B, Hkv, C, D), np.float16)),
-         NotImplementedError, "float16"),
+        ("float16 cache, float32 new tokens, float64 q", dict(
+            k_cache=np.zeros((B, Hkv, C, D), np.float16), v_cache=np.zeros((B, Hkv, C, D), np.float16),
+            q=tokens(rng, B, 4, 1, D, np.float64)), TypeError, "q has dtype float64 and the cache"),
+        ("int8 cache without scales", dict(k_cache=np.zeros((B, Hkv, C, D), np.int8),
+                                           v_cache=np.zeros((B, Hkv, C, D), np.int8)),
+         ValueError, "an int8 cache needs k_scale and v_scale"),
+        ("scales for a float cache", dict(k_scale=np.zeros((B, Hkv, C), np.float32),
+                                          v_scale=np.zeros((B, Hkv, C), np.float32)),
+         ValueError, "k_scale is only for an int8 cache"),
         ("bad out", dict(out=np.empty((B, 4, 2, D), np.float32)), ValueError, 'out must have shape'),
         ("softcap", dict(softcap=1.0), NotImplementedError, 'softcap'),
         ("mask", dict(mask=np.ones((1,), bool)), NotImplementedError, 'mask'),

@@ -15,25 +15,42 @@ def run_python(code, **env):
                           env=full_env, timeout=120)
 
 
+PROCESSORS = af.show_config.__globals__["_PROCESSORS"]
+
+
 def test_set_and_get_num_threads():
     try:
-        af.set_num_threads(3)
-        assert af.get_num_threads() == 3
+        af.set_num_threads(1)
+        assert af.get_num_threads() == 1
         with pytest.raises(ValueError, match="n must be >= 1"):
             af.set_num_threads(0)
         with pytest.raises(TypeError, match="n must be an int"):
             af.set_num_threads(2.0)
-        assert af.get_num_threads() == 3  # a rejected call changes nothing
+        assert af.get_num_threads() == 1  # a rejected call changes nothing
+        af.set_num_threads(2**40)  # more than the machine: clamped to its processors
+        assert af.get_num_threads() == PROCESSORS
     finally:
         af.set_num_threads(None)
 
 
 def test_environment_thread_variables():
     code = "import attnfast; print(attnfast.get_num_threads())"
-    assert run_python(code, ATTNFAST_NUM_THREADS="3").stdout.strip() == "3"
+    assert run_python(code, ATTNFAST_NUM_THREADS="1").stdout.strip() == "1"
+    assert run_python(code, ATTNFAST_NUM_THREADS="100000").stdout.strip() == str(PROCESSORS)
+    assert run_python(code, OMP_NUM_THREADS="100000",
+                      ATTNFAST_NUM_THREADS="").stdout.strip() == str(PROCESSORS)
     assert run_python(code, OMP_NUM_THREADS="1", ATTNFAST_NUM_THREADS="").stdout.strip() == "1"
-    bad = run_python(code, ATTNFAST_NUM_THREADS="zero")
-    assert "ATTNFAST_NUM_THREADS must be an integer >= 1, got 'zero'" in bad.stderr
+
+
+def test_invalid_thread_variable_is_ignored_with_a_reason():
+    """An invalid ATTNFAST_NUM_THREADS does not break import: a warning, the OpenMP default,
+    and show_config() says why."""
+    code = "import attnfast; attnfast.show_config()"
+    bad = run_python(code, ATTNFAST_NUM_THREADS="zero", OMP_NUM_THREADS="1")
+    assert bad.returncode == 0, bad.stderr
+    assert "RuntimeWarning" in bad.stderr and "ATTNFAST_NUM_THREADS='zero' ignored" in bad.stderr
+    assert "note: ATTNFAST_NUM_THREADS='zero' ignored" in bad.stdout
+    assert "threads: 1 " in bad.stdout
 
 
 def test_threadpoolctl_limits_are_respected():

@@ -45,10 +45,10 @@ def test_errors_write_nothing(rng):
         (dict(cu_seqlens_q=[0, 5, 3, 7]), ValueError, r"cu_seqlens_q must be non-decreasing"),
         (dict(cu_seqlens_k=[0.0, 3.0, 7.0]), TypeError, r"cu_seqlens_k must be an integer array"),
         (dict(cu_seqlens_k=[0, 2, 5, 7]), ValueError, r"same number of sequences; got 2 and 3"),
-        (dict(max_seqlen_q=3), ValueError, r"max_seqlen for cu_seqlens_q is 3 but a sequence has 4"),
+        (dict(max_seqlen_q=3), ValueError, r"max_seqlen_q is 3 but a sequence in cu_seqlens_q has 4"),
         (dict(q=q[:, :3]), ValueError, r"multiple of kv heads"),
         (dict(q=q[None]), ValueError, r"q must be 3-D"),
-        (dict(v=v[:6]), ValueError, r"same number of tokens"),
+        (dict(v=v[:6]), ValueError, r"same tokens and kv heads"),
         (dict(out=out[:6]), ValueError, r"out must have shape \(7, 4, 12\)"),
         (dict(softcap=30.0), NotImplementedError, r"softcap"),
     ]

@@ -14,11 +14,6 @@ build="${ATTNFAST_CPP_BUILD_DIR:-$root/build-cpp}"
 jobs="${ATTNFAST_CPP_JOBS:-2}"
 mode="${1:-all}"
 
-# Known gap, not this test's to hide: the x86 float32 prefill kernel (simd_prefill.inl) turns
-# a NaN input into zeros / -inf. Reported as XFAIL for those tiers (XPASS once fixed: then
-# drop them from this list).
-export ATTNFAST_TEST_NAN_XFAIL="${ATTNFAST_TEST_NAN_XFAIL-avx2,avx512}"
-
 generator=()
 if command -v ninja >/dev/null 2>&1; then generator=(-G Ninja); fi
 

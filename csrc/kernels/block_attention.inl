@@ -18,6 +18,8 @@
 #error "define ATTNFAST_KERNEL_NS before including block_attention.inl"
 #endif
 
+#include "storage_types.inl"
+
 namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {
 namespace {
@@ -28,14 +30,15 @@ constexpr int kLanes = 16;  // partial sums kept per reduction, so reductions ve
 static_assert(Bk % kLanes == 0, "tile must be a multiple of the reduction lanes");
 
 template <class A> inline A neg_inf() { return -static_cast<A>(__builtin_inf()); }
-// NaN-sticky: once either argument is NaN the result is NaN, so a NaN score reaches the row
-// max and from there every probability of its row (NaN in, NaN out).
+// max that propagates NaN from either side (a NaN score must reach the row's out and lse,
+// never be dropped by a comparison).
 template <class A> inline A max_of(A a, A b) { return (a > b || a != a) ? a : b; }
 
 // exp for float: Cody-Waite range reduction and a degree-6 polynomial (Cephes' expf
 // coefficients), ~1 ulp on the range softmax uses; flushes to 0 below -87.3 (and for -inf).
 inline float exp_acc(float x) {
-    const float xc = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+    float xc = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+    xc = xc == xc ? xc : 0.0f;  // NaN: computed on 0 (no undefined int conversion), returned as is
     const float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
     const float n = (xc * 1.44269504088896341f + round_magic) - round_magic;
     float r = xc - n * 0.693359375f;
@@ -50,16 +53,13 @@ inline float exp_acc(float x) {
     const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
     float two_n;
     std::memcpy(&two_n, &bits, sizeof two_n);
-    return x < -87.3f ? 0.0f : er * two_n;
+    return x < -87.3f ? 0.0f : (x == x ? er * two_n : x);
 }
 inline double exp_acc(double x) { return __builtin_exp(x); }
 
 inline float log_acc(float x) { return __builtin_logf(x); }
 inline double log_acc(double x) { return __builtin_log(x); }
 
-// Storage type -> accumulator type. (16-bit storage types plug in here.)
-template <class A, class T> inline A load_acc(T x) { return static_cast<A>(x); }
-template <class T, class A> inline T store_from_acc(A x) { return static_cast<T>(x); }
 
 // s[i][j] = sum_d qs[i][d] * kt[d][j] for i < rows, all Bk columns (kt packed D x Bk).
 template <class A>
@@ -106,19 +106,34 @@ inline A exp_shift_sum(A* __restrict x, A m) {
     return sum;
 }
 
-// acc[e] += sum_j p[j] * v[j][e] over the first `keys` rows of v.
+// acc[e] += sum_j p[j] * v_scale[j] * v[j][e] over the first `keys` rows of v (v_scale:
+// an int8 cache's row scales, else all 1).
 template <class A, class T>
 inline void accumulate_pv(A* __restrict acc, const A* __restrict p, const T* __restrict v,
-                          int64_t v_row_stride, int64_t keys, int64_t dim_v) {
+                          int64_t v_row_stride, int64_t keys, int64_t dim_v,
+                          const RowScales& v_scale, int64_t first_row) {
     for (int64_t j = 0; j < keys; ++j) {
-        const A pj = p[j];
-        if (pj == A(0)) continue;  // masked or underflowed: nothing to add
+        if (p[j] == A(0)) continue;  // masked or underflowed: nothing to add
+        const A pj = p[j] * static_cast<A>(v_scale.at(first_row + j));
         const T* vrow = v + j * v_row_stride;
         for (int64_t e = 0; e < dim_v; ++e) acc[e] += pj * load_acc<A>(vrow[e]);
     }
 }
 
-template <class T, class A>
+// Row scales of an int8 K (or V) cache for one (batch, kv head); none for other types.
+inline RowScales row_scales(const float* scale, int64_t batch_stride, int64_t head_stride,
+                            int64_t row_stride, int64_t batch, int64_t kv_head) {
+    RowScales r;
+    if (scale) {
+        r.scale = scale + batch * batch_stride + kv_head * head_stride;
+        r.row_stride = row_stride;
+    }
+    return r;
+}
+
+// TQ: type of q and out; TKV: type of k and v (TQ, or a 16-bit / int8 cache under float32
+// queries); A: the accumulator (float, or double for float64).
+template <class TQ, class TKV, class A>
 void attend_block(const AttentionParams& p, const BlockTask& task, A* workspace) {
     const int64_t D = p.head_dim, Dv = p.head_dim_v;
     const int64_t rows = task.row_end - task.row_begin;
@@ -131,13 +146,17 @@ void attend_block(const AttentionParams& p, const BlockTask& task, A* workspace)
     A* m = acc + Bq * Dv;        // rows
     A* l = m + Bq;               // rows
 
-    const T* q = static_cast<const T*>(p.q) + task.batch * p.q_batch_stride + task.head * p.q_head_stride;
-    const T* k = static_cast<const T*>(p.k) + task.batch * p.k_batch_stride + kv_head * p.k_head_stride;
-    const T* v = static_cast<const T*>(p.v) + task.batch * p.v_batch_stride + kv_head * p.v_head_stride;
+    const TQ* q = static_cast<const TQ*>(p.q) + task.batch * p.q_batch_stride + task.head * p.q_head_stride;
+    const TKV* k = static_cast<const TKV*>(p.k) + task.batch * p.k_batch_stride + kv_head * p.k_head_stride;
+    const TKV* v = static_cast<const TKV*>(p.v) + task.batch * p.v_batch_stride + kv_head * p.v_head_stride;
+    const RowScales k_scale = row_scales(p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride,
+                                         p.k_scale_row_stride, task.batch, kv_head);
+    const RowScales v_scale = row_scales(p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride,
+                                         p.v_scale_row_stride, task.batch, kv_head);
 
     const A scale = static_cast<A>(p.scale);
     for (int64_t i = 0; i < rows; ++i) {
-        const T* qrow = q + (task.row_begin + i) * p.q_row_stride;
+        const TQ* qrow = q + (task.row_begin + i) * p.q_row_stride;
         for (int64_t d = 0; d < D; ++d) qs[i * D + d] = load_acc<A>(qrow[d]) * scale;
         m[i] = neg_inf<A>();
         l[i] = 0;
@@ -156,8 +175,9 @@ void attend_block(const AttentionParams& p, const BlockTask& task, A* workspace)
 
         // Pack the K tile transposed (zero-padded), converting to the accumulator type.
         for (int64_t j = 0; j < keys; ++j) {
-            const T* krow = k + (tile + j) * p.k_row_stride;
-            for (int64_t d = 0; d < D; ++d) kt[d * Bk + j] = load_acc<A>(krow[d]);
+            const TKV* krow = k + (tile + j) * p.k_row_stride;
+            const A ks = static_cast<A>(k_scale.at(tile + j));
+            for (int64_t d = 0; d < D; ++d) kt[d * Bk + j] = load_acc<A>(krow[d]) * ks;
         }
         for (int64_t d = 0; d < D; ++d)
             for (int64_t j = keys; j < Bk; ++j) kt[d * Bk + j] = 0;
@@ -185,32 +205,49 @@ void attend_block(const AttentionParams& p, const BlockTask& task, A* workspace)
             A* acc_row = acc + i * Dv;
             if (correction != A(1))
                 for (int64_t e = 0; e < Dv; ++e) acc_row[e] *= correction;
-            accumulate_pv(acc_row, srow, v + tile * p.v_row_stride, p.v_row_stride, keys, Dv);
+            accumulate_pv(acc_row, srow, v + tile * p.v_row_stride, p.v_row_stride, keys, Dv,
+                          v_scale, tile);
         }
     }
 
-    T* out = static_cast<T*>(p.out) + task.batch * p.out_batch_stride + task.head * p.out_head_stride;
+    TQ* out = static_cast<TQ*>(p.out) + task.batch * p.out_batch_stride + task.head * p.out_head_stride;
     A* lse = static_cast<A*>(p.lse);
     if (lse) lse += task.batch * p.lse_batch_stride + task.head * p.lse_head_stride;
     for (int64_t i = 0; i < rows; ++i) {
-        T* orow = out + (task.row_begin + i) * p.out_row_stride;
+        TQ* orow = out + (task.row_begin + i) * p.out_row_stride;
         const A* acc_row = acc + i * Dv;
-        if (l[i] != A(0)) {  // saw keys; a NaN sum (NaN input) gives NaN out and lse
+        if (l[i] != A(0)) {  // saw keys; NaN here (a NaN score) gives NaN out and lse
             const A inv = A(1) / l[i];
-            for (int64_t e = 0; e < Dv; ++e) orow[e] = store_from_acc<T>(acc_row[e] * inv);
+            for (int64_t e = 0; e < Dv; ++e) orow[e] = store_from_acc<TQ>(acc_row[e] * inv);
             if (lse) lse[(task.row_begin + i) * p.lse_row_stride] = m[i] + log_acc(l[i]);
         } else {  // the row sees no key: zeros and -inf, never NaN
-            for (int64_t e = 0; e < Dv; ++e) orow[e] = store_from_acc<T>(A(0));
+            for (int64_t e = 0; e < Dv; ++e) orow[e] = store_from_acc<TQ>(A(0));
             if (lse) lse[(task.row_begin + i) * p.lse_row_stride] = neg_inf<A>();
         }
     }
 }
 
 [[maybe_unused]] void attend_block_f32(const AttentionParams& p, const BlockTask& t, float* ws) {
-    attend_block<float, float>(p, t, ws);
+    attend_block<float, float, float>(p, t, ws);
 }
 void attend_block_f64(const AttentionParams& p, const BlockTask& t, double* ws) {
-    attend_block<double, double>(p, t, ws);
+    attend_block<double, double, double>(p, t, ws);
+}
+// The reduced-precision combinations (checked by attention_forward): 16-bit q/k/v, float32
+// q over a 16-bit cache, and float32 / 16-bit q over an int8 cache.
+void attend_block_lowp(const AttentionParams& p, const BlockTask& t, float* ws) {
+    const DType q = p.dtype, kv = p.kv_dtype;
+    if (kv == DType::kBF16) {
+        if (q == DType::kBF16) attend_block<bf16_t, bf16_t, float>(p, t, ws);
+        else attend_block<float, bf16_t, float>(p, t, ws);
+    } else if (kv == DType::kF16) {
+        if (q == DType::kF16) attend_block<f16_t, f16_t, float>(p, t, ws);
+        else attend_block<float, f16_t, float>(p, t, ws);
+    } else {  // kI8
+        if (q == DType::kBF16) attend_block<bf16_t, int8_t, float>(p, t, ws);
+        else if (q == DType::kF16) attend_block<f16_t, int8_t, float>(p, t, ws);
+        else attend_block<float, int8_t, float>(p, t, ws);
+    }
 }
 
 // The float32 plan of this kernel (the SIMD tiers use their own kernel and plan for float32).

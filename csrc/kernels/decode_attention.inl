@@ -68,6 +68,50 @@ inline Vec<float> vload(const float* p) { Vec<float> v; __builtin_memcpy(&v, p, 
 inline Vec<double> vload(const double* p) { Vec<double> v; __builtin_memcpy(&v, p, sizeof v); return v; }
 template <class A> inline void vstore(A* p, const Vec<A>& v) { __builtin_memcpy(p, &v, sizeof v); }
 
+// Converting loads of the reduced-precision storage types: one register of float32 lanes
+// from that many 16-bit or 8-bit values (widened exactly; never a 16-bit accumulator).
+inline Vec<float> vload(const bf16_t* p) {  // bfloat16: the upper half of a float32
+    typedef uint16_t Half __attribute__((vector_size(ATTNFAST_SIMD_BYTES / 2)));
+    typedef uint32_t Word __attribute__((vector_size(ATTNFAST_SIMD_BYTES)));
+    Half h;
+    __builtin_memcpy(&h, p, sizeof h);
+    const Word w = __builtin_convertvector(h, Word) << 16;
+    Vec<float> f;
+    __builtin_memcpy(&f, &w, sizeof f);
+    return f;
+}
+inline Vec<float> vload(const f16_t* p) {
+    Vec<float> f;
+#if defined(__AVX512F__) && ATTNFAST_SIMD_BYTES == 64
+    const __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    __builtin_memcpy(&f, &x, sizeof f);
+#elif defined(__F16C__) && ATTNFAST_SIMD_BYTES == 32
+    const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    __builtin_memcpy(&f, &x, sizeof f);
+#else  // no conversion instruction: lane by lane
+    for (int64_t i = 0; i < vec_lanes<float>(); ++i) f[i] = widen(p[i]);
+#endif
+    return f;
+}
+inline Vec<float> vload(const int8_t* p) {  // an int8 cache's values (scaled by the caller)
+    Vec<float> f;
+#if defined(__AVX512F__) && ATTNFAST_SIMD_BYTES == 64
+    // (GCC turns a one-step int8 -> float __builtin_convertvector into 16 scalar conversions)
+    const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    __builtin_memcpy(&f, &x, sizeof f);
+#elif defined(__AVX2__) && ATTNFAST_SIMD_BYTES == 32
+    const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    __builtin_memcpy(&f, &x, sizeof f);
+#else
+    typedef int8_t Bytes __attribute__((vector_size(ATTNFAST_SIMD_BYTES / 4)));
+    typedef int32_t Words __attribute__((vector_size(ATTNFAST_SIMD_BYTES)));
+    Bytes b;
+    __builtin_memcpy(&b, p, sizeof b);
+    f = __builtin_convertvector(__builtin_convertvector(b, Words), Vec<float>);
+#endif
+    return f;
+}
+
 // Sum of the lanes in a fixed tree: add the upper half onto the lower half until 4 float
 // (2 double) lanes are left, then (s0 + s2) + (s1 + s3) (s0 + s1). Vector shuffles keep it
 // in registers (GCC >= 12, Clang); older compilers do the same arithmetic through memory.
@@ -256,9 +300,11 @@ struct AddValueRows {  // acc rows += probabilities x value rows, for one block 
     }
 };
 
-template <class T, class A>
+// TQ: type of q; TKV: type of k and v (see attend_block); A: the accumulator.
+template <class TQ, class TKV, class A>
 void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace, A* acc,
                   A* m, A* l) {
+    using T = TKV;
     const int64_t D = p.head_dim, Dv = p.head_dim_v, tq = p.seqlen_q;
     const int64_t group = p.heads / p.kv_heads;
     const int64_t rows = group * tq;
@@ -270,7 +316,14 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
     A* s = qs + kGroupRows * qs_stride;  // kGroupRows rows ss apart: one key block's scores
     int64_t lo[kGroupRows], hi[kGroupRows];  // each row's visible keys, chunk-relative
 
-    const T* q = static_cast<const T*>(p.q) + task.batch * p.q_batch_stride;
+    const TQ* q = static_cast<const TQ*>(p.q) + task.batch * p.q_batch_stride;
+    // int8 cache: row scales relative to the chunk's first key (else all 1)
+    RowScales k_scale = row_scales(p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride,
+                                   p.k_scale_row_stride, task.batch, task.kv_head);
+    RowScales v_scale = row_scales(p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride,
+                                   p.v_scale_row_stride, task.batch, task.kv_head);
+    if (k_scale.scale) k_scale.scale += task.key_begin * k_scale.row_stride;
+    if (v_scale.scale) v_scale.scale += task.key_begin * v_scale.row_stride;
     const T* k = static_cast<const T*>(p.k) + task.batch * p.k_batch_stride +
                  task.kv_head * p.k_head_stride + task.key_begin * p.k_row_stride;
     const T* v = static_cast<const T*>(p.v) + task.batch * p.v_batch_stride +
@@ -284,7 +337,7 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
         for (int64_t rr = 0; rr < n; ++rr) {
             const int64_t r = r0 + rr;
             const int64_t head = task.kv_head * group + r / tq, pos = r % tq;
-            const T* qrow = q + head * p.q_head_stride + pos * p.q_row_stride;
+            const TQ* qrow = q + head * p.q_head_stride + pos * p.q_row_stride;
             for (int64_t d = 0; d < D; ++d) qs[rr * qs_stride + d] = load_acc<A>(qrow[d]) * scale;
             for (int64_t d = D; d < qs_stride; ++d) qs[rr * qs_stride + d] = 0;
             const KeyRange vis = visible_keys(p, pos, task.seqlen_k);
@@ -325,6 +378,8 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
                 A* srow = s + rr * ss;  // column c is key j0 + c
                 const int64_t b = (lo[rr] > j0 ? lo[rr] : j0) - j0;
                 const int64_t e = (hi[rr] < j1 ? hi[rr] : j1) - j0;
+                if (k_scale.scale)  // int8 K: the score of key j is k_scale[j] * (q . k_int8[j])
+                    for (int64_t c = b; c < e; ++c) srow[c] *= static_cast<A>(k_scale.at(j0 + c));
                 A block_max = neg_inf<A>();
                 if (b < e) block_max = range_max(srow + b, e - b);
                 if (block_max == neg_inf<A>()) {  // sees nothing in this block: weight 0
@@ -344,6 +399,8 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
                 // the keys any row sees; only a non-finite value there could leak in).
                 for (int64_t c = 0; c < b; ++c) srow[c] = 0;
                 for (int64_t c = e; c < j1 - j0; ++c) srow[c] = 0;
+                if (v_scale.scale)  // int8 V: the weight of v_int8[j] is p[j] * v_scale[j]
+                    for (int64_t c = b; c < e; ++c) srow[c] *= static_cast<A>(v_scale.at(j0 + c));
             }
 
             // Value rows in sub-blocks that stay in L1 while every row block walks them; each
@@ -357,6 +414,7 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
     }
 }
 
+// T: type of out (that of q).
 template <class T, class A>
 void decode_merge(const AttentionParams& p, int64_t batch, int64_t kv_head, int64_t chunks,
                   const A* acc, const A* m, const A* l, A* workspace) {
@@ -397,11 +455,33 @@ void decode_merge(const AttentionParams& p, int64_t batch, int64_t kv_head, int6
 
 void decode_chunk_f32(const AttentionParams& p, const DecodeTask& t, float* ws, float* acc,
                       float* m, float* l) {
-    decode_chunk<float, float>(p, t, ws, acc, m, l);
+    decode_chunk<float, float, float>(p, t, ws, acc, m, l);
 }
 void decode_chunk_f64(const AttentionParams& p, const DecodeTask& t, double* ws, double* acc,
                       double* m, double* l) {
-    decode_chunk<double, double>(p, t, ws, acc, m, l);
+    decode_chunk<double, double, double>(p, t, ws, acc, m, l);
+}
+// The reduced-precision combinations, as attend_block_lowp.
+void decode_chunk_lowp(const AttentionParams& p, const DecodeTask& t, float* ws, float* acc,
+                       float* m, float* l) {
+    const DType q = p.dtype, kv = p.kv_dtype;
+    if (kv == DType::kBF16) {
+        if (q == DType::kBF16) decode_chunk<bf16_t, bf16_t, float>(p, t, ws, acc, m, l);
+        else decode_chunk<float, bf16_t, float>(p, t, ws, acc, m, l);
+    } else if (kv == DType::kF16) {
+        if (q == DType::kF16) decode_chunk<f16_t, f16_t, float>(p, t, ws, acc, m, l);
+        else decode_chunk<float, f16_t, float>(p, t, ws, acc, m, l);
+    } else {  // kI8
+        if (q == DType::kBF16) decode_chunk<bf16_t, int8_t, float>(p, t, ws, acc, m, l);
+        else if (q == DType::kF16) decode_chunk<f16_t, int8_t, float>(p, t, ws, acc, m, l);
+        else decode_chunk<float, int8_t, float>(p, t, ws, acc, m, l);
+    }
+}
+void decode_merge_lowp(const AttentionParams& p, int64_t b, int64_t g, int64_t chunks,
+                       const float* acc, const float* m, const float* l, float* ws) {
+    if (p.dtype == DType::kBF16) decode_merge<bf16_t, float>(p, b, g, chunks, acc, m, l, ws);
+    else if (p.dtype == DType::kF16) decode_merge<f16_t, float>(p, b, g, chunks, acc, m, l, ws);
+    else decode_merge<float, float>(p, b, g, chunks, acc, m, l, ws);
 }
 void decode_merge_f32(const AttentionParams& p, int64_t b, int64_t g, int64_t chunks,
                       const float* acc, const float* m, const float* l, float* ws) {

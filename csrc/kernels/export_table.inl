@@ -24,6 +24,7 @@ const KernelTable kTable = {
     ATTNFAST_PREFILL_PLAN_F32,
     ATTNFAST_DECODE_CHUNK_F32, decode_chunk_f64,
     decode_merge_f32, decode_merge_f64,
+    attend_block_lowp, decode_chunk_lowp, decode_merge_lowp,
 };
 
 }  // namespace

@@ -59,11 +59,21 @@ constexpr int64_t kDecodeMaxChunkBytes = 1024 * 1024;
 constexpr int64_t kDecodeMinChunkKeys = 64;
 constexpr int64_t kDecodeMaxChunkKeys = 4096;
 
+// Bytes of one K or V element as stored (int8 rows also carry a 4-byte scale, ignored here).
+static inline int64_t kv_element_bytes(const AttentionParams& p) {
+    switch (p.kv_dtype) {
+        case DType::kF64: return 8;
+        case DType::kF16: case DType::kBF16: return 2;
+        case DType::kI8: return 1;
+        default: return 4;
+    }
+}
+
 // Keys per decode chunk: a function of the sizes and the cache size only (never of the
 // thread count), so the split points, and with them the result bits, are the same for any
 // thread count.
 static inline int64_t decode_chunk_keys(const AttentionParams& p) {
-    const int64_t elem = p.dtype == DType::kF64 ? 8 : 4;
+    const int64_t elem = kv_element_bytes(p);
     int64_t bytes = cache_sizes().l2;
     if (bytes < kDecodeMinChunkBytes) bytes = kDecodeMinChunkBytes;
     if (bytes > kDecodeMaxChunkBytes) bytes = kDecodeMaxChunkBytes;
@@ -147,6 +157,15 @@ struct KernelTable {
     void (*decode_merge_f64)(const AttentionParams&, int64_t batch, int64_t kv_head,
                              int64_t chunks, const double* acc, const double* m,
                              const double* l, double* workspace);
+    // The reduced-precision paths (float16 / bfloat16 q, k, v; float32 q over a 16-bit or
+    // int8 cache; 16-bit q over an int8 cache), all accumulating in float32: the same
+    // contracts as the float32 entries, dispatching on p.dtype and p.kv_dtype.
+    void (*attend_block_lowp)(const AttentionParams&, const BlockTask&, float* workspace);
+    void (*decode_chunk_lowp)(const AttentionParams&, const DecodeTask&, float* workspace,
+                              float* acc, float* m, float* l);
+    void (*decode_merge_lowp)(const AttentionParams&, int64_t batch, int64_t kv_head,
+                              int64_t chunks, const float* acc, const float* m,
+                              const float* l, float* workspace);
 };
 
 // One per ISA file; each returns nullptr when that tier was not compiled in.
@@ -165,18 +184,22 @@ static inline int64_t batch_seqlen_k(const AttentionParams& p, int64_t batch) {
 
 // Visible key range [begin, end) of query row `row`, from causal and window, for a batch
 // entry with `seqlen_k` valid keys (see batch_seqlen_k).
-// Row i is aligned to key i + (Tk - Tq) (bottom-right, as flash-attn >= 2.1).
+// Row i is aligned to key i + (Tk - Tq) (bottom-right, as flash-attn >= 2.1), or to
+// i + query_offset when the caller gives one.
 struct KeyRange {
     int64_t begin;
     int64_t end;
 };
+// Window bounds may be as large as INT64_MAX (any bound >= Tq + Tk means unbounded): each
+// one is compared with a distance between positions before it is added, never overflowing.
 static inline KeyRange visible_keys(const AttentionParams& p, int64_t row, int64_t seqlen_k) {
-    const int64_t aligned = row + (seqlen_k - p.seqlen_q);
+    const int64_t aligned = row + (p.has_query_offset ? p.query_offset : seqlen_k - p.seqlen_q);
     int64_t begin = 0;
     int64_t end = seqlen_k;
     if (p.causal && aligned + 1 < end) end = aligned + 1;
-    if (p.window_right >= 0 && aligned + p.window_right + 1 < end) end = aligned + p.window_right + 1;
-    if (p.window_left >= 0 && aligned - p.window_left > begin) begin = aligned - p.window_left;
+    if (p.window_right >= 0 && p.window_right < end - aligned - 1) end = aligned + p.window_right + 1;
+    if (p.window_left >= 0 && p.window_left < aligned - begin) begin = aligned - p.window_left;
+    if (begin > seqlen_k) begin = seqlen_k;  // (a query_offset past the keys)
     if (end < begin) end = begin;
     if (end < 0) end = begin = 0;
     return {begin, end};

@@ -126,16 +126,23 @@ inline void pv_rows(float* acc, int64_t Dv, const float* p, int64_t ps, const fl
     for (; e < Dv; e += W) pv_tile<RB, 1>(acc + e, Dv, p, ps, v + e, vs, j0, j1);
 }
 
-// Largest of x[b .. e).
+// Largest of x[b .. e), or NaN when any of them is NaN (max_ps alone may drop a NaN).
 inline float range_max(const float* x, int64_t b, int64_t e) {
     __m512 mx = _mm512_set1_ps(-__builtin_inff());
+    __mmask16 nan = 0;
     int64_t c = b;
-    for (; c + W <= e; c += W) mx = _mm512_max_ps(mx, _mm512_loadu_ps(x + c));
+    for (; c + W <= e; c += W) {
+        const __m512 xv = _mm512_loadu_ps(x + c);
+        nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
+        mx = _mm512_max_ps(mx, xv);
+    }
     if (c < e) {
         const __mmask16 tail = static_cast<__mmask16>((1u << (e - c)) - 1u);
-        mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-__builtin_inff()), tail, x + c));
+        const __m512 xv = _mm512_mask_loadu_ps(_mm512_set1_ps(-__builtin_inff()), tail, x + c);
+        nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
+        mx = _mm512_max_ps(mx, xv);
     }
-    return _mm512_reduce_max_ps(mx);
+    return nan ? __builtin_nanf("") : _mm512_reduce_max_ps(mx);
 }
 
 // x[c] = exp(x[c] - m) for b <= c < e and 0 for the other c < n (n rounded up to 16 may be

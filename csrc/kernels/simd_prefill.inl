@@ -473,7 +473,8 @@ void finish_sub_block(const AttentionParams& p, const Block& b, int64_t batch) {
     float* lse = static_cast<float*>(p.lse);
     if (lse) lse += batch * p.lse_batch_stride + b.head * p.lse_head_stride;
     alignas(64) float inv[Bq];
-    for (int64_t i = 0; i < Bq; ++i) inv[i] = b.l[i] > 0.0f ? 1.0f / b.l[i] : 0.0f;
+    // l == 0: the row saw no key (zeros, lse -inf); l NaN (a NaN score) stays NaN in both.
+    for (int64_t i = 0; i < Bq; ++i) inv[i] = b.l[i] != 0.0f ? 1.0f / b.l[i] : 0.0f;
     const int64_t Dv = b.Dv;
     int64_t i0 = 0;
     for (; i0 + 8 <= b.rows; i0 += 8) {  // 8 x 8 blocks through registers
@@ -496,7 +497,7 @@ void finish_sub_block(const AttentionParams& p, const Block& b, int64_t batch) {
     if (lse)
         for (int64_t i = 0; i < b.rows; ++i)
             lse[(b.row_begin + i) * p.lse_row_stride] =
-                b.l[i] > 0.0f ? b.m[i] * 0.6931471805599453f + __builtin_logf(b.l[i]) : -__builtin_inff();
+                b.l[i] != 0.0f ? b.m[i] * 0.6931471805599453f + __builtin_logf(b.l[i]) : -__builtin_inff();
 }
 
 // Keys [tile, tile + keys) for sub-block b: masks when some lane's range cuts the tile.

@@ -12,7 +12,7 @@ COMMANDS = {
 
 
 def _usage() -> str:
-    lines = ["usage: attnfast {" + ",".join(COMMANDS) + "} [options]", ""]
+    lines = ["usage: attnfast {" + ",".join(COMMANDS) + "} [options]   |   attnfast --version", ""]
     lines += [f"  {name:6s} {text}" for name, text in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -20,6 +20,10 @@ def _usage() -> str:
 def main(argv=None) -> int:
     """Run one subcommand; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        from . import __version__
+        print(f"attnfast {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(_usage())
         return 0 if not argv or argv[0] in ("-h", "--help") else 2

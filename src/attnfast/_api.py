@@ -1,10 +1,13 @@
 """Public attention functions: check (attnfast._checks), then run the C++ kernels."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from . import _ext
-from ._checks import check_attention, check_out, kernel_ready, reject_unimplemented, to_3d, to_4d
+from ._checks import (BFLOAT16, FLOAT16, FLOAT32, FLOAT64, check_attention, check_out,
+                      kernel_ready, reject_unimplemented, to_3d, to_4d)
 
 __all__ = ["attention", "attention_weights", "merge_attention_states"]
 
@@ -25,7 +28,7 @@ _MASK_DRAWING = """
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
               alibi_slopes=None, sinks=None, mask=None, return_lse=False, out=None,
-              num_threads=None):
+              num_threads=None, query_offset=None):
     """Exact scaled dot-product attention, streamed: the Tq x Tk matrix is never built.
 
     ``out[.., h, i, :] = sum_j softmax_j(scale * q[.., h, i, :] . k[.., g, j, :]) v[.., g, j, :]``
@@ -43,6 +46,12 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
     scale : float, default 1/sqrt(D)
     window : (left, right) or None
         Query i sees keys in [i' - left, i' + right], i' = i + (Tk - Tq); -1 = unbounded.
+    query_offset : int, optional
+        Where the queries sit among the keys: query i is at key position
+        ``i' = i + query_offset`` (causal and window are measured from there). The default,
+        ``Tk - Tq``, aligns the last query with the last key (bottom-right); 0 aligns the
+        first query with the first key (top-left: a prompt written into an empty, larger
+        cache). Any int with |value| <= 2**62.
     softcap, alibi_slopes, sinks, mask
         Not implemented yet: passing one raises NotImplementedError.
     return_lse : bool
@@ -59,7 +68,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
     """
     reject_unimplemented(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
     call = check_attention(q, k, v, causal=causal, scale=scale, window=window,
-                           num_threads=num_threads)
+                           num_threads=num_threads, query_offset=query_offset)
     user_out = check_out(out, call.out_shape(), call.dtype,
                          [("q", call.q), ("k", call.k), ("v", call.v)])
 
@@ -73,7 +82,8 @@ def run_kernels(call, user_out, return_lse, parts=None):
     """Run the C++ kernels for a checked call and return out (and lse).
 
     ``parts`` lists the kernel calls as (rows of q/out/lse on axis 0, k, v, key lengths per
-    row or None); by default one call over everything with ``call.k`` and ``call.v``.
+    row or None[, k_scale, v_scale of an int8 cache]); by default one call over everything
+    with ``call.k`` and ``call.v``.
     """
     target = user_out if user_out is not None else np.empty(call.out_shape(), call.dtype)
     target4 = to_4d(target)
@@ -81,13 +91,19 @@ def run_kernels(call, user_out, return_lse, parts=None):
     result4 = target4 if kernel_ready(target4) is target4 else np.empty(target4.shape, call.dtype)
     lse = np.empty(call.lse_shape(), call.lse_dtype) if return_lse else None
     lse3 = None if lse is None else to_3d(lse)
-    for rows, k, v, seqlens in parts or [(slice(None), call.k, call.v, None)]:
+    # Ctrl-C stops the kernels early only in the main thread, which alone receives it.
+    interruptible = threading.current_thread() is threading.main_thread()
+    for part in parts or [(slice(None), call.k, call.v, None)]:
+        rows, k, v, seqlens = part[:4]
+        k_scale, v_scale = part[4:6] if len(part) > 4 else (None, None)
         _ext.run_attention(
             call.q[rows], kernel_ready(k), kernel_ready(v), result4[rows],
             None if lse3 is None else lse3[rows],
             causal=call.causal, scale=call.scale, window_left=call.window[0],
             window_right=call.window[1], num_threads=call.num_threads,
-            seqlens_k=None if seqlens is None else np.ascontiguousarray(seqlens, dtype=np.int64))
+            seqlens_k=None if seqlens is None else np.ascontiguousarray(seqlens, dtype=np.int64),
+            interruptible=interruptible, k_scale=k_scale, v_scale=v_scale,
+            query_offset=call.query_offset)
     if result4 is not target4:
         np.copyto(target4, result4)
     return (target, lse) if return_lse else target
@@ -95,7 +111,8 @@ def run_kernels(call, user_out, return_lse, parts=None):
 
 def _visible(call) -> np.ndarray:
     """(Tq, Tk) boolean: which keys each query row may see (causal, window)."""
-    rows = np.arange(call.seqlen_q)[:, None] + (call.seqlen_k - call.seqlen_q)
+    shift = call.seqlen_k - call.seqlen_q if call.query_offset is None else call.query_offset
+    rows = np.arange(call.seqlen_q)[:, None] + shift
     keys = np.arange(call.seqlen_k)[None, :]
     left, right = call.window
     keep = np.ones((call.seqlen_q, call.seqlen_k), dtype=bool)
@@ -109,7 +126,8 @@ def _visible(call) -> np.ndarray:
 
 
 def attention_weights(q, k, *, causal=False, scale=None, window=None, softcap=None,
-                      alibi_slopes=None, sinks=None, mask=None, num_threads=None):
+                      alibi_slopes=None, sinks=None, mask=None, num_threads=None,
+                      query_offset=None):
     """The explicit attention probabilities, shape (.., H, Tq, Tk), dtype of q.
 
     For inspection and teaching on small inputs: unlike :func:`attention` this materialises
@@ -119,18 +137,21 @@ def attention_weights(q, k, *, causal=False, scale=None, window=None, softcap=No
     """
     reject_unimplemented(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
     call = check_attention(q, k, None, causal=causal, scale=scale, window=window,
-                           num_threads=num_threads, need_v=False)
+                           num_threads=num_threads, need_v=False, query_offset=query_offset)
     group = call.heads // call.kv_heads
     k_per_head = np.repeat(call.k, group, axis=1) if group > 1 else call.k
-    scores = np.matmul(call.q, np.swapaxes(k_per_head, -1, -2)) * call.dtype.type(call.scale)
+    compute = np.float64 if call.dtype == np.float64 else np.float32  # never in 16 bits
+    scores = np.matmul(call.q.astype(compute, copy=False),
+                       np.swapaxes(k_per_head.astype(compute, copy=False), -1, -2))
+    scores = scores * compute(call.scale)
     keep = _visible(call)
     scores = np.where(keep, scores, -np.inf)
     row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
     safe_max = np.where(np.isfinite(row_max), row_max, 0)
     weights = np.exp(scores - safe_max)
     total = weights.sum(axis=-1, keepdims=True)
-    weights = np.divide(weights, total, out=np.zeros_like(weights), where=total > 0)
-    return weights.reshape(call.out_shape()[:-1] + (call.seqlen_k,))
+    weights = np.divide(weights, total, out=np.zeros_like(weights), where=total != 0)
+    return weights.astype(call.dtype, copy=False).reshape(call.out_shape()[:-1] + (call.seqlen_k,))
 
 
 def merge_attention_states(outs, lses):
@@ -151,8 +172,8 @@ def merge_attention_states(outs, lses):
     outs = [np.asarray(o) for o in outs]
     lses = [np.asarray(s) for s in lses]
     dtype = outs[0].dtype
-    if dtype not in (np.float32, np.float64):
-        raise TypeError(f"outs must be float32 or float64, got {dtype}")
+    if dtype not in (FLOAT32, FLOAT64, FLOAT16, BFLOAT16):
+        raise TypeError(f"outs must be float32, float64, float16 or bfloat16, got {dtype}")
     lse_dtype = np.float64 if dtype == np.float64 else np.float32
     for i, (o, s) in enumerate(zip(outs, lses)):
         if o.dtype != dtype:
@@ -169,9 +190,11 @@ def merge_attention_states(outs, lses):
     safe_top = np.where(np.isfinite(top), top, 0)
     w = np.exp(lse_stack - safe_top)                 # 0 for shards that saw nothing
     total = w.sum(axis=0)
-    merged_lse = np.where(total > 0, safe_top + np.log(np.where(total > 0, total, 1)), -np.inf)
+    # total == 0: no shard saw a key (zeros, -inf); NaN (a NaN lse) stays NaN in out and lse
+    seen = total != 0
+    merged_lse = np.where(seen, safe_top + np.log(np.where(seen, total, 1)), -np.inf)
     acc = np.zeros(outs[0].shape, dtype=lse_dtype)
     for wi, o in zip(w, outs):
-        acc += wi[..., None] * o
-    out = np.divide(acc, total[..., None], out=np.zeros_like(acc), where=total[..., None] > 0)
+        acc += wi[..., None] * o.astype(lse_dtype, copy=False)
+    out = np.divide(acc, total[..., None], out=np.zeros_like(acc), where=seen[..., None])
     return out.astype(dtype, copy=False), merged_lse.astype(lse_dtype, copy=False)

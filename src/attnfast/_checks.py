@@ -9,24 +9,23 @@ import math
 import operator
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 from ._runtime import _positive_int, resolve_threads
 
-_KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-_PLANNED_DTYPES = ("float16", "bfloat16")
+FLOAT32 = np.dtype(np.float32)
+FLOAT64 = np.dtype(np.float64)
+FLOAT16 = np.dtype(np.float16)
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+INT8 = np.dtype(np.int8)
+_KERNEL_DTYPES = (FLOAT32, FLOAT64, FLOAT16, BFLOAT16)
+LOWP_DTYPES = (FLOAT16, BFLOAT16)  # 16-bit storage; arithmetic in float32
+_DTYPE_NAMES = "float32, float64, float16 or bfloat16"
 
 
 def _dtype_name(dt: np.dtype) -> str:
     return str(dt)
-
-
-def _reject_planned_dtype(dt: np.dtype, name: str) -> None:
-    """float16 / bfloat16 are part of the contract but have no kernels yet."""
-    if dt.name in _PLANNED_DTYPES:
-        raise NotImplementedError(
-            f"{name} has dtype {dt.name}: float16 and bfloat16 are not implemented yet; "
-            "pass float32 or float64")
 
 
 def as_float_array(x, name: str) -> np.ndarray:
@@ -38,8 +37,21 @@ def as_float_array(x, name: str) -> np.ndarray:
         dt = arr.dtype
     if dt in _KERNEL_DTYPES:
         return arr
-    _reject_planned_dtype(dt, name)
-    raise TypeError(f"{name} must be float32 or float64, got dtype {_dtype_name(dt)}")
+    raise TypeError(f"{name} must be {_DTYPE_NAMES}, got dtype {_dtype_name(dt)}")
+
+
+def check_query_kv_dtypes(q_dtype: np.dtype, kv_dtype: np.dtype, kv_names: str) -> None:
+    """q shares the dtype of k and v, except that a float32 q may read a float16 /
+    bfloat16 cache, and a float32 / 16-bit q an int8 cache."""
+    if q_dtype == kv_dtype and kv_dtype != INT8:
+        return
+    if q_dtype == FLOAT32 and kv_dtype in LOWP_DTYPES:
+        return
+    if kv_dtype == INT8 and q_dtype in (FLOAT32, FLOAT16, BFLOAT16):
+        return
+    raise TypeError(f"q has dtype {q_dtype} and {kv_names} {kv_dtype}: they must share a dtype, "
+                    "except that a float32 q may read float16 or bfloat16 keys and values, and "
+                    "a float32, float16 or bfloat16 q an int8 cache")
 
 
 def kernel_ready(arr: np.ndarray) -> np.ndarray:
@@ -67,14 +79,29 @@ def _shape_str(a) -> str:
     return "(" + ", ".join(str(s) for s in a.shape) + ")" if a.ndim != 1 else f"({a.shape[0]},)"
 
 
-def check_scale(scale, head_dim: int) -> float:
+def _compute_dtype(dtype: np.dtype) -> np.dtype:
+    """The precision the kernels compute in for inputs of `dtype`."""
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+def check_scale(scale, head_dim: int, dtype: np.dtype) -> float:
+    """scale: a real number > 0 that stays finite and non-zero in the compute precision
+    (float32 for float32 inputs), also once multiplied by log2(e) as the kernels do."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"scale must be a real number, got {type(scale).__name__} {scale!r}")
-    s = float(scale)
+    try:
+        s = float(scale)
+    except OverflowError:
+        s = math.inf
     if not math.isfinite(s) or s <= 0:
-        raise ValueError(f"scale must be finite and > 0, got {s!r}")
+        raise ValueError(f"scale must be finite and > 0, got {scale!r}")
+    info = np.finfo(_compute_dtype(dtype))
+    if not float(info.tiny) <= s * math.log2(math.e) <= float(info.max):
+        raise ValueError(f"scale={scale!r} is outside the range of {info.dtype} (the compute "
+                         f"precision of {np.dtype(dtype)} inputs): it must lie in "
+                         f"[{float(info.tiny) / math.log2(math.e):.3g}, {float(info.max) / math.log2(math.e):.3g}]")
     return s
 
 
@@ -84,12 +111,41 @@ def check_window(window) -> tuple[int, int]:
         return -1, -1
     try:
         left, right = window
+        if isinstance(left, (bool, np.bool_)) or isinstance(right, (bool, np.bool_)):
+            raise TypeError
         left, right = operator.index(left), operator.index(right)
     except (TypeError, ValueError):
         raise TypeError(f"window must be a pair of ints (left, right), got {window!r}") from None
     if left < -1 or right < -1:
         raise ValueError(f"window values must be >= -1 (-1 = unbounded), got {window!r}")
     return left, right
+
+
+def bound_window(window: tuple[int, int], seqlen_q: int, seqlen_k: int,
+                 query_offset: int | None = None) -> tuple[int, int]:
+    """A window bound of Tq + Tk (+ |query_offset|) or more excludes no key: it becomes -1
+    (unbounded), so any Python int (2**63, 10**30) reaches the kernels as a valid int64."""
+    reach = seqlen_q + seqlen_k + (abs(query_offset) if query_offset is not None else 0)
+    return tuple(-1 if w >= reach else w for w in window)
+
+
+_MAX_QUERY_OFFSET = 2**62
+
+
+def check_query_offset(query_offset) -> int | None:
+    """query_offset: None (bottom-right alignment) or an int with |value| <= 2**62."""
+    if query_offset is None:
+        return None
+    if isinstance(query_offset, (bool, np.bool_)):
+        raise TypeError(f"query_offset must be an int or None, got bool {query_offset!r}")
+    try:
+        value = operator.index(query_offset)
+    except TypeError:
+        raise TypeError(f"query_offset must be an int or None, got "
+                        f"{type(query_offset).__name__} {query_offset!r}") from None
+    if abs(value) > _MAX_QUERY_OFFSET:
+        raise ValueError(f"query_offset must lie in [-2**62, 2**62], got {value}")
+    return value
 
 
 def reject_unimplemented(**options) -> None:
@@ -113,10 +169,12 @@ class AttentionCall:
     seqlen_k: int
     head_dim: int
     head_dim_v: int
-    dtype: np.dtype
+    dtype: np.dtype      # of q and out
+    kv_dtype: np.dtype   # of k and v
     scale: float
     causal: bool
     window: tuple[int, int]
+    query_offset: int | None  # None: bottom-right; else query row i sits at key i + offset
     num_threads: int
 
     def out_shape(self) -> tuple[int, ...]:
@@ -132,7 +190,8 @@ class AttentionCall:
         return np.dtype(np.float64) if self.dtype == np.float64 else np.dtype(np.float32)
 
 
-def check_attention(q, k, v, *, causal, scale, window, num_threads, need_v=True) -> AttentionCall:
+def check_attention(q, k, v, *, causal, scale, window, num_threads, need_v=True,
+                    query_offset=None) -> AttentionCall:
     """Check q, k (and v) and the common options; returns kernel-ready 4-D views."""
     q = as_float_array(q, "q")
     k = as_float_array(k, "k")
@@ -148,10 +207,9 @@ def check_attention(q, k, v, *, causal, scale, window, num_threads, need_v=True)
     if len(set(ranks.values())) != 1:
         raise ValueError("q, k and v must have the same number of dimensions; got "
                          + ", ".join(f"{n} {_shape_str(a)}" for n, a in named))
-    dtypes = {a.dtype for _, a in named}
-    if len(dtypes) != 1:
-        raise TypeError("q, k and v must share a dtype; got "
-                        + ", ".join(f"{n} {a.dtype}" for n, a in named))
+    if need_v and k.dtype != v.dtype:
+        raise TypeError(f"k and v must share a dtype; got k {k.dtype}, v {v.dtype}")
+    check_query_kv_dtypes(q.dtype, k.dtype, "k, v" if need_v else "k")
 
     rank = q.ndim
     q4, k4 = to_4d(q), to_4d(k)
@@ -180,8 +238,10 @@ def check_attention(q, k, v, *, causal, scale, window, num_threads, need_v=True)
     return AttentionCall(
         q=kernel_ready(q4), k=kernel_ready(k4), v=None if v4 is None else kernel_ready(v4),
         rank=rank, batch=B, heads=H, kv_heads=Hkv, seqlen_q=Tq, seqlen_k=Tk,
-        head_dim=D, head_dim_v=Dv, dtype=q.dtype,
-        scale=check_scale(scale, D), causal=bool(causal), window=check_window(window),
+        head_dim=D, head_dim_v=Dv, dtype=q.dtype, kv_dtype=k.dtype,
+        scale=check_scale(scale, D, q.dtype), causal=bool(causal),
+        window=bound_window(check_window(window), Tq, Tk, check_query_offset(query_offset)),
+        query_offset=check_query_offset(query_offset),
         num_threads=resolve_threads(num_threads))
 
 
@@ -217,9 +277,12 @@ def check_cu_seqlens(cu, name: str, total: int, max_seqlen) -> np.ndarray:
     `total` (the packed length); `max_seqlen`, if given, must be >= the longest sequence."""
     arr = np.asarray(cu)
     if arr.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be an integer array, got dtype {arr.dtype}")
+        raise TypeError(f"{name} must be an integer array, got {type(cu).__name__} with dtype "
+                        f"{arr.dtype}")
     if arr.ndim != 1 or arr.shape[0] < 1:
         raise ValueError(f"{name} must be 1-D with batch + 1 >= 1 entries, got shape {arr.shape}")
+    if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{name} values must be <= {total} (the packed length), got {arr.max()}")
     arr = arr.astype(np.int64)
     if arr[0] != 0 or arr[-1] != total:
         raise ValueError(f"{name} must start at 0 and end at {total} (the packed length), "
@@ -228,24 +291,57 @@ def check_cu_seqlens(cu, name: str, total: int, max_seqlen) -> np.ndarray:
     if (lengths < 0).any():
         raise ValueError(f"{name} must be non-decreasing, got {arr.tolist()}")
     if max_seqlen is not None:
+        arg = "max_seqlen_q" if name.endswith("_q") else "max_seqlen_k"
+        if isinstance(max_seqlen, (bool, np.bool_)):
+            raise TypeError(f"{arg} must be an int, got bool {max_seqlen!r}")
+        try:
+            limit = operator.index(max_seqlen)
+        except TypeError:
+            raise TypeError(f"{arg} must be an int, got {type(max_seqlen).__name__} "
+                            f"{max_seqlen!r}") from None
         longest = int(lengths.max(initial=0))
-        if operator.index(max_seqlen) < longest:
-            raise ValueError(f"max_seqlen for {name} is {max_seqlen} but a sequence has "
-                             f"{longest} tokens")
+        if limit < longest:
+            raise ValueError(f"{arg} is {limit} but a sequence in {name} has {longest} tokens")
     return arr
 
 
 # ---- KV cache: attention_with_kvcache and KVCache (attnfast._kvcache) ----
 
 def _exact_dtype(arr: np.ndarray, name: str) -> np.dtype:
-    """The dtype of an array attnfast writes into in place: a kernel dtype, native order
-    (a conversion would be a copy, and the writes would be lost)."""
+    """The dtype of an array attnfast writes into in place: a kernel dtype or int8, native
+    order (a conversion would be a copy, and the writes would be lost)."""
     dt = arr.dtype
-    if dt in _KERNEL_DTYPES and dt.isnative:
+    if (dt in _KERNEL_DTYPES or dt == INT8) and dt.isnative:
         return dt
-    _reject_planned_dtype(dt, name)
-    raise TypeError(f"{name} must be a float32 or float64 array in native byte order, "
+    raise TypeError(f"{name} must be a {_DTYPE_NAMES} (or int8) array in native byte order, "
                     f"got dtype {_dtype_name(dt)}")
+
+
+def check_cache_scales(k_scale, v_scale, cache_dtype: np.dtype, shape: tuple, writes: bool,
+                       names=("k_scale", "v_scale")):
+    """The float32 (batch, kv_heads, capacity) row scales of an int8 cache; None for others."""
+    if cache_dtype != INT8:
+        for name, a in zip(names, (k_scale, v_scale)):
+            if a is not None:
+                raise ValueError(f"{name} is only for an int8 cache; the cache has dtype {cache_dtype}")
+        return None, None
+    for name, a in zip(names, (k_scale, v_scale)):
+        if a is None:
+            raise ValueError(f"an int8 cache needs {names[0]} and {names[1]} (float32 arrays of "
+                             f"shape {shape}); {name} is None")
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"{name} must be a numpy.ndarray (it is read and written in place), "
+                            f"got {type(a).__name__}")
+        if a.dtype != FLOAT32 or not a.dtype.isnative:
+            raise TypeError(f"{name} must be float32, got dtype {a.dtype}")
+        if a.shape != shape:
+            raise ValueError(f"{name} must have shape {shape} (batch, kv_heads, capacity), got "
+                             f"{_shape_str(a)}")
+        if writes and not a.flags.writeable:
+            raise ValueError(f"{name} is read-only, but the new tokens' scales must be written into it")
+        if any(st % 4 for st in a.strides):
+            raise ValueError(f"{name} must have strides that are whole float32 elements")
+    return k_scale, v_scale
 
 
 def check_cache_spec(batch, kv_heads, head_dim, capacity, dtype, v_head_dim):
@@ -258,10 +354,9 @@ def check_cache_spec(batch, kv_heads, head_dim, capacity, dtype, v_head_dim):
     try:
         dt = np.dtype(dtype)
     except TypeError:
-        raise TypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
-    _reject_planned_dtype(dt, "dtype")
-    if dt not in _KERNEL_DTYPES:
-        raise TypeError(f"dtype must be float32 or float64, got {dt}")
+        raise TypeError(f"dtype must be {_DTYPE_NAMES} or \"int8\", got {dtype!r}") from None
+    if dt not in _KERNEL_DTYPES and dt != INT8:
+        raise TypeError(f"dtype must be {_DTYPE_NAMES} or \"int8\", got {dt}")
     return B, Hkv, D, C, dt, Dv
 
 
@@ -273,10 +368,14 @@ def check_batch_index(batch_index, batch: int) -> np.ndarray:
     if isinstance(batch_index, (bool, np.bool_)):
         raise TypeError(f"batch_index must be an int or an array of ints, got bool {batch_index!r}")
     arr = np.asarray(batch_index)
+    if arr.size == 0:
+        raise ValueError(f"batch_index must select at least one sequence; got an empty "
+                         f"{type(batch_index).__name__} (shape {arr.shape})")
     if arr.dtype.kind not in "iu":
-        raise TypeError(f"batch_index must be an int or an array of ints, got dtype {arr.dtype}")
-    if arr.ndim > 1 or arr.size == 0:
-        raise ValueError(f"batch_index must be an int or a non-empty 1-D array, got shape {arr.shape}")
+        raise TypeError(f"batch_index must be an int or an array of ints, got "
+                        f"{type(batch_index).__name__} with dtype {arr.dtype}")
+    if arr.ndim > 1:
+        raise ValueError(f"batch_index must be an int or a 1-D array, got shape {arr.shape}")
     arr = arr.reshape(-1)
     if arr.min() < 0 or arr.max() >= batch:  # before the int64 cast: uint64 stays exact
         bad = arr[(arr < 0) | (arr >= batch)][0]
@@ -364,8 +463,15 @@ def check_new_tokens(k_new, v_new, *, batch, kv_heads, head_dim, head_dim_v, dty
     k_new = as_float_array(k_new, "k_new")
     v_new = as_float_array(v_new, "v_new")
     for name, a in (("k_new", k_new), ("v_new", v_new)):
-        if a.dtype != dtype:
-            raise TypeError(f"{name} must have the cache's dtype {dtype}, got {a.dtype}")
+        if dtype == INT8:  # quantised on the way in
+            if a.dtype not in (FLOAT32, FLOAT16, BFLOAT16):
+                raise TypeError(f"{name} for an int8 cache must be float32, float16 or bfloat16 "
+                                f"(quantised on append), got {a.dtype}")
+        elif a.dtype != dtype and not (dtype in LOWP_DTYPES and a.dtype == FLOAT32):
+            allowed = f"{dtype} or float32 (rounded to {dtype})" if dtype in LOWP_DTYPES else str(dtype)
+            raise TypeError(f"{name} must have the cache's dtype {allowed}, got {a.dtype}")
+    if k_new.dtype != v_new.dtype:
+        raise TypeError(f"k_new and v_new must share a dtype; got {k_new.dtype} and {v_new.dtype}")
         if a.ndim != 4:
             raise ValueError(f"{name} must be 4-D (batch, kv_heads, new_tokens, dim), got shape "
                              f"{_shape_str(a)}")
@@ -393,6 +499,8 @@ class KVCacheCall:
     k_new: np.ndarray | None
     v_new: np.ndarray | None
     new_tokens: int
+    k_scale: np.ndarray | None = None  # int8 caches: (batch, kv_heads, capacity) float32
+    v_scale: np.ndarray | None = None
 
     @property
     def seqlens_after(self) -> np.ndarray:
@@ -401,16 +509,17 @@ class KVCacheCall:
 
 
 def check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, *, causal,
-                            scale, window, num_threads,
-                            cache_names=("k_cache", "v_cache")) -> KVCacheCall:
+                            scale, window, num_threads, k_scale=None, v_scale=None,
+                            query_offset=None,
+                            cache_names=("k_cache", "v_cache"),
+                            scale_names=("k_scale", "v_scale")) -> KVCacheCall:
     """Everything attention over a KV cache needs, checked before anything is written."""
     (B, Hkv, C, D), Dv, dtype = check_cache_pair(k_cache, v_cache, names=cache_names)
     kn, vn = cache_names
     q = as_float_array(q, "q")
     if q.ndim != 4:
         raise ValueError(f"q must be 4-D (batch, heads, query_len, head_dim), got shape {_shape_str(q)}")
-    if q.dtype != dtype:
-        raise TypeError(f"q must have the cache's dtype {dtype}, got {q.dtype}")
+    check_query_kv_dtypes(q.dtype, dtype, f"the cache ({kn}, {vn})")
     Bq, H, Tq, Dq = q.shape
     if Bq != B:
         raise ValueError(f"batch size differs: q {_shape_str(q)} has {Bq}, {kn} "
@@ -423,6 +532,8 @@ def check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, *,
                          f"{_shape_str(q)} with H={H}, {kn} {_shape_str(k_cache)} with Hkv={Hkv}")
     k_new, v_new, t = check_new_tokens(k_new, v_new, batch=B, kv_heads=Hkv, head_dim=D,
                                        head_dim_v=Dv, dtype=dtype)
+    k_scale, v_scale = check_cache_scales(k_scale, v_scale, dtype, (B, Hkv, C), writes=t > 0,
+                                          names=scale_names)
     starts = check_cache_seqlens(cache_seqlens, B, C, t)
     if t:
         for name, a in ((kn, k_cache), (vn, v_cache)):
@@ -432,11 +543,13 @@ def check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, *,
             raise ValueError(f"{kn} and {vn} share memory; new tokens cannot be written into both")
     attn = AttentionCall(
         q=kernel_ready(q), k=k_cache, v=v_cache, rank=4, batch=B, heads=H, kv_heads=Hkv,
-        seqlen_q=Tq, seqlen_k=C, head_dim=D, head_dim_v=Dv, dtype=dtype,
-        scale=check_scale(scale, D), causal=bool(causal), window=check_window(window),
+        seqlen_q=Tq, seqlen_k=C, head_dim=D, head_dim_v=Dv, dtype=q.dtype, kv_dtype=dtype,
+        scale=check_scale(scale, D, q.dtype), causal=bool(causal),
+        window=bound_window(check_window(window), Tq, C, check_query_offset(query_offset)),
+        query_offset=check_query_offset(query_offset),
         num_threads=resolve_threads(num_threads))
     return KVCacheCall(attn=attn, k_cache=k_cache, v_cache=v_cache, starts=starts,
-                       k_new=k_new, v_new=v_new, new_tokens=t)
+                       k_new=k_new, v_new=v_new, new_tokens=t, k_scale=k_scale, v_scale=v_scale)
 
 
 def check_truncate(n, lengths: np.ndarray) -> np.ndarray:

@@ -6,7 +6,9 @@ Arguments arrive already checked and shaped by attnfast._checks: q, k, v, out ar
 only fills the params struct, releases the GIL and calls the kernels.
 """
 from libc.stdint cimport int64_t
+from libc.string cimport memset
 from libcpp cimport bool as cbool
+from posix.signal cimport sigaction, sigaction_t, sigemptyset
 cimport numpy as cnp
 
 cnp.import_array()
@@ -17,6 +19,7 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
         kF64
         kF16
         kBF16
+        kI8
 
     cdef struct AttentionParams:
         const void* q
@@ -32,12 +35,23 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
         int64_t batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, head_dim_v
         const int64_t* seqlens_k
         DType dtype
+        DType kv_dtype
+        const float* k_scale
+        const float* v_scale
+        int64_t k_scale_batch_stride, k_scale_head_stride, k_scale_row_stride
+        int64_t v_scale_batch_stride, v_scale_head_stride, v_scale_row_stride
         double scale
         cbool causal
+        cbool has_query_offset
+        int64_t query_offset
         int64_t window_left, window_right
         int num_threads
+        cbool interruptible
 
     AttentionParams default_params() noexcept nogil
+    void request_interrupt() noexcept nogil
+    cbool take_interrupt() noexcept nogil
+    int processor_count() noexcept nogil
     void attention_forward(const AttentionParams&) except + nogil
     cbool openmp_enabled() noexcept nogil
     int openmp_max_threads() noexcept nogil
@@ -49,9 +63,56 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
     const char* isa_error() noexcept nogil
 
 
+cdef extern from "<signal.h>":
+    enum: SIGINT
+
+cdef extern from "Python.h":
+    void PyErr_SetInterrupt()
+    int PyErr_CheckSignals() except -1
+
+
+cdef void _on_sigint(int signum) noexcept nogil:
+    request_interrupt()
+
+
+cdef void _run_interruptible(AttentionParams* p) except *:
+    """attention_forward(p) with Ctrl-C turned into a stop request for the kernels.
+
+    While the kernels run (GIL released) SIGINT only sets the core's interrupt flag; the
+    previous handler is then restored and, if SIGINT came, handed the signal (Python's
+    default handler raises KeyboardInterrupt). Only for the main thread, which alone
+    receives Python's signals.
+    """
+    cdef sigaction_t ours, previous
+    memset(&ours, 0, sizeof(ours))
+    ours.sa_handler = _on_sigint
+    sigemptyset(&ours.sa_mask)
+    take_interrupt()  # drop a request left over from an earlier call
+    p.interruptible = True
+    if sigaction(SIGINT, &ours, &previous) != 0:  # cannot install: run uninterruptible
+        p.interruptible = False
+        with nogil:
+            attention_forward(p[0])
+        return
+    try:
+        with nogil:
+            attention_forward(p[0])
+    finally:
+        sigaction(SIGINT, &previous, NULL)
+    if take_interrupt():
+        PyErr_SetInterrupt()
+        PyErr_CheckSignals()
+
+
 cdef inline int64_t _stride(cnp.ndarray a, int axis) noexcept:
     """Stride of `axis` in elements (the checks guarantee it divides evenly)."""
     return cnp.PyArray_STRIDES(a)[axis] // cnp.PyArray_ITEMSIZE(a)
+
+
+import ml_dtypes
+import numpy as np
+
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 
 cdef DType _dtype_code(cnp.ndarray a) except *:
@@ -60,13 +121,26 @@ cdef DType _dtype_code(cnp.ndarray a) except *:
         return DType.kF32
     if num == cnp.NPY_FLOAT64:
         return DType.kF64
+    if num == cnp.NPY_FLOAT16:
+        return DType.kF16
+    if num == cnp.NPY_INT8:
+        return DType.kI8
+    if a.dtype == _BFLOAT16:
+        return DType.kBF16
     raise TypeError(f"attnfast._ext: unsupported dtype {a.dtype}")
 
 
 def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
                       lse, *, bint causal, double scale, int64_t window_left,
-                      int64_t window_right, int num_threads, seqlens_k=None):
+                      int64_t window_right, int num_threads, seqlens_k=None,
+                      bint interruptible=False, k_scale=None, v_scale=None,
+                      query_offset=None):
     """Run the streaming attention kernel; q, k, v, out are 4-D, lse 3-D or None.
+
+    k_scale, v_scale: with an int8 k/v, float32 (B, Hkv, Tk) row scales (strides in whole
+    elements; checked by attnfast._checks).
+    interruptible: call from the main thread only; Ctrl-C then stops the kernels early
+    (out and lse unspecified) and raises KeyboardInterrupt.
 
     seqlens_k: None, or a C-contiguous int64 array (B,) of keys valid per batch entry, each
     in [0, k.shape[2]] (checked by attnfast._checks; the core re-checks as a guard).
@@ -74,6 +148,7 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
     cdef AttentionParams p = default_params()
     cdef cnp.ndarray lse_arr
     cdef cnp.ndarray seqlens_arr
+    cdef cnp.ndarray ks_arr, vs_arr
     p.q = cnp.PyArray_DATA(q)
     p.k = cnp.PyArray_DATA(k)
     p.v = cnp.PyArray_DATA(v)
@@ -90,8 +165,27 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
     p.batch, p.heads, p.seqlen_q, p.head_dim = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
     p.kv_heads, p.seqlen_k, p.head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     p.dtype = _dtype_code(q)
+    p.kv_dtype = _dtype_code(k)
+    if _dtype_code(v) != p.kv_dtype:
+        raise TypeError("attnfast._ext: k and v dtypes differ")
+    if k_scale is not None or v_scale is not None:
+        ks_arr, vs_arr = k_scale, v_scale
+        for arr in (ks_arr, vs_arr):
+            if (cnp.PyArray_TYPE(arr) != cnp.NPY_FLOAT32 or arr.ndim != 3
+                    or arr.shape[0] != p.batch or arr.shape[1] != p.kv_heads
+                    or arr.shape[2] != p.seqlen_k):
+                raise TypeError("attnfast._ext: scales must be float32 (B, Hkv, Tk)")
+        p.k_scale = <const float*> cnp.PyArray_DATA(ks_arr)
+        p.v_scale = <const float*> cnp.PyArray_DATA(vs_arr)
+        p.k_scale_batch_stride, p.k_scale_head_stride, p.k_scale_row_stride = (
+            _stride(ks_arr, 0), _stride(ks_arr, 1), _stride(ks_arr, 2))
+        p.v_scale_batch_stride, p.v_scale_head_stride, p.v_scale_row_stride = (
+            _stride(vs_arr, 0), _stride(vs_arr, 1), _stride(vs_arr, 2))
     p.scale = scale
     p.causal = causal
+    if query_offset is not None:
+        p.has_query_offset = True
+        p.query_offset = query_offset
     p.window_left = window_left
     p.window_right = window_right
     p.num_threads = num_threads
@@ -101,8 +195,11 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
                 or seqlens_arr.shape[0] != p.batch or not seqlens_arr.flags.c_contiguous):
             raise TypeError("attnfast._ext: seqlens_k must be a contiguous int64 array (B,)")
         p.seqlens_k = <const int64_t*> cnp.PyArray_DATA(seqlens_arr)
-    with nogil:
-        attention_forward(p)
+    if interruptible:
+        _run_interruptible(&p)
+    else:
+        with nogil:
+            attention_forward(p)
 
 
 def runtime_info():
@@ -126,3 +223,8 @@ def force_isa(str name):
 
 def openmp_threads():
     return openmp_max_threads()
+
+
+def processors():
+    """Processors this process may run on (1 without OpenMP): the most threads a call starts."""
+    return processor_count()

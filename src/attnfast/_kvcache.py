@@ -8,6 +8,8 @@ bandwidth-bound decode path for queries of up to 16 tokens.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from ._api import run_kernels
@@ -25,18 +27,41 @@ from ._checks import (
 __all__ = ["KVCache", "attention_with_kvcache"]
 
 
-def _write_tokens(k_cache, v_cache, seqs, starts, k_new, v_new) -> None:
-    """k_cache[seqs[i], :, starts[i]:starts[i] + t] = k_new[i], and the same for v."""
+def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 per row (last axis): scale = max|x| / 127, values round(x / scale).
+    Returns (int8 values, float32 scales of x.shape[:-1]). An all-zero row has scale 0; a
+    row holding NaN or inf gets a NaN scale, so it reads back as NaN (never as numbers)."""
+    x = np.asarray(x, dtype=np.float32)
+    peak = np.max(np.abs(x), axis=-1, initial=0.0) if x.shape[-1] else np.zeros(x.shape[:-1], np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        scale = (peak / np.float32(127.0)).astype(np.float32)
+        finite = np.isfinite(scale)
+        scale = np.where(finite, scale, np.float32(np.nan)).astype(np.float32)
+        safe = np.where(finite & (scale > 0), scale, np.float32(1.0))
+        values = np.rint(np.where(finite[..., None], x, 0) / safe[..., None])
+    return np.clip(values, -127, 127).astype(np.int8), scale
+
+
+def _write_tokens(k_cache, v_cache, seqs, starts, k_new, v_new, k_scale=None, v_scale=None) -> None:
+    """k_cache[seqs[i], :, starts[i]:starts[i] + t] = k_new[i], and the same for v (rounded
+    to a 16-bit cache's dtype, or quantised with its row scales into an int8 cache)."""
     t = k_new.shape[2]
+    if k_scale is not None:  # int8
+        k_new, k_rows = quantize_int8(k_new)
+        v_new, v_rows = quantize_int8(v_new)
     for i, (b, s) in enumerate(zip(seqs.tolist(), starts.tolist())):
         k_cache[b, :, s:s + t] = k_new[i]
         v_cache[b, :, s:s + t] = v_new[i]
+        if k_scale is not None:
+            k_scale[b, :, s:s + t] = k_rows[i]
+            v_scale[b, :, s:s + t] = v_rows[i]
 
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *,
                            causal=True, scale=None, window=None, softcap=None,
                            alibi_slopes=None, sinks=None, mask=None, return_lse=False,
-                           out=None, num_threads=None):
+                           out=None, num_threads=None, query_offset=None, k_scale=None,
+                           v_scale=None):
     """Attention of new queries over a KV cache held in caller-owned arrays.
 
     flash-attn's ``flash_attn_with_kvcache`` in PyTorch SDPA's layout. For each sequence b,
@@ -52,13 +77,20 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     q : array (B, H, Tq, D)
     k_cache : ndarray (B, Hkv, capacity, D), written in place when k_new is given
     v_cache : ndarray (B, Hkv, capacity, Dv)
-        float32 or float64, the dtype of q; H % Hkv == 0 (GQA/MQA). Any strides on the
-        first three axes (a (B, capacity, Hkv, D) buffer passes as ``.transpose(0, 2, 1, 3)``).
+        float32, float64, float16, bfloat16 or int8; H % Hkv == 0 (GQA/MQA). q has the
+        caches' dtype, or float32 over a float16 / bfloat16 cache, or float32 / float16 /
+        bfloat16 over an int8 cache. Any strides on the first three axes (a (B, capacity,
+        Hkv, D) buffer passes as ``.transpose(0, 2, 1, 3)``).
     cache_seqlens : int or integer array (B,)
         Tokens already in each sequence's cache. Not modified: add t yourself after the call
         (as flash-attn). Each value must leave room for the new tokens:
         ``0 <= cache_seqlens[b] <= capacity - t``.
     k_new, v_new : arrays (B, Hkv, t, D) and (B, Hkv, t, Dv), t >= 1, or None (both or neither)
+        In the caches' dtype (float32 is also taken by a 16-bit cache, rounded on write);
+        for an int8 cache float32, float16 or bfloat16, quantised on write.
+    k_scale, v_scale : float32 arrays (B, Hkv, capacity), int8 caches only (required there)
+        Row j of sequence b, head g stands for ``k_scale[b, g, j] * k_cache[b, g, j]``
+        (symmetric: scale = max|x| / 127). The new tokens' scales are written in place.
     causal : bool, default True
         Bottom-right aligned: query i of sequence b sees key j iff
         ``j <= i + (cache_seqlens[b] + t - Tq)``. Unlike flash-attn (whose default is False)
@@ -68,6 +100,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
         cached key.
     scale, window, return_lse, out, num_threads
         As in :func:`attnfast.attention` (window is aligned like causal).
+    query_offset : int, optional
+        Query i sits at cache position ``i + query_offset`` in every sequence (causal and
+        window measured from there) instead of bottom-right; e.g. 0 for a prompt written
+        into an empty static cache whose capacity exceeds the prompt.
     softcap, alibi_slopes, sinks, mask
         Not implemented yet: passing one raises NotImplementedError.
 
@@ -82,14 +118,16 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     reject_unimplemented(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
     call = check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                    causal=causal, scale=scale, window=window,
-                                   num_threads=num_threads)
+                                   num_threads=num_threads, k_scale=k_scale, v_scale=v_scale,
+                                   query_offset=query_offset)
     user_out = check_out(out, call.attn.out_shape(), call.attn.dtype,
                          [("q", call.attn.q), ("k_cache", k_cache), ("v_cache", v_cache),
-                          ("k_new", call.k_new), ("v_new", call.v_new)])
+                          ("k_new", call.k_new), ("v_new", call.v_new),
+                          ("k_scale", call.k_scale), ("v_scale", call.v_scale)])
     if call.new_tokens:
         _write_tokens(k_cache, v_cache, np.arange(call.attn.batch), call.starts,
-                      call.k_new, call.v_new)
-    parts = [(slice(None), k_cache, v_cache, call.seqlens_after)]
+                      call.k_new, call.v_new, call.k_scale, call.v_scale)
+    parts = [(slice(None), k_cache, v_cache, call.seqlens_after, call.k_scale, call.v_scale)]
     return run_kernels(call.attn, user_out, return_lse, parts)
 
 
@@ -114,6 +152,14 @@ class KVCache:
 
     ``batch_index`` (an int, or an array of distinct ints) selects the sequences a call
     works on; the arrays passed then hold those sequences, in that order, on axis 0.
+
+    Thread safety: one cache may be shared by Python threads. Each method holds the cache's
+    lock for its whole call, so concurrent ``append``/``step``/``attend``/``truncate``/
+    ``reset`` calls run one after the other, each seeing the others' tokens complete (the
+    kernels still use every core for each call). Writing to ``k``/``v`` directly bypasses it.
+
+    Ctrl-C: a ``step`` interrupted while attending raises KeyboardInterrupt and leaves the
+    cache as it was before the call (``lengths`` restored).
     """
 
     def __init__(self, batch, kv_heads, head_dim, capacity, *, dtype=np.float32,
@@ -122,7 +168,12 @@ class KVCache:
                                                 v_head_dim)
         self._k = np.zeros((B, Hkv, C, D), dtype=dt)
         self._v = np.zeros((B, Hkv, C, Dv), dtype=dt)
+        # int8 storage: one float32 dequantisation scale per (sequence, kv head, token)
+        int8 = dt == np.int8
+        self._k_scale = np.zeros((B, Hkv, C), np.float32) if int8 else None
+        self._v_scale = np.zeros((B, Hkv, C), np.float32) if int8 else None
         self._lengths = np.zeros(B, dtype=np.int64)
+        self._lock = threading.Lock()  # held by every method for its whole call
 
     # ---- state ----
     @property
@@ -136,6 +187,17 @@ class KVCache:
         return self._v
 
     @property
+    def k_scale(self) -> np.ndarray | None:
+        """int8 caches: float32 (batch, kv_heads, capacity), key row j of (b, g) being
+        ``k_scale[b, g, j] * k[b, g, j]``; None for other dtypes."""
+        return self._k_scale
+
+    @property
+    def v_scale(self) -> np.ndarray | None:
+        """int8 caches: the value rows' scales, as k_scale."""
+        return self._v_scale
+
+    @property
     def lengths(self) -> np.ndarray:
         """Tokens held per sequence, int64 (batch,) (a read-only view)."""
         view = self._lengths.view()
@@ -147,7 +209,9 @@ class KVCache:
     capacity = property(lambda self: self._k.shape[2], doc="Tokens each sequence can hold.")
     head_dim = property(lambda self: self._k.shape[3], doc="Head dim of keys (and queries).")
     v_head_dim = property(lambda self: self._v.shape[3], doc="Head dim of values.")
-    dtype = property(lambda self: self._k.dtype, doc="dtype of k, v and the queries.")
+    dtype = property(lambda self: self._k.dtype,
+                     doc="Storage dtype of k and v (queries: this dtype, or float32 over a 16-bit "
+                         "cache, or float32 / float16 / bfloat16 over an int8 cache).")
 
     def __repr__(self) -> str:
         return (f"KVCache(batch={self.batch}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, "
@@ -162,6 +226,10 @@ class KVCache:
         dtype, n = batch (or the number of sequences batch_index selects). Raises ValueError,
         changing nothing, when a sequence has fewer than t free slots.
         """
+        with self._lock:
+            self._append(k_new, v_new, batch_index)
+
+    def _append(self, k_new, v_new, batch_index) -> None:
         seqs = check_batch_index(batch_index, self.batch)
         self._check_leading(seqs, k_new=k_new, v_new=v_new)
         k_new, v_new, t = check_new_tokens(
@@ -170,12 +238,13 @@ class KVCache:
         if t == 0:
             raise ValueError("append needs both k_new and v_new; both are None")
         check_cache_room(self._lengths, seqs, t, self.capacity)
-        _write_tokens(self._k, self._v, seqs, self._lengths[seqs], k_new, v_new)
+        _write_tokens(self._k, self._v, seqs, self._lengths[seqs], k_new, v_new,
+                      self._k_scale, self._v_scale)
         self._lengths[seqs] += t
 
     def attend(self, q, *, batch_index=None, causal=True, scale=None, window=None,
                softcap=None, alibi_slopes=None, sinks=None, mask=None, return_lse=False,
-               out=None, num_threads=None):
+               out=None, num_threads=None, query_offset=None):
         """Attention of q (n, H, Tq, head_dim) over each sequence's cached tokens.
 
         Causal by default, bottom-right aligned: query i of sequence b sees the keys
@@ -186,11 +255,11 @@ class KVCache:
         return self._run(q, None, None, batch_index=batch_index, causal=causal, scale=scale,
                          window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                          sinks=sinks, mask=mask, return_lse=return_lse, out=out,
-                         num_threads=num_threads)
+                         num_threads=num_threads, query_offset=query_offset)
 
     def step(self, q, k_new, v_new, *, batch_index=None, causal=True, scale=None,
              window=None, softcap=None, alibi_slopes=None, sinks=None, mask=None,
-             return_lse=False, out=None, num_threads=None):
+             return_lse=False, out=None, num_threads=None, query_offset=None):
         """The decode step: :meth:`append` k_new, v_new, then :meth:`attend` q, in one call.
 
         With a prompt (t = Tq tokens) this is causal prefill; with one token, one decode
@@ -203,16 +272,18 @@ class KVCache:
         return self._run(q, k_new, v_new, batch_index=batch_index, causal=causal, scale=scale,
                          window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                          sinks=sinks, mask=mask, return_lse=return_lse, out=out,
-                         num_threads=num_threads)
+                         num_threads=num_threads, query_offset=query_offset)
 
     def truncate(self, n) -> None:
         """Roll every sequence back to n tokens (or sequence b to n[b]), e.g. to drop rejected
         speculative tokens. n may not exceed a sequence's current length (ValueError)."""
-        self._lengths[:] = check_truncate(n, self._lengths)
+        with self._lock:
+            self._lengths[:] = check_truncate(n, self._lengths)
 
     def reset(self) -> None:
         """Empty every sequence (lengths = 0; the arrays are kept, not cleared)."""
-        self._lengths[:] = 0
+        with self._lock:
+            self._lengths[:] = 0
 
     # ---- internals ----
     def _check_leading(self, seqs, **arrays) -> None:
@@ -239,8 +310,12 @@ class KVCache:
             return [(slice(None), slice(int(seqs[0]), int(seqs[-1]) + 1, int(steps[0])))]
         return [(slice(i, i + 1), slice(b, b + 1)) for i, b in enumerate(seqs.tolist())]
 
-    def _run(self, q, k_new, v_new, *, batch_index, causal, scale, window, softcap,
-             alibi_slopes, sinks, mask, return_lse, out, num_threads):
+    def _run(self, q, k_new, v_new, **kwargs):
+        with self._lock:
+            return self._run_locked(q, k_new, v_new, **kwargs)
+
+    def _run_locked(self, q, k_new, v_new, *, batch_index, causal, scale, window, softcap,
+                    alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset):
         reject_unimplemented(softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
         seqs = check_batch_index(batch_index, self.batch)
         self._check_leading(seqs, q=q, k_new=k_new, v_new=v_new)
@@ -253,15 +328,30 @@ class KVCache:
                                                 (0,) + self._k.strides[1:])
         v_sel = np.lib.stride_tricks.as_strided(self._v, (n,) + self._v.shape[1:],
                                                 (0,) + self._v.strides[1:])
+        s_sel = None
+        if self._k_scale is not None:  # the scales' stand-in, as k_sel
+            s_sel = np.lib.stride_tricks.as_strided(self._k_scale, (n,) + self._k_scale.shape[1:],
+                                                    (0,) + self._k_scale.strides[1:])
         call = check_kvcache_attention(q, k_sel, v_sel, self._lengths[seqs], k_new, v_new,
                                        causal=causal, scale=scale, window=window,
-                                       num_threads=num_threads, cache_names=("cache.k", "cache.v"))
+                                       num_threads=num_threads, k_scale=s_sel, v_scale=s_sel,
+                                       query_offset=query_offset,
+                                       cache_names=("cache.k", "cache.v"),
+                                       scale_names=("cache.k_scale", "cache.v_scale"))
         user_out = check_out(out, call.attn.out_shape(), call.attn.dtype,
                              [("q", call.attn.q), ("cache.k", self._k), ("cache.v", self._v),
                               ("k_new", call.k_new), ("v_new", call.v_new)])
         if call.new_tokens:
-            _write_tokens(self._k, self._v, seqs, call.starts, call.k_new, call.v_new)
-            self._lengths[seqs] += call.new_tokens
-        parts = [(rows, self._k[cache_rows], self._v[cache_rows], self._lengths[cache_rows])
-                 for rows, cache_rows in self._views(seqs)]
-        return run_kernels(call.attn, user_out, return_lse, parts)
+            _write_tokens(self._k, self._v, seqs, call.starts, call.k_new, call.v_new,
+                          self._k_scale, self._v_scale)
+        try:
+            self._lengths[seqs] = call.seqlens_after
+            int8 = self._k_scale is not None
+            parts = [(rows, self._k[cache_rows], self._v[cache_rows], self._lengths[cache_rows],
+                      self._k_scale[cache_rows] if int8 else None,
+                      self._v_scale[cache_rows] if int8 else None)
+                     for rows, cache_rows in self._views(seqs)]
+            return run_kernels(call.attn, user_out, return_lse, parts)
+        except BaseException:  # KeyboardInterrupt: the step did not happen
+            self._lengths[seqs] = call.starts
+            raise

@@ -41,9 +41,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
         if a.ndim != 3:
             raise ValueError(f"{name} must be 3-D (total_tokens, heads, dim) for varlen, "
                              f"got shape {_shape_str(a)}")
-    if k.shape[0] != v.shape[0]:
-        raise ValueError(f"k and v must hold the same number of tokens; got k {_shape_str(k)}, "
+    if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must hold the same tokens and kv heads; got k {_shape_str(k)}, "
                          f"v {_shape_str(v)}")
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if kv_heads < 1 or heads % kv_heads != 0:
+        raise ValueError(f"query heads must be a multiple of kv heads (GQA/MQA); got q "
+                         f"{_shape_str(q)} with {heads} heads, k {_shape_str(k)} with {kv_heads}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k must share the head dim D; got q {_shape_str(q)}, "
+                         f"k {_shape_str(k)}")
     cu_q = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q)
     cu_k = check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k)
     if cu_q.shape != cu_k.shape:

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <string>
 #include <vector>
@@ -155,6 +156,7 @@ bool run_case(const Case& c, uint64_t seed, const char* dtype) {
 
     attnfast::AttentionParams p = attnfast::default_params();
     p.dtype = sizeof(T) == 4 ? attnfast::DType::kF32 : attnfast::DType::kF64;
+    p.kv_dtype = p.dtype;
     p.q = q.data.data();
     p.k = k.data.data();
     p.v = v.data.data();
@@ -170,12 +172,16 @@ bool run_case(const Case& c, uint64_t seed, const char* dtype) {
     p.scale = 1.0 / std::sqrt(static_cast<double>(c.D));
     p.causal = c.causal, p.window_left = c.wl, p.window_right = c.wr;
 
-    p.out = out1.data.data(), p.lse = lse1.data(), p.num_threads = 1;
-    attnfast::attention_forward(p);
-    p.out = out3.data.data(), p.lse = lse3.data(), p.num_threads = 3;
-    attnfast::attention_forward(p);
-
     const std::string what = describe(c, dtype);
+    try {
+        p.out = out1.data.data(), p.lse = lse1.data(), p.num_threads = 1;
+        attnfast::attention_forward(p);
+        p.out = out3.data.data(), p.lse = lse3.data(), p.num_threads = 3;
+        attnfast::attention_forward(p);
+    } catch (const std::exception& e) {
+        std::printf("  FAIL %s: attention_forward threw: %s\n", what.c_str(), e.what());
+        return false;
+    }
     int reported = 0;
     auto fail = [&](const char* msg, int64_t b, int64_t h, int64_t i, int64_t e, double got, double want) {
         if (reported++ < 3)

@@ -1,0 +1,87 @@
+// Storage types of the reduced-precision paths and their conversions to and from the float32
+// accumulator: bfloat16, IEEE float16 and int8 (a KV cache with one float32 scale per row).
+// Included by block_attention.inl inside each ISA file's namespace, so every tier compiles
+// them with its own flags (float16 uses F16C's conversions where the tier has them).
+//
+// Values are only ever widened to float32 for arithmetic; they are narrowed once, when the
+// output is stored (round to nearest even; NaN stays NaN).
+#include <cstdint>
+#include <cstring>
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace attnfast {
+namespace ATTNFAST_KERNEL_NS {
+namespace {
+
+struct bf16_t { uint16_t bits; };  // bfloat16: the upper half of a float32
+struct f16_t { uint16_t bits; };   // IEEE 754 binary16
+
+inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, sizeof f); return f; }
+inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, sizeof u); return u; }
+
+// ---- widening (exact for every storage type) ----
+inline float widen(float x) { return x; }
+inline double widen(double x) { return x; }
+inline float widen(bf16_t x) { return bits_to_float(static_cast<uint32_t>(x.bits) << 16); }
+inline float widen(int8_t x) { return static_cast<float>(x); }
+inline float widen(f16_t x) {
+#if defined(__F16C__)
+    return _cvtsh_ss(x.bits);
+#else
+    const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000u) << 16;
+    const uint32_t exp = (x.bits >> 10) & 0x1Fu, mant = x.bits & 0x3FFu;
+    if (exp == 0x1Fu) return bits_to_float(sign | 0x7F800000u | (mant << 13));  // inf, NaN
+    if (exp != 0) return bits_to_float(sign | ((exp + 112u) << 23) | (mant << 13));
+    // zero or subnormal: mant * 2^-24, exact in float32
+    const float mag = static_cast<float>(mant) * 5.9604644775390625e-8f;
+    return sign ? -mag : mag;
+#endif
+}
+
+// ---- narrowing (round to nearest even) ----
+inline bf16_t narrow_bf16(float f) {
+    const uint32_t u = float_to_bits(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return {static_cast<uint16_t>((u >> 16) | 0x40u)};  // quiet NaN
+    return {static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)};
+}
+inline f16_t narrow_f16(float f) {
+#if defined(__F16C__)
+    return {static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT))};
+#else
+    const uint32_t u = float_to_bits(f);
+    const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+    const uint32_t a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return {static_cast<uint16_t>(sign | 0x7E00u | ((a >> 13) & 0x3FFu))};  // NaN
+    if (a >= 0x477FF000u) return {static_cast<uint16_t>(sign | 0x7C00u)};  // rounds past 65504: inf
+    if (a < 0x38800000u) {  // below the smallest normal half: a multiple of 2^-24, rounded
+        const float mag = bits_to_float(a) * 16777216.0f;  // exact scaling by 2^24
+        // nearbyint to even via the 2^23 trick (mag < 1024 here)
+        const float r = (mag + 8388608.0f) - 8388608.0f;
+        return {static_cast<uint16_t>(sign | static_cast<uint16_t>(r))};
+    }
+    // normal: rebias the exponent, round the 13 dropped mantissa bits to nearest even
+    const uint32_t rounded = a + 0xFFFu + ((a >> 13) & 1u);
+    return {static_cast<uint16_t>(sign | ((rounded - 0x38000000u) >> 13))};
+#endif
+}
+
+// Storage type -> accumulator type, and back (the output's type).
+template <class A, class T> inline A load_acc(T x) { return static_cast<A>(widen(x)); }
+template <class T> struct Narrow { template <class A> static T from(A x) { return static_cast<T>(x); } };
+template <> struct Narrow<bf16_t> { static bf16_t from(float x) { return narrow_bf16(x); } };
+template <> struct Narrow<f16_t> { static f16_t from(float x) { return narrow_f16(x); } };
+template <class T, class A> inline T store_from_acc(A x) { return Narrow<T>::from(x); }
+
+// Per-row dequantisation scales of an int8 cache (1 for every other storage type): row j of
+// (batch, kv head) is scale[j * row_stride] times its int8 values.
+struct RowScales {
+    const float* scale = nullptr;  // nullptr: no scales (not an int8 cache)
+    int64_t row_stride = 0;
+    float at(int64_t row) const { return scale ? scale[row * row_stride] : 1.0f; }
+};
+
+}  // namespace
+}  // namespace ATTNFAST_KERNEL_NS
+}  // namespace attnfast
