@@ -24,6 +24,8 @@
 
 namespace {
 
+constexpr int64_t kBottomRight = INT64_MIN;  // Case::query_offset: none given
+
 // One attention problem of the test matrix.
 struct Case {
     int64_t B;            // batch
@@ -40,6 +42,8 @@ struct Case {
     bool seqlens;         // per-batch key lengths (seqlens_k)
     double amp;           // data amplitude (larger: peakier softmax)
     int nan;              // 0: none; 1: a NaN in one q row; 2: a NaN in one key row
+    int64_t query_offset = kBottomRight;  // row i sits at key i + query_offset, or (default)
+                                          // bottom-right aligned: i + (keys - Tq)
 };
 
 // Deterministic data: a 64-bit LCG mapped to [-amp, amp).
@@ -80,14 +84,17 @@ struct Tensor {
     }
 };
 
-// Visible keys [begin, end) of query row i for a batch entry with n keys (the contract).
+// Visible keys [begin, end) of query row i for a batch entry with n keys, straight from the
+// contract's per-key rule (the set is an interval; empty: begin == end).
 void visible(const Case& c, int64_t i, int64_t n, int64_t* begin, int64_t* end) {
-    const int64_t a = i + (n - c.Tq);
-    int64_t lo = 0, hi = n;
-    if (c.causal) hi = std::min<int64_t>(hi, a + 1);
-    if (c.wr >= 0) hi = std::min<int64_t>(hi, a + c.wr + 1);
-    if (c.wl >= 0) lo = std::max<int64_t>(lo, a - c.wl);
-    if (hi < lo) hi = lo;
+    const int64_t a = i + (c.query_offset == kBottomRight ? n - c.Tq : c.query_offset);
+    auto sees = [&](int64_t j) {
+        return (!c.causal || j <= a) && (c.wr < 0 || j <= a + c.wr) && (c.wl < 0 || j >= a - c.wl);
+    };
+    int64_t lo = 0;
+    while (lo < n && !sees(lo)) ++lo;
+    int64_t hi = lo;
+    while (hi < n && sees(hi)) ++hi;
     *begin = lo;
     *end = hi;
 }
@@ -171,6 +178,8 @@ bool run_case(const Case& c, uint64_t seed, const char* dtype) {
     p.head_dim = c.D, p.head_dim_v = c.Dv;
     p.scale = 1.0 / std::sqrt(static_cast<double>(c.D));
     p.causal = c.causal, p.window_left = c.wl, p.window_right = c.wr;
+    p.has_query_offset = c.query_offset != kBottomRight;
+    p.query_offset = p.has_query_offset ? c.query_offset : 0;
 
     const std::string what = describe(c, dtype);
     try {
@@ -290,6 +299,11 @@ std::vector<Case> accuracy_cases() {
         {1, 4, 4, 33, 100, 80, 1, false, 0, 0, true, false, 1.0, 0},
         {1, 1, 1, 24, 1100, 130, 130, true, -1, -1, false, false, 1.0, 0},  // L2 super-tiles, prefetch
         {2, 4, 1, 65, 129, 3, 80, true, -1, 7, false, true, 2.0, 0},
+        // query_offset: top-left prefill (a prompt in an empty static cache), shifted, past the keys
+        {1, 2, 1, 100, 257, 64, 64, true, -1, -1, false, false, 1.0, 0, 0},
+        {2, 4, 2, 40, 130, 17, 3, true, 20, -1, true, true, 1.0, 0, 60},
+        {1, 2, 2, 5, 100, 80, 80, true, -1, -1, false, false, 1.0, 0, 10},
+        {1, 2, 2, 30, 20, 3, 3, true, -1, -1, false, false, 1.0, 0, 15},
     };
 }
 
