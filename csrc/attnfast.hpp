@@ -105,7 +105,7 @@ int openmp_max_threads();        // omp_get_max_threads(), or 1 without OpenMP
 const char* openmp_runtime_name();
 
 // Kernel tiers (ISA). The best one the CPU runs is picked on first use; the environment
-// variable ATTNFAST_ISA=generic|avx2|avx512 forces one.
+// variable ATTNFAST_ISA=generic|avx2|avx512|neon forces one.
 const char* isa_selected();        // name of the tier in use
 const char* isa_available();       // comma-separated names of tiers this CPU can run
 const char* isa_compiled();        // comma-separated names of tiers built into this library

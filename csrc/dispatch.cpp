@@ -58,6 +58,9 @@ bool cpu_runs_always() { return true; }
 
 // Best first.
 const Tier kTiers[] = {
+#ifdef ATTNFAST_HAVE_NEON
+    {"neon", kernel_table_neon, cpu_runs_always},  // Advanced SIMD is part of AArch64
+#endif
 #ifdef ATTNFAST_HAVE_AVX512
     {"avx512", kernel_table_avx512, cpu_runs_avx512},
 #endif

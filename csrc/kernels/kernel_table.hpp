@@ -173,6 +173,7 @@ struct KernelTable {
 const KernelTable* kernel_table_generic();
 const KernelTable* kernel_table_avx2();
 const KernelTable* kernel_table_avx512();
+const KernelTable* kernel_table_neon();
 
 // The table in use (chosen once; see dispatch.cpp).
 const KernelTable& active_kernels();

@@ -492,6 +492,11 @@ void finish_sub_block(const AttentionParams& p, const Block& b, int64_t batch) {
     // l == 0: the row saw no key (zeros, lse -inf); l NaN (a NaN score) stays NaN in both.
     for (int64_t i = 0; i < Bq; ++i) inv[i] = b.l[i] != 0.0f ? 1.0f / b.l[i] : 0.0f;
     const int64_t Dv = b.Dv;
+    // A row that saw no key may still hold 0 x NaN from a value row other rows of its tiles
+    // saw: its out is exactly 0 all the same.
+    for (int64_t i = 0; i < b.rows; ++i)
+        if (b.l[i] == 0.0f)
+            for (int64_t e = 0; e < Dv; ++e) b.ot[e * Bq + i] = 0.0f;
     int64_t i0 = 0;
     for (; i0 + 8 <= b.rows; i0 += 8) {  // 8 x 8 blocks through registers
         float* o0 = out + (b.row_begin + i0) * p.out_row_stride;
