@@ -70,6 +70,30 @@ def test_bench_quick_tiny_shapes(tmp_path):
     assert res["limits"]["1"]["read_bandwidth"]["gbps"] > 0
 
 
+def test_bench_several_dtypes(tmp_path):
+    """--dtype as a comma list: one decode row per dtype and L, bytes counted as stored (int8
+    with its float32 scales), one linear fit per dtype; prefill in the first non-int8 dtype."""
+    json_path = tmp_path / "out.json"
+    proc = run_cli("bench", "--quick", "--threads", "1", "--prefill-T", "64",
+                   "--decode-L", "128,256", "--heads", "4/2", "--head-dim", "32",
+                   "--tokens", "2", "--prompt", "8", "--recompute-max-L", "128",
+                   "--bandwidth-mib", "16", "--budget", "0.01", "--png", "none",
+                   "--dtype", "int8,bfloat16,float32", "--json", str(json_path), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(json_path.read_text())
+    assert res["dtype"] == "bfloat16" and res["dtypes"] == ["int8", "bfloat16", "float32"]
+    per_token = {"int8": 2 * ((32 + 32) * 1 + 8), "bfloat16": 2 * (32 + 32) * 2,
+                 "float32": 2 * (32 + 32) * 4}
+    assert sorted((r["dtype"], r["L"]) for r in res["decode"]) == sorted(
+        (d, L) for d in per_token for L in (128, 256))
+    for r in res["decode"]:
+        assert r["bytes"] == r["L"] * per_token[r["dtype"]]
+    assert sorted(f["dtype"] for f in res["decode_fit"].values()) == sorted(per_token)
+    assert "vs int8" in proc.stdout
+    proc = run_cli("bench", "--dtype", "float32,int4")
+    assert proc.returncode == 2 and "int4" in proc.stderr
+
+
 def test_bench_plot(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "plot.png"

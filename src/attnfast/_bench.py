@@ -329,6 +329,37 @@ def parse_heads(text: str) -> tuple[int, int]:
     return h, hkv
 
 
+KV_DTYPES = ("float32", "float64", "float16", "bfloat16", "int8")
+
+
+def parse_dtypes(text: str) -> list:
+    """--dtype: a comma list of float32, float64, float16, bfloat16, int8 (a KV cache dtype:
+    the decode cache stores it; prefill runs in that dtype, and not at all for int8)."""
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if part not in KV_DTYPES:
+            raise argparse.ArgumentTypeError(f"dtype: unknown {part!r}; choose from "
+                                             f"{', '.join(KV_DTYPES)}")
+        dt = parse_dtype(part)
+        if dt not in out:
+            out.append(dt)
+    if not out:
+        raise argparse.ArgumentTypeError("dtype: empty list")
+    return out
+
+
+def activation_dtype(dt: np.dtype) -> np.dtype:
+    """Queries and new tokens for a cache of dtype dt (float32 for an int8 cache)."""
+    return np.dtype(np.float32) if dt == np.int8 else dt
+
+
+def kv_bytes_per_token(kv_heads: int, d: int, dv: int, dt: np.dtype) -> int:
+    """Bytes of K and V one cached token holds over all KV heads (int8: plus its 2 scales)."""
+    scales = 2 * 4 if dt == np.int8 else 0
+    return kv_heads * ((d + dv) * dt.itemsize + scales)
+
+
 def parse_dtype(text: str) -> np.dtype:
     if text == "bfloat16":
         try:
@@ -392,30 +423,30 @@ class DecodeBench:
         self.af = af
         self.batch, self.heads, self.kv_heads, self.head_dim = batch, heads, kv_heads, head_dim
         self.dtype = dtype
+        act = activation_dtype(dtype)  # queries and new tokens (float32 for an int8 cache)
         self.cache = af.KVCache(batch, kv_heads, head_dim, max_len, dtype=dtype)
         filled = 0
         while filled < max_len - 1:
             t = min(self.CHUNK, max_len - 1 - filled)
-            self.cache.append(random_array(rng, (batch, kv_heads, t, head_dim), dtype),
-                              random_array(rng, (batch, kv_heads, t, head_dim), dtype))
+            self.cache.append(random_array(rng, (batch, kv_heads, t, head_dim), act),
+                              random_array(rng, (batch, kv_heads, t, head_dim), act))
             filled += t
-        self.q = random_array(rng, (batch, heads, 1, head_dim), dtype)
-        self.k_new = random_array(rng, (batch, kv_heads, 1, head_dim), dtype)
-        self.v_new = random_array(rng, (batch, kv_heads, 1, head_dim), dtype)
+        self.filled = filled
+        self.q = random_array(rng, (batch, heads, 1, head_dim), act)
+        self.k_new = random_array(rng, (batch, kv_heads, 1, head_dim), act)
+        self.v_new = random_array(rng, (batch, kv_heads, 1, head_dim), act)
 
     def set_length(self, n: int) -> None:
-        """Make the cache hold ``n`` tokens. ``truncate`` only shortens; to grow back, the
-        tokens still stored past the length are appended again (copies, chunk by chunk)."""
+        """Make the cache hold ``n`` tokens (n <= the tokens filled in). ``truncate`` only
+        shortens and keeps the stored tokens, so growing back just moves the length: the
+        bench owns this cache, and every token below ``filled`` holds its data."""
         cache = self.cache
-        current = int(cache.lengths[0])
-        if n <= current:
+        if n <= int(cache.lengths[0]):
             cache.truncate(n)
             return
-        while current < n:
-            t = min(self.CHUNK, n - current)
-            cache.append(cache.k[:, :, current:current + t].copy(),
-                         cache.v[:, :, current:current + t].copy())
-            current += t
+        assert n <= self.filled
+        with cache._lock:
+            cache._lengths[:] = n
 
     def step_at(self, length: int, budget: float, min_repeats: int) -> list[float]:
         self.set_length(length - 1)
@@ -489,8 +520,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="query/KV heads for decode and generation (default 32/8, Llama 3 8B)")
     p.add_argument("--head-dim", type=int, default=128, help="head dimension D = Dv (default 128)")
     p.add_argument("--batch", type=int, default=1, help="batch size B (default 1)")
-    p.add_argument("--dtype", type=parse_dtype, default=np.dtype(np.float32),
-                   help="float32 (default) or float64")
+    p.add_argument("--dtype", type=parse_dtypes, default=[np.dtype(np.float32)],
+                   help="KV cache dtypes, a comma list of float32 (default), float64, float16, "
+                        "bfloat16, int8: decode table and linear fit per dtype (GB/s from the "
+                        "bytes read, int8 scales included); prefill, (c) run in the first "
+                        "non-int8 one")
     p.add_argument("--tokens", type=int, default=32, help="tokens generated in (c) (default 32)")
     p.add_argument("--prompt", type=int, default=1024,
                    help="prompt length before generating in (c) (default 1024)")
@@ -545,15 +579,18 @@ def main(argv=None) -> int:
     import attnfast as af
     from . import _runtime
 
-    dtype = args.dtype
-    try:  # a dtype the kernels do not take yet fails here, with attnfast's own message
-        tiny = np.zeros((1, 1, 2, args.head_dim), dtype)
-        af.attention(tiny, tiny, tiny, causal=True)
+    dtypes = args.dtype
+    # prefill, recompute and generation run in the first dtype that is not a cache-only one
+    dtype = next((dt for dt in dtypes if dt != np.int8), np.dtype(np.float32))
+    try:  # a dtype the kernels do not take fails here, with attnfast's own message
+        for dt in dtypes:
+            tiny = af.KVCache(1, 1, args.head_dim, 2, dtype=dt)
+            x = np.zeros((1, 1, 1, args.head_dim), activation_dtype(dt))
+            tiny.step(x, x, x)
     except (NotImplementedError, TypeError, ValueError) as e:
-        print(f"attnfast bench: --dtype {dtype.name} --head-dim {args.head_dim}: {e}",
+        print(f"attnfast bench: --dtype {dt.name} --head-dim {args.head_dim}: {e}",
               file=sys.stderr)
         return 2
-    itemsize = dtype.itemsize
     d = dv = args.head_dim
     b = args.batch
     h, hkv = args.heads
@@ -568,7 +605,8 @@ def main(argv=None) -> int:
     warning = busy_warning(load_before, available_cpus())
     if warning:
         print(warning, file=sys.stderr)
-    n_steps = len(threads) * (2 + len(args.prefill_T) + len(decode_L) + len(recompute_L) + 1) + 1
+    n_steps = len(threads) * (2 + len(args.prefill_T) + len(dtypes) * len(decode_L)
+                              + len(recompute_L) + 1) + len(dtypes)
     progress = Progress(n_steps, enabled=not args.no_progress)
     info = _runtime.config()
     results = {
@@ -576,14 +614,17 @@ def main(argv=None) -> int:
         "attnfast": info, "numpy": np.__version__, "blas": blas_description(),
         "cpu": cpu_name(), "cpus": available_cpus(), "last_level_cache_bytes": llc,
         "load_average_before": load_before, "busy_warning": warning,
-        "dtype": dtype.name, "batch": b, "head_dim": d,
+        "dtype": dtype.name, "dtypes": [dt.name for dt in dtypes], "batch": b, "head_dim": d,
         "prefill_heads": [ph, phkv], "heads": [h, hkv],
         "limits": {}, "prefill": [], "decode": [], "decode_fit": {}, "recompute": [],
         "generation": {},
     }
 
-    progress.step(f"filling a KV cache of {fmt_len(max(decode_L))} tokens")
-    decode = DecodeBench(af, rng, b, h, hkv, d, dtype, max(decode_L))
+    decodes = {}
+    for dt in dtypes:
+        progress.step(f"filling a {dt.name} KV cache of {fmt_len(max(decode_L))} tokens")
+        decodes[dt.name] = DecodeBench(af, rng, b, h, hkv, d, dt, max(decode_L))
+    decode = decodes[dtype.name] if dtype.name in decodes else None
 
     for n in threads:
         progress.step(f"memory-read bandwidth, {n} thread(s)")
@@ -607,17 +648,20 @@ def main(argv=None) -> int:
                                            "median_s": median(times), "flops": flops,
                                            "gflops": flops / median(times) / 1e9})
 
-            for L in decode_L:
-                progress.step(f"decode step L={fmt_len(L)} H={h}/{hkv}, {n} thread(s)")
-                times = decode.step_at(L, args.budget, 5)
-                nbytes = decode_bytes(b, hkv, L, d, dv, itemsize)
-                results["decode"].append({"threads": n, "L": L, "times_s": times,
-                                          "median_s": median(times), "bytes": nbytes,
-                                          "gbps": nbytes / median(times) / 1e9,
-                                          "fits_in_cache": llc is not None and nbytes <= llc})
+            for dt in dtypes:
+                for L in decode_L:
+                    progress.step(f"decode step {dt.name} L={fmt_len(L)} H={h}/{hkv}, {n} thread(s)")
+                    times = decodes[dt.name].step_at(L, args.budget, 5)
+                    nbytes = b * L * kv_bytes_per_token(hkv, d, dv, dt)
+                    results["decode"].append({"dtype": dt.name, "threads": n, "L": L,
+                                              "times_s": times, "median_s": median(times),
+                                              "bytes": nbytes, "gbps": nbytes / median(times) / 1e9,
+                                              "fits_in_cache": llc is not None and nbytes <= llc})
 
             for L in recompute_L:
                 progress.step(f"recompute causal attention T={fmt_len(L)} H={h}/{hkv}, {n} thread(s)")
+                if decode is None:
+                    continue
                 kc, vc = decode.context(L)
                 q = random_array(rng, (b, h, L, d), dtype)
                 times = time_call(lambda: af.attention(q, kc, vc, causal=True),
@@ -630,10 +674,13 @@ def main(argv=None) -> int:
             results["generation"][n] = run_generation(af, rng, b, h, hkv, d, dtype,
                                                       args.prompt, args.tokens)
 
-        rows = [r for r in results["decode"] if r["threads"] == n]
-        results["decode_fit"][n] = linear_fit([r["L"] for r in rows], [r["median_s"] for r in rows])
+        for dt in dtypes:
+            rows = [r for r in results["decode"] if r["threads"] == n and r["dtype"] == dt.name]
+            results["decode_fit"][f"{dt.name}/{n}"] = dict(
+                linear_fit([r["L"] for r in rows], [r["median_s"] for r in rows]),
+                dtype=dt.name, threads=n)
     progress.finish()
-    del decode
+    del decode, decodes
 
     report = render_report(results, args)
     print(report)
@@ -697,34 +744,42 @@ def render_report(results: dict, args) -> str:
 
     h, hkv = results["heads"]
     out.append(f"\n(b) Decode step (KVCache.step: append 1 token, attend over L keys), H={h}/{hkv}: "
-               f"bytes = B*Hkv*L*(D+Dv)*itemsize")
+               f"bytes = B*Hkv*L*(D+Dv)*itemsize (+ 8 bytes of scales per token and KV head for int8)")
     rows = []
+    first = {}  # (threads, L) -> the first dtype's time, for the speed-up column
+    for r in results["decode"]:
+        first.setdefault((r["threads"], r["L"]), r["median_s"])
     for r in results["decode"]:
         bw = results["limits"][r["threads"]]["read_bandwidth"]["gbps"]
         flag = " *" if r["fits_in_cache"] else ""
-        rows.append([fmt_len(r["L"]), r["threads"], fmt_time(r["median_s"]), f"{r['gbps']:.1f}",
-                     f"{100 * r['gbps'] / bw:.0f}%{flag}",
-                     fmt_time(r["median_s"] / max(1, r["L"]) * 1024)])
-    out.append(format_table(["L", "threads", "time/step", "GB/s", "% of read BW", "per 1k ctx"], rows))
+        rows.append([r.get("dtype", results["dtype"]), fmt_len(r["L"]), r["threads"],
+                     fmt_time(r["median_s"]), f"{r['gbps']:.1f}", f"{100 * r['gbps'] / bw:.0f}%{flag}",
+                     fmt_time(r["median_s"] / max(1, r["L"]) * 1024),
+                     f"{first[(r['threads'], r['L'])] / r['median_s']:.2f}x"])
+    first_name = results["decode"][0].get("dtype", results["dtype"]) if results["decode"] else ""
+    out.append(format_table(["dtype", "L", "threads", "time/step", "GB/s", "% of read BW",
+                             "per 1k ctx", f"vs {first_name}"], rows))
     if any(r["fits_in_cache"] for r in results["decode"]):
         out.append("  * K/V bytes fit in the last-level cache: read from cache, not DRAM, so the "
                    "fraction can pass 100%")
     rows = []
-    for n, fit in results["decode_fit"].items():
-        per_key = decode_bytes(results["batch"], hkv, 1, results["head_dim"], results["head_dim"],
-                               np.dtype(results["dtype"]).itemsize)
+    for fit in results["decode_fit"].values():
+        dt = parse_dtype(fit["dtype"])
+        per_key = results["batch"] * kv_bytes_per_token(hkv, results["head_dim"],
+                                                        results["head_dim"], dt)
         slope_gbps = per_key / fit["slope"] / 1e9 if fit["slope"] > 0 else float("nan")
-        rows.append([n, f"{fit['slope'] * 1e9 * 1024 / 1e3:.2f} us/1k keys",
+        rows.append([fit["dtype"], fit["threads"], f"{fit['slope'] * 1e9 * 1024 / 1e3:.2f} us/1k keys",
                      fmt_time(fit["intercept"]) if fit["intercept"] >= 0
                      else "-" + fmt_time(-fit["intercept"]),
                      f"{fit['r2']:.5f}", f"{slope_gbps:.1f}"])
     out.append("\nLinear fit of decode time vs L: time = slope * L + intercept")
-    out.append(format_table(["threads", "slope", "intercept", "R^2", "GB/s from slope"], rows))
+    out.append(format_table(["dtype", "threads", "slope", "intercept", "R^2", "GB/s from slope"], rows))
 
     out.append(f"\n(c) Per-token cost without a cache: full causal attention over the context "
                f"(H={h}/{hkv}) against one cached decode step")
     rows = []
-    step_at = {(r["threads"], r["L"]): r["median_s"] for r in results["decode"]}
+    step_at = {(r["threads"], r["L"]): r["median_s"] for r in results["decode"]
+               if r.get("dtype", results["dtype"]) == results["dtype"]}
     for r in results["recompute"]:
         cached = step_at.get((r["threads"], r["L"]))
         rows.append([fmt_len(r["L"]), r["threads"], fmt_time(r["median_s"]),
@@ -766,11 +821,20 @@ def write_plot(results: dict, path: str):
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, n in enumerate(results["limits"]):
         c = colors[i % len(colors)]
-        dec = [r for r in results["decode"] if r["threads"] == n]
+        names = results.get("dtypes", [results["dtype"]])
+        markers = "os^vD"
+        for j, name in enumerate(names):  # one line per dtype
+            dec = [r for r in results["decode"] if r["threads"] == n and r.get("dtype", name) == name]
+            ax.plot([r["L"] for r in dec], [r["median_s"] * 1e3 for r in dec],
+                    markers[j % len(markers)] + "-", color=c, alpha=1.0 - 0.15 * j,
+                    label=f"KV cache ({name}): one decode step, {n} thr")
+            ax2.plot([r["L"] for r in dec], [r["gbps"] for r in dec],
+                     markers[j % len(markers)] + "-", color=c, alpha=1.0 - 0.15 * j,
+                     label=f"decode {name}, {n} thr")
+        dec = [r for r in results["decode"] if r["threads"] == n
+               and r.get("dtype", results["dtype"]) == names[0]]
         rec = [r for r in results["recompute"] if r["threads"] == n]
         xs = [r["L"] for r in dec]
-        ax.plot(xs, [r["median_s"] * 1e3 for r in dec], "o-", color=c,
-                label=f"KV cache: one decode step, {n} thr")
         if rec:
             ax.plot([r["L"] for r in rec], [r["median_s"] * 1e3 for r in rec], "s--", color=c,
                     label=f"no cache: recompute causal attention, {n} thr")
@@ -780,14 +844,13 @@ def write_plot(results: dict, path: str):
                 ax.plot(tail, [last["median_s"] * 1e3 * (L / last["L"]) ** 2 for L in tail], ":",
                         color=c, alpha=0.7, label=f"recompute extrapolated ~L^2, {n} thr")
         bw = results["limits"][n]["read_bandwidth"]["gbps"]
-        ax2.plot(xs, [r["gbps"] for r in dec], "o-", color=c, label=f"decode, {n} thr")
         ax2.axhline(bw, color=c, ls="--", alpha=0.7, label=f"measured read BW, {n} thr ({bw:.0f})")
     from matplotlib.ticker import FuncFormatter
     tokens = FuncFormatter(lambda x, _: fmt_len(int(round(x))) if x >= 1 else "")
     llc = results.get("last_level_cache_bytes")
     if llc:
-        per_token = decode_bytes(results["batch"], hkv, 1, results["head_dim"], results["head_dim"],
-                                 np.dtype(results["dtype"]).itemsize)
+        per_token = results["batch"] * kv_bytes_per_token(hkv, results["head_dim"], results["head_dim"],
+                                                          parse_dtype(results["dtype"]))
         fits = llc / per_token  # longest context whose K+V fit in the last-level cache
         for a in (ax, ax2):
             a.axvline(fits, color="grey", lw=0.8, ls="-.")
