@@ -213,3 +213,41 @@ def test_minilm_embeddings_match_sdpa():
     cos = (ref * got).sum(-1)
     assert ref.shape == (300, 384)
     assert float(cos.min()) >= 0.99999, float(cos.min())
+
+
+@pytest.mark.parametrize("q_len,kv_len,q_off,kv_off,pad", [
+    (5, 5, 0, 0, 0), (1, 9, 8, 0, 0), (4, 16, 0, 0, 0), (1, 16, 7, 0, 0), (3, 10, 4, 0, 2),
+    (5, 5, 0, 0, 1)])
+@pytest.mark.parametrize("kind", ["causal", "bidirectional"])
+def test_fast_plan_equals_plan_of_transformers_mask(q_len, kv_len, q_off, kv_off, pad, kind):
+    """The unpadded shortcut (no mask analysis) gives the plan derived from, and checked
+    against, transformers' own materialised mask; with padding the shortcut is not taken."""
+    from transformers.masking_utils import (bidirectional_mask_function, causal_mask_function,
+                                            sdpa_mask)
+    fn = causal_mask_function if kind == "causal" else bidirectional_mask_function
+    am = torch.ones(2, q_off + q_len, dtype=torch.bool)
+    am[1, :pad] = False
+    ref = sdpa_mask(2, q_len, kv_len, q_offset=q_off, kv_offset=kv_off, mask_function=fn,
+                    attention_mask=am, allow_is_causal_skip=False)
+    got = aft.attention_mask(2, q_len, kv_len, q_offset=q_off, kv_offset=kv_off,
+                             mask_function=fn, attention_mask=am)
+    assert torch.equal(got, ref)
+    fast = aft._plain_plan(2, q_len, kv_len, q_off, kv_off, fn, am)
+    assert (fast is None) == (pad > 0 or (kind == "bidirectional" and kv_len > am.shape[1]))
+    plain = ref.clone()   # a fresh tensor: the plan is derived from the values
+    for plans in (aft._plan(plain), getattr(got, aft._PLAN)):
+        assert torch.equal(_implied(plans, q_len, kv_len), ref[:, 0])
+
+
+def _implied(plans, tq, tk):
+    """The (B, Tq, Tk) keep-mask that a plan means, written out independently."""
+    out = torch.zeros(len(plans), tq, tk, dtype=torch.bool)
+    for b, plan in enumerate(plans):
+        if plan is None:
+            continue
+        s, e, causal, off, left = plan
+        for i in range(tq):
+            for j in range(s, e):
+                p = i + (off or 0)
+                out[b, i, j] = not causal or ((j - s) <= p and (left < 0 or (j - s) >= p - left))
+    return out

@@ -58,18 +58,59 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     """transformers' sdpa boolean mask (batch, 1, q_length, kv_length), always materialised,
     with attnfast's per-sequence plan attached (computed once per forward, used by every
     layer)."""
-    from transformers.masking_utils import causal_mask_function, sdpa_mask
+    import torch
+    from transformers.masking_utils import (bidirectional_mask_function, causal_mask_function,
+                                            sdpa_mask)
+    mask_function = mask_function or causal_mask_function
+    fast = _plain_plan(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                       attention_mask)
+    if fast is not None:
+        # No padding, plain causal or bidirectional: the plan follows from the definitions of
+        # those two mask functions (kv_idx <= q_idx; everything), with no analysis. The mask
+        # handed over is still the true one (a broadcast compare, shared by the batch), so a
+        # caller that copies it and loses the attached plan gets the same plan re-derived.
+        _, end, causal, off, _ = fast[0]
+        if causal:
+            keep = torch.arange(kv_length)[None, :] <= torch.arange(q_length)[:, None] + off
+        else:
+            keep = torch.ones((), dtype=torch.bool).expand(q_length, kv_length)
+        mask = keep.expand(batch_size, 1, q_length, kv_length)
+        setattr(mask, _PLAN, fast)
+        return mask
     kwargs.pop("allow_is_causal_skip", None)
     kwargs.pop("allow_is_bidirectional_skip", None)
     kwargs.pop("dtype", None)
     kwargs.pop("config", None)
     mask = sdpa_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
-                     mask_function=mask_function or causal_mask_function,
+                     mask_function=mask_function,
                      attention_mask=attention_mask, allow_is_causal_skip=False,
                      allow_is_bidirectional_skip=False, **kwargs)
     if mask is not None:
         _plan(mask)
     return mask
+
+
+def _plain_plan(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                attention_mask):
+    """The plan without a mask, for the two standard patterns when no key they would see is
+    padding (transformers pads a short 2-D mask with False); None otherwise."""
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
+    q_offset, kv_offset = int(q_offset), int(kv_offset)
+    if mask_function is bidirectional_mask_function:
+        plan = (0, kv_length, False, None, -1)
+    elif mask_function is causal_mask_function:
+        off = q_offset - kv_offset   # query i at key index i + off; keys past the last query unseen
+        end = min(kv_length, off + q_length)
+        if end <= 0:
+            return None
+        plan = (0, end, True, off, -1)
+    else:
+        return None
+    if attention_mask is not None:   # (batch, kv positions): every key the plan reads is real
+        seen = attention_mask[:, kv_offset:kv_offset + plan[1]]
+        if attention_mask.ndim != 2 or seen.shape[-1] != plan[1] or not bool(seen.all()):
+            return None
+    return (plan,) * batch_size
 
 
 def _plan(mask):
@@ -200,7 +241,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 def _run_plan(plan, q, k, v, out, options):
     s, e, causal, off, left = plan
     window = (left, 0) if causal and left >= 0 else None
-    _call(q, k[:, :, s:e], v[:, :, s:e], out, causal=causal, window=window,
+    if s != 0 or e != k.shape[2]:
+        k, v = k[:, :, s:e], v[:, :, s:e]
+    _call(q, k, v, out, causal=causal, window=window,
           query_offset=off, **options)
 
 
