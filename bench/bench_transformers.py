@@ -35,7 +35,6 @@ def _timed(fn, key):
 
 
 def instrument():
-    aft.register()
     for name in ("sdpa", "attnfast"):
         AttentionInterface._global_mapping[name] = _timed(AttentionInterface._global_mapping[name], "attn")
         AttentionMaskInterface._global_mapping[name] = _timed(AttentionMaskInterface._global_mapping[name], "mask")
@@ -82,15 +81,19 @@ def main():
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--af-threads", type=int, default=None,
+                   help="attnfast's threads in the model (aft.register(num_threads=...)); default --threads")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     attnfast.set_num_threads(args.threads)
+    aft.register(num_threads=args.af_threads)
     instrument()
     with contextlib.redirect_stdout(io.StringIO()):
         isa = attnfast.show_config()["isa"]
     print(f"torch {torch.__version__}, transformers {__import__('transformers').__version__}, "
-          f"attnfast {attnfast.__version__} ({isa}), threads {args.threads}")
+          f"attnfast {attnfast.__version__} ({isa}), threads {args.threads} "
+          f"(attnfast in the model: {args.af_threads or args.threads})")
     print(f"Llama: hidden 512, {args.layers} layers, 8 heads / 2 KV heads, head_dim 64; "
           f"prompt {args.ctx} tokens, then {args.new} decode steps")
     hdr = (f"{'dtype':9s} {'phase':14s} {'backend':9s} {'total ms':>10s} {'attn ms':>9s} "

@@ -37,9 +37,19 @@ NAME = "attnfast"
 _PLAN = "_attnfast_plan"
 
 
-def register(name: str = NAME) -> None:
+_SETTINGS = {"num_threads": None}
+
+
+def register(name: str = NAME, *, num_threads: int | None = None) -> None:
     """Register attnfast with transformers' AttentionInterface and AttentionMaskInterface
-    under ``name`` (default "attnfast"), so ``attn_implementation=name`` selects it."""
+    under ``name`` (default "attnfast"), so ``attn_implementation=name`` selects it.
+
+    ``num_threads``: attnfast's threads for the model's attention calls (default: attnfast's
+    global setting, :func:`attnfast.get_num_threads`). torch and attnfast run separate
+    OpenMP thread pools; on a machine with few cores, fewer attnfast threads than torch's can
+    be faster for decoding (see bench/bench_transformers.py).
+    """
+    _SETTINGS["num_threads"] = num_threads
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
@@ -249,7 +259,7 @@ def _run_plan(plan, q, k, v, out, options):
 
 def _call(q, k, v, out, **options):
     try:
-        _af.attention(q, k, v, out=out, **options)
+        _af.attention(q, k, v, out=out, num_threads=_SETTINGS["num_threads"], **options)
     except NotImplementedError as e:
         raise NotImplementedError(f"attnfast backend: this model's attention uses an option "
                                   f"attnfast does not implement yet ({e})") from None
