@@ -21,10 +21,17 @@ import numpy as np
 __all__ = ["accepts_arrays", "to_numpy", "wrap_like", "is_torch"]
 
 
+_IS_TORCH: dict = {}
+
+
 def is_torch(x) -> bool:
-    """A torch.Tensor (or subclass), recognised without importing torch."""
-    return any(c.__module__.split(".", 1)[0] == "torch" and c.__name__ in ("Tensor", "Parameter")
-               for c in type(x).__mro__)
+    """A torch.Tensor (or subclass), recognised without importing torch (cached per type)."""
+    t = type(x)
+    known = _IS_TORCH.get(t)
+    if known is None:
+        known = _IS_TORCH[t] = any(c.__module__.split(".", 1)[0] == "torch" and
+                                   c.__name__ in ("Tensor", "Parameter") for c in t.__mro__)
+    return known
 
 
 def _bfloat16():
@@ -130,6 +137,8 @@ def accepts_arrays(fn):
 
 def _convert(a, name):
     """(converted argument, the first torch tensor in it or None)."""
+    if a is None or isinstance(a, (np.ndarray, bool, int, float, str)):
+        return a, None
     if is_torch(a):
         return to_numpy(a, name), a
     if isinstance(a, (list, tuple)) and any(is_torch(x) or hasattr(x, "__dlpack__") for x in a):
