@@ -145,14 +145,59 @@ def test_sliding_window_model_matches_sdpa():
     assert torch.equal(ga, gb)
 
 
-def test_softcap_model_raises_not_implemented():
+def _attnfast_has(option, value):
+    import attnfast as af
+    x = np.ones((1, 2, 4), np.float32)
+    try:
+        af.attention(x, x, x, **{option: value})
+    except NotImplementedError:
+        return False
+    return True
+
+
+def test_softcap_model_raises_not_implemented_or_matches_eager():
+    """Gemma 2 (softcap, alternating sliding layers): a clear NotImplementedError while
+    attnfast has no softcap; once it has, the logits must match transformers' eager path."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
     cfg = Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
                        attn_logit_softcapping=50.0, sliding_window=8)
-    model = Gemma2ForCausalLM._from_config(cfg, attn_implementation="attnfast").eval()
-    with torch.no_grad(), pytest.raises(NotImplementedError, match="attnfast backend.*softcap"):
-        model(_ids(1, 5, 7))
+    torch.manual_seed(10)
+    model = Gemma2ForCausalLM._from_config(cfg, attn_implementation="eager").eval()
+    ids = _ids(1, 12, 7)
+    with torch.no_grad():
+        ref = model(ids).logits
+    model.set_attn_implementation("attnfast")
+    if not _attnfast_has("softcap", 50.0):
+        with torch.no_grad(), pytest.raises(NotImplementedError, match="attnfast backend.*softcap"):
+            model(ids)
+    else:
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_sinks_model_raises_not_implemented_or_matches_eager():
+    """gpt-oss (attention sinks, s_aux): NotImplementedError until attnfast has sinks."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+    cfg = GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                       num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                       layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(11)
+    model = GptOssForCausalLM._from_config(cfg, attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.nn.init.normal_(model.model.layers[0].self_attn.sinks)
+        torch.nn.init.normal_(model.model.layers[1].self_attn.sinks)
+    ids = _ids(1, 12, 12)
+    with torch.no_grad():
+        ref = model(ids).logits
+    model.set_attn_implementation("attnfast")
+    if not _attnfast_has("sinks", np.zeros(2, np.float32)):
+        with torch.no_grad(), pytest.raises(NotImplementedError, match="attnfast backend.*sinks"):
+            model(ids)
+    else:
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_requires_grad_is_a_clear_error(models):
