@@ -65,12 +65,12 @@ def register(name: str = NAME, *, num_threads: int | None = None) -> None:
 
 def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
                    mask_function=None, attention_mask=None, **kwargs):
-    """transformers' sdpa boolean mask (batch, 1, q_length, kv_length), always materialised,
+    """transformers' sdpa boolean mask (batch, 1, q_length, kv_length), never skipped (None),
     with attnfast's per-sequence plan attached (computed once per forward, used by every
-    layer)."""
+    layer): derived from the definition for unpadded causal / bidirectional masks, otherwise
+    analysed from the materialised mask and checked against it."""
     import torch
-    from transformers.masking_utils import (bidirectional_mask_function, causal_mask_function,
-                                            sdpa_mask)
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
     mask_function = mask_function or causal_mask_function
     fast = _plain_plan(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
                        attention_mask)
@@ -79,7 +79,7 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
         # those two mask functions (kv_idx <= q_idx; everything), with no analysis. The mask
         # handed over is still the true one (a broadcast compare, shared by the batch), so a
         # caller that copies it and loses the attached plan gets the same plan re-derived.
-        _, end, causal, off, _ = fast[0]
+        causal, off = fast[0][2], fast[0][3]
         if causal:
             keep = torch.arange(kv_length)[None, :] <= torch.arange(q_length)[:, None] + off
         else:
