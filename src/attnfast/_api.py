@@ -6,6 +6,7 @@ import threading
 import numpy as np
 
 from . import _ext
+from ._interop import accepts_arrays
 from ._checks import (BFLOAT16, FLOAT16, FLOAT32, FLOAT64, check_attention, check_flag, check_out,
                       kernel_ready, to_3d, to_4d)
 
@@ -26,6 +27,7 @@ _MASK_DRAWING = """
 """
 
 
+@accepts_arrays
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
               alibi_slopes=None, sinks=None, mask=None, return_lse=False, out=None,
               num_threads=None, query_offset=None):
@@ -128,6 +130,7 @@ def _visible(call) -> np.ndarray:
     return keep
 
 
+@accepts_arrays
 def attention_weights(q, k, *, causal=False, scale=None, window=None, softcap=None,
                       alibi_slopes=None, sinks=None, mask=None, num_threads=None,
                       query_offset=None):
@@ -179,6 +182,7 @@ def attention_weights(q, k, *, causal=False, scale=None, window=None, softcap=No
     return weights.astype(call.dtype, copy=False).reshape(call.out_shape()[:-1] + (call.seqlen_k,))
 
 
+@accepts_arrays
 def merge_attention_states(outs, lses):
     """Combine attention computed over disjoint KV shards into attention over their union.
 

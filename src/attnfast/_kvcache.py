@@ -13,6 +13,7 @@ import threading
 import numpy as np
 
 from ._api import run_kernels
+from ._interop import accepts_arrays
 from ._checks import (
     check_batch_index,
     check_cache_room,
@@ -57,6 +58,7 @@ def _write_tokens(k_cache, v_cache, seqs, starts, k_new, v_new, k_scale=None, v_
             v_scale[b, :, s:s + t] = v_rows[i]
 
 
+@accepts_arrays
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *,
                            causal=True, scale=None, window=None, softcap=None,
                            alibi_slopes=None, sinks=None, mask=None, return_lse=False,
@@ -220,6 +222,7 @@ class KVCache:
                 f"lengths={self._lengths.tolist() if self.batch <= 8 else '...'})")
 
     # ---- methods ----
+    @accepts_arrays
     def append(self, k_new, v_new, *, batch_index=None) -> None:
         """Append t >= 1 tokens to every sequence (or to those of ``batch_index``).
 
@@ -246,6 +249,7 @@ class KVCache:
                       self._k_scale, self._v_scale)
         self._lengths[seqs] += t
 
+    @accepts_arrays
     def attend(self, q, *, batch_index=None, causal=True, scale=None, window=None,
                softcap=None, alibi_slopes=None, sinks=None, mask=None, return_lse=False,
                out=None, num_threads=None, query_offset=None):
@@ -261,6 +265,7 @@ class KVCache:
                          sinks=sinks, mask=mask, return_lse=return_lse, out=out,
                          num_threads=num_threads, query_offset=query_offset)
 
+    @accepts_arrays
     def step(self, q, k_new, v_new, *, batch_index=None, causal=True, scale=None,
              window=None, softcap=None, alibi_slopes=None, sinks=None, mask=None,
              return_lse=False, out=None, num_threads=None, query_offset=None):
@@ -278,6 +283,7 @@ class KVCache:
                          sinks=sinks, mask=mask, return_lse=return_lse, out=out,
                          num_threads=num_threads, query_offset=query_offset)
 
+    @accepts_arrays
     def truncate(self, n) -> None:
         """Roll every sequence back to n tokens (or sequence b to n[b]), e.g. to drop rejected
         speculative tokens. n may not exceed a sequence's current length (ValueError)."""

@@ -4,11 +4,13 @@ from __future__ import annotations
 import numpy as np
 
 from ._api import attention
+from ._interop import accepts_arrays
 from ._checks import as_float_array, check_cu_seqlens, check_flag, check_out, _shape_str
 
 __all__ = ["attention_varlen"]
 
 
+@accepts_arrays
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                      max_seqlen_k=None, causal=False, scale=None, window=None, softcap=None,
                      alibi_slopes=None, sinks=None, mask=None, return_lse=False, out=None,

@@ -1,0 +1,147 @@
+"""Torch tensors and other array objects in, the caller's type out: one thin layer.
+
+Every public function is wrapped by :func:`accepts_arrays`. Before the function runs, each
+argument that is a torch tensor (or another object with ``__dlpack__``) becomes a NumPy view
+of the same memory (no copy; bfloat16 travels as int16 and is reinterpreted as
+ml_dtypes.bfloat16). Other objects (NumPy arrays, lists, objects with ``__array__``) pass
+through unchanged: argument checking stays in attnfast._checks. When any argument was a
+torch tensor, NumPy results come back as torch tensors sharing their memory (and ``out=``
+given as a tensor comes back as that very tensor, written in place).
+
+torch is never imported by attnfast itself: only when an argument's type comes from torch,
+by which time the caller has imported it.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+
+import numpy as np
+
+__all__ = ["accepts_arrays", "to_numpy", "wrap_like", "is_torch"]
+
+
+_IS_TORCH: dict = {}
+
+
+def is_torch(x) -> bool:
+    """A torch.Tensor (or subclass), recognised without importing torch (cached per type)."""
+    t = type(x)
+    known = _IS_TORCH.get(t)
+    if known is None:
+        known = _IS_TORCH[t] = any(c.__module__.split(".", 1)[0] == "torch" and
+                                   c.__name__ in ("Tensor", "Parameter") for c in t.__mro__)
+    return known
+
+
+def _bfloat16():
+    import ml_dtypes
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def to_numpy(x, name: str):
+    """x as a NumPy array sharing its memory when x is a torch tensor or has ``__dlpack__``;
+    anything else (ndarray, list, ``__array__`` objects, scalars, None) is returned as is."""
+    if x is None or isinstance(x, np.ndarray):
+        return x
+    if is_torch(x):
+        import torch
+        if x.device.type != "cpu":
+            raise ValueError(f"{name} is a torch tensor on device {x.device}; attnfast computes "
+                             f"on the CPU: pass {name}.cpu()")
+        if x.requires_grad:
+            raise ValueError(f"{name} requires grad; attnfast computes no gradients: pass "
+                             f"{name}.detach() (or call under torch.no_grad())")
+        if x.is_sparse or x.layout != torch.strided:
+            raise TypeError(f"{name} is a torch tensor with layout {x.layout}; attnfast needs a "
+                            "strided (dense) tensor")
+        if x.is_conj() or x.is_neg():
+            x = x.resolve_conj().resolve_neg()
+        if x.dtype == torch.bfloat16:
+            return x.view(torch.int16).numpy().view(_bfloat16())
+        try:
+            return x.numpy()
+        except TypeError as e:  # a dtype NumPy has no equivalent of
+            raise TypeError(f"{name} has torch dtype {x.dtype}, which attnfast does not take "
+                            f"({e})") from None
+    if hasattr(x, "__dlpack__") and not hasattr(x, "__array__"):
+        try:
+            return np.from_dlpack(x)
+        except (TypeError, BufferError, RuntimeError) as e:
+            raise TypeError(f"{name}: cannot import {type(x).__name__} through DLPack ({e}); "
+                            "pass a CPU array") from None
+    return x
+
+
+def wrap_like(result, template):
+    """Turn NumPy results into torch tensors sharing their memory when ``template`` (the
+    first torch argument of the call) is a torch tensor; tuples element-wise."""
+    if template is None:
+        return result
+    if isinstance(result, tuple):
+        return tuple(wrap_like(r, template) for r in result)
+    if not isinstance(result, np.ndarray):
+        return result
+    import torch
+    if result.dtype == _bfloat16():
+        return torch.from_numpy(_writable(result.view(np.int16))).view(torch.bfloat16)
+    return torch.from_numpy(_writable(result))
+
+
+def _writable(a: np.ndarray) -> np.ndarray:
+    # torch.from_numpy warns on read-only arrays; attnfast's results are fresh, so this copies
+    # only in the unusual case of a read-only view.
+    return a if a.flags.writeable else a.copy()
+
+
+def accepts_arrays(fn):
+    """Decorate a public function (or method): convert its arguments with :func:`to_numpy`
+    (sequences too, for merge_attention_states), and its result with :func:`wrap_like`.
+    A torch ``out=`` comes back as itself. The signature is unchanged (functools.wraps)."""
+    sig = inspect.signature(fn)
+    names = list(sig.parameters)
+    skip_self = names[:1] == ["self"]
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        template = None
+        given_out = converted_out = None
+        new_args = list(args)
+        for i, a in enumerate(args):
+            if skip_self and i == 0:
+                continue
+            name = names[i] if i < len(names) else f"argument {i}"
+            new_args[i], t = _convert(a, name)
+            template = template if template is not None else t
+            if name == "out":
+                given_out, converted_out = a, new_args[i]
+        for name, a in kwargs.items():
+            kwargs[name], t = _convert(a, name)
+            template = template if template is not None else t
+            if name == "out":
+                given_out, converted_out = a, kwargs[name]
+        result = fn(*new_args, **kwargs)
+        if template is None:
+            return result
+        # `out=` comes back as the object the caller passed (tensor or array), written in place
+        if isinstance(result, tuple):
+            first = given_out if given_out is not None and result[0] is converted_out else None
+            wrapped = wrap_like(result, template)
+            return wrapped if first is None else (first,) + wrapped[1:]
+        if given_out is not None and result is converted_out:
+            return given_out
+        return wrap_like(result, template)
+
+    return wrapper
+
+
+def _convert(a, name):
+    """(converted argument, the first torch tensor in it or None)."""
+    if a is None or isinstance(a, (np.ndarray, bool, int, float, str)):
+        return a, None
+    if is_torch(a):
+        return to_numpy(a, name), a
+    if isinstance(a, (list, tuple)) and any(is_torch(x) or hasattr(x, "__dlpack__") for x in a):
+        first = next((x for x in a if is_torch(x)), None)
+        return type(a)(to_numpy(x, f"{name}[{i}]") for i, x in enumerate(a)), first
+    return to_numpy(a, name), None

@@ -1,0 +1,265 @@
+"""attnfast as an attention backend for Hugging Face transformers (5.x; optional extra).
+
+    import attnfast.integrations.transformers as aft
+    aft.register()
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="attnfast")
+
+:func:`register` adds the name "attnfast" to transformers' ``AttentionInterface`` (the
+attention function) and ``AttentionMaskInterface`` (the mask builder). Both are needed: a
+custom attention function registered alone receives ``attention_mask=None`` and would
+silently ignore padding.
+
+How masks are made exact without a general ``mask=`` argument: the mask builder materialises
+transformers' own boolean mask (the sdpa one: causal, sliding window, padding, static-cache
+tail, bidirectional) once per forward pass, and derives from it, per sequence, a key range
+``[start, end)`` plus attnfast options (``causal``, ``window=(left, 0)``, ``query_offset``).
+It then rebuilds the mask those options mean and checks it equals transformers' mask exactly,
+element by element; a mask that is not of this form (padding holes in the middle of a
+sequence, packed sequences, per-head masks, non-causal windows) raises NotImplementedError
+rather than computing something else. Left padding becomes a per-sequence key range (one
+attnfast call per sequence; a batch whose sequences share the range is one call); the empty
+part of a static cache is never read; GQA runs natively (no repeated K/V).
+
+Raises: ValueError for tensors that require grad (run under ``torch.no_grad()`` /
+``torch.inference_mode()``) or live on another device; NotImplementedError for dropout > 0,
+and for softcap / sinks (s_aux) until attnfast implements them (passed through, so they
+work as soon as it does).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import attnfast as _af
+
+__all__ = ["register", "attention_forward", "attention_mask", "NAME"]
+
+NAME = "attnfast"
+_PLAN = "_attnfast_plan"
+
+
+_SETTINGS = {"num_threads": None}
+
+
+def register(name: str = NAME, *, num_threads: int | None = None) -> None:
+    """Register attnfast with transformers' AttentionInterface and AttentionMaskInterface
+    under ``name`` (default "attnfast"), so ``attn_implementation=name`` selects it.
+
+    ``num_threads``: attnfast's threads for the model's attention calls (default: attnfast's
+    global setting, :func:`attnfast.get_num_threads`). torch and attnfast run separate
+    OpenMP thread pools; on a machine with few cores, fewer attnfast threads than torch's can
+    be faster for decoding (see bench/bench_transformers.py).
+    """
+    _SETTINGS["num_threads"] = num_threads
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("attnfast.integrations.transformers needs transformers>=5 and torch: "
+                          "pip install 'attnfast[transformers]'") from e
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, attention_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# The mask builder: transformers' boolean mask, plus attnfast's plan for it.
+
+def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
+                   mask_function=None, attention_mask=None, **kwargs):
+    """transformers' sdpa boolean mask (batch, 1, q_length, kv_length), never skipped (None),
+    with attnfast's per-sequence plan attached (computed once per forward, used by every
+    layer): derived from the definition for unpadded causal / bidirectional masks, otherwise
+    analysed from the materialised mask and checked against it."""
+    import torch
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+    mask_function = mask_function or causal_mask_function
+    fast = _plain_plan(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                       attention_mask)
+    if fast is not None:
+        # No padding, plain causal or bidirectional: the plan follows from the definitions of
+        # those two mask functions (kv_idx <= q_idx; everything), with no analysis. The mask
+        # handed over is still the true one (a broadcast compare, shared by the batch), so a
+        # caller that copies it and loses the attached plan gets the same plan re-derived.
+        causal, off = fast[0][2], fast[0][3]
+        if causal:
+            keep = torch.arange(kv_length)[None, :] <= torch.arange(q_length)[:, None] + off
+        else:
+            keep = torch.ones((), dtype=torch.bool).expand(q_length, kv_length)
+        mask = keep.expand(batch_size, 1, q_length, kv_length)
+        setattr(mask, _PLAN, fast)
+        return mask
+    kwargs.pop("allow_is_causal_skip", None)
+    kwargs.pop("allow_is_bidirectional_skip", None)
+    kwargs.pop("dtype", None)
+    kwargs.pop("config", None)
+    mask = sdpa_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
+                     mask_function=mask_function,
+                     attention_mask=attention_mask, allow_is_causal_skip=False,
+                     allow_is_bidirectional_skip=False, **kwargs)
+    if mask is not None:
+        _plan(mask)
+    return mask
+
+
+def _plain_plan(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                attention_mask):
+    """The plan without a mask, for the two standard patterns when no key they would see is
+    padding (transformers pads a short 2-D mask with False); None otherwise."""
+    from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
+    q_offset, kv_offset = int(q_offset), int(kv_offset)
+    if mask_function is bidirectional_mask_function:
+        plan = (0, kv_length, False, None, -1)
+    elif mask_function is causal_mask_function:
+        off = q_offset - kv_offset   # query i at key index i + off; keys past the last query unseen
+        end = min(kv_length, off + q_length)
+        if end <= 0:
+            return None
+        plan = (0, end, True, off, -1)
+    else:
+        return None
+    if attention_mask is not None:   # (batch, kv positions): every key the plan reads is real
+        seen = attention_mask[:, kv_offset:kv_offset + plan[1]]
+        if attention_mask.ndim != 2 or seen.shape[-1] != plan[1] or not bool(seen.all()):
+            return None
+    return (plan,) * batch_size
+
+
+def _plan(mask):
+    """Per sequence: None (no query sees a key) or (start, end, causal, query_offset, left),
+    checked to reproduce ``mask`` exactly; cached on the mask tensor."""
+    cached = getattr(mask, _PLAN, None)
+    if cached is not None:
+        return cached
+    import torch
+    m = mask
+    if m.dtype != torch.bool:   # additive float mask: 0 keeps, the dtype's minimum / -inf drops
+        drop = m <= torch.finfo(m.dtype).min / 2
+        if not torch.all((m == 0) | drop):
+            raise NotImplementedError("attnfast backend: an additive attention mask with values "
+                                      "other than 0 and -inf (a bias) is not supported yet")
+        m = ~drop
+    if m.ndim != 4:
+        raise NotImplementedError(f"attnfast backend: attention_mask must be 4-D, got shape "
+                                  f"{tuple(m.shape)}")
+    if m.shape[1] != 1:
+        if not torch.equal(m, m[:, :1].expand_as(m)):
+            raise NotImplementedError("attnfast backend: a mask that differs between heads is "
+                                      "not supported yet")
+        m = m[:, :1]
+    m = m[:, 0]                                       # (B, Tq, Tk)
+    B, Tq, Tk = m.shape
+    idx = torch.arange(Tk)
+    any_ = m.any(-1)
+    lo = torch.where(m, idx, Tk).amin(-1)
+    hi = torch.where(m, idx, -1).amax(-1)
+    count = m.sum(-1)
+    if not bool(torch.all(~any_ | (count == hi - lo + 1))):
+        raise NotImplementedError("attnfast backend: a query row sees a non-contiguous set of "
+                                  "keys (padding inside a sequence, or packed sequences); "
+                                  "this needs attnfast's mask= argument, not available yet")
+    plans = []
+    rows = torch.arange(Tq)
+    for b in range(B):
+        r = any_[b]
+        if not bool(r.any()):
+            plans.append(None)
+            continue
+        s, e = int(lo[b][r].min()), int(hi[b][r].max()) + 1
+        lo_b, hi_b = lo[b] - s, hi[b] - s
+        if bool(r.all()) and bool((lo_b == 0).all()) and bool((hi_b == e - s - 1).all()):
+            plan = (s, e, False, None, -1)
+        else:
+            r0 = int(torch.nonzero(r)[0])
+            off = int(hi_b[r0]) - r0
+            pos = rows + off
+            shifted = r & (lo_b > 0)
+            left = int((pos - lo_b)[shifted].max()) if bool(shifted.any()) else -1
+            plan = (s, e, True, off, left)
+        # Rebuild the mask the plan means and require equality: exact or an error.
+        keys = torch.arange(e - s)
+        _, _, causal, off, left = plan
+        keep = torch.ones(Tq, e - s, dtype=torch.bool)
+        if causal:
+            pos = (rows + off)[:, None]
+            keep &= keys[None, :] <= pos
+            if left >= 0:
+                keep &= keys[None, :] >= pos - left
+        full = torch.zeros(Tq, Tk, dtype=torch.bool)
+        full[:, s:e] = keep
+        if not torch.equal(full, m[b]):
+            raise NotImplementedError(
+                "attnfast backend: this attention mask is not a key range with causal / sliding-"
+                "window structure per sequence (e.g. bidirectional sliding windows or "
+                "block masks); it needs attnfast's mask= argument, not available yet")
+        plans.append(plan)
+    plans = tuple(plans)
+    try:
+        setattr(mask, _PLAN, plans)
+    except (AttributeError, TypeError):  # pragma: no cover - exotic tensor subclasses
+        pass
+    return plans
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention function.
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                      is_causal=None, softcap=None, sliding_window=None, s_aux=None, **kwargs):
+    """transformers' attention-function contract: query (B, H, Tq, D), key/value (B, Hkv, Tk,
+    D|Dv) (Hkv may divide H: GQA without repeating), ``attention_mask`` from
+    :func:`attention_mask` (or None); returns (attn_output (B, Tq, H, Dv), None)."""
+    import torch
+    if dropout:
+        raise NotImplementedError(f"attnfast backend: attention dropout ({dropout}) is not "
+                                  "supported (attnfast is for inference: call model.eval())")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.requires_grad:
+            raise ValueError(f"attnfast backend: {name} requires grad; attnfast computes no "
+                             "gradients: run the model under torch.no_grad() or "
+                             "torch.inference_mode()")
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("attnfast backend: position_bias is not supported yet")
+    sinks = s_aux
+    if sinks is not None and sinks.requires_grad and not torch.is_grad_enabled():
+        sinks = sinks.detach()   # a parameter; no gradient is being recorded
+    options = dict(scale=scaling, softcap=softcap, sinks=sinks)
+    options = {k: v for k, v in options.items() if v is not None}
+
+    B, H, Tq, _ = query.shape
+    Dv = value.shape[-1]
+    out = torch.empty(B, Tq, H, Dv, dtype=query.dtype)
+    out_h = out.transpose(1, 2)                       # (B, H, Tq, Dv) view of out
+
+    if attention_mask is None:   # no mask from transformers: the module's own structure
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+        window = (sliding_window - 1, 0) if causal and sliding_window else None
+        _call(query, key, value, out_h, causal=causal, window=window, **options)
+        return out, None
+
+    plans = _plan(attention_mask)
+    if len(set(plans)) == 1 and plans[0] is not None:
+        _run_plan(plans[0], query, key, value, out_h, options)
+    else:
+        for b, plan in enumerate(plans):
+            if plan is None:
+                out[b].zero_()                        # no key visible: zeros, as attnfast does
+            else:
+                sl = slice(b, b + 1)
+                _run_plan(plan, query[sl], key[sl], value[sl], out_h[sl], options)
+    return out, None
+
+
+def _run_plan(plan, q, k, v, out, options):
+    s, e, causal, off, left = plan
+    window = (left, 0) if causal and left >= 0 else None
+    if s != 0 or e != k.shape[2]:
+        k, v = k[:, :, s:e], v[:, :, s:e]
+    _call(q, k, v, out, causal=causal, window=window,
+          query_offset=off, **options)
+
+
+def _call(q, k, v, out, **options):
+    try:
+        _af.attention(q, k, v, out=out, num_threads=_SETTINGS["num_threads"], **options)
+    except NotImplementedError as e:
+        raise NotImplementedError(f"attnfast backend: this model's attention uses an option "
+                                  f"attnfast does not implement yet ({e})") from None
