@@ -112,7 +112,7 @@ void attention_forward(const AttentionParams& p) {
         return;
     }
     const KernelTable& kernels = active_kernels();
-    if (p.dtype == DType::kF32 && p.kv_dtype == DType::kF32 && !has_score_options(p)) {
+    if (p.dtype == DType::kF32 && p.kv_dtype == DType::kF32 && !needs_templates(p, kernels.f32_sinks)) {
         run_blocks<float>(p, kernels.attend_block_f32, kernels.plan_f32(p));
     } else if (p.dtype != DType::kF64) {  // 16-bit, int8 or score options: the templates
         const PrefillPlan plan{kBlockRows, block_workspace_elems(p)};

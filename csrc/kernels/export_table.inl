@@ -2,7 +2,7 @@
 // Included last by kernels/isa_*.cpp, after the kernel .inl files. A tier with its own float32
 // prefill kernel names it (and its plan) in ATTNFAST_PREFILL_F32 / ATTNFAST_PREFILL_PLAN_F32;
 // otherwise the shared template is used. Likewise a float32 decode chunk kernel in
-// ATTNFAST_DECODE_CHUNK_F32.
+// ATTNFAST_DECODE_CHUNK_F32. ATTNFAST_F32_SINKS: its float32 kernels take sinks.
 #ifndef ATTNFAST_KERNEL_NS
 #error "define ATTNFAST_KERNEL_NS and include the kernel .inl files before export_table.inl"
 #endif
@@ -18,8 +18,13 @@ namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {
 namespace {
 
+#ifndef ATTNFAST_F32_SINKS
+#define ATTNFAST_F32_SINKS false
+#endif
+
 const KernelTable kTable = {
     ATTNFAST_KERNEL_NAME,
+    ATTNFAST_F32_SINKS,
     ATTNFAST_PREFILL_F32, attend_block_f64,
     ATTNFAST_PREFILL_PLAN_F32,
     ATTNFAST_DECODE_CHUNK_F32, decode_chunk_f64,

@@ -136,6 +136,9 @@ struct PrefillPlan {
 
 struct KernelTable {
     const char* name;
+    // Whether attend_block_f32 and decode_chunk_f32 take sinks (the other score options
+    // always go to the templates).
+    bool f32_sinks;
     // Attend one block of query rows over all the keys it may see; writes its out/lse rows.
     void (*attend_block_f32)(const AttentionParams&, const BlockTask&, float* workspace);
     void (*attend_block_f64)(const AttentionParams&, const BlockTask&, double* workspace);
@@ -178,10 +181,11 @@ const KernelTable* kernel_table_neon();
 // The table in use (chosen once; see dispatch.cpp).
 const KernelTable& active_kernels();
 
-// Whether any score option (softcap, ALiBi, mask, sinks) is on: the hand-written float32
-// kernels do not take them, the templates (the *_any and *_f64 entries) do.
-static inline bool has_score_options(const AttentionParams& p) {
-    return p.softcap != 0.0 || p.alibi_slopes || p.mask || p.sinks;
+// Whether a float32 call needs the templates (the *_any entries): softcap, ALiBi and masks
+// are not in the hand-written float32 kernels; sinks are where the tier says so
+// (KernelTable::f32_sinks: they touch only the prefill's finish and the shared decode merge).
+static inline bool needs_templates(const AttentionParams& p, bool f32_kernels_take_sinks) {
+    return p.softcap != 0.0 || p.alibi_slopes || p.mask || (p.sinks && !f32_kernels_take_sinks);
 }
 
 // Key position of query row `row`, i' (see AttentionParams::has_query_offset).

@@ -489,14 +489,32 @@ void finish_sub_block(const AttentionParams& p, const Block& b, int64_t batch) {
     float* lse = static_cast<float*>(p.lse);
     if (lse) lse += batch * p.lse_batch_stride + b.head * p.lse_head_stride;
     alignas(64) float inv[Bq];
-    // l == 0: the row saw no key (zeros, lse -inf); l NaN (a NaN score) stays NaN in both.
-    for (int64_t i = 0; i < Bq; ++i) inv[i] = b.l[i] != 0.0f ? 1.0f / b.l[i] : 0.0f;
     const int64_t Dv = b.Dv;
     // A row that saw no key may still hold 0 x NaN from a value row other rows of its tiles
     // saw: its out is exactly 0 all the same.
     for (int64_t i = 0; i < b.rows; ++i)
         if (b.l[i] == 0.0f)
             for (int64_t e = 0; e < Dv; ++e) b.ot[e * Bq + i] = 0.0f;
+    // Attention sink (gpt-oss): one more term of the denominator, no value; in the base-2
+    // units of m and l. A row that saw no key gets m = sink, l = 1 (zeros, lse = sink).
+    if (p.sinks) {
+        const float sink = static_cast<float>(p.sinks[b.head] * 1.4426950408889634);
+        for (int64_t i = 0; i < b.rows; ++i) {
+            if (b.l[i] == 0.0f) {
+                b.m[i] = sink;
+                b.l[i] = 1.0f;
+                continue;
+            }
+            const float m_new = b.m[i] > sink ? b.m[i] : sink;  // (a NaN m stays in l)
+            const float corr = __builtin_exp2f(b.m[i] - m_new);
+            b.l[i] = b.l[i] * corr + __builtin_exp2f(sink - m_new);
+            b.m[i] = m_new;
+            if (corr != 1.0f)
+                for (int64_t e = 0; e < Dv; ++e) b.ot[e * Bq + i] *= corr;
+        }
+    }
+    // l == 0: the row saw no key (zeros, lse -inf); l NaN (a NaN score) stays NaN in both.
+    for (int64_t i = 0; i < Bq; ++i) inv[i] = b.l[i] != 0.0f ? 1.0f / b.l[i] : 0.0f;
     int64_t i0 = 0;
     for (; i0 + 8 <= b.rows; i0 += 8) {  // 8 x 8 blocks through registers
         float* o0 = out + (b.row_begin + i0) * p.out_row_stride;
