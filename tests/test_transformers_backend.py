@@ -145,19 +145,8 @@ def test_sliding_window_model_matches_sdpa():
     assert torch.equal(ga, gb)
 
 
-def _attnfast_has(option, value):
-    import attnfast as af
-    x = np.ones((1, 2, 4), np.float32)
-    try:
-        af.attention(x, x, x, **{option: value})
-    except NotImplementedError:
-        return False
-    return True
-
-
-def test_softcap_model_raises_not_implemented_or_matches_eager():
-    """Gemma 2 (softcap, alternating sliding layers): a clear NotImplementedError while
-    attnfast has no softcap; once it has, the logits must match transformers' eager path."""
+def test_softcap_model_matches_eager():
+    """Gemma 2 (softcap, alternating sliding layers): logits match transformers' eager path."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
     cfg = Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
@@ -168,16 +157,12 @@ def test_softcap_model_raises_not_implemented_or_matches_eager():
     with torch.no_grad():
         ref = model(ids).logits
     model.set_attn_implementation("attnfast")
-    if not _attnfast_has("softcap", 50.0):
-        with torch.no_grad(), pytest.raises(NotImplementedError, match="attnfast backend.*softcap"):
-            model(ids)
-    else:
-        with torch.no_grad():
-            torch.testing.assert_close(model(ids).logits, ref, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_sinks_model_raises_not_implemented_or_matches_eager():
-    """gpt-oss (attention sinks, s_aux): NotImplementedError until attnfast has sinks."""
+def test_sinks_model_matches_eager():
+    """gpt-oss (attention sinks, s_aux, alternating sliding layers): logits match eager."""
     from transformers import GptOssConfig, GptOssForCausalLM
     cfg = GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
@@ -192,12 +177,8 @@ def test_sinks_model_raises_not_implemented_or_matches_eager():
     with torch.no_grad():
         ref = model(ids).logits
     model.set_attn_implementation("attnfast")
-    if not _attnfast_has("sinks", np.zeros(1, np.float32)):
-        with torch.no_grad(), pytest.raises(NotImplementedError, match="attnfast backend.*sinks"):
-            model(ids)
-    else:
-        with torch.no_grad():
-            torch.testing.assert_close(model(ids).logits, ref, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_requires_grad_is_a_clear_error(models):

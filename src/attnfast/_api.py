@@ -41,7 +41,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
     q : array (Tq, D), (H, Tq, D) or (B, H, Tq, D)
     k : array (.., Hkv, Tk, D), same rank and dtype as q; H % Hkv == 0
     v : array (.., Hkv, Tk, Dv)
-        float32 or float64. Any strides on the non-last axes are used without a copy, so a
+        float32, float64, float16 or bfloat16 (a float32 q may read float16 / bfloat16 k, v).
+        Any strides on the non-last axes are used without a copy, so a
         (B, T, H, D) array passes as ``x.transpose(0, 2, 1, 3)`` at no cost.
     causal : bool
         Query i sees key j iff j <= i + (Tk - Tq) (bottom-right aligned).
@@ -54,8 +55,17 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
         ``Tk - Tq``, aligns the last query with the last key (bottom-right); 0 aligns the
         first query with the first key (top-left: a prompt written into an empty, larger
         cache). Any int with |value| <= 2**62.
-    softcap, alibi_slopes, sinks, mask
-        Not implemented yet: passing one raises NotImplementedError.
+    softcap : float > 0, optional
+        Scores s become softcap * tanh(s / softcap) (Gemma 2), before ALiBi and the mask.
+    alibi_slopes : float32 array (H,) or (B, H), optional
+        Adds -slope * |i' - j| to the score of query i and key j (i' as for causal).
+    sinks : float32 array (H,), optional
+        One logit per query head that joins the softmax denominator and adds no value
+        (gpt-oss); lse includes it, and a row seeing no key gets lse = sink.
+    mask : array broadcastable to (B, H, Tq, Tk), optional
+        bool (True keeps the key) or additive float (float32 or q's dtype), read through its
+        broadcast strides (never expanded); combined with causal and window. On the KV-cache
+        paths its last axis spans the cache's capacity.
     return_lse : bool
         Also return the natural-log log-sum-exp of each row's scaled scores, shape
         (.., H, Tq), float32 (float64 for float64 inputs); -inf for a row that sees no key.

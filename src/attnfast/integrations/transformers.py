@@ -21,9 +21,8 @@ attnfast call per sequence; a batch whose sequences share the range is one call)
 part of a static cache is never read; GQA runs natively (no repeated K/V).
 
 Raises: ValueError for tensors that require grad (run under ``torch.no_grad()`` /
-``torch.inference_mode()``) or live on another device; NotImplementedError for dropout > 0,
-and for softcap / sinks (s_aux) until attnfast implements them (passed through, so they
-work as soon as it does).
+``torch.inference_mode()``) or live on another device; NotImplementedError for dropout > 0.
+Softcap (Gemma 2) and attention sinks (gpt-oss's s_aux) are passed to attnfast's options.
 """
 from __future__ import annotations
 
