@@ -4,7 +4,6 @@ token for token (dynamic and static caches, left-padded batches), and the real
 all-MiniLM-L6-v2 (when its package is installed) giving the same sentence embeddings."""
 import os
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'attnfast[transformers]')")
