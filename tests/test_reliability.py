@@ -387,6 +387,26 @@ def test_ctrl_c_during_kvcache_step_restores_the_lengths():
     assert line[0].endswith("[8] [8]"), f"lengths not restored: {line[0]}"
 
 
+def test_an_ignored_or_custom_sigint_never_cuts_a_call_short():
+    """With SIGINT ignored (a background job) or a handler of the caller's own, a signal
+    during a call leaves the result whole: the kernels are only interruptible under Python's
+    default handler."""
+    code = (
+        "import signal, threading, os, numpy as np, attnfast as af\n"
+        "q = np.random.default_rng(0).standard_normal((8, 8192, 64)).astype(np.float32)\n"
+        "ref = af.attention(q, q, q, causal=True)\n"
+        "seen = []\n"
+        "for handler in (signal.SIG_IGN, lambda *a: seen.append(1)):\n"
+        "    signal.signal(signal.SIGINT, handler)\n"
+        "    threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+        "    out = af.attention(q, q, q, causal=True)\n"
+        "    assert np.array_equal(out, ref), 'result cut short'\n"
+        "print('OK', len(seen))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "OK 1", proc.stdout + proc.stderr
+
+
 # ============================================================ 6. error messages
 
 def test_float_max_seqlen_is_a_type_error_naming_it(rng):

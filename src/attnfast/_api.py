@@ -1,6 +1,7 @@
 """Public attention functions: check (attnfast._checks), then run the C++ kernels."""
 from __future__ import annotations
 
+import signal
 import threading
 
 import numpy as np
@@ -104,8 +105,11 @@ def run_kernels(call, user_out, return_lse, parts=None):
     result4 = target4 if kernel_ready(target4) is target4 else np.empty(target4.shape, call.dtype)
     lse = np.empty(call.lse_shape(), call.lse_dtype) if return_lse else None
     lse3 = None if lse is None else to_3d(lse)
-    # Ctrl-C stops the kernels early only in the main thread, which alone receives it.
-    interruptible = threading.current_thread() is threading.main_thread()
+    # Ctrl-C stops the kernels early only in the main thread, which alone receives it, and
+    # only under Python's default SIGINT handler: an ignored SIGINT (e.g. a background job)
+    # or a handler of the caller's own must not cut a computation short.
+    interruptible = (threading.current_thread() is threading.main_thread()
+                     and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
     for part in parts or [(slice(None), call.k, call.v, None)]:
         rows, k, v, seqlens = part[:4]
         k_scale, v_scale = part[4:6] if len(part) > 4 else (None, None)

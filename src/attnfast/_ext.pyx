@@ -115,6 +115,8 @@ cdef void _run_interruptible(AttentionParams* p) except *:
     if take_interrupt():
         PyErr_SetInterrupt()
         PyErr_CheckSignals()
+        # The kernels stopped early: never return their partial output as a result.
+        raise KeyboardInterrupt("attnfast: interrupted")
 
 
 cdef inline int64_t _stride(cnp.ndarray a, int axis) noexcept:
@@ -156,8 +158,9 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
     the score options, checked by attnfast._checks.ScoreOptions.
     k_scale, v_scale: with an int8 k/v, float32 (B, Hkv, Tk) row scales (strides in whole
     elements; checked by attnfast._checks).
-    interruptible: call from the main thread only; Ctrl-C then stops the kernels early
-    (out and lse unspecified) and raises KeyboardInterrupt.
+    interruptible: call from the main thread only, under Python's default SIGINT handler;
+    Ctrl-C then stops the kernels early (out and lse unspecified) and raises
+    KeyboardInterrupt.
 
     seqlens_k: None, or a C-contiguous int64 array (B,) of keys valid per batch entry, each
     in [0, k.shape[2]] (checked by attnfast._checks; the core re-checks as a guard).
