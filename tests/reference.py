@@ -5,9 +5,10 @@ Written for the tests only; shares no code with attnfast.
 import numpy as np
 
 
-def visible_mask(tq, tk, causal=False, window=None):
-    """(tq, tk) bool: row i sees key j (bottom-right aligned: i' = i + tk - tq)."""
-    i = np.arange(tq)[:, None] + (tk - tq)
+def visible_mask(tq, tk, causal=False, window=None, query_offset=None):
+    """(tq, tk) bool: row i sees key j (bottom-right aligned: i' = i + tk - tq, or
+    i' = i + query_offset when given)."""
+    i = np.arange(tq)[:, None] + (tk - tq if query_offset is None else query_offset)
     j = np.arange(tk)[None, :]
     keep = np.ones((tq, tk), dtype=bool)
     if causal:

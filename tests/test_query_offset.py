@@ -4,25 +4,14 @@ import pytest
 
 import attnfast as af
 from attnfast import _ext
-from reference import TOLERANCE, reference_attention
+from reference import TOLERANCE, reference_attention, visible_mask
 
 TIERS = _ext.runtime_info()["isa_available"]
 
 
 def offset_reference(q, k, v, offset, causal=True, window=None):
     """float64 reference with query i at key position i + offset."""
-    tq, tk = q.shape[-2], k.shape[-2]
-    i = np.arange(tq)[:, None] + offset
-    j = np.arange(tk)[None, :]
-    keep = np.ones((tq, tk), bool)
-    if causal:
-        keep &= j <= i
-    if window is not None:
-        left, right = window
-        if left >= 0:
-            keep &= j >= i - left
-        if right >= 0:
-            keep &= j <= i + right
+    keep = visible_mask(q.shape[-2], k.shape[-2], causal, window, query_offset=offset)
     s = np.einsum("...id,...jd->...ij", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(q.shape[-1])
     s = np.where(keep, s, -np.inf)
     top = s.max(-1, keepdims=True, initial=-np.inf)

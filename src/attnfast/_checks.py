@@ -132,6 +132,16 @@ def bound_window(window: tuple[int, int], seqlen_q: int, seqlen_k: int,
 _MAX_QUERY_OFFSET = 2**62
 
 
+def _as_int(value, name: str, expected: str) -> int:
+    """`value` as a Python int (any size; bools and floats refused), for argument `name`."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be {expected}, got bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}") from None
+
+
 def check_flag(value, name: str) -> bool:
     """A bool option (causal, return_lse): bool, NumPy bool or the ints 0 / 1."""
     if isinstance(value, (bool, np.bool_)):
@@ -145,13 +155,7 @@ def check_query_offset(query_offset) -> int | None:
     """query_offset: None (bottom-right alignment) or an int with |value| <= 2**62."""
     if query_offset is None:
         return None
-    if isinstance(query_offset, (bool, np.bool_)):
-        raise TypeError(f"query_offset must be an int or None, got bool {query_offset!r}")
-    try:
-        value = operator.index(query_offset)
-    except TypeError:
-        raise TypeError(f"query_offset must be an int or None, got "
-                        f"{type(query_offset).__name__} {query_offset!r}") from None
+    value = _as_int(query_offset, "query_offset", "an int or None")
     if abs(value) > _MAX_QUERY_OFFSET:
         raise ValueError(f"query_offset must lie in [-2**62, 2**62], got {value}")
     return value
@@ -384,13 +388,7 @@ def check_cu_seqlens(cu, name: str, total: int, max_seqlen) -> np.ndarray:
         raise ValueError(f"{name} must be non-decreasing, got {arr.tolist()}")
     if max_seqlen is not None:
         arg = "max_seqlen_q" if name.endswith("_q") else "max_seqlen_k"
-        if isinstance(max_seqlen, (bool, np.bool_)):
-            raise TypeError(f"{arg} must be an int, got bool {max_seqlen!r}")
-        try:
-            limit = operator.index(max_seqlen)
-        except TypeError:
-            raise TypeError(f"{arg} must be an int, got {type(max_seqlen).__name__} "
-                            f"{max_seqlen!r}") from None
+        limit = _as_int(max_seqlen, arg, "an int")
         longest = int(lengths.max(initial=0))
         if limit < longest:
             raise ValueError(f"{arg} is {limit} but a sequence in {name} has {longest} tokens")
