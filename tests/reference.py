@@ -97,8 +97,15 @@ def reference_nonfinite_rows(q, k, v, causal=False, window=None, scale=None):
     nan_v = np.isnan(v)                                               # (.., H, Tk, Dv)
     sees = keep.any(axis=-1)                                          # (Tq,)
     sees_bad_k = (keep & bad_k[..., None, :]).any(axis=-1)            # (.., H, Tq)
-    # (.., H, Tq, Dv): row i sees a NaN in column d of v
-    sees_nan_v = np.einsum("ij,...jd->...id", keep.astype(np.int64), nan_v.astype(np.int64)) > 0
+    # A key whose float32 weight underflows to exactly 0 (score more than ~87 below the row's
+    # max) adds nothing, not even 0 x NaN: only keys of weight >= 1e-30 (in float64, from
+    # the finite parts of the inputs) must carry a NaN value into the row.
+    with np.errstate(over="ignore", invalid="ignore"):
+        _, _, w = reference_attention(np.nan_to_num(q), np.nan_to_num(k), np.nan_to_num(v),
+                                      causal=causal, scale=scale, window=window)
+    weighty = (keep & (w >= 1e-30)).astype(np.int64)                 # (.., H, Tq, Tk)
+    # (.., H, Tq, Dv): row i gives a key with a NaN in column d of v real weight
+    sees_nan_v = np.einsum("...ij,...jd->...id", weighty, nan_v.astype(np.int64)) > 0
     lse_nan = (bad_q | sees_bad_k) & sees
     out_nan = lse_nan[..., None] | (sees_nan_v & sees[:, None])
     return out_nan, lse_nan, np.broadcast_to(~sees, lse_nan.shape)
