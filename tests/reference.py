@@ -22,13 +22,8 @@ def visible_mask(tq, tk, causal=False, window=None, query_offset=None):
     return keep
 
 
-def reference_attention(q, k, v, causal=False, scale=None, window=None, softcap=None,
-                        alibi_slopes=None, sinks=None, mask=None):
-    """Returns (out, lse, weights) in float64 for q (.., H, Tq, D), k/v (.., Hkv, Tk, D/Dv).
-
-    Options as attnfast documents them: softcap c: s -> c tanh(s / c); alibi_slopes (H,) or
-    (B, H): s -= slope |i' - j|; mask: bool (True keeps) or added; sinks (H,): one more
-    logit per head in the denominator. Applied in that order, then causal / window."""
+def _per_query_head(q, k, v):
+    """q, k, v in float64, with k and v repeated to one KV head per query head (GQA/MQA)."""
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
     v = np.asarray(v, dtype=np.float64)
@@ -36,6 +31,17 @@ def reference_attention(q, k, v, causal=False, scale=None, window=None, softcap=
     if h != hkv:
         k = np.repeat(k, h // hkv, axis=-3)
         v = np.repeat(v, h // hkv, axis=-3)
+    return q, k, v
+
+
+def reference_attention(q, k, v, causal=False, scale=None, window=None, softcap=None,
+                        alibi_slopes=None, sinks=None, mask=None):
+    """Returns (out, lse, weights) in float64 for q (.., H, Tq, D), k/v (.., Hkv, Tk, D/Dv).
+
+    Options as attnfast documents them: softcap c: s -> c tanh(s / c); alibi_slopes (H,) or
+    (B, H): s -= slope |i' - j|; mask: bool (True keeps) or added; sinks (H,): one more
+    logit per head in the denominator. Applied in that order, then causal / window."""
+    q, k, v = _per_query_head(q, k, v)
     d = q.shape[-1]
     if scale is None:
         scale = 1.0 / np.sqrt(d)
@@ -83,13 +89,7 @@ def reference_nonfinite_rows(q, k, v, causal=False, window=None, scale=None):
     holds a NaN or inf; column d of its out is also NaN when column d of a value row it sees
     holds a NaN. A row that sees no key gives zeros and lse = -inf (never NaN).
     """
-    q = np.asarray(q, dtype=np.float64)
-    k = np.asarray(k, dtype=np.float64)
-    v = np.asarray(v, dtype=np.float64)
-    h, hkv = (q.shape[-3], k.shape[-3]) if q.ndim >= 3 else (1, 1)
-    if h != hkv:
-        k = np.repeat(k, h // hkv, axis=-3)
-        v = np.repeat(v, h // hkv, axis=-3)
+    q, k, v = _per_query_head(q, k, v)
     tq, tk = q.shape[-2], k.shape[-2]
     keep = visible_mask(tq, tk, causal, window)                       # (Tq, Tk)
     bad_q = ~np.isfinite(q).all(axis=-1)                              # (.., H, Tq)

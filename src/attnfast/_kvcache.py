@@ -106,17 +106,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
         Query i sits at cache position ``i + query_offset`` in every sequence (causal and
         window measured from there) instead of bottom-right; e.g. 0 for a prompt written
         into an empty static cache whose capacity exceeds the prompt.
-    softcap : float > 0, optional
-        Scores s become softcap * tanh(s / softcap) (Gemma 2), before ALiBi and the mask.
-    alibi_slopes : float32 array (H,) or (B, H), optional
-        Adds -slope * |i' - j| to the score of query i and key j (i' as for causal).
-    sinks : float32 array (H,), optional
-        One logit per query head that joins the softmax denominator and adds no value
-        (gpt-oss); lse includes it, and a row seeing no key gets lse = sink.
-    mask : array broadcastable to (B, H, Tq, Tk), optional
-        bool (True keeps the key) or additive float (float32 or q's dtype), read through its
-        broadcast strides (never expanded); combined with causal and window. On the KV-cache
-        paths its last axis spans the cache's capacity.
+    softcap, alibi_slopes, sinks, mask
+        As in :func:`attnfast.attention` (ALiBi distances from each sequence's i'); the mask
+        broadcasts to (B, H, Tq, capacity): its last axis spans the cache's capacity.
 
     Returns
     -------
