@@ -22,12 +22,16 @@ namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {
 namespace {
 
+#ifndef ATTNFAST_LOWP_INSTRUCTIONS
+#define ATTNFAST_LOWP_INSTRUCTIONS "16-bit and int8 values widened to float32 in plain C++"
+#endif
 #ifndef ATTNFAST_F32_SINKS
 #define ATTNFAST_F32_SINKS false
 #endif
 
 const KernelTable kTable = {
     ATTNFAST_KERNEL_NAME,
+    ATTNFAST_LOWP_INSTRUCTIONS,
     ATTNFAST_F32_SINKS,
     ATTNFAST_PREFILL_F32, attend_block_f64,
     ATTNFAST_PREFILL_PLAN_F32,

@@ -138,6 +138,8 @@ struct PrefillPlan {
 
 struct KernelTable {
     const char* name;
+    // What the 16-bit and int8 paths of this tier run on, for show_config().
+    const char* lowp_instructions;
     // Whether attend_block_f32 and decode_chunk_f32 take sinks (the other score options
     // always go to the templates).
     bool f32_sinks;
@@ -178,6 +180,7 @@ struct KernelTable {
 const KernelTable* kernel_table_generic();
 const KernelTable* kernel_table_avx2();
 const KernelTable* kernel_table_avx512();
+const KernelTable* kernel_table_avx512bf16();
 const KernelTable* kernel_table_neon();
 
 // The table in use (chosen once; see dispatch.cpp).

@@ -328,11 +328,64 @@ struct ScoreBlock {  // scores of RB rows against up to W keys, in groups of W /
     }
 };
 
-// ND: D / W when the score loops are unrolled for it (0: any multiple of W). TQ: type of q;
-// T: type of K and V as stored.
+// How chunk() does its arithmetic, as a policy: staging a query row, scoring W keys for
+// every row, the probabilities of a block being ready, adding V rows, finishing the chunk.
+// This one widens every K/V vector to float32 and runs float32 FMAs (any storage type T,
+// q of type TQ); bf16_decode.inl has a vdpbf16ps one for bfloat16 q and K/V.
+// ND: D / W when the score loops are unrolled for it (0: any multiple of W).
 template <int ND, class TQ, class T>
+struct WidenPath {
+    using Q = TQ;
+    using KV = T;
+    // Workspace floats per staged query row (D rounded up to whole vectors).
+    static int64_t query_stride(const AttentionParams& p) { return decode_query_stride(p); }
+    static void stage_query(float* qs, const TQ* qrow, int64_t D, float scale) {
+        for (int64_t d = 0; d < D; ++d) qs[d] = widen(qrow[d]) * scale;
+    }
+    // Scores of keys [j, j + nk) (nk <= W) for the n staged rows; the first row block also
+    // starts those keys' V rows towards the cache (vj: the first one's bytes). The staged
+    // rows already carry the scale.
+    static void scores(int64_t n, const float* qs, int64_t qstride, const T* kj, int64_t ks,
+                       int64_t nk, int64_t D, float* sj, int64_t ss, const char* vj,
+                       int64_t vsb, int64_t v_row_bytes, float /*scale*/) {
+        int64_t rb = 0;
+        for (; rb + 4 <= n; rb += 4)
+            ScoreBlock<4, ND, T>::run(qs + rb * qstride, qstride, kj, ks, nk, D, sj + rb * ss, ss,
+                                      rb == 0 ? vj : nullptr, vsb, v_row_bytes);
+        if (n - rb >= 2) {
+            ScoreBlock<2, ND, T>::run(qs + rb * qstride, qstride, kj, ks, nk, D, sj + rb * ss, ss,
+                                      rb == 0 ? vj : nullptr, vsb, v_row_bytes);
+            rb += 2;
+        }
+        if (n - rb == 1)
+            ScoreBlock<1, ND, T>::run(qs + rb * qstride, qstride, kj, ks, nk, D, sj + rb * ss, ss,
+                                      rb == 0 ? vj : nullptr, vsb, v_row_bytes);
+    }
+    // A row's probabilities of one block (keys_in_block of them) are final in srow.
+    static void weights_ready(float*, int64_t) {}
+    // acc rows += p rows times V rows v0 .. v1 (s: the block's score rows, ss apart, whose
+    // column c is key j0 + c).
+    static void values(int64_t n, float* acc, int64_t Dv, const float* s_block, int64_t ss,
+                       int64_t j0, const T* v, int64_t vs, int64_t v0, int64_t v1) {
+        const float* s = s_block - j0;  // column j: key j
+        int64_t rb = 0;
+        for (; rb + 4 <= n; rb += 4) pv_rows<4>(acc + rb * Dv, Dv, s + rb * ss, ss, v, vs, v0, v1);
+        if (n - rb >= 2) {
+            pv_rows<2>(acc + rb * Dv, Dv, s + rb * ss, ss, v, vs, v0, v1);
+            rb += 2;
+        }
+        if (n - rb == 1) pv_rows<1>(acc + rb * Dv, Dv, s + rb * ss, ss, v, vs, v0, v1);
+    }
+    // The chunk's accumulator rows are final (in whatever layout values() kept them).
+    static void finish(float*, int64_t, int64_t) {}
+};
+
+// One chunk of keys for all rows of a (batch, kv head), with the arithmetic of Path.
+template <class Path>
 void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, float* acc,
            float* m, float* l) {
+    using TQ = typename Path::Q;
+    using T = typename Path::KV;
     const int64_t D = p.head_dim, Dv = p.head_dim_v, tq = p.seqlen_q;
     const int64_t group = p.heads / p.kv_heads;
     const int64_t rows = group * tq;
@@ -340,7 +393,7 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
     const int64_t ss = kDecodeScoreStride;
     static_assert(kDecodeScoreStride >= kDecodeKeyBlock + W, "score rows hold a block plus one vector");
 
-    const int64_t qstride = decode_query_stride(p);  // == D here
+    const int64_t qstride = Path::query_stride(p);
     float* qs = workspace;
     float* s = qs + kDecodeGroupRows * qstride;
     // int8 cache: one block's K and V row scales, contiguous (see decode_workspace_elems)
@@ -369,7 +422,7 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
             const int64_t r = r0 + rr;
             const int64_t head = task.kv_head * group + r / tq, pos = r % tq;
             const TQ* qrow = q + head * p.q_head_stride + pos * p.q_row_stride;
-            for (int64_t d = 0; d < D; ++d) qs[rr * qstride + d] = widen(qrow[d]) * scale;
+            Path::stage_query(qs + rr * qstride, qrow, D, scale);
             const KeyRange vis = visible_keys(p, pos, task.seqlen_k);
             const int64_t b = vis.begin > task.key_begin ? vis.begin : task.key_begin;
             const int64_t e = vis.end < task.key_end ? vis.end : task.key_end;
@@ -394,19 +447,8 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
                 const int64_t nk = j1 - j < W ? j1 - j : W;
                 const T* kj = k + j * p.k_row_stride;
                 const char* vj = reinterpret_cast<const char*>(v + j * p.v_row_stride);
-                float* sj = s + (j - j0);
-                int64_t rb = 0;
-                for (; rb + 4 <= n; rb += 4)
-                    ScoreBlock<4, ND, T>::run(qs + rb * qstride, qstride, kj, p.k_row_stride, nk, D,
-                                              sj + rb * ss, ss, rb == 0 ? vj : nullptr, vsb, v_row_bytes);
-                if (n - rb >= 2) {
-                    ScoreBlock<2, ND, T>::run(qs + rb * qstride, qstride, kj, p.k_row_stride, nk, D,
-                                              sj + rb * ss, ss, rb == 0 ? vj : nullptr, vsb, v_row_bytes);
-                    rb += 2;
-                }
-                if (n - rb == 1)
-                    ScoreBlock<1, ND, T>::run(qs + rb * qstride, qstride, kj, p.k_row_stride, nk, D,
-                                              sj + rb * ss, ss, rb == 0 ? vj : nullptr, vsb, v_row_bytes);
+                Path::scores(n, qs, qstride, kj, p.k_row_stride, nk, D, s + (j - j0), ss, vj, vsb,
+                             v_row_bytes, scale);
             }
             if (k_scale.scale)  // one block's scales, gathered once for all rows
                 for (int64_t c = 0; c < j1 - j0; ++c) {
@@ -425,6 +467,7 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
                 const float block_max = b < e ? range_max(srow, b, e) : -__builtin_inff();
                 if (block_max == -__builtin_inff()) {  // sees nothing in this block: weight 0
                     for (int64_t c = 0; c < j1 - j0; ++c) srow[c] = 0;
+                    Path::weights_ready(srow, j1 - j0);
                     continue;
                 }
                 const float m_new = m[r] > block_max ? m[r] : block_max;
@@ -439,22 +482,16 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
                 l[r] += exp_shift_zero(srow, j1 - j0, b, e, m_new);
                 if (v_scale.scale)  // int8 V: the weight of v_int8[j] is p[j] * v_scale[j]
                     for (int64_t c = b; c < e; ++c) srow[c] *= v_scale_block[c];
+                Path::weights_ready(srow, j1 - j0);
             }
 
             for (int64_t v0 = j0; v0 < j1; v0 += kValueSubKeys) {
                 const int64_t v1 = v0 + kValueSubKeys < j1 ? v0 + kValueSubKeys : j1;
-                int64_t rb = 0;
-                for (; rb + 4 <= n; rb += 4)
-                    pv_rows<4>(acc + (r0 + rb) * Dv, Dv, s + rb * ss - j0, ss, v, p.v_row_stride, v0, v1);
-                if (n - rb >= 2) {
-                    pv_rows<2>(acc + (r0 + rb) * Dv, Dv, s + rb * ss - j0, ss, v, p.v_row_stride, v0, v1);
-                    rb += 2;
-                }
-                if (n - rb == 1)
-                    pv_rows<1>(acc + (r0 + rb) * Dv, Dv, s + rb * ss - j0, ss, v, p.v_row_stride, v0, v1);
+                Path::values(n, acc + r0 * Dv, Dv, s, ss, j0, v, p.v_row_stride, v0, v1);
             }
         }
     }
+    Path::finish(acc, rows, Dv);
 }
 
 // Whether this kernel takes the call (else the shared template): every vector of D and Dv
@@ -467,9 +504,9 @@ inline bool covers(const AttentionParams& p) {
 template <class TQ, class T>
 void chunk_for(const AttentionParams& p, const DecodeTask& task, float* workspace, float* acc,
                float* m, float* l) {
-    if (p.head_dim == 128) chunk<128 / W, TQ, T>(p, task, workspace, acc, m, l);
-    else if (p.head_dim == 64) chunk<64 / W, TQ, T>(p, task, workspace, acc, m, l);
-    else chunk<0, TQ, T>(p, task, workspace, acc, m, l);
+    if (p.head_dim == 128) chunk<WidenPath<128 / W, TQ, T>>(p, task, workspace, acc, m, l);
+    else if (p.head_dim == 64) chunk<WidenPath<64 / W, TQ, T>>(p, task, workspace, acc, m, l);
+    else chunk<WidenPath<0, TQ, T>>(p, task, workspace, acc, m, l);
 }
 
 void decode_chunk_f32(const AttentionParams& p, const DecodeTask& task, float* workspace,
