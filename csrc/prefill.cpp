@@ -114,9 +114,8 @@ void attention_forward(const AttentionParams& p) {
     const KernelTable& kernels = active_kernels();
     if (p.dtype == DType::kF32 && p.kv_dtype == DType::kF32 && !needs_templates(p, kernels.f32_sinks)) {
         run_blocks<float>(p, kernels.attend_block_f32, kernels.plan_f32(p));
-    } else if (p.dtype != DType::kF64) {  // 16-bit, int8 or score options: the templates
-        const PrefillPlan plan{kBlockRows, block_workspace_elems(p)};
-        run_blocks<float>(p, kernels.attend_block_any, plan);
+    } else if (p.dtype != DType::kF64) {  // 16-bit, int8 or score options
+        run_blocks<float>(p, kernels.attend_block_any, kernels.plan_any(p));
     } else {
         const PrefillPlan plan{kBlockRows, block_workspace_elems(p)};
         run_blocks<double>(p, kernels.attend_block_f64, plan);

@@ -335,8 +335,9 @@ void attend_block_any(const AttentionParams& p, const BlockTask& t, float* ws) {
     }
 }
 
-// The float32 plan of this kernel (the SIMD tiers use their own kernel and plan for float32).
-[[maybe_unused]] PrefillPlan plan_f32_generic(const AttentionParams& p) {
+// The plan of these templates: attend_block_any's on every tier that has no kernel of its
+// own for the call, and the float32 one of tiers without a SIMD float32 kernel.
+[[maybe_unused]] PrefillPlan plan_templates(const AttentionParams& p) {
     PrefillPlan plan;
     plan.block_rows = kBlockRows;
     plan.workspace_elems = block_workspace_elems(p);

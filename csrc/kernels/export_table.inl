@@ -1,7 +1,8 @@
 // The KernelTable of one ISA file: every kernel template it compiled, by entry point.
 // Included last by kernels/isa_*.cpp, after the kernel .inl files. A tier with its own float32
 // prefill kernel names it (and its plan) in ATTNFAST_PREFILL_F32 / ATTNFAST_PREFILL_PLAN_F32;
-// otherwise the shared template is used. Likewise a float32 decode chunk kernel in
+// otherwise the shared template is used; likewise ATTNFAST_PREFILL_ANY / _PLAN_ANY for every
+// other float32-accumulated combination. Likewise a float32 decode chunk kernel in
 // ATTNFAST_DECODE_CHUNK_F32, and one for every other float32-accumulated dtype combination in
 // ATTNFAST_DECODE_CHUNK_ANY. ATTNFAST_F32_SINKS: its float32 kernels take sinks.
 #ifndef ATTNFAST_KERNEL_NS
@@ -9,7 +10,11 @@
 #endif
 #ifndef ATTNFAST_PREFILL_F32
 #define ATTNFAST_PREFILL_F32 attend_block_f32
-#define ATTNFAST_PREFILL_PLAN_F32 plan_f32_generic
+#define ATTNFAST_PREFILL_PLAN_F32 plan_templates
+#endif
+#ifndef ATTNFAST_PREFILL_ANY
+#define ATTNFAST_PREFILL_ANY attend_block_any
+#define ATTNFAST_PREFILL_PLAN_ANY plan_templates
 #endif
 #ifndef ATTNFAST_DECODE_CHUNK_F32
 #define ATTNFAST_DECODE_CHUNK_F32 decode_chunk_f32
@@ -37,7 +42,7 @@ const KernelTable kTable = {
     ATTNFAST_PREFILL_PLAN_F32,
     ATTNFAST_DECODE_CHUNK_F32, decode_chunk_f64,
     decode_merge_f32, decode_merge_f64,
-    attend_block_any, ATTNFAST_DECODE_CHUNK_ANY, decode_merge_any,
+    ATTNFAST_PREFILL_ANY, ATTNFAST_PREFILL_PLAN_ANY, ATTNFAST_DECODE_CHUNK_ANY, decode_merge_any,
 };
 
 }  // namespace

@@ -169,6 +169,7 @@ struct KernelTable {
     // and every score option (softcap, ALiBi, mask, sinks), all accumulating in float32: the
     // same contracts as the float32 entries, dispatching on p.dtype and p.kv_dtype.
     void (*attend_block_any)(const AttentionParams&, const BlockTask&, float* workspace);
+    PrefillPlan (*plan_any)(const AttentionParams&);  // its block rows and workspace
     void (*decode_chunk_any)(const AttentionParams&, const DecodeTask&, float* workspace,
                               float* acc, float* m, float* l);
     void (*decode_merge_any)(const AttentionParams&, int64_t batch, int64_t kv_head,

@@ -1,0 +1,375 @@
+// bfloat16 prefill with AVX512_BF16's vdpbf16ps, for bfloat16 q, k, v (a model run in
+// bfloat16). Included by kernels/isa_avx512bf16.cpp after simd_prefill.inl, whose layout it
+// keeps (queries in vector lanes, Bq = 32 rows per sub-block; Sᵀ, Oᵀ and the online softmax
+// in float32; tiling, task plan, prefetch and the finish shared) and whose micro-kernels it
+// replaces by ones that do 32 multiply-adds per instruction on bfloat16 pairs:
+//   S micro-kernel:  Qᵀ is held as pairs (q[i][2d], q[i][2d+1]), one 32-bit word per query
+//                    lane, exactly as stored (the scale multiplies the float32 scores, so q
+//                    is not rounded); each K pair (k[t][2d], k[t][2d+1]) is one 32-bit
+//                    broadcast from the caller's array: acc[t][v] += qt2[d][v] . kpair.
+//   PV micro-kernel: Pᵀ rows j, j+1 become one row of pairs (p[j][i], p[j+1][i]) rounded to
+//                    bfloat16 (relative error <= 2^-9 per weight, as FlashAttention; the row
+//                    sums l stay float32 sums of the unrounded weights); the tile's V rows
+//                    are packed once per tile into pairs (v[j][e], v[j+1][e]):
+//                    acc[e][v] += pt2[j/2][v] . vpair[j/2][e].
+// Odd D and Dv take the widening kernel of the tier (simd_prefill.inl's templates).
+#if !defined(__AVX512BF16__)
+#error "bf16_prefill.inl needs AVX512_BF16"
+#endif
+
+namespace attnfast {
+namespace ATTNFAST_KERNEL_NS {
+namespace {
+namespace bf16_prefill {
+
+using simd::Bq;
+using simd::kQueryVecs;
+using simd::kRows;
+using simd::Vec;
+using simd::W;
+
+// Words (two bfloat16) of Qᵀ per query lane: D / 2; Qᵀ rows of pairs are Bq words apart.
+inline __m512bh as_pairs(__m512i x) { return (__m512bh)x; }
+inline __m512bh load_pairs(const uint32_t* p) { return as_pairs(_mm512_load_si512(p)); }
+inline __m512bh broadcast_pair(const bf16_t* p) {
+    int32_t word;
+    __builtin_memcpy(&word, p, sizeof word);  // two adjacent bfloat16 of one row
+    return as_pairs(_mm512_set1_epi32(word));
+}
+
+// What one task's kernel needs beyond simd::Block: the packed V tile and a float32 staging
+// area for the output rows (finished by simd::finish_sub_block, then rounded).
+struct Scratch {
+    uint32_t* v_pairs;  // ceil(Bk / 2) x Dv words: (v[2j][e], v[2j + 1][e])
+    float* out_rows;    // Bq x Dv
+};
+
+inline int64_t scratch_elems(const AttentionParams& p, const simd::Tiling& t) {
+    return (t.Bk + 1) / 2 * p.head_dim_v + Bq * p.head_dim_v;
+}
+
+PrefillPlan plan(const AttentionParams& p) {
+    PrefillPlan plan = simd::plan(p);  // (its Qᵀ of D floats per lane holds our D / 2 words)
+    plan.workspace_elems += scratch_elems(p, simd::tiling(p)) + 64 / sizeof(float);
+    return plan;
+}
+
+// Sᵀ rows [j0, j0 + R) of the tile at key `tile` (see simd::scores_rows): R keys x Bq lanes,
+// D / 2 pair steps, then scaled into base 2.
+template <int R>
+void scores_rows(const simd::Block& b, int64_t tile, int64_t j0, bool partial, float scale2, Vec* tile_max) {
+    Vec acc[R][kQueryVecs];
+#pragma GCC unroll 16
+    for (int t = 0; t < R; ++t)
+#pragma GCC unroll 4
+        for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = simd::vzero();
+    const bf16_t* krow[R];
+    const bf16_t* k = reinterpret_cast<const bf16_t*>(b.k);
+#pragma GCC unroll 16
+    for (int t = 0; t < R; ++t) krow[t] = k + (tile + j0 + t) * b.k_stride;
+    const uint32_t* q = reinterpret_cast<const uint32_t*>(b.qt);
+    for (int64_t d = 0; d < b.D; d += 2, q += Bq) {
+        __m512bh qv[kQueryVecs];
+#pragma GCC unroll 4
+        for (int u = 0; u < kQueryVecs; ++u) qv[u] = load_pairs(q + u * W);
+#pragma GCC unroll 16
+        for (int t = 0; t < R; ++t) {
+            const __m512bh kb = broadcast_pair(krow[t] + d);
+#pragma GCC unroll 4
+            for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = _mm512_dpbf16_ps(acc[t][u], qv[u], kb);
+        }
+    }
+    const Vec sv = simd::vset(scale2);
+    float* s = b.st + j0 * Bq;
+#pragma GCC unroll 16
+    for (int t = 0; t < R; ++t)
+#pragma GCC unroll 4
+        for (int u = 0; u < kQueryVecs; ++u) {
+            Vec x = simd::neg_inf_to_nan(simd::vmul(acc[t][u], sv));  // -inf only from an infinite input
+            if (partial)
+                x = simd::keep_or_neg_inf(simd::key_visible(b.rel_begin + u * W, b.rel_end + u * W,
+                                                            static_cast<int32_t>(j0 + t)), x);
+            tile_max[u] = simd::vmax(tile_max[u], x);
+            simd::vstore(s + t * Bq + u * W, x);
+        }
+}
+
+// Oᵀ rows [e0, e0 + R) = corr * Oᵀ + Vᵀ Pᵀ over `pairs` key pairs (corr nullptr: all ones).
+template <int R>
+void pv_rows(const simd::Block& b, const Scratch& sc, int64_t pairs, int64_t e0, const Vec* corr,
+             simd::PrefetchStream& pf, int pf_steps) {
+    Vec acc[R][kQueryVecs];
+    float* o = b.ot + e0 * Bq;
+#pragma GCC unroll 16
+    for (int t = 0; t < R; ++t)
+#pragma GCC unroll 4
+        for (int u = 0; u < kQueryVecs; ++u)
+            acc[t][u] = corr ? simd::vmul(simd::vload(o + t * Bq + u * W), corr[u]) : simd::vload(o + t * Bq + u * W);
+    const uint32_t* vp = sc.v_pairs + e0;
+    const uint32_t* pt = reinterpret_cast<const uint32_t*>(b.st);
+    for (int64_t j = 0; j < pairs; ++j, vp += b.Dv, pt += Bq) {
+        for (int i = 0; i < pf_steps; ++i) pf.step();
+        __m512bh pv[kQueryVecs];
+#pragma GCC unroll 4
+        for (int u = 0; u < kQueryVecs; ++u) pv[u] = load_pairs(pt + u * W);
+#pragma GCC unroll 16
+        for (int t = 0; t < R; ++t) {
+            const __m512bh vb = as_pairs(_mm512_set1_epi32(static_cast<int32_t>(vp[t])));
+#pragma GCC unroll 4
+            for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = _mm512_dpbf16_ps(acc[t][u], pv[u], vb);
+        }
+    }
+#pragma GCC unroll 16
+    for (int t = 0; t < R; ++t)
+#pragma GCC unroll 4
+        for (int u = 0; u < kQueryVecs; ++u) simd::vstore(o + t * Bq + u * W, acc[t][u]);
+}
+
+template <int R>
+inline void scores_tail(int64_t rows, const simd::Block& b, int64_t tile, int64_t j0, bool partial,
+                        float scale2, Vec* tile_max) {
+    if (rows == R) scores_rows<R>(b, tile, j0, partial, scale2, tile_max);
+    else if constexpr (R > 1) scores_tail<R - 1>(rows, b, tile, j0, partial, scale2, tile_max);
+}
+template <int R>
+inline void pv_cols(int64_t cols, const simd::Block& b, const Scratch& sc, int64_t pairs, int64_t e0,
+                    const Vec* corr, simd::PrefetchStream& pf, int pf_steps) {
+    if (cols == R) pv_rows<R>(b, sc, pairs, e0, corr, pf, pf_steps);
+    else if constexpr (R > 1) pv_cols<R - 1>(cols, b, sc, pairs, e0, corr, pf, pf_steps);
+}
+
+// V rows [tile, tile + keys) as pairs of rows, one 32-bit word per column; a missing row
+// after an odd count is zeros (never read from the array).
+void pack_values(const simd::Block& b, const Scratch& sc, int64_t tile, int64_t keys) {
+    const __m512i first = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004,
+                                            0x00250005, 0x00260006, 0x00270007, 0x00280008, 0x00290009,
+                                            0x002A000A, 0x002B000B, 0x002C000C, 0x002D000D, 0x002E000E,
+                                            0x002F000F);  // words i: (x[i], y[i]), i < 16
+    const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));  // i in 16..31
+    const bf16_t* v = reinterpret_cast<const bf16_t*>(b.v) + tile * b.v_stride;
+    const int64_t Dv = b.Dv;
+    for (int64_t j = 0; j < keys; j += 2) {
+        const bf16_t* x = v + j * b.v_stride;
+        const bf16_t* y = j + 1 < keys ? x + b.v_stride : nullptr;
+        uint32_t* out = sc.v_pairs + (j / 2) * Dv;
+        int64_t e = 0;
+        for (; e + 32 <= Dv; e += 32) {
+            const __m512i xv = _mm512_loadu_si512(x + e);
+            const __m512i yv = y ? _mm512_loadu_si512(y + e) : _mm512_setzero_si512();
+            _mm512_storeu_si512(out + e, _mm512_permutex2var_epi16(xv, first, yv));
+            _mm512_storeu_si512(out + e + 16, _mm512_permutex2var_epi16(xv, second, yv));
+        }
+        for (; e < Dv; ++e)
+            out[e] = static_cast<uint32_t>(x[e].bits) | (y ? static_cast<uint32_t>(y[e].bits) << 16 : 0u);
+    }
+}
+
+// Pᵀ rows (2j, 2j + 1) -> row j of bfloat16 pairs, in place (row j's words sit over float
+// row j, already read); a missing row after an odd count weighs 0.
+inline void pair_weights(const simd::Block& b, int64_t keys) {
+    const __m512i interleave = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004,
+                                                 0x00150005, 0x00160006, 0x00170007, 0x00180008, 0x00190009,
+                                                 0x001A000A, 0x001B000B, 0x001C000C, 0x001D000D, 0x001E000E,
+                                                 0x001F000F);  // words i: (lo[i], hi[i])
+    for (int64_t j = 0; j < keys; j += 2) {
+        const float* even = b.st + j * Bq;
+        uint32_t* out = reinterpret_cast<uint32_t*>(b.st) + (j / 2) * Bq;
+        for (int u = 0; u < kQueryVecs; ++u) {
+            const Vec lo = simd::vload(even + u * W);
+            const Vec hi = j + 1 < keys ? simd::vload(even + Bq + u * W) : simd::vzero();
+            // cvtne2ps: bfloat16 of hi in words 16..31, of lo in words 0..15
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+            _mm512_store_si512(out + u * W, _mm512_permutexvar_epi16(interleave, both));
+        }
+    }
+}
+
+// simd::attend_tile with the bfloat16 micro-kernels.
+void attend_tile(const simd::Block& b, const Scratch& sc, int64_t tile, int64_t keys, int64_t next_keys,
+                 bool partial, float scale2) {
+    Vec tile_max[kQueryVecs];
+    for (int u = 0; u < kQueryVecs; ++u) tile_max[u] = simd::vset(-__builtin_inff());
+    int64_t j0 = 0;
+    for (; j0 + kRows <= keys; j0 += kRows) scores_rows<kRows>(b, tile, j0, partial, scale2, tile_max);
+    if (j0 < keys) scores_tail<kRows - 1>(keys - j0, b, tile, j0, partial, scale2, tile_max);
+    pack_values(b, sc, tile, keys);  // (its V rows load while the scores finish)
+
+    Vec shift[kQueryVecs], corr[kQueryVecs], sum[kQueryVecs];
+    for (int u = 0; u < kQueryVecs; ++u) {
+        const Vec m_old = simd::vload(b.m + u * W);
+        const Vec m_new = simd::vmax(m_old, tile_max[u]);
+        shift[u] = simd::finite_or_zero(m_new);
+        corr[u] = simd::exp2_neg(simd::vsub(m_old, shift[u]));
+        sum[u] = simd::vmul(simd::vload(b.l + u * W), corr[u]);
+        simd::vstore(b.m + u * W, m_new);
+    }
+    simd::exp_pass(b, keys, shift, sum);
+    for (int u = 0; u < kQueryVecs; ++u) simd::vstore(b.l + u * W, sum[u]);
+    bool rescale = false;
+    for (int u = 0; u < kQueryVecs; ++u) rescale = rescale || !simd::all_ones(corr[u]);
+    pair_weights(b, keys);
+
+    const int64_t pairs = (keys + 1) / 2;
+    const int64_t passes = (b.Dv + kRows - 1) / kRows;
+    simd::PrefetchStream pf;
+    int pf_steps = 0;
+    if (next_keys > 0) {
+        pf = simd::PrefetchStream(b, tile + b.Bk, next_keys);
+        // (the stream counts in float32 rows: halve strides and row bytes for bfloat16)
+        pf.k_stride /= 2;
+        pf.v_stride /= 2;
+        pf.k_row = reinterpret_cast<const char*>(reinterpret_cast<const bf16_t*>(b.k) + (tile + b.Bk) * b.k_stride);
+        pf.v_row = reinterpret_cast<const char*>(reinterpret_cast<const bf16_t*>(b.v) + (tile + b.Bk) * b.v_stride);
+        pf.k_bytes /= 2;
+        pf.v_bytes /= 2;
+        pf.k_lines = pf.k_bytes / 64 + 1;
+        pf.lines = pf.k_lines + pf.v_bytes / 64 + 1;
+        pf_steps = static_cast<int>((pf.total_lines() + passes * pairs - 1) / (passes * pairs));
+    }
+    for (int64_t pass = 0, e0 = 0; pass < passes; ++pass) {
+        const int64_t cols = b.Dv / passes + (pass < b.Dv % passes ? 1 : 0);
+        pv_cols<kRows>(cols, b, sc, pairs, e0, rescale ? corr : nullptr, pf, pf_steps);
+        e0 += cols;
+    }
+}
+
+// Qᵀ as pairs: word (d / 2, i) = q[i][d], q[i][d + 1] (a 32-bit transpose of the rows);
+// lanes past the last row 0; empty state (as simd::init_sub_block).
+void init_sub_block(const AttentionParams& p, simd::Block& b, const bf16_t* q) {
+    uint32_t* qt = reinterpret_cast<uint32_t*>(b.qt);
+    const int64_t words = b.D / 2;
+    for (int64_t i = 0; i < Bq; ++i) {
+        const bf16_t* qrow = q + (b.row_begin + (i < b.rows ? i : 0)) * p.q_row_stride;
+        for (int64_t w = 0; w < words; ++w) {
+            uint32_t word = 0;
+            if (i < b.rows) __builtin_memcpy(&word, qrow + 2 * w, sizeof word);
+            qt[w * Bq + i] = word;
+        }
+    }
+    for (int64_t i = 0; i < Bq; ++i) {
+        b.m[i] = -__builtin_inff();
+        b.l[i] = 0.0f;
+    }
+    for (int64_t x = 0; x < b.Dv * Bq; ++x) b.ot[x] = 0.0f;
+    b.first = visible_keys(p, b.row_begin, b.seqlen_k);
+    b.last = visible_keys(p, b.row_begin + b.rows - 1, b.seqlen_k);
+}
+
+// simd::finish_sub_block into float32 rows, then each row rounded to bfloat16 (nearest even).
+void finish_sub_block(const AttentionParams& p, const simd::Block& b, const Scratch& sc, int64_t batch) {
+    AttentionParams staged = p;
+    staged.out = sc.out_rows;  // rows 0 .. b.rows - 1, Dv apart
+    staged.out_batch_stride = staged.out_head_stride = 0;
+    staged.out_row_stride = b.Dv;
+    if (p.lse) staged.lse = static_cast<float*>(p.lse) + b.row_begin * p.lse_row_stride;
+    simd::Block at_zero = b;
+    at_zero.row_begin = 0;
+    simd::finish_sub_block(staged, at_zero, batch);
+    bf16_t* out = static_cast<bf16_t*>(p.out) + batch * p.out_batch_stride + b.head * p.out_head_stride;
+    for (int64_t i = 0; i < b.rows; ++i) {
+        bf16_t* orow = out + (b.row_begin + i) * p.out_row_stride;
+        const float* row = sc.out_rows + i * b.Dv;
+        int64_t e = 0;
+        for (; e + 16 <= b.Dv; e += 16) {  // vcvtneps2bf16: nearest even, NaN stays NaN
+            const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(row + e));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + e), (__m256i)h);
+        }
+        for (; e < b.Dv; ++e) orow[e] = narrow_bf16(row[e]);
+    }
+}
+
+// simd::attend_block's task structure (super-tiles shared by the task's sub-blocks).
+void attend_block(const AttentionParams& p, const BlockTask& task, float* workspace) {
+    const simd::Tiling t = simd::tiling(p);
+    const int64_t row_blocks = (task.row_end - task.row_begin + Bq - 1) / Bq;
+    const int64_t subs = task.head_count * row_blocks;
+    const int64_t kv_head = task.head / (p.heads / p.kv_heads);
+    const float scale2 = static_cast<float>(p.scale * 1.4426950408889634);  // base 2
+
+    float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(workspace) + 63) & ~uintptr_t(63));
+    float* st = base;
+    int32_t* rel_begin = reinterpret_cast<int32_t*>(st + t.Bk * Bq);
+    int32_t* rel_end = rel_begin + Bq;
+    float* sub_base = base + t.shared_elems;
+    float* scratch = sub_base + subs * t.sub_elems;
+    const Scratch sc{reinterpret_cast<uint32_t*>(scratch), scratch + (t.Bk + 1) / 2 * p.head_dim_v};
+
+    simd::Block blocks[simd::kMaxSubBlocks];
+    int64_t kv_begin = 0, kv_end = 0;
+    const bf16_t* k = static_cast<const bf16_t*>(p.k) + task.batch * p.k_batch_stride + kv_head * p.k_head_stride;
+    const bf16_t* v = static_cast<const bf16_t*>(p.v) + task.batch * p.v_batch_stride + kv_head * p.v_head_stride;
+    for (int64_t sidx = 0; sidx < subs; ++sidx) {
+        simd::Block& b = blocks[sidx];
+        b.D = p.head_dim;
+        b.Dv = p.head_dim_v;
+        b.Bk = t.Bk;
+        b.qt = sub_base + sidx * t.sub_elems;  // D / 2 words x Bq, then as simd::Block
+        b.ot = b.qt + b.D * Bq;
+        b.m = b.ot + b.Dv * Bq;
+        b.l = b.m + Bq;
+        b.st = st;
+        b.rel_begin = rel_begin;
+        b.rel_end = rel_end;
+        b.k = reinterpret_cast<const float*>(k);  // bfloat16 rows; strides in elements
+        b.v = reinterpret_cast<const float*>(v);
+        b.k_stride = p.k_row_stride;
+        b.v_stride = p.v_row_stride;
+        b.head = task.head + sidx / row_blocks;
+        b.row_begin = task.row_begin + (sidx % row_blocks) * Bq;
+        b.rows = task.row_end - b.row_begin < Bq ? task.row_end - b.row_begin : Bq;
+        b.seqlen_k = batch_seqlen_k(p, task.batch);
+        init_sub_block(p, b, static_cast<const bf16_t*>(p.q) + task.batch * p.q_batch_stride + b.head * p.q_head_stride);
+        if (sidx == 0 || b.first.begin < kv_begin) kv_begin = b.first.begin;
+        if (sidx == 0 || b.last.end > kv_end) kv_end = b.last.end;
+    }
+
+    for (int64_t super = kv_begin; super < kv_end; super += t.super_keys) {
+        const int64_t super_end = super + t.super_keys < kv_end ? super + t.super_keys : kv_end;
+        int64_t covered = super;
+        for (int64_t sidx = 0; sidx < subs; ++sidx) {
+            simd::Block& b = blocks[sidx];
+            const int64_t lo = b.first.begin, hi = b.last.end < super_end ? b.last.end : super_end;
+            int64_t tile = super;
+            if (lo > tile) tile += simd::round_down(lo - tile, t.Bk);
+            for (; tile < hi; tile += t.Bk) {
+                const int64_t keys = hi - tile < t.Bk ? hi - tile : t.Bk;
+                int64_t next_keys = 0;
+                if (t.prefetch && tile + t.Bk >= covered) {
+                    const int64_t after = kv_end - (tile + t.Bk);
+                    next_keys = after <= 0 ? 0 : (after < t.Bk ? after : t.Bk);
+                }
+                const bool partial = tile < b.last.begin || tile + keys > b.first.end;
+                if (partial)
+                    for (int64_t i = 0; i < Bq; ++i) {
+                        const KeyRange r = visible_keys(p, b.row_begin + (i < b.rows ? i : b.rows - 1), b.seqlen_k);
+                        const int64_t rb = simd::clamp64(r.begin - tile, 0, keys);
+                        b.rel_begin[i] = static_cast<int32_t>(rb);
+                        b.rel_end[i] = static_cast<int32_t>(simd::clamp64(r.end - tile, rb, keys));
+                    }
+                attend_tile(b, sc, tile, keys, next_keys, partial, scale2);
+            }
+            if (hi > covered) covered = hi;
+        }
+    }
+    for (int64_t sidx = 0; sidx < subs; ++sidx) finish_sub_block(p, blocks[sidx], sc, task.batch);
+}
+
+inline bool covers(const AttentionParams& p) {
+    return p.dtype == DType::kBF16 && p.kv_dtype == DType::kBF16 && p.head_dim % 2 == 0 &&
+           p.softcap == 0.0 && !p.alibi_slopes && !p.mask;
+}
+
+// KernelTable::attend_block_any and plan_any of this tier: this kernel where it covers the
+// call, else the tier's widening path (ATTNFAST_BF16_FALLBACK_PREFILL / _PLAN).
+void attend_block_any(const AttentionParams& p, const BlockTask& task, float* workspace) {
+    if (covers(p)) attend_block(p, task, workspace);
+    else ATTNFAST_BF16_FALLBACK_PREFILL(p, task, workspace);
+}
+PrefillPlan plan_any(const AttentionParams& p) {
+    return covers(p) ? plan(p) : ATTNFAST_BF16_FALLBACK_PLAN(p);
+}
+
+}  // namespace bf16_prefill
+}  // namespace
+}  // namespace ATTNFAST_KERNEL_NS
+}  // namespace attnfast
