@@ -72,6 +72,19 @@ def caches(ray_runtime):
         c.close()
 
 
+def _wait_dead(ray, actor, seconds=30):
+    """ray.kill is asynchronous: wait until the actor's calls fail as a dead actor's."""
+    import time
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=seconds)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"actor {actor} still answers {seconds} s after it was killed")
+
+
 def _rand(rng, shape, dtype=np.float32):
     return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
 
@@ -82,15 +95,19 @@ def _max_err(a, b):
     return float(np.max(np.where(both_inf, 0.0, np.abs(a - b)), initial=0.0))
 
 
+# Two cache specs shared by most tests (each new cache starts its actors: ~1 s each).
+SPEC_2 = dict(batch=2, kv_heads=2, head_dim=16, capacity_per_shard=96, num_shards=2)
+SPEC_4 = dict(batch=3, kv_heads=1, head_dim=8, capacity_per_shard=48, num_shards=4,
+              v_head_dim=24)  # MQA, Dv != D
+
 CASES = {
-    # name: (num_shards, capacity_per_shard, H, Hkv, D, Dv, prompt, options)
-    "gqa-2shards": (2, 96, 8, 2, 16, 16, 100, {}),
-    "dv-4shards": (4, 48, 4, 4, 16, 24, 100, {}),
-    "mqa-window-4shards": (4, 48, 6, 1, 8, 8, 100, dict(window=(37, -1))),
-    "softcap-alibi-sinks": (2, 96, 8, 2, 16, 12, 100, dict(softcap=4.0, sinks="h",
-                                                           alibi_slopes="h")),
-    "window-both-sides-sinks-4shards": (4, 48, 4, 2, 8, 8, 70, dict(window=(20, 3),
-                                                                     sinks="h")),
+    # name: (spec, H, prompt, options)
+    "gqa-2shards": (SPEC_2, 8, 100, {}),
+    "softcap-alibi-sinks-2shards": (SPEC_2, 8, 100, dict(softcap=4.0, sinks="h",
+                                                         alibi_slopes="h")),
+    "mqa-dv-4shards": (SPEC_4, 4, 100, {}),
+    "window-4shards": (SPEC_4, 6, 100, dict(window=(37, -1))),
+    "window-both-sides-sinks-4shards": (SPEC_4, 4, 70, dict(window=(20, 3), sinks="h")),
 }
 
 
@@ -107,12 +124,14 @@ def _options(options, H, rng):
 @needs_ray
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_prefill_and_50_decode_steps_match_one_process(caches, case):
-    S, C, H, Hkv, D, Dv, T, options = CASES[case]
+    spec, H, T, options = CASES[case]
     rng = np.random.default_rng(len(case))
     options = _options(options, H, rng)
-    B, steps = 2, 50
-    sharded = caches(batch=B, kv_heads=Hkv, head_dim=D, capacity_per_shard=C, num_shards=S,
-                     v_head_dim=Dv)
+    B, Hkv, D, C, S = (spec[n] for n in ("batch", "kv_heads", "head_dim", "capacity_per_shard",
+                                         "num_shards"))
+    Dv = spec.get("v_head_dim", D)
+    steps = 50
+    sharded = caches(**spec)
     local = af.KVCache(B, Hkv, D, C * S, v_head_dim=Dv)
     k_all = _rand(rng, (B, Hkv, T + steps, D))
     v_all = _rand(rng, (B, Hkv, T + steps, Dv))
@@ -147,14 +166,14 @@ def test_ragged_lengths_truncate_and_query_offset(caches):
     """Sequences of different lengths (batch_index), a chunked prompt, truncation and an
     explicit global query_offset: same as the one-process cache."""
     rng = np.random.default_rng(7)
-    B, H, Hkv, D, C, S = 3, 4, 2, 8, 32, 4
-    sharded = caches(batch=B, kv_heads=Hkv, head_dim=D, capacity_per_shard=C, num_shards=S)
-    local = af.KVCache(B, Hkv, D, C * S)
+    B, H, Hkv, D, Dv, C, S = 3, 4, 1, 8, 24, 48, 4
+    sharded = caches(**SPEC_4)
+    local = af.KVCache(B, Hkv, D, C * S, v_head_dim=Dv)
     for c in (sharded, local):
-        c.append(np.zeros((B, Hkv, 5, D), np.float32) + 0.5, np.ones((B, Hkv, 5, D), np.float32))
+        c.append(np.zeros((B, Hkv, 5, D), np.float32) + 0.5, np.ones((B, Hkv, 5, Dv), np.float32))
     for seqs, t in (([0], 40), ([1, 2], 27), ([2], 31), ([0, 2], 3)):
         k = _rand(rng, (len(seqs), Hkv, t, D))
-        v = _rand(rng, (len(seqs), Hkv, t, D))
+        v = _rand(rng, (len(seqs), Hkv, t, Dv))
         q = _rand(rng, (len(seqs), H, t, D))
         a = local.step(q, k, v, batch_index=seqs)
         b = sharded.step(q, k, v, batch_index=seqs)
@@ -170,11 +189,12 @@ def test_ragged_lengths_truncate_and_query_offset(caches):
         c.truncate([33, 7, 64])
     assert sharded.lengths.tolist() == [33, 7, 64]
     k = _rand(rng, (B, Hkv, 2, D))
+    v = _rand(rng, (B, Hkv, 2, Dv))
     q = _rand(rng, (B, H, 2, D))
-    a, la = local.step(q, k, k, return_lse=True)
-    b, lb = sharded.step(q, k, k, return_lse=True)
+    a, la = local.step(q, k, v, return_lse=True)
+    b, lb = sharded.step(q, k, v, return_lse=True)
     assert _max_err(a, b) <= EXACT and _max_err(la, lb) <= EXACT
-    assert sharded.shard_lengths()[:, 0].tolist() == [[32, 9, 32], [3, 0, 32], [0, 0, 2],
+    assert sharded.shard_lengths()[:, 0].tolist() == [[35, 9, 48], [0, 0, 18], [0, 0, 0],
                                                      [0, 0, 0]]
     # an empty cache: zeros and lse = -inf, as KVCache
     sharded.reset()
@@ -186,7 +206,7 @@ def test_ragged_lengths_truncate_and_query_offset(caches):
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, "int8", np.float64])
 def test_storage_dtypes(caches, dtype):
     rng = np.random.default_rng(3)
-    B, H, Hkv, D, C, S, T = 1, 4, 2, 16, 40, 2, 60
+    B, H, Hkv, D, C, S, T = 1, 4, 2, 16, 40, 2, 60  # keys in both shards
     sharded = caches(batch=B, kv_heads=Hkv, head_dim=D, capacity_per_shard=C, num_shards=S,
                      dtype=dtype)
     local = af.KVCache(B, Hkv, D, C * S, dtype=dtype)
@@ -237,8 +257,8 @@ def test_multi_layer_one_round_trip(caches):
 @needs_ray
 def test_mask_sliced_per_shard(caches):
     rng = np.random.default_rng(5)
-    B, H, Hkv, D, C, S, T = 2, 4, 2, 8, 24, 3, 60
-    sharded = caches(batch=B, kv_heads=Hkv, head_dim=D, capacity_per_shard=C, num_shards=S)
+    B, H, Hkv, D, C, S, T = 2, 4, 2, 16, 96, 2, 150
+    sharded = caches(**SPEC_2)
     local = af.KVCache(B, Hkv, D, C * S)
     k = _rand(rng, (B, Hkv, T, D))
     q = _rand(rng, (B, H, 1, D))
@@ -263,6 +283,7 @@ def test_dead_shard_gives_a_clear_error(ray_runtime):
         cache.append(k, k)
         before = cache.attend(q)
         ray_runtime.kill(cache.actors[1])
+        _wait_dead(ray_runtime, cache.actors[1])
         with pytest.raises(ShardError, match=r"shard 1 of 2 \(actor [0-9a-f]+\) died") as info:
             cache.step(q, k[:, :, :1], k[:, :, :1])
         assert info.value.shard == 1 and isinstance(info.value, RuntimeError)
@@ -284,9 +305,9 @@ def test_failed_call_rolls_back_the_shards_that_wrote(caches):
     the next call arrives (simulated: the merge of the first call raises)."""
     from attnfast import distributed
     rng = np.random.default_rng(2)
-    sharded = caches(batch=1, kv_heads=1, head_dim=8, capacity_per_shard=16, num_shards=2)
-    local = af.KVCache(1, 1, 8, 32)
-    k = _rand(rng, (1, 1, 14, 8))
+    sharded = caches(**SPEC_2)
+    local = af.KVCache(2, 2, 16, 192)
+    k = _rand(rng, (2, 2, 94, 16))
     for c in (sharded, local):
         c.append(k, k)
     original = sharded._gather
@@ -297,21 +318,21 @@ def test_failed_call_rolls_back_the_shards_that_wrote(caches):
     sharded._gather = failing
     try:
         with pytest.raises(distributed.ShardError, match="simulated"):
-            sharded.append(_rand(rng, (1, 1, 4, 8)), _rand(rng, (1, 1, 4, 8)))
+            sharded.append(_rand(rng, (2, 2, 4, 16)), _rand(rng, (2, 2, 4, 16)))
     finally:
         del sharded._gather
-    assert sharded.lengths.tolist() == [14]
-    q = _rand(rng, (1, 1, 1, 8))
+    assert sharded.lengths.tolist() == [94, 94]
+    q = _rand(rng, (2, 4, 1, 16))
     assert _max_err(sharded.attend(q), local.attend(q)) <= EXACT
-    assert sharded.shard_lengths()[:, 0, 0].tolist() == [14, 0]
+    assert sharded.shard_lengths()[:, 0].tolist() == [[94, 94], [0, 0]]
 
 
 @needs_ray
 def test_bad_input_is_rejected_before_anything_is_sent(caches):
     rng = np.random.default_rng(4)
-    B, H, Hkv, D, C, S = 2, 4, 2, 8, 16, 2
-    sharded = caches(batch=B, kv_heads=Hkv, head_dim=D, capacity_per_shard=C, num_shards=S)
-    k = _rand(rng, (B, Hkv, 30, D))
+    B, H, Hkv, D = 2, 4, 2, 16
+    sharded = caches(**SPEC_2)
+    k = _rand(rng, (B, Hkv, 190, D))
     sharded.append(k, k)
     held = sharded.shard_lengths().tolist()
     sent = []
@@ -328,9 +349,9 @@ def test_bad_input_is_rejected_before_anything_is_sent(caches):
         (ValueError, "batch_index", lambda: sharded.attend(q, batch_index=[0, 5])),
         (ValueError, "window", lambda: sharded.attend(q, window=(-3, 0))),
         (ValueError, "sinks", lambda: sharded.attend(q, sinks=np.zeros(3, np.float32))),
-        (ValueError, "mask", lambda: sharded.attend(q, mask=np.ones((1, 1, 1, 31), bool))),
+        (ValueError, "mask", lambda: sharded.attend(q, mask=np.ones((1, 1, 1, 191), bool))),
         (ValueError, "out", lambda: sharded.attend(q, out=np.zeros((1, 1), np.float32))),
-        (ValueError, "truncate", lambda: sharded.truncate(31)),
+        (ValueError, "truncate", lambda: sharded.truncate(191)),
         (ValueError, "layer", lambda: sharded.attend(q, layer=1)),
         (TypeError, "layer", lambda: sharded.attend(q, layer=0.0)),
     ]
@@ -341,7 +362,7 @@ def test_bad_input_is_rejected_before_anything_is_sent(caches):
     finally:
         del sharded._gather
     assert sent == []
-    assert sharded.lengths.tolist() == [30, 30]
+    assert sharded.lengths.tolist() == [190, 190]
     assert sharded.shard_lengths().tolist() == held
 
 
@@ -361,5 +382,32 @@ def test_constructor_checks_and_context_manager(ray_runtime):
         actors = cache.actors
         assert cache.capacity == 32 and "num_shards=2" in repr(cache)
         ray_runtime.get([a.ping.remote() for a in actors])
-    with pytest.raises(ray_runtime.exceptions.RayActorError):
-        ray_runtime.get(actors[0].ping.remote(), timeout=30)
+    for a in actors:
+        _wait_dead(ray_runtime, a)
+
+
+@needs_ray
+def test_compiled_graph_matches_and_names_a_dead_shard(ray_runtime):
+    """compiled=True: decode through a Ray compiled graph, prefill through ordinary calls;
+    the same results, and a killed actor still gives the error naming its shard."""
+    from attnfast.distributed import ShardError, ShardedKVCache
+    rng = np.random.default_rng(9)
+    B, H, Hkv, D, C, S, T = 1, 4, 2, 16, 2048, 2, 2100  # the prompt's K/V: a large request
+    local = af.KVCache(B, Hkv, D, C * S)
+    cache = ShardedKVCache(B, Hkv, D, C, S, compiled=True)
+    try:
+        k = _rand(rng, (B, Hkv, T, D))
+        q = _rand(rng, (B, H, 8, D))
+        assert _max_err(cache.step(q, k, k), local.step(q, k, k)) <= EXACT
+        assert cache._dag is not None
+        for _ in range(10):
+            kt, qt = _rand(rng, (B, Hkv, 1, D)), _rand(rng, (B, H, 1, D))
+            assert _max_err(cache.step(qt, kt, kt, window=(100, -1)),
+                            local.step(qt, kt, kt, window=(100, -1))) <= EXACT
+        ray_runtime.kill(cache.actors[0])
+        _wait_dead(ray_runtime, cache.actors[0])
+        with pytest.raises(ShardError, match=r"shard 0 of 2 \(actor [0-9a-f]+\) died"):
+            cache.step(qt, kt, kt)
+        assert cache.lengths.tolist() == [T + 10]
+    finally:
+        cache.close()

@@ -79,20 +79,26 @@ class _Shard:
 
     def __init__(self, batch, kv_heads, head_dim, capacity, dtype, v_head_dim, num_layers):
         import attnfast
-        self._af = attnfast
         self._caches = [attnfast.KVCache(batch, kv_heads, head_dim, capacity, dtype=dtype,
                                          v_head_dim=v_head_dim) for _ in range(num_layers)]
+        # a compiled graph's loop and ordinary calls run on different threads of the actor
+        self._lock = threading.Lock()
 
     def ping(self):
         return None
 
     def run_packed(self, request):
-        """run(), its arguments and result pickled into bytes when small (see _pack)."""
-        return _pack(self.run(*_unpack(request)))
+        """run(), its arguments and result pickled into bytes when small (see _pack);
+        None (a compiled graph's call to a shard with nothing to do) returns None."""
+        if request is None:
+            return None
+        with self._lock:
+            return _pack(self.run(*_unpack(request)))
 
     def lengths(self, sync=None):
-        self.run(sync, [], None)
-        return np.stack([c.lengths for c in self._caches])
+        with self._lock:
+            self.run(sync, [], None)
+            return np.stack([c.lengths for c in self._caches])
 
     def run(self, sync, writes, attend):
         """sync: int64 (num_layers, batch) lengths to roll back to, or None.
@@ -216,6 +222,13 @@ class ShardedKVCache:
     timeout : float, optional
         Seconds to wait for the shards in each call; a shard that has not answered by then
         raises ShardError (None waits forever).
+    compiled : bool, default False
+        Send the small requests of decoding through a Ray compiled graph (``ray.dag``,
+        shared-memory channels set up once) instead of one ordinary actor call per shard:
+        every call then reaches every shard (those with nothing to do return at once), and
+        the round trip costs about a third (bench/RESULTS.md). Large requests (a long
+        prompt's K/V) still take ordinary calls. On a failure the graph is dropped and the
+        cache goes on with ordinary calls.
 
     Ray must be reachable: ``ray.init(address=...)`` first to join a cluster; otherwise Ray
     starts a local instance on first use.
@@ -233,7 +246,7 @@ class ShardedKVCache:
 
     def __init__(self, batch, kv_heads, head_dim, capacity_per_shard, num_shards, *,
                  dtype=np.float32, v_head_dim=None, num_layers=1, actor_options=None,
-                 timeout=None):
+                 timeout=None, compiled=False):
         S = _positive_int(num_shards, "num_shards")
         B, Hkv, D, C, dt, Dv = check_cache_spec(batch, kv_heads, head_dim, capacity_per_shard,
                                                 dtype, v_head_dim)
@@ -256,6 +269,7 @@ class ShardedKVCache:
         self._batch, self._kv_heads, self._head_dim, self._v_head_dim = B, Hkv, D, Dv
         self._dtype, self._shard_capacity, self._num_shards, self._num_layers = dt, C, S, NL
         self._timeout = timeout
+        self._dag = None
         self._lengths = np.zeros((NL, B), dtype=np.int64)
         self._lock = threading.Lock()
         # zero-stride stand-ins of the whole cache, for the argument checks (no memory)
@@ -271,6 +285,12 @@ class ShardedKVCache:
             for opts in per_shard:
                 self._actors.append(cls.options(**opts).remote(B, Hkv, D, C, dt, Dv, NL))
             self._gather([(s, a.ping.remote()) for s, a in enumerate(self._actors)])
+            if check_flag(compiled, "compiled"):
+                from ray.dag import InputNode, MultiOutputNode
+                with InputNode() as requests:
+                    dag = MultiOutputNode([a.run_packed.bind(requests[s])
+                                           for s, a in enumerate(self._actors)])
+                self._dag = dag.experimental_compile()
         except BaseException:
             self.close()
             raise
@@ -316,6 +336,7 @@ class ShardedKVCache:
             if self._closed:
                 return
             self._closed = True
+            self._drop_dag()
             for a in self._actors:
                 try:
                     self._ray.kill(a)
@@ -559,20 +580,24 @@ class ShardedKVCache:
                 requests[s][1] = (layers, seqs, q_all, first - s * C, shard_options,
                                   None if score.alibi is None else _compact(score.alibi), mask)
             merged_parts = chosen
-        jobs = []
+        packed = {}
         for s, (shard_writes, shard_attend) in requests.items():
             if not shard_writes and shard_attend is None:
                 continue
             sync = None if np.array_equal(local_before[s], self._known[s]) else local_before[s]
-            request = _pack((sync, shard_writes, shard_attend))
-            jobs.append((s, self._actors[s].run_packed.remote(request)))
+            packed[s] = _pack((sync, shard_writes, shard_attend))
         try:
-            results = dict(zip((s for s, _ in jobs), map(_unpack, self._gather(jobs))))
+            if self._dag is not None and all(isinstance(r, bytes) for r in packed.values()):
+                answers = self._execute_dag([packed.get(s) for s in range(S)])
+                results = {s: _unpack(answers[s]) for s in packed}
+            else:
+                jobs = [(s, self._actors[s].run_packed.remote(r)) for s, r in packed.items()]
+                results = dict(zip(packed, map(_unpack, self._gather(jobs))))
         except BaseException:  # some shards may have written: roll them back next call
-            for s, _ in jobs:
+            for s in packed:
                 self._known[s] = -1
             raise
-        for s, _ in jobs:  # these shards now hold exactly `local_after`
+        for s in packed:  # these shards now hold exactly `local_after`
             self._known[s] = local_after[s]
         self._lengths[:] = after
         if attend is None:
@@ -602,14 +627,38 @@ class ShardedKVCache:
                 pieces.append((layer, seqs[rows], k[rows, :, a:b], v[rows, :, a:b]))
         return pieces
 
-    def _gather(self, jobs):
+    def _execute_dag(self, requests):
+        """One execution of the compiled graph (every shard called; None: nothing to do).
+        On failure the graph is dropped (later calls take ordinary actor calls) and the
+        shards are pinged one by one, so that the error names the one that failed."""
+        ray = self._ray
+        try:
+            refs = self._dag.execute(*requests)
+            return ray.get(refs, timeout=self._timeout)
+        except Exception as error:
+            self._drop_dag()
+            self._gather([(s, a.ping.remote()) for s, a in enumerate(self._actors)],
+                         timeout=self._timeout or 30)
+            raise ShardError(f"the compiled graph over the {self._num_shards} shards failed: "
+                             f"{error}; no result was merged", -1, None) from error
+
+    def _drop_dag(self):
+        dag, self._dag = self._dag, None
+        if dag is not None:
+            try:
+                dag.teardown()
+            except Exception:  # a shard died: its channels are gone anyway
+                pass
+
+    def _gather(self, jobs, timeout=None):
         """ray.get of every (shard, future) at once; a failure names the shard."""
         ray = self._ray
         if not jobs:
             return []
         futures = [f for _, f in jobs]
+        timeout = self._timeout if timeout is None else timeout
         try:
-            return ray.get(futures, timeout=self._timeout)
+            return ray.get(futures, timeout=timeout)
         except Exception as first_error:
             error = first_error
         # find the shard(s) that failed or did not answer
@@ -621,7 +670,7 @@ class ShardedKVCache:
             where = f"shard {s} of {self._num_shards} (actor {actor_id})"
             if f not in ready:
                 if isinstance(error, ray.exceptions.GetTimeoutError):
-                    raise ShardError(f"{where} did not answer within {self._timeout} s; no "
+                    raise ShardError(f"{where} did not answer within {timeout} s; no "
                                      "result was merged", s, actor_id) from error
                 continue
             try:
