@@ -95,16 +95,27 @@ def ray_round_trips(ray, shard_counts, repeats):
     return result
 
 
-def sharded_step(cache, rng, steps, traffic=None):
+def sharded_step(cache, rng, steps):
+    """Median decode step, µs, over ordinary actor calls and over the compiled graph (the
+    cache is made with compiled=True; its graph is set aside for the first), interleaved
+    in blocks of 5 steps so that both see the same machine load. Each step is undone
+    (truncate, applied by the shard on its next call) so that L stays as filled."""
+    length = int(cache.lengths[0])
     q = rng.standard_normal((1, H, 1, D), dtype=np.float32)
     k = rng.standard_normal((1, HKV, 1, D), dtype=np.float32).astype(CACHE_DTYPE)
-    times = []
-    for i in range(steps + 3):
-        t = time.perf_counter()
-        cache.step(q, k, k)
-        if i >= 3:
-            times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
+    dag = cache._dag
+    times = {"calls": [], "compiled": []}
+    for block in range(-1, steps // 5 + 1):
+        for mode in times:
+            cache._dag = dag if mode == "compiled" else None
+            for _ in range(5):
+                t = time.perf_counter()
+                cache.step(q, k, k)
+                cache.truncate(length)
+                if block >= 0:
+                    times[mode].append(time.perf_counter() - t)
+    cache._dag = dag
+    return {mode: statistics.median(v) * 1e6 for mode, v in times.items()}
 
 
 def main(argv=None):
@@ -131,26 +142,32 @@ def main(argv=None):
     tiny, tiny_traffic, layers32 = {}, {}, {}
     for S in args.shards:
         tiny_len = TINY_CAPACITY * (S - 1) + 8  # every shard holds keys, the last one 8
-        with distributed.ShardedKVCache(1, HKV, D, TINY_CAPACITY, S, dtype=CACHE_DTYPE) as cache:
+        with distributed.ShardedKVCache(1, HKV, D, TINY_CAPACITY, S, dtype=CACHE_DTYPE,
+                                        compiled=True) as cache:
             _fill(cache, tiny_len, rng)
             with Traffic() as tr:
                 tiny[S] = sharded_step(cache, rng, TINY_STEPS)
             tiny_traffic[S] = (statistics.median(tr.sent), statistics.median(tr.received))
         with distributed.ShardedKVCache(1, HKV, D, TINY_CAPACITY, S, dtype=CACHE_DTYPE,
-                                        num_layers=32) as cache:
+                                        num_layers=32, compiled=True) as cache:
             q = rng.standard_normal((32, 1, H, 1, D), dtype=np.float32)
             k = rng.standard_normal((32, 1, HKV, tiny_len, D), dtype=np.float32).astype(CACHE_DTYPE)
             cache.append(k, k)
-            layers32[S] = _median_us(lambda: cache.attend(q), max(30, args.steps // 2))
+            dag, cache._dag = cache._dag, None
+            layers32[S] = {"calls": _median_us(lambda: cache.attend(q), max(30, args.steps // 2))}
+            cache._dag = dag  # 32 layers' results (512 KB) exceed the packed limit: the
+            layers32[S]["compiled"] = _median_us(lambda: cache.attend(q), 30)  # same path
     report["tiny_step_us"], report["tiny_bytes"], report["attend_32_layers_us"] = \
         tiny, tiny_traffic, layers32
     print("\nRay overhead per call (local actors):")
-    print(f"| shards | empty actor call, µs | decode step at L = {TINY_CAPACITY}·(S−1)+8, µs | bytes sent / received "
-          "per shard | 32 layers in one call, µs (per layer) |")
+    print(f"| shards | empty actor call, µs | decode step at L = {TINY_CAPACITY}·(S−1)+8, µs: "
+          "actor calls / compiled graph | bytes sent / received per shard | attend of 32 "
+          "layers in one call, µs (per layer) |")
     print("|---:|---:|---:|---:|---:|")
     for S in args.shards:
-        print(f"| {S} | {empty[S]:.0f} | {tiny[S]:.0f} | {tiny_traffic[S][0]:.0f} / "
-              f"{tiny_traffic[S][1]:.0f} | {layers32[S]:.0f} ({layers32[S] / 32:.0f}) |")
+        l32 = layers32[S]["calls"]
+        print(f"| {S} | {empty[S]:.0f} | {tiny[S]['calls']:.0f} / {tiny[S]['compiled']:.0f} | "
+              f"{tiny_traffic[S][0]:.0f} / {tiny_traffic[S][1]:.0f} | {l32:.0f} ({l32 / 32:.0f}) |")
     print(f"target per shard and step: 2·H·(Dv+1)·4 = {2 * H * (D + 1) * 4} bytes")
 
     # ---- decode against L and shards ----
@@ -173,7 +190,8 @@ def main(argv=None):
                "bytes": {}}
         for S in args.shards:
             cap = -(-(L + args.steps + 8) // S)
-            with distributed.ShardedKVCache(1, HKV, D, cap, S, dtype=CACHE_DTYPE) as cache:
+            with distributed.ShardedKVCache(1, HKV, D, cap, S, dtype=CACHE_DTYPE,
+                                            compiled=True) as cache:
                 _fill(cache, L, rng)
                 with Traffic() as tr:
                     row["sharded_us"][S] = sharded_step(cache, rng, args.steps)
@@ -181,15 +199,18 @@ def main(argv=None):
         rows.append(row)
         print(f"  L={L} done", flush=True)
     report["decode"] = rows
-    print("\nDecode step (append 1 token + attend), µs; one-process KVCache.attend alongside:")
+    print("\nDecode step (append 1 token + attend), µs, actor calls / compiled graph; "
+          "one-process KVCache.attend alongside:")
     head = " | ".join(f"{S} shard{'s' if S > 1 else ''}" for S in args.shards)
     print(f"| L | K+V MiB | one process, 1 thread | one process, 2 threads | {head} |")
     print("|---:|---:|---:|---:|" + "---:|" * len(args.shards))
     for r in rows:
-        cells = " | ".join(f"{r['sharded_us'][S]:.0f}" for S in args.shards)
+        cells = " | ".join(f"{r['sharded_us'][S]['calls']:.0f} / {r['sharded_us'][S]['compiled']:.0f}"
+                           for S in args.shards)
         print(f"| {r['L']} | {r['kv_mib']:.0f} | {r['one_process_us'][1]:.0f} | "
               f"{r['one_process_us'][2]:.0f} | {cells} |")
-    print("\nPer-shard KV read bandwidth implied by (step at L - step at tiny L), GB/s:")
+    print("\nPer-shard KV read bandwidth implied by (step at L - step at tiny L), compiled "
+          "graph, GB/s:")
     print("| L | " + " | ".join(f"{S} shard{'s' if S > 1 else ''}" for S in args.shards)
           + " | one process, 1 thread |")
     print("|---:|" + "---:|" * (len(args.shards) + 1))
@@ -197,7 +218,7 @@ def main(argv=None):
         kv = HKV * r["L"] * 2 * D * 2
         cells = []
         for S in args.shards:
-            work = r["sharded_us"][S] - tiny[S]
+            work = r["sharded_us"][S]["compiled"] - tiny[S]["compiled"]
             cells.append(f"{kv / S / work / 1e3:.1f}" if work > 0 else "-")
         print(f"| {r['L']} | " + " | ".join(cells) +
               f" | {kv / r['one_process_us'][1] / 1e3:.1f} |")
