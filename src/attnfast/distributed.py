@@ -485,8 +485,17 @@ class ShardedKVCache:
             k_sel, v_sel, s_sel = self._stand_ins(seqs.size)
             calls, checked = [], []
             for li, l in enumerate(layers):
-                self._check_leading(seqs, q=qs[li], k_new=ks[li], v_new=vs[li])
                 t = np.shape(ks[li])[2] if ks[li] is not None and np.ndim(ks[li]) == 4 else 0
+                if li and calls:
+                    # the layers of one 5-D array share its shape and dtype: layer 0's checks
+                    # cover them, only the room differs
+                    if t:
+                        check_cache_room(self._lengths[l], seqs, t, self.capacity)
+                    c0 = calls[0]
+                    checked.append(None if not t else (ks[li].astype(c0.k_new.dtype, copy=False),
+                                                       vs[li].astype(c0.v_new.dtype, copy=False), t))
+                    continue
+                self._check_leading(seqs, q=qs[li], k_new=ks[li], v_new=vs[li])
                 if t:
                     check_cache_room(self._lengths[l], seqs, t, self.capacity)
                 call = check_kvcache_attention(
@@ -507,7 +516,8 @@ class ShardedKVCache:
             if any(c is None for c in checked) and not all(c is None for c in checked):
                 raise ValueError("k_new/v_new must be given for every layer or for none")
             writes = None if checked[0] is None else checked
-            q_all = np.stack([c.attn.q for c in calls])
+            q_all = (a.q[None] if len(layers) == 1 else
+                     np.ascontiguousarray(np.asarray(q), dtype=a.q.dtype))
             options = dict(causal=a.causal, scale=a.scale, window=a.window,
                            num_threads=num_threads)
             if a.options.softcap:
