@@ -5,7 +5,9 @@
 
 Measures, on one machine with a local Ray runtime:
 - the Ray round trip: an empty actor call to 1, 2, 4 actors at once (ray.get of a list);
-- a ShardedKVCache decode step at a tiny length (16 tokens): the whole stack's overhead;
+- a ShardedKVCache decode step at a tiny length (8 tokens in the last shard, 128 in the
+  others): the whole stack's overhead, through ordinary actor calls and through a Ray
+  compiled graph (compiled=True);
 - one call serving 32 layers at once (num_layers=32, layer=None) at the tiny length;
 - decode step time against the number of shards and L, with the one-process KVCache
   alongside (1 thread, as each Ray actor runs one OpenMP thread unless given num_cpus);
@@ -96,26 +98,27 @@ def ray_round_trips(ray, shard_counts, repeats):
 
 
 def sharded_step(cache, rng, steps):
-    """Median decode step, µs, over ordinary actor calls and over the compiled graph (the
-    cache is made with compiled=True; its graph is set aside for the first), interleaved
-    in blocks of 5 steps so that both see the same machine load. Each step is undone
-    (truncate, applied by the shard on its next call) so that L stays as filled."""
+    """Median decode step, µs, through the compiled graph (the cache is made with
+    compiled=True), then, the graph torn down, through ordinary actor calls. Not interleaved:
+    a compiled graph's actors busy-poll their channels, which would slow the other mode
+    down. Each step is undone (truncate, applied by the shard on its next call) so that L
+    stays as filled."""
     length = int(cache.lengths[0])
     q = rng.standard_normal((1, H, 1, D), dtype=np.float32)
     k = rng.standard_normal((1, HKV, 1, D), dtype=np.float32).astype(CACHE_DTYPE)
-    dag = cache._dag
-    times = {"calls": [], "compiled": []}
-    for block in range(-1, steps // 5 + 1):
-        for mode in times:
-            cache._dag = dag if mode == "compiled" else None
-            for _ in range(5):
-                t = time.perf_counter()
-                cache.step(q, k, k)
-                cache.truncate(length)
-                if block >= 0:
-                    times[mode].append(time.perf_counter() - t)
-    cache._dag = dag
-    return {mode: statistics.median(v) * 1e6 for mode, v in times.items()}
+    result = {}
+    for mode in ("compiled", "calls"):
+        if mode == "calls":
+            cache._drop_dag()
+        times = []
+        for i in range(steps + 3):
+            t = time.perf_counter()
+            cache.step(q, k, k)
+            cache.truncate(length)
+            if i >= 3:
+                times.append(time.perf_counter() - t)
+        result[mode] = statistics.median(times) * 1e6
+    return result
 
 
 def main(argv=None):
@@ -149,14 +152,12 @@ def main(argv=None):
                 tiny[S] = sharded_step(cache, rng, TINY_STEPS)
             tiny_traffic[S] = (statistics.median(tr.sent), statistics.median(tr.received))
         with distributed.ShardedKVCache(1, HKV, D, TINY_CAPACITY, S, dtype=CACHE_DTYPE,
-                                        num_layers=32, compiled=True) as cache:
+                                        num_layers=32) as cache:
             q = rng.standard_normal((32, 1, H, 1, D), dtype=np.float32)
             k = rng.standard_normal((32, 1, HKV, tiny_len, D), dtype=np.float32).astype(CACHE_DTYPE)
             cache.append(k, k)
-            dag, cache._dag = cache._dag, None
+            # 32 layers' q and results (512 KB each) exceed the packed limit: ordinary calls
             layers32[S] = {"calls": _median_us(lambda: cache.attend(q), max(30, args.steps // 2))}
-            cache._dag = dag  # 32 layers' results (512 KB) exceed the packed limit: the
-            layers32[S]["compiled"] = _median_us(lambda: cache.attend(q), 30)  # same path
     report["tiny_step_us"], report["tiny_bytes"], report["attend_32_layers_us"] = \
         tiny, tiny_traffic, layers32
     print("\nRay overhead per call (local actors):")
@@ -209,8 +210,8 @@ def main(argv=None):
                            for S in args.shards)
         print(f"| {r['L']} | {r['kv_mib']:.0f} | {r['one_process_us'][1]:.0f} | "
               f"{r['one_process_us'][2]:.0f} | {cells} |")
-    print("\nPer-shard KV read bandwidth implied by (step at L - step at tiny L), compiled "
-          "graph, GB/s:")
+    print("\nPer-shard KV read bandwidth implied by (step at L - step at tiny L), actor calls, "
+          "GB/s:")
     print("| L | " + " | ".join(f"{S} shard{'s' if S > 1 else ''}" for S in args.shards)
           + " | one process, 1 thread |")
     print("|---:|" + "---:|" * (len(args.shards) + 1))
@@ -218,7 +219,7 @@ def main(argv=None):
         kv = HKV * r["L"] * 2 * D * 2
         cells = []
         for S in args.shards:
-            work = r["sharded_us"][S]["compiled"] - tiny[S]["compiled"]
+            work = r["sharded_us"][S]["calls"] - tiny[S]["calls"]
             cells.append(f"{kv / S / work / 1e3:.1f}" if work > 0 else "-")
         print(f"| {r['L']} | " + " | ".join(cells) +
               f" | {kv / r['one_process_us'][1] / 1e3:.1f} |")
