@@ -124,8 +124,11 @@ class _Shard:
         lse = np.empty((nl, n, H, Tq), acc)
         for li, layer in enumerate(layers):
             cache = self._caches[layer]
-            for off in np.unique(offsets[li]):
-                rows = np.flatnonzero(offsets[li] == off)
+            row_offsets = offsets[li]
+            groups = ([(row_offsets[0], slice(None))] if np.all(row_offsets == row_offsets[0])
+                      else [(off, np.flatnonzero(row_offsets == off))
+                            for off in np.unique(row_offsets)])
+            for off, rows in groups:
                 kw = dict(options)
                 if alibi is not None:  # (n, H), or (1, H) for per-head slopes
                     kw["alibi_slopes"] = alibi[rows] if alibi.shape[0] != 1 else alibi[0]
@@ -625,6 +628,11 @@ class ShardedKVCache:
         C = self._shard_capacity
         lo = np.clip(s * C - lengths, 0, t)            # first new token landing in shard s
         hi = np.clip((s + 1) * C - lengths, 0, t)      # one past the last
+        if not np.any(hi > lo):
+            return []
+        if np.all(lo == lo[0]) and np.all(hi == hi[0]):  # every sequence alike (the usual)
+            a, b = int(lo[0]), int(hi[0])
+            return [(layer, seqs, k[:, :, a:b], v[:, :, a:b])]
         pieces = []
         keys = np.stack([lo, hi], 1)
         for a, b in np.unique(keys, axis=0):
