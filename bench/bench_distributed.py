@@ -83,6 +83,59 @@ def _fill(cache, length, rng, chunk=8192):
         done += t
 
 
+class _NoRay:
+    """Stands in for the ray module: actors are plain objects of this process and calls run
+    at once, so ShardedKVCache's own code (checks, plan, pickling, shard work, merge) is timed
+    without Ray."""
+
+    class _Done:
+        def __init__(self, value):
+            self.value = value
+
+    class _Method:
+        def __init__(self, fn):
+            self.remote = lambda *a: _NoRay._Done(fn(*a))
+
+    class _Handle:
+        def __init__(self, obj):
+            for name in ("ping", "run_packed", "lengths"):
+                setattr(self, name, _NoRay._Method(getattr(obj, name)))
+
+    class _Class:
+        def __init__(self, cls):
+            self.cls = cls
+
+        def options(self, **_):
+            return self
+
+        def remote(self, *args):
+            return _NoRay._Handle(self.cls(*args))
+
+    remote = _Class
+
+    @staticmethod
+    def get(futures, timeout=None):
+        return [f.value for f in futures]
+
+    @staticmethod
+    def kill(actor):
+        pass
+
+
+def in_process_step(S, tiny_len, rng, steps):
+    """The tiny decode step of ShardedKVCache with its shards in this process (no Ray)."""
+    saved = distributed._import_ray, distributed._ACTOR_CLASS
+    distributed._import_ray, distributed._ACTOR_CLASS = (lambda: _NoRay), None
+    try:
+        with distributed.ShardedKVCache(1, HKV, D, TINY_CAPACITY, S, dtype=CACHE_DTYPE) as cache:
+            _fill(cache, tiny_len, rng)
+            q = rng.standard_normal((1, H, 1, D), dtype=np.float32)
+            k = rng.standard_normal((1, HKV, 1, D), dtype=np.float32).astype(CACHE_DTYPE)
+            return _median_us(lambda: (cache.step(q, k, k), cache.truncate(tiny_len)), steps)
+    finally:
+        distributed._import_ray, distributed._ACTOR_CLASS = saved
+
+
 def ray_round_trips(ray, shard_counts, repeats):
     @ray.remote
     class Empty:
@@ -127,6 +180,8 @@ def main(argv=None):
     p.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--json", default=None)
+    p.add_argument("--overhead-only", action="store_true",
+                   help="only the overhead table (no decode against L)")
     args = p.parse_args(argv)
     import ray
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=300 * 2**20,
@@ -142,7 +197,12 @@ def main(argv=None):
     # ---- overheads ----
     empty = ray_round_trips(ray, args.shards, repeats=max(100, args.steps))
     report["empty_call_us"] = empty
-    tiny, tiny_traffic, layers32 = {}, {}, {}
+    tiny, tiny_traffic, layers32, no_ray = {}, {}, {}, {}
+    threads_before = af.get_num_threads()
+    af.set_num_threads(1)  # as in the actors
+    for S in args.shards:
+        no_ray[S] = in_process_step(S, TINY_CAPACITY * (S - 1) + 8, rng, TINY_STEPS)
+    af.set_num_threads(threads_before)
     for S in args.shards:
         tiny_len = TINY_CAPACITY * (S - 1) + 8  # every shard holds keys, the last one 8
         with distributed.ShardedKVCache(1, HKV, D, TINY_CAPACITY, S, dtype=CACHE_DTYPE,
@@ -160,17 +220,22 @@ def main(argv=None):
             layers32[S] = {"calls": _median_us(lambda: cache.attend(q), max(30, args.steps // 2))}
     report["tiny_step_us"], report["tiny_bytes"], report["attend_32_layers_us"] = \
         tiny, tiny_traffic, layers32
+    report["tiny_step_without_ray_us"] = no_ray
     print("\nRay overhead per call (local actors):")
     print(f"| shards | empty actor call, µs | decode step at L = {TINY_CAPACITY}·(S−1)+8, µs: "
-          "actor calls / compiled graph | bytes sent / received per shard | attend of 32 "
-          "layers in one call, µs (per layer) |")
+          "actor calls / compiled graph / shards in-process without Ray | bytes sent / "
+          "received per shard | attend of 32 layers in one call, µs (per layer) |")
     print("|---:|---:|---:|---:|---:|")
     for S in args.shards:
         l32 = layers32[S]["calls"]
-        print(f"| {S} | {empty[S]:.0f} | {tiny[S]['calls']:.0f} / {tiny[S]['compiled']:.0f} | "
+        print(f"| {S} | {empty[S]:.0f} | {tiny[S]['calls']:.0f} / {tiny[S]['compiled']:.0f} / "
+              f"{no_ray[S]:.0f} | "
               f"{tiny_traffic[S][0]:.0f} / {tiny_traffic[S][1]:.0f} | {l32:.0f} ({l32 / 32:.0f}) |")
     print(f"target per shard and step: 2·H·(Dv+1)·4 = {2 * H * (D + 1) * 4} bytes")
 
+    if args.overhead_only:
+        ray.shutdown()
+        return
     # ---- decode against L and shards ----
     rows = []
     q = rng.standard_normal((1, H, 1, D), dtype=np.float32)
