@@ -104,6 +104,16 @@ def accepts_arrays(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        # The common case, numpy arrays and plain options only: nothing to convert.
+        for a in (args[1:] if skip_self else args):
+            if a is not None and type(a) not in _PLAIN:
+                break
+        else:
+            for a in kwargs.values():
+                if a is not None and type(a) not in _PLAIN:
+                    break
+            else:
+                return fn(*args, **kwargs)
         template = None
         given_out = converted_out = None
         new_args = list(args)
@@ -133,6 +143,9 @@ def accepts_arrays(fn):
         return wrap_like(result, template)
 
     return wrapper
+
+
+_PLAIN = frozenset((np.ndarray, bool, int, float, str))  # types _convert passes through as is
 
 
 def _convert(a, name):
