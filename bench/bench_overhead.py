@@ -77,7 +77,7 @@ def make_cases(heads: int, kv_heads: int, head_dim: int = 128, length: int = 32,
 
     out4 = np.empty((B, H, 1, D), f32)
     lens_after = seqlens + 1
-    scale = 1.0 / np.sqrt(D)
+    scale = float(1.0 / np.sqrt(D))  # a Python float, as transformers passes module.scaling
 
     def kernel():
         _ext.run_attention(q, k_cache, v_cache, out4, None, causal=True, scale=scale,

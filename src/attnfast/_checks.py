@@ -703,12 +703,16 @@ def fast_query_offset(query_offset) -> bool:
                                     and -_MAX_QUERY_OFFSET <= query_offset <= _MAX_QUERY_OFFSET)
 
 
+_KEY_SCALE_TYPES = frozenset((float, int, np.float64, np.float32, np.float16))
+
+
 def _option_key(causal, scale, window):
-    """The options in a plan key: exact types only, so that no value that hashes alike
-    (True and 1, 1.0 and 1) can stand for another; None when the call needs the full path."""
+    """The options in a plan key; None when the call needs the full path. Types are
+    exact: values that compare equal (True == 1 == 1.0) must be checked alike, and bools
+    are refused where ints are taken."""
     if causal is not True and causal is not False:
         return None
-    if scale is not None and type(scale) is not float:
+    if scale is not None and type(scale) not in _KEY_SCALE_TYPES:
         return None
     if window is not None and not (type(window) is tuple and len(window) == 2
                                    and type(window[0]) is int and type(window[1]) is int):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import inspect
 
+import ml_dtypes
 import numpy as np
 
 __all__ = ["accepts_arrays", "to_numpy", "wrap_like", "is_torch"]
@@ -34,9 +35,11 @@ def is_torch(x) -> bool:
     return known
 
 
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
 def _bfloat16():
-    import ml_dtypes
-    return np.dtype(ml_dtypes.bfloat16)
+    return _BFLOAT16
 
 
 def to_numpy(x, name: str):
@@ -46,13 +49,20 @@ def to_numpy(x, name: str):
         return x
     if is_torch(x):
         import torch
-        if x.device.type != "cpu":
+        # The common case first: x.numpy() itself refuses sparse tensors, conjugate or
+        # negative bits and dtypes NumPy lacks; the checks below then say which it was.
+        if x.is_cpu and not x.requires_grad and x.dtype != torch.bfloat16:
+            try:
+                return x.numpy()
+            except (TypeError, RuntimeError):
+                pass
+        if not x.is_cpu:  # (x.device.type costs five times as much)
             raise ValueError(f"{name} is a torch tensor on device {x.device}; attnfast computes "
                              f"on the CPU: pass {name}.cpu()")
         if x.requires_grad:
             raise ValueError(f"{name} requires grad; attnfast computes no gradients: pass "
                              f"{name}.detach() (or call under torch.no_grad())")
-        if x.is_sparse or x.layout != torch.strided:
+        if x.layout != torch.strided:  # sparse (COO, CSR, ...) included
             raise TypeError(f"{name} is a torch tensor with layout {x.layout}; attnfast needs a "
                             "strided (dense) tensor")
         if x.is_conj() or x.is_neg():
@@ -120,12 +130,16 @@ def accepts_arrays(fn):
         for i, a in enumerate(args):
             if skip_self and i == 0:
                 continue
+            if a is None or type(a) in _SCALARS:
+                continue
             name = names[i] if i < len(names) else f"argument {i}"
             new_args[i], t = _convert(a, name)
             template = template if template is not None else t
             if name == "out":
                 given_out, converted_out = a, new_args[i]
         for name, a in kwargs.items():
+            if a is None or type(a) in _SCALARS:
+                continue
             kwargs[name], t = _convert(a, name)
             template = template if template is not None else t
             if name == "out":
@@ -145,7 +159,8 @@ def accepts_arrays(fn):
     return wrapper
 
 
-_PLAIN = frozenset((np.ndarray, bool, int, float, str))  # types _convert passes through as is
+_SCALARS = frozenset((bool, int, float, str))  # types _convert passes through as is
+_PLAIN = _SCALARS | {np.ndarray}
 
 
 def _convert(a, name):
