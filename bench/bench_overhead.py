@@ -1,10 +1,11 @@
 """The Python-side cost of one decode call: checks, conversion and dispatch, per entry point.
 
-    python bench/bench_overhead.py                      # H=8/2 and 32/8, D=128, L=16..64
+    python bench/bench_overhead.py                      # H=8/2 and 32/8, D=128, L=16
     python bench/bench_overhead.py --heads 32x8 --threads 1 --repeat 31
 
-Each entry point runs a decode-shaped problem small enough (B=1, one query token, L = 16..64
-cached keys) that the C++ kernel takes a few microseconds, and is timed with timeit (the
+Each entry point runs a decode-shaped problem small enough (B=1, one query token, L=16
+cached keys; KVCache.step appends, up to L=31 over a round) that the C++ kernel takes a few
+microseconds, and is timed with timeit (the
 median over ``--repeat`` rounds of ``--number`` calls, per call). The ``kernel`` row is the
 floor: the Cython entry ``attnfast._ext.run_attention`` called directly with arguments
 already prepared (its own argument parsing plus the C++ kernel); ``overhead`` is an entry
@@ -154,7 +155,7 @@ def time_case(call, reset, number: int, repeat: int) -> float:
     return statistics.median(times)
 
 
-def run(heads_list, *, head_dim=128, length=32, number=48, repeat=101, threads=None,
+def run(heads_list, *, head_dim=128, length=16, number=16, repeat=201, threads=None,
         use_torch=True, rounds=3):
     """{(heads, kv_heads): {name: median µs}}; cases are interleaved `rounds` times (the best
     round's median counts for each case: noise from other processes only adds time)."""
@@ -187,8 +188,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--heads", default="8x2,32x8", help="HxHkv list, e.g. 8x2,32x8")
     p.add_argument("--length", type=int, default=16, help="cached keys L at the start (16)")
-    p.add_argument("--number", type=int, default=48, help="calls per timed round (48)")
-    p.add_argument("--repeat", type=int, default=101, help="timed rounds; median counts (101)")
+    p.add_argument("--number", type=int, default=16, help="calls per timed round (16)")
+    p.add_argument("--repeat", type=int, default=201, help="timed rounds; median counts (201)")
     p.add_argument("--rounds", type=int, default=3,
                    help="interleaved passes over the cases; the best median counts (3)")
     p.add_argument("--threads", type=int, default=None,
