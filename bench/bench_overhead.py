@@ -13,6 +13,7 @@ point's time minus that floor, i.e. what attnfast's Python layer adds to a call.
 
 Rows:
     kernel                      _ext.run_attention, prepared 4-D arrays (the floor)
+    kernel, L..L+15             the same over the lengths a KVCache.step round sees (its floor)
     KVCache.step                append one token, attend (numpy inputs); the length grows from
                                 L0 over a round and is truncated back between rounds (untimed)
     KVCache.attend              attend only (numpy)
@@ -30,10 +31,12 @@ Also importable from pytest-benchmark (``bench/test_bench_overhead.py``).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import statistics
 import sys
+import time
 import timeit
 
 import numpy as np
@@ -85,11 +88,20 @@ def make_cases(heads: int, kv_heads: int, head_dim: int = 128, length: int = 32,
                            window_left=-1, window_right=-1, num_threads=n_threads,
                            seqlens_k=lens_after)
 
+    # The same over L = length .. length + 15, as KVCache.step sees in a round of 16 calls
+    grown = itertools.cycle([seqlens + 1 + i for i in range(16)])
+
+    def kernel_grown():
+        _ext.run_attention(q, k_cache, v_cache, out4, None, causal=True, scale=scale,
+                           window_left=-1, window_right=-1, num_threads=n_threads,
+                           seqlens_k=next(grown))
+
     def nothing():
         pass
 
     cases = {
         "kernel": (kernel, nothing),
+        "kernel, L..L+15": (kernel_grown, nothing),
         "KVCache.step": (lambda: cache.step(q, k_tok, v_tok, **nt), reset_cache),
         "KVCache.attend": (lambda: cache.attend(q, **nt), reset_cache),
         "attention_with_kvcache": (
@@ -143,7 +155,13 @@ def make_cases(heads: int, kv_heads: int, head_dim: int = 128, length: int = 32,
     return cases
 
 
-def time_case(call, reset, number: int, repeat: int) -> float:
+CLOCKS = {"wall": time.perf_counter,
+          # CPU time of the calling thread: time other processes take is not counted (with
+          # one attnfast thread the kernels run in the calling thread)
+          "thread": time.thread_time}
+
+
+def time_case(call, reset, number: int, repeat: int, clock=time.perf_counter) -> float:
     """Median seconds per call over `repeat` rounds of `number` calls (reset between rounds)."""
     for _ in range(3):
         call()
@@ -151,12 +169,12 @@ def time_case(call, reset, number: int, repeat: int) -> float:
     times = []
     for _ in range(repeat):
         reset()
-        times.append(timeit.timeit(call, number=number) / number)
+        times.append(timeit.timeit(call, number=number, timer=clock) / number)
     return statistics.median(times)
 
 
 def run(heads_list, *, head_dim=128, length=16, number=16, repeat=201, threads=None,
-        use_torch=True, rounds=3):
+        use_torch=True, rounds=3, clock="wall"):
     """{(heads, kv_heads): {name: median µs}}; cases are interleaved `rounds` times (the best
     round's median counts for each case: noise from other processes only adds time)."""
     results = {}
@@ -165,7 +183,8 @@ def run(heads_list, *, head_dim=128, length=16, number=16, repeat=201, threads=N
         best = {name: float("inf") for name in cases}
         for _ in range(rounds):
             for name, (call, reset) in cases.items():
-                best[name] = min(best[name], time_case(call, reset, number, repeat) * 1e6)
+                t = time_case(call, reset, number, repeat, CLOCKS[clock])
+                best[name] = min(best[name], t * 1e6)
         results[(H, Hkv)] = best
     return results
 
@@ -173,13 +192,14 @@ def run(heads_list, *, head_dim=128, length=16, number=16, repeat=201, threads=N
 def format_table(results, length, number) -> str:
     lines = []
     for (H, Hkv), times in results.items():
-        floor = times["kernel"]
         lines.append(f"\nH={H}/Hkv={Hkv}, D=128, B=1, one query token, L={length} "
                      f"(KVCache.step: L={length}..{length + number - 1})")
         lines.append(f"{'entry point':32s} {'us/call':>9s} {'overhead us':>12s}")
         lines.append(f"{'-' * 32} {'-' * 9} {'-' * 12}")
         for name, t in times.items():
-            over = "(floor)" if name == "kernel" else f"{t - floor:.2f}"
+            # KVCache.step appends: its kernel reads L .. L+15 keys over a round
+            floor = times["kernel, L..L+15" if name.endswith("KVCache.step") else "kernel"]
+            over = "(floor)" if name.startswith("kernel") else f"{t - floor:.2f}"
             lines.append(f"{name:32s} {t:9.2f} {over:>12s}")
     return "\n".join(lines)
 
@@ -195,17 +215,22 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None,
                    help="num_threads for every call (default: attnfast.get_num_threads())")
     p.add_argument("--no-torch", action="store_true", help="skip the torch rows")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="wall time (default), or the calling thread's CPU time (use with "
+                        "--threads 1 on a busy machine)")
     args = p.parse_args(argv)
     heads = [tuple(int(x) for x in s.split("x")) for s in args.heads.split(",")]
     from attnfast._runtime import config
     cfg = config()
     threads = args.threads if args.threads is not None else af.get_num_threads()
     print(f"attnfast {cfg['version']}  kernel tier {cfg['isa']}  threads {threads}  "
+          f"clock {args.clock}  "
           f"Python {platform.python_version()}  numpy {np.__version__}")
     print(f"CPU: {cpu_name()} ({os.cpu_count()} CPUs)")
     print("command: " + " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])))
     results = run(heads, length=args.length, number=args.number, repeat=args.repeat,
-                  threads=args.threads, use_torch=not args.no_torch, rounds=args.rounds)
+                  threads=args.threads, use_torch=not args.no_torch, rounds=args.rounds,
+                  clock=args.clock)
     print(format_table(results, args.length, args.number))
     return 0
 

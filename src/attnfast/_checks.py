@@ -745,11 +745,11 @@ def attention_plan(call: AttentionCall, q, k, v, out, window):
             check_window(window))
 
 
-def kvcache_key(q, k_cache, v_cache, seqlens_key, k_new, v_new, causal, scale, window):
+def kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, causal, scale, window):
     """attention_with_kvcache() and KVCache.attend/step: the plan key of a call, or None.
-    `seqlens_key` stands for the cache lengths' type (their values are checked per call)."""
+    `lengths_key` stands for the cache lengths' type (their values are checked per call)."""
     if (type(q) is not np.ndarray or type(k_cache) is not np.ndarray
-            or type(v_cache) is not np.ndarray or seqlens_key is None):
+            or type(v_cache) is not np.ndarray or lengths_key is None):
         return None
     if k_new is None or v_new is None:
         if k_new is not None or v_new is not None:
@@ -763,7 +763,7 @@ def kvcache_key(q, k_cache, v_cache, seqlens_key, k_new, v_new, causal, scale, w
     if options is None:
         return None
     return (q.shape, q.strides, q.dtype, k_cache.shape, k_cache.strides, k_cache.dtype,
-            v_cache.shape, v_cache.strides, v_cache.dtype, seqlens_key, new, options)
+            v_cache.shape, v_cache.strides, v_cache.dtype, lengths_key, new, options)
 
 
 def seqlens_key(cache_seqlens):
