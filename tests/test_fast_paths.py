@@ -359,3 +359,30 @@ def test_fast_paths_are_interruptible_only_under_the_default_handler(rng, monkey
     thread.start()
     thread.join()
     assert fake.seen == [False] * 6
+
+
+# ---------------------------------------------------------------- torch tensors
+
+def test_torch_tensors_after_a_good_call_keep_every_check(rng):
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.from_numpy(normal(rng, B, h, t, D)) for h, t in ((H, 1), (HKV, 6), (HKV, 6)))
+    af.attention(q, k, v)                  # converts x.numpy() directly; stores the plan
+    with pytest.raises(ValueError, match=r"^k requires grad"):
+        af.attention(q, k.clone().requires_grad_(True), v)
+    with torch.no_grad():                  # x.numpy() would succeed here: attnfast must not
+        with pytest.raises(ValueError, match=r"^k requires grad"):
+            af.attention(q, k.clone().requires_grad_(True), v)
+    with pytest.raises(TypeError, match=r"^v is a torch tensor with layout torch.sparse_coo"):
+        af.attention(q, k, v.to_sparse())
+    with pytest.raises(TypeError, match=r"^q must be float32, .* got dtype complex64"):
+        af.attention(q.to(torch.complex64), k, v)
+    with pytest.raises(TypeError, match=r"^q has torch dtype torch.float8_e4m3fn, which"):
+        af.attention(q.to(torch.float8_e4m3fn), k, v)  # a dtype NumPy lacks
+    # a tensor with the negative bit (x.numpy() refuses it) is resolved, as before
+    z = torch.complex(torch.zeros_like(v), -v)
+    neg = torch.conj(z).imag               # == v, stored as -(-v) with the negative bit set
+    assert neg.is_neg()
+    np.testing.assert_array_equal(af.attention(q, k, neg).numpy(), af.attention(q, k, v).numpy())
+    bf = [t.to(torch.bfloat16) for t in (q, k, v)]
+    out = af.attention(*bf)
+    assert out.dtype == torch.bfloat16 and af.attention(*bf).equal(out)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -92,8 +93,8 @@ def wrap_like(result, template):
         return tuple(wrap_like(r, template) for r in result)
     if not isinstance(result, np.ndarray):
         return result
-    import torch
-    if result.dtype == _bfloat16():
+    torch = sys.modules["torch"]  # imported: `template` is a tensor
+    if result.dtype == _BFLOAT16:
         return torch.from_numpy(_writable(result.view(np.int16))).view(torch.bfloat16)
     return torch.from_numpy(_writable(result))
 
@@ -168,6 +169,12 @@ def _convert(a, name):
     if a is None or isinstance(a, (np.ndarray, bool, int, float, str)):
         return a, None
     if is_torch(a):
+        torch = sys.modules["torch"]  # imported: a tensor exists
+        if a.is_cpu and not a.requires_grad and a.dtype != torch.bfloat16:
+            try:  # to_numpy's common case, inline (one call per tensor less)
+                return a.numpy(), a
+            except (TypeError, RuntimeError):
+                pass
         return to_numpy(a, name), a
     if isinstance(a, (list, tuple)) and any(is_torch(x) or hasattr(x, "__dlpack__") for x in a):
         first = next((x for x in a if is_torch(x)), None)
