@@ -386,3 +386,67 @@ def test_torch_tensors_after_a_good_call_keep_every_check(rng):
     bf = [t.to(torch.bfloat16) for t in (q, k, v)]
     out = af.attention(*bf)
     assert out.dtype == torch.bfloat16 and af.attention(*bf).equal(out)
+
+
+# ---------------------------------------------------------------- which options skip the checks
+
+# Options a repeat call may take on the fast path; every other parameter, when given, must send
+# the call through the full checks. A new parameter fails test_every_parameter_is_classified
+# until it is added to one side (and, if full-path only, to the fast path's condition).
+FAST = {"attention": {"q", "k", "v", "causal", "scale", "window", "out", "num_threads",
+                      "query_offset"},
+        "attention_with_kvcache": {"q", "k_cache", "v_cache", "cache_seqlens", "k_new", "v_new",
+                                   "causal", "scale", "window", "num_threads", "query_offset"},
+        "step": {"self", "q", "k_new", "v_new", "causal", "scale", "window", "num_threads",
+                 "query_offset"},
+        "attend": {"self", "q", "causal", "scale", "window", "num_threads", "query_offset"}}
+SCORE = {"softcap": 30.0, "alibi_slopes": np.full(H, 0.5, np.float32),
+         "sinks": np.zeros(H, np.float32), "return_lse": True}
+FULL = {"attention": dict(SCORE, mask=np.ones((1, 6), bool)),
+        "attention_with_kvcache": dict(SCORE, mask=np.ones((1, C), bool), return_lse=True,
+                                       out=np.zeros((B, H, 1, D), np.float32),
+                                       k_scale=np.zeros((B, HKV, C), np.float32),
+                                       v_scale=np.zeros((B, HKV, C), np.float32)),
+        "step": dict(SCORE, mask=np.ones((1, C), bool), batch_index=[0, 1],
+                     out=np.zeros((B, H, 1, D), np.float32)),
+        "attend": dict(SCORE, mask=np.ones((1, C), bool), batch_index=[0, 1],
+                       out=np.zeros((B, H, 1, D), np.float32))}
+
+
+def _entry_points(rng):
+    cache = cache_with(rng)
+    q, kn, vn = normal(rng, B, H, 1, D), normal(rng, B, HKV, 1, D), normal(rng, B, HKV, 1, D)
+    k, v = normal(rng, B, HKV, 6, D), normal(rng, B, HKV, 6, D)
+    kc, vc = normal(rng, B, HKV, C, D), normal(rng, B, HKV, C, D)
+    return {"attention": (af.attention, lambda **o: af.attention(q, k, v, **o)),
+            "attention_with_kvcache": (af.attention_with_kvcache, lambda **o:
+                                       af.attention_with_kvcache(q, kc, vc, 3, kn, vn, **o)),
+            "step": (af.KVCache.step, lambda **o: cache.step(q, kn, vn, **o)),
+            "attend": (af.KVCache.attend, lambda **o: cache.attend(q, **o))}
+
+
+def test_every_parameter_is_classified(rng):
+    import inspect
+    for name, (fn, _) in _entry_points(rng).items():
+        params = set(inspect.signature(fn).parameters)
+        assert params == FAST[name] | set(FULL[name]), (
+            f"{name}: classify {params ^ (FAST[name] | set(FULL[name]))} in FAST or FULL")
+
+
+@pytest.mark.parametrize("entry", sorted(FULL))
+def test_options_outside_the_fast_path_run_the_full_checks(rng, monkeypatch, entry):
+    call = _entry_points(rng)[entry][1]
+    call()                                  # the plan of the plain call
+    assert _checks.ATTENTION_PLANS or _checks.KVCACHE_PLANS
+    ran = []
+    for module, name in ((_api, "check_attention"), (_kvcache, "check_kvcache_attention")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name,
+                            lambda *a, _real=real, **kw: ran.append(1) or _real(*a, **kw))
+    for option, value in FULL[entry].items():
+        ran.clear()
+        try:
+            call(**{option: value})
+        except (TypeError, ValueError, NotImplementedError):
+            pass                            # e.g. k_scale for a float32 cache: rejected
+        assert ran, f"{entry}({option}=...) skipped the full checks"
