@@ -9,7 +9,13 @@ import numpy as np
 from . import _ext
 from ._interop import accepts_arrays
 from ._checks import (BFLOAT16, FLOAT16, FLOAT32, FLOAT64, check_attention, check_flag, check_out,
-                      kernel_ready, to_3d, to_4d)
+                      kernel_ready, to_3d, to_4d, ATTENTION_PLANS, attention_key, attention_plan,
+                      bound_window, fast_query_offset, fast_threads, remember)
+
+try:  # the handler as stored, without signal.getsignal's enum conversion (~2 us a call)
+    from _signal import getsignal as _getsignal
+except ImportError:  # pragma: no cover - not CPython
+    _getsignal = signal.getsignal
 
 __all__ = ["attention", "attention_weights", "merge_attention_states"]
 
@@ -79,14 +85,48 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
     -------
     out, or (out, lse) when return_lse.
     """
+    key = None
+    if (softcap is None and alibi_slopes is None and sinks is None and mask is None
+            and return_lse is False):
+        key = attention_key(q, k, v, out, causal, scale, window)
+        plan = ATTENTION_PLANS.get(key) if key is not None else None
+        if plan is not None:
+            result = _attention_fast(plan, q, k, v, out, causal, num_threads, query_offset)
+            if result is not None:
+                return result
     return_lse = check_flag(return_lse, "return_lse")
     call = check_attention(q, k, v, causal=causal, scale=scale, window=window,
                            num_threads=num_threads, query_offset=query_offset, softcap=softcap,
                            alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
     user_out = check_out(out, call.out_shape(), call.dtype,
                          [("q", call.q), ("k", call.k), ("v", call.v)])
+    result = run_kernels(call, user_out, return_lse)
+    if key is not None:  # accepted: later calls of this layout take the fast path
+        remember(ATTENTION_PLANS, key, attention_plan(call, q, k, v, out, window))
+    return result
 
-    return run_kernels(call, user_out, return_lse)
+
+def _attention_fast(plan, q, k, v, out, causal, num_threads, query_offset):
+    """attention() for a call whose layout an earlier call had accepted (see
+    attnfast._checks.attention_key): only what can differ between such calls is checked
+    here. None when anything is unusual: the full path then runs (and raises as always)."""
+    out_shape, dtype, scale, seqlen_q, seqlen_k, window = plan
+    threads = fast_threads(num_threads)
+    if threads is None or not fast_query_offset(query_offset):
+        return None
+    if not (q.flags.aligned and k.flags.aligned and v.flags.aligned):
+        return None  # kernel_ready would copy
+    if out is None:
+        out = np.empty(out_shape, dtype)
+    elif not (out.flags.writeable and out.flags.aligned and not np.may_share_memory(out, q)
+              and not np.may_share_memory(out, k) and not np.may_share_memory(out, v)):
+        return None  # check_out decides (and raises) exactly
+    left, right = (-1, -1) if window == (-1, -1) else bound_window(
+        window, seqlen_q, seqlen_k, query_offset)
+    _ext.run_attention(q, k, v, out, None, causal=causal, scale=scale, window_left=left,
+                       window_right=right, num_threads=threads,
+                       interruptible=kernels_interruptible(), query_offset=query_offset)
+    return out
 
 
 attention.__doc__ += _MASK_DRAWING
@@ -108,8 +148,7 @@ def run_kernels(call, user_out, return_lse, parts=None):
     # Ctrl-C stops the kernels early only in the main thread, which alone receives it, and
     # only under Python's default SIGINT handler: an ignored SIGINT (e.g. a background job)
     # or a handler of the caller's own must not cut a computation short.
-    interruptible = (threading.current_thread() is threading.main_thread()
-                     and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    interruptible = kernels_interruptible()
     for part in parts or [(slice(None), call.k, call.v, None)]:
         rows, k, v, seqlens = part[:4]
         k_scale, v_scale = part[4:6] if len(part) > 4 else (None, None)
@@ -126,6 +165,12 @@ def run_kernels(call, user_out, return_lse, parts=None):
     if result4 is not target4:
         np.copyto(target4, result4)
     return (target, lse) if return_lse else target
+
+
+def kernels_interruptible() -> bool:
+    """Whether Ctrl-C may stop the kernels of this call (see run_kernels)."""
+    return (threading.current_thread() is threading.main_thread()
+            and _getsignal(signal.SIGINT) is signal.default_int_handler)
 
 
 def _visible(call) -> np.ndarray:

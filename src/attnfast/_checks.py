@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from ._runtime import _positive_int, resolve_threads
+from ._runtime import _clamp, _positive_int, get_num_threads, resolve_threads
 
 FLOAT32 = np.dtype(np.float32)
 FLOAT64 = np.dtype(np.float64)
@@ -660,3 +660,129 @@ def check_truncate(n, lengths: np.ndarray) -> np.ndarray:
         raise ValueError(f"cannot truncate sequence {b} to {arr[b]}: it holds only {lengths[b]} "
                          "token(s) (truncate only shortens)")
     return arr.astype(np.int64)
+
+
+# ---- Fast paths: repeat calls of a layout already accepted ----
+#
+# A model calls attention once per layer per generated token, with the same shapes every
+# time, and the full checks above cost more than a short decode kernel. What they conclude
+# from shapes, strides, dtypes and option values is remembered in a plan keyed by exactly
+# those, stored only after the full path accepted a call that it could hand to the kernels
+# as given (no copy, no reshape, no int8 quantisation). A call whose key finds a plan
+# re-checks what can differ between calls of one layout: values (cache lengths), flags
+# (writeable, aligned), memory overlap and the options left out of the key. If any of that
+# fails, the fast path steps aside and the full path runs, raising its usual error.
+
+_PLAN_LIMIT = 256        # plans per memo; a full memo is emptied (shapes that keep changing)
+ATTENTION_PLANS: dict = {}
+KVCACHE_PLANS: dict = {}
+
+
+def remember(memo: dict, key, plan) -> None:
+    """Store a plan (None: the layout is not fast-path material)."""
+    if plan is None:
+        return
+    if len(memo) >= _PLAN_LIMIT:
+        memo.clear()
+    memo[key] = plan
+
+
+def fast_threads(num_threads) -> int | None:
+    """resolve_threads() for the fast paths; None for anything but None or an int >= 1
+    (the full path then reports it)."""
+    if num_threads is None:
+        return get_num_threads()
+    if type(num_threads) is int and num_threads >= 1:
+        return _clamp(num_threads)
+    return None
+
+
+def fast_query_offset(query_offset) -> bool:
+    """Whether check_query_offset() accepts query_offset as it is (None or an int)."""
+    return query_offset is None or (type(query_offset) is int
+                                    and -_MAX_QUERY_OFFSET <= query_offset <= _MAX_QUERY_OFFSET)
+
+
+_KEY_SCALE_TYPES = frozenset((float, int, np.float64, np.float32, np.float16))
+
+
+def _option_key(causal, scale, window):
+    """The options in a plan key; None when the call needs the full path. Types are
+    exact: values that compare equal (True == 1 == 1.0) must be checked alike, and bools
+    are refused where ints are taken."""
+    if causal is not True and causal is not False:
+        return None
+    if scale is not None and type(scale) not in _KEY_SCALE_TYPES:
+        return None
+    if window is not None and not (type(window) is tuple and len(window) == 2
+                                   and type(window[0]) is int and type(window[1]) is int):
+        return None
+    return causal, scale, window
+
+
+def attention_key(q, k, v, out, causal, scale, window):
+    """attention(): the plan key of a call (arrays exactly numpy.ndarray), or None."""
+    if type(q) is not np.ndarray or type(k) is not np.ndarray or type(v) is not np.ndarray:
+        return None
+    if out is not None and type(out) is not np.ndarray:
+        return None
+    options = _option_key(causal, scale, window)
+    if options is None:
+        return None
+    return (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides,
+            v.dtype, None if out is None else (out.shape, out.strides, out.dtype), options)
+
+
+def attention_plan(call: AttentionCall, q, k, v, out, window):
+    """attention(): what a repeat call needs from the accepted `call` (out shape and dtype,
+    scale, Tq, Tk, window as checked), or None unless the kernels took q, k, v (4-D) and
+    out as given."""
+    if call.rank != 4 or call.q is not q or call.k is not k or call.v is not v:
+        return None
+    if out is not None and kernel_ready(out) is not out:
+        return None
+    return (call.out_shape(), call.dtype, call.scale, call.seqlen_q, call.seqlen_k,
+            check_window(window))
+
+
+def kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, causal, scale, window):
+    """attention_with_kvcache() and KVCache.attend/step: the plan key of a call, or None.
+    `lengths_key` stands for the cache lengths' type (their values are checked per call)."""
+    if (type(q) is not np.ndarray or type(k_cache) is not np.ndarray
+            or type(v_cache) is not np.ndarray or lengths_key is None):
+        return None
+    if k_new is None or v_new is None:
+        if k_new is not None or v_new is not None:
+            return None
+        new = None
+    elif type(k_new) is not np.ndarray or type(v_new) is not np.ndarray:
+        return None
+    else:
+        new = (k_new.shape, k_new.strides, k_new.dtype, v_new.shape, v_new.strides, v_new.dtype)
+    options = _option_key(causal, scale, window)
+    if options is None:
+        return None
+    return (q.shape, q.strides, q.dtype, k_cache.shape, k_cache.strides, k_cache.dtype,
+            v_cache.shape, v_cache.strides, v_cache.dtype, lengths_key, new, options)
+
+
+def seqlens_key(cache_seqlens):
+    """cache_seqlens in a kvcache_key: a Python int, or a 1-D integer array (its shape and
+    dtype); None (the full path) for anything else."""
+    if type(cache_seqlens) is int:
+        return int
+    if type(cache_seqlens) is np.ndarray and cache_seqlens.ndim == 1:
+        return cache_seqlens.shape, cache_seqlens.dtype
+    return None
+
+
+def kvcache_plan(q, k_cache, v_cache, k_new, scale, window):
+    """What a repeat call needs from a call the full path accepted: (new tokens, out shape,
+    dtype, scale, window as checked, Tq, capacity); None for int8 caches (quantised on
+    write) and unless the kernels took q and the caches as given."""
+    if (k_cache.dtype == INT8 or as_float_array(q, "q") is not q or kernel_ready(q) is not q
+            or kernel_ready(k_cache) is not k_cache or kernel_ready(v_cache) is not v_cache):
+        return None
+    B, H, Tq, D = q.shape
+    return (0 if k_new is None else k_new.shape[2], (B, H, Tq, v_cache.shape[3]), q.dtype,
+            check_scale(scale, D, q.dtype), check_window(window), Tq, k_cache.shape[2])

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 
+import ml_dtypes
 import numpy as np
 
 __all__ = ["accepts_arrays", "to_numpy", "wrap_like", "is_torch"]
@@ -34,9 +36,11 @@ def is_torch(x) -> bool:
     return known
 
 
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
 def _bfloat16():
-    import ml_dtypes
-    return np.dtype(ml_dtypes.bfloat16)
+    return _BFLOAT16
 
 
 def to_numpy(x, name: str):
@@ -46,13 +50,20 @@ def to_numpy(x, name: str):
         return x
     if is_torch(x):
         import torch
-        if x.device.type != "cpu":
+        # The common case first: x.numpy() itself refuses sparse tensors, conjugate or
+        # negative bits and dtypes NumPy lacks; the checks below then say which it was.
+        if x.is_cpu and not x.requires_grad and x.dtype != torch.bfloat16:
+            try:
+                return x.numpy()
+            except (TypeError, RuntimeError):
+                pass
+        if not x.is_cpu:  # (x.device.type costs five times as much)
             raise ValueError(f"{name} is a torch tensor on device {x.device}; attnfast computes "
                              f"on the CPU: pass {name}.cpu()")
         if x.requires_grad:
             raise ValueError(f"{name} requires grad; attnfast computes no gradients: pass "
                              f"{name}.detach() (or call under torch.no_grad())")
-        if x.is_sparse or x.layout != torch.strided:
+        if x.layout != torch.strided:  # sparse (COO, CSR, ...) included
             raise TypeError(f"{name} is a torch tensor with layout {x.layout}; attnfast needs a "
                             "strided (dense) tensor")
         if x.is_conj() or x.is_neg():
@@ -82,8 +93,8 @@ def wrap_like(result, template):
         return tuple(wrap_like(r, template) for r in result)
     if not isinstance(result, np.ndarray):
         return result
-    import torch
-    if result.dtype == _bfloat16():
+    torch = sys.modules["torch"]  # imported: `template` is a tensor
+    if result.dtype == _BFLOAT16:
         return torch.from_numpy(_writable(result.view(np.int16))).view(torch.bfloat16)
     return torch.from_numpy(_writable(result))
 
@@ -104,11 +115,23 @@ def accepts_arrays(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        # The common case, numpy arrays and plain options only: nothing to convert.
+        for a in (args[1:] if skip_self else args):
+            if a is not None and type(a) not in _PLAIN:
+                break
+        else:
+            for a in kwargs.values():
+                if a is not None and type(a) not in _PLAIN:
+                    break
+            else:
+                return fn(*args, **kwargs)
         template = None
         given_out = converted_out = None
         new_args = list(args)
         for i, a in enumerate(args):
             if skip_self and i == 0:
+                continue
+            if a is None or type(a) in _SCALARS:
                 continue
             name = names[i] if i < len(names) else f"argument {i}"
             new_args[i], t = _convert(a, name)
@@ -116,6 +139,8 @@ def accepts_arrays(fn):
             if name == "out":
                 given_out, converted_out = a, new_args[i]
         for name, a in kwargs.items():
+            if a is None or type(a) in _SCALARS:
+                continue
             kwargs[name], t = _convert(a, name)
             template = template if template is not None else t
             if name == "out":
@@ -135,11 +160,21 @@ def accepts_arrays(fn):
     return wrapper
 
 
+_SCALARS = frozenset((bool, int, float, str))  # types _convert passes through as is
+_PLAIN = _SCALARS | {np.ndarray}
+
+
 def _convert(a, name):
     """(converted argument, the first torch tensor in it or None)."""
     if a is None or isinstance(a, (np.ndarray, bool, int, float, str)):
         return a, None
     if is_torch(a):
+        torch = sys.modules["torch"]  # imported: a tensor exists
+        if a.is_cpu and not a.requires_grad and a.dtype != torch.bfloat16:
+            try:  # to_numpy's common case, inline (one call per tensor less)
+                return a.numpy(), a
+            except (TypeError, RuntimeError):
+                pass
         return to_numpy(a, name), a
     if isinstance(a, (list, tuple)) and any(is_torch(x) or hasattr(x, "__dlpack__") for x in a):
         first = next((x for x in a if is_torch(x)), None)

@@ -12,9 +12,18 @@ import threading
 
 import numpy as np
 
-from ._api import run_kernels
+from . import _ext
+from ._api import kernels_interruptible, run_kernels
 from ._interop import accepts_arrays
 from ._checks import (
+    KVCACHE_PLANS,
+    bound_window,
+    fast_query_offset,
+    fast_threads,
+    kvcache_key,
+    kvcache_plan,
+    remember,
+    seqlens_key,
     check_batch_index,
     check_cache_room,
     check_cache_spec,
@@ -118,6 +127,17 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     Every argument is checked before anything is written: a rejected call leaves the caches
     and ``out`` untouched.
     """
+    key = None
+    if (softcap is None and alibi_slopes is None and sinks is None and mask is None
+            and return_lse is False and out is None and k_scale is None and v_scale is None):
+        key = kvcache_key(q, k_cache, v_cache, seqlens_key(cache_seqlens), k_new, v_new,
+                          causal, scale, window)
+        plan = KVCACHE_PLANS.get(key) if key is not None else None
+        if plan is not None:
+            result = _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                   causal, num_threads, query_offset)
+            if result is not None:
+                return result
     return_lse = check_flag(return_lse, "return_lse")
     call = check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                    causal=causal, scale=scale, window=window,
@@ -132,7 +152,43 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
         _write_tokens(k_cache, v_cache, np.arange(call.attn.batch), call.starts,
                       call.k_new, call.v_new, call.k_scale, call.v_scale)
     parts = [(slice(None), k_cache, v_cache, call.seqlens_after, call.k_scale, call.v_scale)]
-    return run_kernels(call.attn, user_out, return_lse, parts)
+    result = run_kernels(call.attn, user_out, return_lse, parts)
+    if key is not None:  # accepted: later calls of this layout take the fast path
+        remember(KVCACHE_PLANS, key, kvcache_plan(q, k_cache, v_cache, call.k_new, scale, window))
+    return result
+
+
+def _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal,
+                  num_threads, query_offset):
+    """attention_with_kvcache() for a call whose layout an earlier call had accepted (see
+    attnfast._checks.kvcache_key): checks what can differ between such calls, writes the
+    new tokens, runs the kernels. None, having changed nothing, when anything is unusual:
+    the full path then runs (and raises as always)."""
+    t, out_shape, dtype, scale, window, seqlen_q, capacity = plan
+    threads = fast_threads(num_threads)
+    if (threads is None or not fast_query_offset(query_offset) or not q.flags.aligned
+            or not k_cache.flags.aligned or not v_cache.flags.aligned):
+        return None
+    starts = ([cache_seqlens] * out_shape[0] if type(cache_seqlens) is int
+              else cache_seqlens.tolist())
+    if starts and (min(starts) < 0 or max(starts) > capacity - t):
+        return None
+    if t:
+        if (not k_cache.flags.writeable or not v_cache.flags.writeable
+                or np.may_share_memory(k_cache, v_cache)):
+            return None
+        for b, s in enumerate(starts):
+            k_cache[b, :, s:s + t] = k_new[b]
+            v_cache[b, :, s:s + t] = v_new[b]
+    seqlens = np.array([s + t for s in starts] if t else starts, dtype=np.int64)
+    left, right = (-1, -1) if window == (-1, -1) else bound_window(
+        window, seqlen_q, capacity, query_offset)
+    out = np.empty(out_shape, dtype)
+    _ext.run_attention(q, k_cache, v_cache, out, None, causal=causal, scale=scale,
+                       window_left=left, window_right=right, num_threads=threads,
+                       seqlens_k=seqlens, interruptible=kernels_interruptible(),
+                       query_offset=query_offset)
+    return out
 
 
 class KVCache:
@@ -261,6 +317,12 @@ class KVCache:
         options as in :func:`attnfast.attention`. Returns out (n, H, Tq, v_head_dim), or
         (out, lse) when return_lse.
         """
+        if (batch_index is None and softcap is None and alibi_slopes is None and sinks is None
+                and mask is None and return_lse is False and out is None):
+            result = self._run_fast(q, None, None, causal, scale, window, num_threads,
+                                    query_offset)
+            if result is not None:
+                return result
         return self._run(q, None, None, batch_index=batch_index, causal=causal, scale=scale,
                          window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                          sinks=sinks, mask=mask, return_lse=return_lse, out=out,
@@ -279,6 +341,12 @@ class KVCache:
             missing = " and ".join(n for n, a in (("k_new", k_new), ("v_new", v_new)) if a is None)
             raise ValueError(f"step needs both k_new and v_new; {missing} is None (use attend() "
                              "to attend without appending)")
+        if (batch_index is None and softcap is None and alibi_slopes is None and sinks is None
+                and mask is None and return_lse is False and out is None):
+            result = self._run_fast(q, k_new, v_new, causal, scale, window, num_threads,
+                                    query_offset)
+            if result is not None:
+                return result
         return self._run(q, k_new, v_new, batch_index=batch_index, causal=causal, scale=scale,
                          window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                          sinks=sinks, mask=mask, return_lse=return_lse, out=out,
@@ -323,7 +391,65 @@ class KVCache:
 
     def _run(self, q, k_new, v_new, **kwargs):
         with self._lock:
-            return self._run_locked(q, k_new, v_new, **kwargs)
+            result = self._run_locked(q, k_new, v_new, **kwargs)
+            key = self._fast_key(q, k_new, v_new, **kwargs)
+            if key is not None:  # accepted: later calls of this layout take the fast path
+                remember(KVCACHE_PLANS, key, kvcache_plan(q, self._k, self._v, k_new,
+                                                          kwargs["scale"], kwargs["window"]))
+            return result
+
+    def _fast_key(self, q, k_new, v_new, *, batch_index, causal, scale, window, softcap,
+                  alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset):
+        """The plan key of an attend/step call (see attnfast._checks.kvcache_key), or None
+        when it takes an option only the full path handles."""
+        if (batch_index is not None or softcap is not None or alibi_slopes is not None
+                or sinks is not None or mask is not None or return_lse is not False
+                or out is not None):
+            return None
+        return kvcache_key(q, self._k, self._v, "KVCache.lengths", k_new, v_new, causal, scale,
+                           window)
+
+    def _run_fast(self, q, k_new, v_new, causal, scale, window, num_threads, query_offset):
+        """attend/step with only causal, scale, window, num_threads, query_offset, for a
+        call whose layout an earlier call had accepted (see attnfast._checks.kvcache_key).
+        Checks what can differ between such calls (room for the new tokens, writeable
+        arrays, alignment, num_threads, query_offset), appends, attends. None, having
+        changed nothing, when anything is unusual or the layout is new: the full path runs."""
+        with self._lock:
+            key = kvcache_key(q, self._k, self._v, "KVCache.lengths", k_new, v_new, causal,
+                              scale, window)
+            plan = KVCACHE_PLANS.get(key) if key is not None else None
+            if plan is None:
+                return None
+            t, out_shape, dtype, scale, window, seqlen_q, capacity = plan
+            threads = fast_threads(num_threads)
+            if threads is None or not fast_query_offset(query_offset) or not q.flags.aligned:
+                return None
+            k, v, lengths = self._k, self._v, self._lengths
+            starts = lengths.tolist()
+            if t:
+                if max(starts) + t > capacity or not k.flags.writeable or not v.flags.writeable:
+                    return None
+                for b, s in enumerate(starts):
+                    k[b, :, s:s + t] = k_new[b]
+                    v[b, :, s:s + t] = v_new[b]
+            left, right = (-1, -1) if window == (-1, -1) else bound_window(
+                window, seqlen_q, capacity, query_offset)
+            out = np.empty(out_shape, dtype)
+            try:
+                if t:  # one sequence: an item store costs a tenth of a ufunc
+                    if len(starts) == 1:
+                        lengths[0] = starts[0] + t
+                    else:
+                        lengths += t
+                _ext.run_attention(q, k, v, out, None, causal=causal, scale=scale,
+                                   window_left=left, window_right=right, num_threads=threads,
+                                   seqlens_k=lengths, interruptible=kernels_interruptible(),
+                                   query_offset=query_offset)
+            except BaseException:  # KeyboardInterrupt: the step did not happen
+                lengths[:] = starts
+                raise
+            return out
 
     def _run_locked(self, q, k_new, v_new, *, batch_index, causal, scale, window, softcap,
                     alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset):

@@ -1,0 +1,239 @@
+"""The Python-side cost of one decode call: checks, conversion and dispatch, per entry point.
+
+    python bench/bench_overhead.py                      # H=8/2 and 32/8, D=128, L=16
+    python bench/bench_overhead.py --heads 32x8 --threads 1 --repeat 31
+
+Each entry point runs a decode-shaped problem small enough (B=1, one query token, L=16
+cached keys; KVCache.step appends, up to L=31 over a round) that the C++ kernel takes a few
+microseconds, and is timed with timeit (the
+median over ``--repeat`` rounds of ``--number`` calls, per call). The ``kernel`` row is the
+floor: the Cython entry ``attnfast._ext.run_attention`` called directly with arguments
+already prepared (its own argument parsing plus the C++ kernel); ``overhead`` is an entry
+point's time minus that floor, i.e. what attnfast's Python layer adds to a call.
+
+Rows:
+    kernel                      _ext.run_attention, prepared 4-D arrays (the floor)
+    kernel, L..L+15             the same over the lengths a KVCache.step round sees (its floor)
+    KVCache.step                append one token, attend (numpy inputs); the length grows from
+                                L0 over a round and is truncated back between rounds (untimed)
+    KVCache.attend              attend only (numpy)
+    attention_with_kvcache      caller-owned caches, one new token written at cache_seqlens
+                                (the same slot every call, so L stays fixed)
+    attention_with_kvcache/ro   the same without new tokens (attend only)
+    attention                   attention(q, k, v) with k, v (1, Hkv, L, D), causal
+    torch: ...                  the same calls with torch tensors in and out
+    transformers backend        attnfast.integrations.transformers.attention_forward (decode:
+                                query (1, H, 1, D), key/value (1, Hkv, L, D), no mask), as a
+                                transformers model calls it in every layer
+
+Also importable from pytest-benchmark (``bench/test_bench_overhead.py``).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import platform
+import statistics
+import sys
+import time
+import timeit
+
+import numpy as np
+
+import attnfast as af
+from attnfast import _ext
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def make_cases(heads: int, kv_heads: int, head_dim: int = 128, length: int = 32,
+               capacity: int = 4096, threads: int | None = None, use_torch: bool = True):
+    """{name: (call, reset)}: `call()` runs one decode call; `reset()` (untimed, once per round)
+    restores state a round changed (the KVCache's length)."""
+    rng = np.random.default_rng(0)
+    B, H, Hkv, D, L = 1, heads, kv_heads, head_dim, length
+    f32 = np.float32
+    q = rng.standard_normal((B, H, 1, D), dtype=f32)
+    k_tok = rng.standard_normal((B, Hkv, 1, D), dtype=f32)
+    v_tok = rng.standard_normal((B, Hkv, 1, D), dtype=f32)
+    k_cache = rng.standard_normal((B, Hkv, capacity, D), dtype=f32)
+    v_cache = rng.standard_normal((B, Hkv, capacity, D), dtype=f32)
+    seqlens = np.full(B, L - 1, dtype=np.int64)
+    k_full, v_full = k_cache[:, :, :L].copy(), v_cache[:, :, :L].copy()
+    nt = {} if threads is None else {"num_threads": threads}
+    n_threads = af.get_num_threads() if threads is None else threads
+
+    cache = af.KVCache(B, Hkv, D, capacity)
+    cache.append(k_cache[:, :, :L - 1], v_cache[:, :, :L - 1])
+
+    def reset_cache():
+        cache.truncate(L - 1)
+
+    out4 = np.empty((B, H, 1, D), f32)
+    lens_after = seqlens + 1
+    scale = float(1.0 / np.sqrt(D))  # a Python float, as transformers passes module.scaling
+
+    def kernel():
+        _ext.run_attention(q, k_cache, v_cache, out4, None, causal=True, scale=scale,
+                           window_left=-1, window_right=-1, num_threads=n_threads,
+                           seqlens_k=lens_after)
+
+    # The same over L = length .. length + 15, as KVCache.step sees in a round of 16 calls
+    grown = itertools.cycle([seqlens + 1 + i for i in range(16)])
+
+    def kernel_grown():
+        _ext.run_attention(q, k_cache, v_cache, out4, None, causal=True, scale=scale,
+                           window_left=-1, window_right=-1, num_threads=n_threads,
+                           seqlens_k=next(grown))
+
+    def nothing():
+        pass
+
+    cases = {
+        "kernel": (kernel, nothing),
+        "kernel, L..L+15": (kernel_grown, nothing),
+        "KVCache.step": (lambda: cache.step(q, k_tok, v_tok, **nt), reset_cache),
+        "KVCache.attend": (lambda: cache.attend(q, **nt), reset_cache),
+        "attention_with_kvcache": (
+            lambda: af.attention_with_kvcache(q, k_cache, v_cache, seqlens, k_tok, v_tok, **nt),
+            nothing),
+        "attention_with_kvcache/ro": (
+            lambda: af.attention_with_kvcache(q, k_cache, v_cache, lens_after, **nt), nothing),
+        "attention": (lambda: af.attention(q, k_full, v_full, causal=True, **nt), nothing),
+    }
+    if not use_torch:
+        return cases
+    try:
+        import torch
+    except ImportError:
+        return cases
+    tq, tk, tv = (torch.from_numpy(a) for a in (q, k_tok, v_tok))
+    tkc, tvc = torch.from_numpy(k_cache), torch.from_numpy(v_cache)
+    tkf, tvf = torch.from_numpy(k_full), torch.from_numpy(v_full)
+    tseq = torch.from_numpy(seqlens)
+    tcache = af.KVCache(B, Hkv, D, capacity)
+    tcache.append(k_cache[:, :, :L - 1], v_cache[:, :, :L - 1])
+    tout = torch.empty(B, 1, H, D).transpose(1, 2)  # as the transformers backend's out
+
+    def reset_tcache():
+        tcache.truncate(L - 1)
+
+    cases.update({
+        "torch: KVCache.step": (lambda: tcache.step(tq, tk, tv, **nt), reset_tcache),
+        "torch: attention_with_kvcache": (
+            lambda: af.attention_with_kvcache(tq, tkc, tvc, tseq, tk, tv, **nt), nothing),
+        "torch: attention(out=)": (
+            lambda: af.attention(tq, tkf, tvf, causal=True, out=tout, **nt), nothing),
+    })
+    try:
+        from attnfast.integrations import transformers as aft
+    except ImportError:
+        return cases
+
+    class _Module:  # what attention_forward reads off a transformers attention layer
+        is_causal = True
+
+    module = _Module()
+    saved = dict(aft._SETTINGS)
+    aft._SETTINGS["num_threads"] = threads
+
+    def backend():
+        aft.attention_forward(module, tq, tkf, tvf, None, scaling=scale)
+
+    cases["torch: transformers backend"] = (backend, nothing)
+    del saved
+    return cases
+
+
+CLOCKS = {"wall": time.perf_counter,
+          # CPU time of the calling thread: time other processes take is not counted (with
+          # one attnfast thread the kernels run in the calling thread)
+          "thread": time.thread_time}
+
+
+def time_case(call, reset, number: int, repeat: int, clock=time.perf_counter) -> float:
+    """Median seconds per call over `repeat` rounds of `number` calls (reset between rounds)."""
+    for _ in range(3):
+        call()
+    reset()
+    times = []
+    for _ in range(repeat):
+        reset()
+        times.append(timeit.timeit(call, number=number, timer=clock) / number)
+    return statistics.median(times)
+
+
+def run(heads_list, *, head_dim=128, length=16, number=16, repeat=201, threads=None,
+        use_torch=True, rounds=3, clock="wall"):
+    """{(heads, kv_heads): {name: median µs}}; cases are interleaved `rounds` times (the best
+    round's median counts for each case: noise from other processes only adds time)."""
+    results = {}
+    for H, Hkv in heads_list:
+        cases = make_cases(H, Hkv, head_dim, length, threads=threads, use_torch=use_torch)
+        best = {name: float("inf") for name in cases}
+        for _ in range(rounds):
+            for name, (call, reset) in cases.items():
+                t = time_case(call, reset, number, repeat, CLOCKS[clock])
+                best[name] = min(best[name], t * 1e6)
+        results[(H, Hkv)] = best
+    return results
+
+
+def format_table(results, length, number) -> str:
+    lines = []
+    for (H, Hkv), times in results.items():
+        lines.append(f"\nH={H}/Hkv={Hkv}, D=128, B=1, one query token, L={length} "
+                     f"(KVCache.step: L={length}..{length + number - 1})")
+        lines.append(f"{'entry point':32s} {'us/call':>9s} {'overhead us':>12s}")
+        lines.append(f"{'-' * 32} {'-' * 9} {'-' * 12}")
+        for name, t in times.items():
+            # KVCache.step appends: its kernel reads L .. L+15 keys over a round
+            floor = times["kernel, L..L+15" if name.endswith("KVCache.step") else "kernel"]
+            over = "(floor)" if name.startswith("kernel") else f"{t - floor:.2f}"
+            lines.append(f"{name:32s} {t:9.2f} {over:>12s}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--heads", default="8x2,32x8", help="HxHkv list, e.g. 8x2,32x8")
+    p.add_argument("--length", type=int, default=16, help="cached keys L at the start (16)")
+    p.add_argument("--number", type=int, default=16, help="calls per timed round (16)")
+    p.add_argument("--repeat", type=int, default=201, help="timed rounds; median counts (201)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved passes over the cases; the best median counts (3)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="num_threads for every call (default: attnfast.get_num_threads())")
+    p.add_argument("--no-torch", action="store_true", help="skip the torch rows")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="wall time (default), or the calling thread's CPU time (use with "
+                        "--threads 1 on a busy machine)")
+    args = p.parse_args(argv)
+    heads = [tuple(int(x) for x in s.split("x")) for s in args.heads.split(",")]
+    from attnfast._runtime import config
+    cfg = config()
+    threads = args.threads if args.threads is not None else af.get_num_threads()
+    print(f"attnfast {cfg['version']}  kernel tier {cfg['isa']}  threads {threads}  "
+          f"clock {args.clock}  "
+          f"Python {platform.python_version()}  numpy {np.__version__}")
+    print(f"CPU: {cpu_name()} ({os.cpu_count()} CPUs)")
+    print("command: " + " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])))
+    results = run(heads, length=args.length, number=args.number, repeat=args.repeat,
+                  threads=args.threads, use_torch=not args.no_torch, rounds=args.rounds,
+                  clock=args.clock)
+    print(format_table(results, args.length, args.number))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
