@@ -11,8 +11,8 @@
 #include "simd_prefill.inl"
 #include "simd_decode.inl"
 #include "bf16_decode.inl"
-#define ATTNFAST_BF16_FALLBACK_PREFILL attend_block_any  // the converting templates
-#define ATTNFAST_BF16_FALLBACK_PLAN plan_templates
+#define ATTNFAST_BF16_FALLBACK_PREFILL ATTNFAST_KERNEL_NS::attend_block_any  // the templates
+#define ATTNFAST_BF16_FALLBACK_PLAN ATTNFAST_KERNEL_NS::plan_templates
 #include "bf16_prefill.inl"
 #define ATTNFAST_PREFILL_ANY bf16_prefill::attend_block_any  // vdpbf16ps for bfloat16 q, k, v
 #define ATTNFAST_PREFILL_PLAN_ANY bf16_prefill::plan_any
