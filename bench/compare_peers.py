@@ -36,9 +36,11 @@ checked against the float64 reference of those SAME rounded inputs with a per-dt
 to bfloat16 for vdpbf16ps). A peer that misses it is reported "wrong", never accepted.
 
 * attnfast    q, k, v as ``ml_dtypes.bfloat16`` / ``numpy.float16`` arrays, out= of that dtype.
-              The tier in use is in the version string: ``avx512bf16`` uses vdpbf16ps for
-              bfloat16 prefill and decode; to compare with the widening kernel (bfloat16 loaded
-              and widened to float32) run once more with ``ATTNFAST_ISA=avx512``.
+              The tier in use is in the version string, and the report's header repeats
+              show_config()'s 16-bit line (which instructions each path uses: on the
+              ``avx512bf16`` tier vdpbf16ps for bfloat16 decode, and wherever a later kernel
+              adds it). To compare with the widening kernel (bfloat16 loaded and widened to
+              float32 in registers) run once more with ``ATTNFAST_ISA=avx512``.
 * torch       torch.bfloat16 / torch.float16 tensors (converted once, untimed), SDPA as above.
 * openvino    bfloat16: a model with ov.Type.bf16 inputs, INFERENCE_PRECISION_HINT=bf16; its
               runtime model runs SDPA in bf16 end to end (the alternative, f32 inputs with the
@@ -672,6 +674,7 @@ def main(argv=None) -> int:
         "last_level_cache_mib": (ab.last_level_cache_bytes() or 0) // ab.MIB,
         "blas": ab.blas_description(),
         "versions": {e.name: e.version() for e in engines},
+        "attnfast_16bit": af._runtime.config().get("lowp_instructions"),
         "skipped": skipped,
         "dtypes": dtypes,
         "tolerances": {d: TOLERANCES[d] for d in dtypes},
@@ -805,15 +808,17 @@ class Report:
             out.append(f"skipped {name}: {why}")
         if self.multi:
             out.append("dtypes: " + ", ".join(self.dtypes))
+            if m.get("attnfast_16bit"):
+                out.append(f"attnfast 16-bit kernels: {m['attnfast_16bit']}")
         for name, whys in m.get("dtype_skipped", {}).items():
             for dtype, why in whys.items():
                 out.append(f"skipped {name} in {dtype}: {why}")
         no_kernel = {}
         for r in self.results:
             if "skipped" in r:
-                no_kernel.setdefault((r["engine"], r["dtype"]), r["skipped"])
-        for (name, dtype), why in no_kernel.items():
-            out.append(f"skipped {name} in {dtype}: {why}")
+                no_kernel.setdefault((r["engine"], r["dtype"]), {})[r["skipped"]] = None
+        for (name, dtype), whys in no_kernel.items():
+            out.append(f"skipped {name} in {dtype}: {'; '.join(whys)}")
 
         out.append(f"\n{h2}Machine limits, measured in this run")
         extra = [d for d in self.dtypes if d != "float32"]
