@@ -37,9 +37,9 @@ to bfloat16 for vdpbf16ps). A peer that misses it is reported "wrong", never acc
 
 * attnfast    q, k, v as ``ml_dtypes.bfloat16`` / ``numpy.float16`` arrays, out= of that dtype.
               The tier in use is in the version string, and the report's header repeats
-              show_config()'s 16-bit line (which instructions each path uses: on the
-              ``avx512bf16`` tier vdpbf16ps for bfloat16 decode, and wherever a later kernel
-              adds it). To compare with the widening kernel (bfloat16 loaded and widened to
+              show_config()'s 16-bit line (which instructions each path uses; the
+              ``avx512bf16`` tier uses vdpbf16ps for bfloat16 decode and, since 73a627c,
+              prefill). To compare with the widening kernel (bfloat16 loaded and widened to
               float32 in registers) run once more with ``ATTNFAST_ISA=avx512``.
 * torch       torch.bfloat16 / torch.float16 tensors (converted once, untimed), SDPA as above.
 * openvino    bfloat16: a model with ov.Type.bf16 inputs, INFERENCE_PRECISION_HINT=bf16; its
@@ -658,7 +658,13 @@ def main(argv=None) -> int:
             if "bfloat16" in dtypes:
                 parser.error("--dtype bfloat16 needs ml_dtypes (pip install ml_dtypes)")
     # (engine, dtype) pairs an engine cannot run at all, with the reason
-    dtype_skipped = {e.name: {d: e.dtype_skip(d) for d in dtypes if e.dtype_skip(d)}
+    def dtype_skip(engine, dtype):  # an engine without dtype_skip runs float32 only
+        ask = getattr(engine, "dtype_skip", None)
+        if ask is None:
+            return None if dtype == "float32" else "not wired for 16-bit inputs"
+        return ask(dtype)
+
+    dtype_skipped = {e.name: {d: dtype_skip(e, d) for d in dtypes if dtype_skip(e, d)}
                      for e in engines}
     dtype_skipped = {k: v for k, v in dtype_skipped.items() if v}
 
