@@ -3,6 +3,7 @@
     python bench/compare_peers.py                      # all shapes, 1 and 2 threads
     python bench/compare_peers.py --quick              # a smoke run
     python bench/compare_peers.py --markdown bench/out/peers.md --json bench/out/peers.json
+    python bench/compare_peers.py --dtype float32,bfloat16,float16   # 16-bit rows in the same run
 
 Peers (each optional: skipped with a note when not installed; `pip install "attnfast[peers]"`):
 
@@ -27,6 +28,40 @@ memory-read bandwidth (attnfast._bench.measure_read_bandwidth: the best of a thr
 and threaded BLAS dot over 1 GiB) and float32 GEMM throughput (the best of NumPy's BLAS and
 torch.mm on 2048^3). Prefill GFLOP/s counts useful FLOPs (half the square when causal);
 decode GB/s counts each K/V byte once: B * Hkv * L * (D + Dv) * 4.
+
+16-bit rows (``--dtype``, a comma list of float32 (default), bfloat16, float16): the same
+float32 random inputs, rounded once (untimed) to the dtype, go to every peer, and each output is
+checked against the float64 reference of those SAME rounded inputs with a per-dtype tolerance
+(TOLERANCE below: the output itself is rounded to 16 bits, and attnfast's bfloat16 kernel rounds P
+to bfloat16 for vdpbf16ps). A peer that misses it is reported "wrong", never accepted.
+
+* attnfast    q, k, v as ``ml_dtypes.bfloat16`` / ``numpy.float16`` arrays, out= of that dtype.
+              The tier in use is in the version string, and the report's header repeats
+              show_config()'s 16-bit line (which instructions each path uses; the
+              ``avx512bf16`` tier uses vdpbf16ps for bfloat16 decode and, since 73a627c,
+              prefill). To compare with the widening kernel (bfloat16 loaded and widened to
+              float32 in registers) run once more with ``ATTNFAST_ISA=avx512``.
+* torch       torch.bfloat16 / torch.float16 tensors (converted once, untimed), SDPA as above.
+* openvino    bfloat16: a model with ov.Type.bf16 inputs, INFERENCE_PRECISION_HINT=bf16; its
+              runtime model runs SDPA in bf16 end to end (the alternative, f32 inputs with the
+              bf16 hint, also runs a bf16 SDPA but converts f32 -> bf16 on the way in and
+              bf16 -> f32 on the way out, so it is not used). float16: ov.Type.f16 inputs with
+              INFERENCE_PRECISION_HINT=f16 only if the CPU reports FP16 in
+              OPTIMIZATION_CAPABILITIES; otherwise (Zen 4: no AVX512_FP16) the f16 hint makes
+              OpenVINO run the SDPA in bf16, too coarse for float16's tolerance, so f32 is used
+              and OpenVINO converts f16 -> f32 internally (as attnfast's widening kernel does).
+              The SDPA node's runtime precision is recorded in each row ("note").
+* onnxruntime float16 MultiHeadAttention / GroupQueryAttention on the CPU EP (onnxruntime 1.32
+              has both kernels); bfloat16 is tried and the CPU EP rejects it (NOT_IMPLEMENTED):
+              the row is recorded as skipped, "no CPU kernel".
+* numpy       skipped for 16-bit: NumPy has no 16-bit GEMM (float16 matmul is a scalar loop,
+              ml_dtypes.bfloat16 matmul a generic object-style loop), so it would measure NumPy's
+              fallback, not a 16-bit attention.
+
+16-bit limits: the GEMM limit of a 16-bit dtype is the best of torch.mm on (gemm_n)^2 tensors of
+that dtype and the float32 GEMM (converting tiles to float32 is always available, so no 16-bit
+row is held to a bar below float32's); the limits table shows each source. Decode GB/s counts
+the bytes of the stored dtype: B * Hkv * L * (D + Dv) * itemsize (2 for 16-bit).
 
 If OPENBLAS_CORETYPE is set (it is on some machines here, for old OpenBLAS builds) NumPy's GEMM
 can be slower than the CPU allows; run with `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE`.
@@ -57,6 +92,36 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import max_abs_error, sample_rows  # noqa: E402
 
 TOLERANCE = 1e-4  # float32 output vs the float64 reference (outputs are O(1))
+# Max |error| of a 16-bit output against the float64 reference of the same rounded inputs
+# (outputs are O(1)): bfloat16 keeps 8 significant bits (output rounding alone is up to ~4e-3 for
+# |out| ~ 2), float16 11 bits (~1e-3).
+TOLERANCES = {"float32": TOLERANCE, "bfloat16": 3e-2, "float16": 3e-3}
+DTYPES = tuple(TOLERANCES)
+
+
+def parse_dtype_list(text: str) -> list[str]:
+    """--dtype: a comma list of float32, bfloat16, float16 (in the order given, no repeats)."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if part not in DTYPES:
+            raise argparse.ArgumentTypeError(
+                f"--dtype: unknown {part!r}; choose from {', '.join(DTYPES)}")
+        if part not in out:
+            out.append(part)
+    if not out:
+        raise argparse.ArgumentTypeError("--dtype: empty list")
+    return out
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+class NoKernel(Exception):
+    """The peer has no kernel for this dtype on this device: the row is recorded as skipped."""
 
 
 @dataclass(frozen=True)
@@ -81,16 +146,22 @@ class Case:
 
     @property
     def work(self) -> int:
-        """FLOPs (prefill) or bytes (decode) that set the rate."""
+        """FLOPs (prefill) or bytes (decode) that set the rate, for float32."""
+        return self.work_for(4)
+
+    def work_for(self, itemsize: int) -> int:
+        """FLOPs (prefill) or bytes of the stored dtype (decode) that set the rate."""
         if self.kind == "prefill":
             return ab.attention_flops(self.b, self.h, self.tq, self.tk, self.d, self.dv, self.causal)
-        return ab.decode_bytes(self.b, self.hkv, self.tk, self.d, self.dv, 4)
+        return ab.decode_bytes(self.b, self.hkv, self.tk, self.d, self.dv, itemsize)
 
 
 # ----------------------------------------------------------------------------- engines
 # Each engine's prepare(case, arrays, threads) does all untimed work (layout copies, graph
 # building, compiling) and returns (run, output): run() is what is timed, output() returns the
-# last result as a (B, H, Tq, Dv) NumPy array.
+# last result as a (B, H, Tq, Dv) NumPy array. arrays are q, k, v of one dtype (float32,
+# ml_dtypes.bfloat16 or float16); dtype_skip(name) gives the reason an engine cannot run a dtype
+# at all (None: it can), and prepare raises NoKernel when the peer rejects the dtype itself.
 
 class AttnfastEngine:
     name = "attnfast"
@@ -102,6 +173,9 @@ class AttnfastEngine:
         cfg = af._runtime.config()
         return f"{cfg['version']} ({cfg['isa']})"
 
+    def dtype_skip(self, dtype):
+        return None
+
     def prepare(self, case, arrays, threads):
         q, k, v = arrays
         box = [None]
@@ -112,7 +186,7 @@ class AttnfastEngine:
             def run():
                 box[0] = af.attention_with_kvcache(q, k, v, seqlens, num_threads=threads)
         else:
-            out = np.empty((case.b, case.h, case.tq, case.dv), np.float32)
+            out = np.empty((case.b, case.h, case.tq, case.dv), q.dtype)
 
             def run():
                 box[0] = af.attention(q, k, v, causal=case.causal, out=out, num_threads=threads)
@@ -137,11 +211,27 @@ class TorchEngine:
     def applies(self, case):
         return not self.fold or (case.kind == "decode" and case.h != case.hkv)
 
+    def dtype_skip(self, dtype):
+        return None
+
+    @staticmethod
+    def _tensor(a):
+        import torch
+        if a.dtype.name == "bfloat16":  # torch.from_numpy knows no ml_dtypes: share the bits
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+
+    @staticmethod
+    def _numpy(t):
+        import torch
+        # bfloat16 -> float32 is exact; the accuracy check sees the values torch produced
+        return t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
     def prepare(self, case, arrays, threads):
         import torch
         import torch.nn.functional as F
         torch.set_num_threads(threads)
-        q, k, v = (torch.from_numpy(a) for a in arrays)
+        q, k, v = (self._tensor(a) for a in arrays)
         box = [None]
         if self.fold:
             g = case.h // case.hkv
@@ -150,7 +240,7 @@ class TorchEngine:
             def run():
                 box[0] = F.scaled_dot_product_attention(qf, k, v)
 
-            return run, lambda: box[0].reshape(case.b, case.h, case.tq, case.dv).numpy()
+            return run, lambda: self._numpy(box[0].reshape(case.b, case.h, case.tq, case.dv))
         # torch's is_causal is top-left aligned; identical to attnfast's for Tq == Tk, and a
         # single decode query sees every key, so it needs no mask at all.
         causal = case.causal and case.tq > 1
@@ -159,7 +249,7 @@ class TorchEngine:
         def run():
             box[0] = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
-        return run, lambda: box[0].numpy()
+        return run, lambda: self._numpy(box[0])
 
 
 class TorchFoldEngine(TorchEngine):
@@ -181,32 +271,66 @@ class OpenVINOEngine:
         import openvino
         return openvino.__version__.split("-")[0]
 
+    def dtype_skip(self, dtype):
+        return None
+
+    @staticmethod
+    def _precision(dtype):
+        """(input element type, INFERENCE_PRECISION_HINT) for a dtype name; see the docstring."""
+        import openvino as ov
+        if dtype == "bfloat16":
+            return ov.Type.bf16, "bf16"
+        if dtype == "float16":
+            has_fp16 = "FP16" in _ov_core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+            return ov.Type.f16, "f16" if has_fp16 else "f32"
+        return ov.Type.f32, "f32"
+
     def prepare(self, case, arrays, threads):
         import openvino as ov
         import openvino.opset13 as ops
         q, k, v = arrays
+        dtype = q.dtype.name
         g = case.h // case.hkv
         if case.kind == "decode" and g > 1:
             q = q.reshape(case.b, case.hkv, g * case.tq, case.d)  # fold: exact for Tq == 1
         elif g > 1:
             raise NotImplementedError("GQA prefill is not wired for openvino")
         causal = case.causal and case.tq > 1
-        params = [ops.parameter(list(a.shape), ov.Type.f32, name=n) for n, a in zip("qkv", (q, k, v))]
+        element, hint = self._precision(dtype)
+        params = [ops.parameter(list(a.shape), element, name=n) for n, a in zip("qkv", (q, k, v))]
         sdpa = ops.scaled_dot_product_attention(*params, causal=causal)
         model = ov.Model([sdpa.output(0)], params, "sdpa")
         compiled = _ov_core().compile_model(model, "CPU", {
-            "INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": "f32",
+            "INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": hint,
             "PERFORMANCE_HINT": "LATENCY"})
         request = compiled.create_infer_request()
-        for i, a in enumerate((q, k, v)):
-            request.set_input_tensor(i, ov.Tensor(np.ascontiguousarray(a), shared_memory=True))
-        keep = (q, k, v)  # the shared tensors point into these
+        keep = tuple(np.ascontiguousarray(a) for a in (q, k, v))  # the shared tensors point here
+        for i, a in enumerate(keep):
+            if dtype == "bfloat16":  # ov.Tensor knows no ml_dtypes: share the bits as bf16
+                tensor = ov.Tensor(a.view(np.uint16), a.shape, ov.Type.bf16)
+            else:
+                tensor = ov.Tensor(a, shared_memory=True)
+            request.set_input_tensor(i, tensor)
 
         def output():
             _ = keep  # the shared buffers must outlive the timing
-            return request.get_output_tensor(0).data.reshape(case.b, case.h, case.tq, case.dv).copy()
+            data = request.get_output_tensor(0).data
+            if dtype == "bfloat16":  # .data of a bf16 tensor comes as float16: reinterpret
+                data = data.view(np.uint16).view(q.dtype)
+            return data.reshape(case.b, case.h, case.tq, case.dv).copy()
 
+        self.note = f"hint {hint}, SDPA runs {_ov_sdpa_precision(compiled)}"
         return request.infer, output
+
+
+def _ov_sdpa_precision(compiled) -> str:
+    """The runtime precision of the compiled model's SDPA node(s) (what OpenVINO really ran)."""
+    found = []
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        rt = op.get_rt_info()
+        if "ScaledDotProductAttention" in op.get_friendly_name() and "runtimePrecision" in rt:
+            found.append(rt["runtimePrecision"].astype(str))
+    return "/".join(dict.fromkeys(found)) or "?"
 
 
 _OV_CORE = None
@@ -249,21 +373,34 @@ class OnnxRuntimeEngine:
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        return ort.InferenceSession(model.SerializeToString(), so,
-                                    providers=["CPUExecutionProvider"])
+        try:
+            return ort.InferenceSession(model.SerializeToString(), so,
+                                        providers=["CPUExecutionProvider"])
+        except Exception as exc:
+            # The CPU EP registers these contrib ops per element type; a missing one is
+            # NOT_IMPLEMENTED ("Could not find an implementation for ...").
+            if "NOT_IMPLEMENTED" in str(exc) or "Could not find an implementation" in str(exc):
+                raise NoKernel(f"no CPU kernel: {node.op_type} in "
+                               f"{_onnx_type_name(inputs[0].type.tensor_type.elem_type)}") from None
+            raise
+
+    def dtype_skip(self, dtype):
+        return None  # tried per shape: the CPU EP's own answer is the skip reason
 
     def prepare(self, case, arrays, threads):
         import onnxruntime as ort
         from onnx import TensorProto, helper
-        f32, i32 = TensorProto.FLOAT, TensorProto.INT32
-        info = helper.make_tensor_value_info
         q, k, v = arrays
+        f32 = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16,
+               "bfloat16": TensorProto.BFLOAT16}[q.dtype.name]  # the element type of q, k, v, out
+        i32 = TensorProto.INT32
+        info = helper.make_tensor_value_info
         b, h, hkv, d, dv = case.b, case.h, case.hkv, case.d, case.dv
 
         def bsh(x):  # (B, N, S, D) -> (B, S, N*D), the layout these ops take
             return np.ascontiguousarray(x.transpose(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1))
 
-        out = np.empty((b, case.tq, h * dv), np.float32)
+        out = np.empty((b, case.tq, h * dv), q.dtype)
         if case.kind == "prefill":
             if h != hkv:
                 raise NotImplementedError("GQA prefill is not wired for onnxruntime")
@@ -313,10 +450,21 @@ class OnnxRuntimeEngine:
         return run, output
 
 
+def _onnx_type_name(elem_type: int) -> str:
+    from onnx import TensorProto
+    return TensorProto.DataType.Name(elem_type).lower()
+
+
 class NumpyEngine:
     name = "numpy"
 
     def available(self):
+        return None
+
+    def dtype_skip(self, dtype):
+        if dtype != "float32":
+            return ("no 16-bit GEMM in NumPy (float16 / ml_dtypes.bfloat16 matmul are scalar "
+                    "fallback loops): not a 16-bit attention peer")
         return None
 
     def version(self):
@@ -365,7 +513,7 @@ ENGINES = [AttnfastEngine(), TorchEngine(), TorchFoldEngine(), OpenVINOEngine(),
 # ----------------------------------------------------------------------------- machine limits
 
 def measure_limits(threads: int, bandwidth_bytes: int, gemm_n: int, use_torch: bool,
-                   settle: float) -> dict:
+                   settle: float, dtypes=("float32",)) -> dict:
     bw = ab.measure_read_bandwidth(threads, bandwidth_bytes)
     gemm = {}
     numpy_gemm = ab.measure_gemm(threads, gemm_n)
@@ -381,8 +529,47 @@ def measure_limits(threads: int, bandwidth_bytes: int, gemm_n: int, use_torch: b
         times = ab.time_call(lambda: torch.mm(a, b, out=c), budget=0.0, min_repeats=3)
         gemm["torch"] = 2 * gemm_n ** 3 / ab.median(times) / 1e9
     best = max(gemm, key=gemm.get) if gemm else None
-    return {"read_gbps": bw["gbps"], "read_kernel": bw["kernel"], "read_kernels": bw["kernels"],
-            "gemm_gflops": gemm[best] if best else None, "gemm_source": best, "gemm": gemm}
+    limits = {"read_gbps": bw["gbps"], "read_kernel": bw["kernel"], "read_kernels": bw["kernels"],
+              "gemm_gflops": gemm[best] if best else None, "gemm_source": best, "gemm": gemm}
+    # 16-bit GEMM limits: torch.mm on tensors of that dtype, or the float32 GEMM if faster
+    # (a kernel can always widen tiles to float32, so no 16-bit row gets a lower bar).
+    extra = {}
+    for name in dtypes:
+        if name == "float32":
+            continue
+        cands = {}
+        if use_torch:
+            import torch
+            tdt = getattr(torch, name)
+            time.sleep(settle)
+            # A probe first: torch's float16 mm on a CPU without FP16 arithmetic is a slow
+            # fallback (~1 GFLOP/s on Zen 4), which at gemm_n = 2048 would take minutes.
+            for size in dict.fromkeys((min(256, gemm_n), gemm_n)):
+                a = torch.randn(size, size).to(tdt)
+                b = torch.randn(size, size).to(tdt)
+                c = torch.empty(size, size, dtype=tdt)
+                times = ab.time_call(lambda: torch.mm(a, b, out=c), budget=0.0, min_repeats=3)
+                rate = 2 * size ** 3 / ab.median(times) / 1e9
+                if size == gemm_n:
+                    cands[f"torch {name}"] = rate
+                elif best and rate < 0.25 * gemm[best]:
+                    cands[f"torch {name} (n={size})"] = rate  # far below float32: stop here
+                    break
+        if best:
+            cands[f"float32 {best}"] = gemm[best]
+        top = max(cands, key=cands.get) if cands else None
+        extra[name] = {"gemm_gflops": cands[top] if top else None, "gemm_source": top,
+                       "gemm": cands}
+    if extra:
+        limits["dtype_gemm"] = extra
+    return limits
+
+
+def gemm_limit(lim: dict, dtype: str):
+    """The GEMM GFLOP/s a prefill row of ``dtype`` is measured against (None: not measured)."""
+    if dtype == "float32":
+        return lim["gemm_gflops"]
+    return lim.get("dtype_gemm", {}).get(dtype, {}).get("gemm_gflops")
 
 
 # ----------------------------------------------------------------------------- main
@@ -401,6 +588,9 @@ def build_parser():
     p.add_argument("--decode-D", type=int, default=128, help="default 128")
     p.add_argument("--peers", default="torch,torch-fold,openvino,onnxruntime,numpy",
                    help="comma list of peers to run (default: all installed)")
+    p.add_argument("--dtype", type=parse_dtype_list, default=["float32"],
+                   help="comma list of float32 (default), bfloat16, float16: one set of rows "
+                        "per dtype, on the same (rounded) inputs")
     p.add_argument("--skip", default="", help="'prefill' or 'decode' to run only the other half")
     p.add_argument("--budget", type=float, default=1.0,
                    help="seconds of repeats per timing (default 1.0; at least --min-repeats)")
@@ -460,6 +650,23 @@ def main(argv=None) -> int:
             engines.append(e)
     names = [e.name for e in engines]
     have_torch = "torch" in names or "torch-fold" in names
+    dtypes = args.dtype
+    if any(d != "float32" for d in dtypes):
+        try:
+            import ml_dtypes  # noqa: F401
+        except ImportError:
+            if "bfloat16" in dtypes:
+                parser.error("--dtype bfloat16 needs ml_dtypes (pip install ml_dtypes)")
+    # (engine, dtype) pairs an engine cannot run at all, with the reason
+    def dtype_skip(engine, dtype):  # an engine without dtype_skip runs float32 only
+        ask = getattr(engine, "dtype_skip", None)
+        if ask is None:
+            return None if dtype == "float32" else "not wired for 16-bit inputs"
+        return ask(dtype)
+
+    dtype_skipped = {e.name: {d: dtype_skip(e, d) for d in dtypes if dtype_skip(e, d)}
+                     for e in engines}
+    dtype_skipped = {k: v for k, v in dtype_skipped.items() if v}
 
     load_before = ab.load_average()
     warning = ab.busy_warning(load_before, ab.available_cpus())
@@ -473,7 +680,11 @@ def main(argv=None) -> int:
         "last_level_cache_mib": (ab.last_level_cache_bytes() or 0) // ab.MIB,
         "blas": ab.blas_description(),
         "versions": {e.name: e.version() for e in engines},
+        "attnfast_16bit": af._runtime.config().get("lowp_instructions"),
         "skipped": skipped,
+        "dtypes": dtypes,
+        "tolerances": {d: TOLERANCES[d] for d in dtypes},
+        "dtype_skipped": dtype_skipped,
         "isa_env": {k: os.environ.get(k) for k in (
             "ATTNFAST_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA",
             "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if os.environ.get(k) is not None},
@@ -484,8 +695,12 @@ def main(argv=None) -> int:
               "env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python bench/compare_peers.py ...",
               file=sys.stderr)
 
+    def runs(engine, case, dtype):
+        return (getattr(engine, "applies", lambda _: True)(case)
+                and dtype not in dtype_skipped.get(engine.name, {}))
+
     steps = len(threads_list) * (1 + sum(
-        1 for c in cases for e in engines if getattr(e, "applies", lambda _: True)(c)))
+        1 for c in cases for d in dtypes for e in engines if runs(e, c, d)))
     progress = ab.Progress(steps, enabled=not args.no_progress)
     rng = np.random.default_rng(args.seed)
     limits, results = {}, []
@@ -493,35 +708,48 @@ def main(argv=None) -> int:
         progress.step(f"machine limits, {n} thread(s)")
         time.sleep(args.settle)
         limits[n] = measure_limits(n, args.bandwidth_mib * ab.MIB, args.gemm_n, have_torch,
-                                   args.settle)
+                                   args.settle, dtypes)
         for case in cases:
-            q = rng.standard_normal((case.b, case.h, case.tq, case.d), dtype=np.float32)
-            k = rng.standard_normal((case.b, case.hkv, case.tk, case.d), dtype=np.float32)
-            v = rng.standard_normal((case.b, case.hkv, case.tk, case.dv), dtype=np.float32)
+            q32 = rng.standard_normal((case.b, case.h, case.tq, case.d), dtype=np.float32)
+            k32 = rng.standard_normal((case.b, case.hkv, case.tk, case.d), dtype=np.float32)
+            v32 = rng.standard_normal((case.b, case.hkv, case.tk, case.dv), dtype=np.float32)
             rows = sample_rows(case.tq)
-            for engine in engines:
-                if not getattr(engine, "applies", lambda _: True)(case):
-                    continue
-                progress.step(f"{case.kind} {case.label}, {engine.name}, {n} thread(s)")
-                entry = {"kind": case.kind, "case": case.label, "threads": n,
-                         "engine": engine.name, "shape": case.__dict__.copy(), "work": case.work}
-                try:
-                    run, output = engine.prepare(case, (q, k, v), n)
-                    # Let the previous engine's idle worker threads stop spinning (OpenBLAS and
-                    # OpenMP pools busy-wait for a while; measured: torch at 2 threads runs at
-                    # 60% right after a NumPy GEMM) so they do not steal this engine's cores.
-                    time.sleep(args.settle)
-                    times = ab.time_call(run, budget=args.budget,
-                                         min_repeats=args.min_repeats if case.kind == "prefill"
-                                         else max(args.min_repeats, 5))
-                    err = max_abs_error(output(), q, k, v, causal=case.causal, rows=rows)
-                    entry.update(times_s=times, median_s=ab.median(times),
-                                 rate=case.work / ab.median(times) / 1e9, max_abs_error=err,
-                                 ok=bool(err <= TOLERANCE))
-                except Exception as exc:  # a peer that cannot run a shape is reported, not fatal
-                    entry.update(error=f"{type(exc).__name__}: {exc}"[:200])
-                results.append(entry)
-                run = output = None
+            for dtype in dtypes:
+                # the same inputs rounded once to the dtype (untimed); the reference uses these
+                ndt = numpy_dtype(dtype)
+                q, k, v = ((q32, k32, v32) if dtype == "float32"
+                           else tuple(a.astype(ndt) for a in (q32, k32, v32)))
+                tolerance = TOLERANCES[dtype]
+                tag = "" if dtypes == ["float32"] else f" {dtype}"
+                for engine in engines:
+                    if not runs(engine, case, dtype):
+                        continue
+                    progress.step(f"{case.kind} {case.label}{tag}, {engine.name}, {n} thread(s)")
+                    entry = {"kind": case.kind, "case": case.label, "threads": n,
+                             "engine": engine.name, "shape": case.__dict__.copy(),
+                             "work": case.work_for(ndt.itemsize), "dtype": dtype}
+                    engine.note = None
+                    try:
+                        run, output = engine.prepare(case, (q, k, v), n)
+                        # Let the previous engine's idle worker threads stop spinning (OpenBLAS and
+                        # OpenMP pools busy-wait for a while; measured: torch at 2 threads runs at
+                        # 60% right after a NumPy GEMM) so they do not steal this engine's cores.
+                        time.sleep(args.settle)
+                        times = ab.time_call(run, budget=args.budget,
+                                             min_repeats=args.min_repeats if case.kind == "prefill"
+                                             else max(args.min_repeats, 5))
+                        err = max_abs_error(output(), q, k, v, causal=case.causal, rows=rows)
+                        entry.update(times_s=times, median_s=ab.median(times),
+                                     rate=entry["work"] / ab.median(times) / 1e9,
+                                     max_abs_error=err, ok=bool(err <= tolerance))
+                        if engine.note:
+                            entry["note"] = engine.note
+                    except NoKernel as exc:  # the peer itself says it has no kernel for the dtype
+                        entry.update(skipped=str(exc)[:200])
+                    except Exception as exc:  # a peer that cannot run a shape is reported, not fatal
+                        entry.update(error=f"{type(exc).__name__}: {exc}"[:200])
+                    results.append(entry)
+                    run = output = None
     progress.finish()
 
     report = Report(meta, limits, results, names)
@@ -548,15 +776,23 @@ class Report:
         self.meta, self.limits, self.results = meta, limits, results
         self.engines = engine_names
         self.peers = [e for e in engine_names if e != "attnfast"]
+        self.dtypes = list(meta.get("dtypes", ["float32"]))
+        # A float32-only run renders exactly as before --dtype existed.
+        self.multi = self.dtypes != ["float32"]
 
     def _table(self, headers, rows, markdown):
         return ab.format_markdown_table(headers, rows) if markdown else ab.format_table(headers, rows)
 
-    def _get(self, kind, case, threads, engine):
+    def _get(self, kind, case, threads, engine, dtype="float32"):
         for r in self.results:
-            if (r["kind"], r["case"], r["threads"], r["engine"]) == (kind, case, threads, engine):
+            if ((r["kind"], r["case"], r["threads"], r["engine"], r.get("dtype", "float32"))
+                    == (kind, case, threads, engine, dtype)):
                 return r
         return None
+
+    def _limit(self, kind, threads, dtype):
+        lim = self.limits[threads]
+        return gemm_limit(lim, dtype) if kind == "prefill" else lim["read_gbps"]
 
     def render(self, markdown: bool) -> str:
         m = self.meta
@@ -576,37 +812,105 @@ class Report:
             out.append(m["busy_warning"])
         for name, why in m["skipped"].items():
             out.append(f"skipped {name}: {why}")
+        if self.multi:
+            out.append("dtypes: " + ", ".join(self.dtypes))
+            if m.get("attnfast_16bit"):
+                out.append(f"attnfast 16-bit kernels: {m['attnfast_16bit']}")
+        for name, whys in m.get("dtype_skipped", {}).items():
+            for dtype, why in whys.items():
+                out.append(f"skipped {name} in {dtype}: {why}")
+        no_kernel = {}
+        for r in self.results:
+            if "skipped" in r:
+                no_kernel.setdefault((r["engine"], r["dtype"]), {})[r["skipped"]] = None
+        for (name, dtype), whys in no_kernel.items():
+            out.append(f"skipped {name} in {dtype}: {'; '.join(whys)}")
 
         out.append(f"\n{h2}Machine limits, measured in this run")
+        extra = [d for d in self.dtypes if d != "float32"]
         rows = []
         for n, lim in self.limits.items():
             reads = ", ".join(f"{k} {v:.1f}" for k, v in lim["read_kernels"].items())
             gemms = ", ".join(f"{k} {v:.1f}" for k, v in lim["gemm"].items())
-            rows.append([n, f"{lim['read_gbps']:.1f}", reads,
-                         f"{lim['gemm_gflops']:.1f}" if lim["gemm_gflops"] else "n/a", gemms])
-        out.append(self._table(["threads", "read GB/s", "read kernels (GB/s)", "GEMM GFLOP/s",
-                                "GEMM sources"], rows, markdown))
+            row = [n, f"{lim['read_gbps']:.1f}", reads,
+                   f"{lim['gemm_gflops']:.1f}" if lim["gemm_gflops"] else "n/a"]
+            for d in extra:
+                g = gemm_limit(lim, d)
+                row.append(f"{g:.1f}" if g else "n/a")
+                gemms += "".join(f", {k} {v:.1f}" for k, v in
+                                 lim.get("dtype_gemm", {}).get(d, {}).get("gemm", {}).items()
+                                 if not k.startswith("float32"))
+            rows.append(row + [gemms])
+        out.append(self._table(["threads", "read GB/s", "read kernels (GB/s)",
+                                "GEMM GFLOP/s" if not extra else "float32 GEMM GFLOP/s"]
+                               + [f"{d} GEMM GFLOP/s" for d in extra] + ["GEMM sources"],
+                               rows, markdown))
+        if extra:
+            out.append("A 16-bit GEMM limit is the best of torch.mm in that dtype and the float32 "
+                       "GEMM.")
 
-        for kind, unit, limit_key in (("prefill", "GFLOP/s", "gemm_gflops"),
-                                      ("decode", "GB/s", "read_gbps")):
-            cases = list(dict.fromkeys(r["case"] for r in self.results if r["kind"] == kind))
+        for dtype in self.dtypes:
+            out.extend(self._kind_tables(dtype, llc, h2, markdown))
+
+        out.append(self.targets(markdown))
+        if self.multi:
+            out.append(self.targets_16bit(markdown))
+
+        if self.multi:
+            tol = ", ".join(f"{d} {TOLERANCES[d]:g}" for d in self.dtypes)
+        else:
+            tol = f"{TOLERANCE:g}"
+        out.append(f"\n{h2}Every engine: median time, rate, % of the machine limit, max |error| vs "
+                   f"the float64 reference (sampled rows; tolerance {tol})")
+        rows = []
+        for r in self.results:
+            dtype = r.get("dtype", "float32")
+            lim = self._limit(r["kind"], r["threads"], dtype)
+            head = [r["kind"], r["case"], r["threads"], r["engine"]] + ([dtype] if self.multi else [])
+            tail = [r.get("note", "")] if self.multi else []
+            if "median_s" in r:
+                rows.append(head + [ab.fmt_time(r["median_s"]),
+                             f"{r['rate']:.1f} {'GFLOP/s' if r['kind'] == 'prefill' else 'GB/s'}",
+                             f"{100 * r['rate'] / lim:.0f}%" if lim else "n/a",
+                             f"{r['max_abs_error']:.1e}" + ("" if r["ok"] else " FAIL")] + tail)
+            elif "skipped" in r:
+                rows.append(head + ["skipped", r["skipped"], "", ""] + tail)
+            else:
+                rows.append(head + ["error", r["error"], "", ""] + tail)
+        out.append(self._table(["kind", "shape", "thr", "engine"] + (["dtype"] if self.multi else [])
+                               + ["time", "rate", "% limit", "max err"]
+                               + (["note"] if self.multi else []), rows, markdown))
+        return "\n".join(out)
+
+    def _kind_tables(self, dtype, llc, h2, markdown) -> list[str]:
+        """The prefill and decode tables of one dtype: attnfast's rate and its speedup over peers."""
+        m = self.meta
+        out = []
+        skipped_here = m.get("dtype_skipped", {})
+        peers = [p for p in self.peers if dtype not in skipped_here.get(p, {})]
+        itemsize = numpy_dtype(dtype).itemsize if dtype != "float32" else 4
+        for kind, unit in (("prefill", "GFLOP/s"), ("decode", "GB/s")):
+            cases = list(dict.fromkeys(r["case"] for r in self.results if r["kind"] == kind
+                                       and r.get("dtype", "float32") == dtype))
             if not cases:
                 continue
-            what = ("useful FLOPs (half the square when causal) per second; % of measured GEMM"
+            limit_name = (f"measured {dtype} GEMM" if self.multi else "measured GEMM")
+            what = (f"useful FLOPs (half the square when causal) per second; % of {limit_name}"
                     if kind == "prefill" else
-                    "K+V bytes read per step (B*Hkv*L*(D+Dv)*4) per second; % of measured read "
-                    "bandwidth; one query token")
-            out.append(f"\n{h2}{kind.capitalize()}: attnfast {unit}, and attnfast's speedup over "
+                    f"K+V bytes read per step (B*Hkv*L*(D+Dv)*{itemsize}) per second; % of measured "
+                    f"read bandwidth; one query token")
+            title = f"{kind.capitalize()}" + (f", {dtype}" if self.multi else "")
+            out.append(f"\n{h2}{title}: attnfast {unit}, and attnfast's speedup over "
                        f"each peer (peer time / attnfast time; >1 = attnfast faster)")
             out.append(f"{what}")
-            headers = ["shape", "thr", "attnfast", unit, "% limit"] + self.peers + ["best peer"]
+            headers = ["shape", "thr", "attnfast", unit, "% limit"] + peers + ["best peer"]
             rows = []
             for n in self.limits:
                 for c in cases:
-                    a = self._get(kind, c, n, "attnfast")
+                    a = self._get(kind, c, n, "attnfast", dtype)
                     if a is None:
                         continue
-                    lim = self.limits[n][limit_key]
+                    lim = self._limit(kind, n, dtype)
                     if "median_s" in a:
                         flag = " *" if kind == "decode" and a["work"] <= llc else ""
                         row = [c, n, ab.fmt_time(a["median_s"]) + ("" if a["ok"] else " WRONG"),
@@ -615,10 +919,12 @@ class Report:
                     else:
                         row = [c, n, "error", "", ""]
                     best = None
-                    for p in self.peers:
-                        r = self._get(kind, c, n, p)
+                    for p in peers:
+                        r = self._get(kind, c, n, p, dtype)
                         if r is None:
                             row.append("-")
+                        elif "skipped" in r:
+                            row.append("no kernel")
                         elif "median_s" not in r:
                             row.append("error")
                         elif not r["ok"]:
@@ -634,38 +940,38 @@ class Report:
                     rows.append(row)
             out.append(self._table(headers, rows, markdown))
             if kind == "decode" and any(r["kind"] == "decode" and r["work"] <= llc
+                                        and r.get("dtype", "float32") == dtype
                                         for r in self.results):
                 out.append(f"\n\\* the K/V bytes fit in the last-level cache "
                            f"({m['last_level_cache_mib']} MiB): read from cache, not DRAM, so the "
                            f"fraction of DRAM read bandwidth can pass 100%.")
+        return out
 
-        out.append(self.targets(markdown))
-
-        out.append(f"\n{h2}Every engine: median time, rate, % of the machine limit, max |error| vs "
-                   f"the float64 reference (sampled rows; tolerance {TOLERANCE:g})")
+    @staticmethod
+    def _summarise(checks, title, table, markdown) -> str:
+        if not checks:
+            return ""
         rows = []
-        for r in self.results:
-            lim = self.limits[r["threads"]]["gemm_gflops" if r["kind"] == "prefill" else "read_gbps"]
-            if "median_s" in r:
-                rows.append([r["kind"], r["case"], r["threads"], r["engine"], ab.fmt_time(r["median_s"]),
-                             f"{r['rate']:.1f} {'GFLOP/s' if r['kind'] == 'prefill' else 'GB/s'}",
-                             f"{100 * r['rate'] / lim:.0f}%" if lim else "n/a",
-                             f"{r['max_abs_error']:.1e}" + ("" if r["ok"] else " FAIL")])
-            else:
-                rows.append([r["kind"], r["case"], r["threads"], r["engine"], "error", r["error"], "", ""])
-        out.append(self._table(["kind", "shape", "thr", "engine", "time", "rate", "% limit",
-                                "max err"], rows, markdown))
-        return "\n".join(out)
-
+        for target in dict.fromkeys(c[0] for c in checks):
+            mine = [c for c in checks if c[0] == target]
+            missed = [c for c in mine if not c[4]]
+            worst = ", ".join(f"{c[1]} ({c[2]} thr): {c[3]}" for c in missed[:4])
+            if len(missed) > 4:
+                worst += f", ... {len(missed) - 4} more"
+            rows.append([target, f"{len(mine) - len(missed)}/{len(mine)}", worst or "-"])
+        h2 = "### " if markdown else ""
+        return f"\n{h2}{title}\n" + table(["target", "shapes met", "missed (value)"], rows, markdown)
 
     def targets(self, markdown: bool) -> str:
         """The issue's float32 targets, met or missed, shape by shape (attnfast rows only)."""
         checks = []  # (target, shape label, threads, value text, met)
         for a in self.results:
-            if a["engine"] != "attnfast" or "median_s" not in a:
+            if (a["engine"] != "attnfast" or "median_s" not in a
+                    or a.get("dtype", "float32") != "float32"):
                 continue
             n, lim = a["threads"], self.limits[a["threads"]]
             peers = [r for r in self.results if r["engine"] != "attnfast" and r.get("ok")
+                     and r.get("dtype", "float32") == "float32"
                      and (r["kind"], r["case"], r["threads"]) == (a["kind"], a["case"], n)]
             if a["kind"] == "prefill" and a["shape"]["tq"] >= 1024 and lim["gemm_gflops"]:
                 frac = a["rate"] / lim["gemm_gflops"]
@@ -685,19 +991,45 @@ class Report:
                 frac = a["rate"] / lim["read_gbps"]
                 checks.append(("decode >= 85% of read bandwidth (L >= 16k)", a["case"], n,
                                f"{100 * frac:.0f}%", frac >= 0.85))
-        if not checks:
-            return ""
-        rows = []
-        for target in dict.fromkeys(c[0] for c in checks):
-            mine = [c for c in checks if c[0] == target]
-            missed = [c for c in mine if not c[4]]
-            worst = ", ".join(f"{c[1]} ({c[2]} thr): {c[3]}" for c in missed[:4])
-            if len(missed) > 4:
-                worst += f", ... {len(missed) - 4} more"
-            rows.append([target, f"{len(mine) - len(missed)}/{len(mine)}", worst or "-"])
-        h2 = "### " if markdown else ""
-        return (f"\n{h2}Targets (issue 4, float32)\n"
-                + self._table(["target", "shapes met", "missed (value)"], rows, markdown))
+        return self._summarise(checks, "Targets (issue 4, float32)", self._table, markdown)
+
+    def targets_16bit(self, markdown: bool) -> str:
+        """Issue 7's bfloat16 targets, met or missed, shape by shape (attnfast rows only)."""
+        checks = []
+        for a in self.results:
+            if a["engine"] != "attnfast" or "median_s" not in a or a.get("dtype") != "bfloat16":
+                continue
+            n, kind = a["threads"], a["kind"]
+            same = (kind, a["case"], n)
+
+            def peer(engine, dtype="bfloat16"):
+                for r in self.results:
+                    if (r["engine"] == engine and r.get("dtype", "float32") == dtype
+                            and (r["kind"], r["case"], r["threads"]) == same
+                            and "median_s" in r and r.get("ok")):
+                        return r
+                return None
+
+            gemm = gemm_limit(self.limits[n], "bfloat16")
+            if kind == "prefill" and a["shape"]["tq"] >= 1024 and gemm:
+                frac = a["rate"] / gemm
+                checks.append(("bf16 prefill >= 85% of bf16 GEMM (T >= 1024)", a["case"], n,
+                               f"{100 * frac:.0f}%", frac >= 0.85))
+            ov = peer("openvino")
+            if kind == "prefill" and a["shape"]["causal"] and a["shape"]["tq"] >= 1024 and ov:
+                ratio = ov["median_s"] / a["median_s"]
+                checks.append(("bf16 causal prefill >= 1.5x openvino bf16 (T >= 1024)", a["case"],
+                               n, f"{ratio:.2f}x", ratio >= 1.5))
+            if kind == "decode" and a["shape"]["tk"] >= 16384:
+                frac = a["rate"] / self.limits[n]["read_gbps"]
+                checks.append(("bf16 decode >= 85% of read bandwidth (L >= 16k)", a["case"], n,
+                               f"{100 * frac:.0f}%", frac >= 0.85))
+                f32 = peer("attnfast", "float32")
+                if f32:
+                    ratio = f32["median_s"] / a["median_s"]
+                    checks.append(("bf16 decode step >= 1.8x faster than float32 (L >= 16k)",
+                                   a["case"], n, f"{ratio:.2f}x", ratio >= 1.8))
+        return self._summarise(checks, "Targets (issue 7, bfloat16)", self._table, markdown)
 
 
 if __name__ == "__main__":
