@@ -98,6 +98,11 @@ void request_interrupt() noexcept;
 // Whether an interrupt was requested since the last call; clears the request.
 bool take_interrupt() noexcept;
 
+// ---- benchmarks ----
+// Reads `bytes` bytes at `data` once on up to num_threads threads (a native read kernel for the
+// benchmarks' memory-bandwidth limit); returns an XOR of the words read.
+uint64_t read_probe(const void* data, int64_t bytes, int num_threads);
+
 // ---- runtime facts ----
 int processor_count() noexcept;  // processors this process may run on (1 without OpenMP)
 bool openmp_enabled();

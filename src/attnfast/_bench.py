@@ -31,6 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from . import _ext
+
 __all__ = ["main"]
 
 GIB = 1 << 30
@@ -160,7 +162,10 @@ def measure_read_bandwidth(n_threads: int, nbytes: int = GIB, repeats: int = 5) 
 
     * ``numpy-sum``: ``np.sum`` of each thread's slice;
     * ``blas-dot``: ``np.dot(x, x)`` of each slice, BLAS limited to one thread per slice (needs
-      threadpoolctl; a dot product touches each byte once, like decode reads each K/V byte once).
+      threadpoolctl; a dot product touches each byte once, like decode reads each K/V byte once);
+    * ``native-read``: attnfast's own C++ read kernel (csrc/probe.cpp) on ``n_threads`` OpenMP
+      threads, each streaming contiguous 4 MiB pieces with independent load chains, so neither
+      arithmetic nor Python threads limit it.
 
     A single kernel can be limited by its own arithmetic rather than by memory (NumPy's float32
     pairwise sum is, on one core of some CPUs), so the machine's limit is taken as the best median
@@ -178,6 +183,9 @@ def measure_read_bandwidth(n_threads: int, nbytes: int = GIB, repeats: int = 5) 
 
         results["numpy-sum"] = x.nbytes / median(
             time_call(sum_slices, budget=0.0, min_repeats=repeats)) / 1e9
+        raw = x.view(np.uint8)
+        results["native-read"] = x.nbytes / median(
+            time_call(lambda: _ext.read_bytes(raw, n_threads), budget=0.0, min_repeats=repeats)) / 1e9
         one_blas_thread = _blas_limits(1)
         if one_blas_thread is not None:
             with one_blas_thread:

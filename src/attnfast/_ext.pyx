@@ -5,7 +5,7 @@ Arguments arrive already checked and shaped by attnfast._checks: q, k, v, out ar
 (B, H, T, D) arrays whose last axis is contiguous, lse is 3-D (B, H, Tq) or None. This module
 only fills the params struct, releases the GIL and calls the kernels.
 """
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint64_t
 from libc.string cimport memset
 from libcpp cimport bool as cbool
 from posix.signal cimport sigaction, sigaction_t, sigemptyset
@@ -75,6 +75,7 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
     cbool isa_force(const char* name) noexcept nogil
     const char* isa_error() noexcept nogil
     const char* isa_lowp_instructions() noexcept nogil
+    uint64_t read_probe(const void* data, int64_t nbytes, int num_threads) noexcept nogil
 
 
 cdef extern from "<signal.h>":
@@ -282,3 +283,12 @@ def openmp_threads():
 def processors():
     """Processors this process may run on (1 without OpenMP): the most threads a call starts."""
     return processor_count()
+
+
+def read_bytes(const unsigned char[::1] buffer, int num_threads):
+    """Reads every byte of a contiguous buffer once on up to num_threads threads, GIL
+    released (the benchmarks' native memory-read kernel); returns an XOR of its words."""
+    cdef uint64_t folded
+    with nogil:
+        folded = read_probe(&buffer[0] if buffer.shape[0] else NULL, buffer.shape[0], num_threads)
+    return folded
