@@ -57,6 +57,18 @@ void check_params(const AttentionParams& p) {
         for (int64_t b = 0; b < p.batch; ++b)
             require(p.seqlens_k[b] >= 0 && p.seqlens_k[b] <= p.seqlen_k,
                     "seqlens_k[b] must be in [0, seqlen_k]");
+    if (p.block_table) {
+        require(p.block_size >= 1 && p.num_blocks >= 0 && p.seqlen_k % p.block_size == 0,
+                "paged cache: block_size must be >= 1 and divide seqlen_k");
+        // Every block a batch entry reads must exist (the table's other entries are unused).
+        for (int64_t b = 0; b < p.batch; ++b) {
+            const int64_t used = (batch_seqlen_k(p, b) + p.block_size - 1) / p.block_size;
+            for (int64_t i = 0; i < used; ++i) {
+                const int64_t id = p.block_table[b * p.block_table_batch_stride + i];
+                require(id >= 0 && id < p.num_blocks, "paged cache: block id out of range");
+            }
+        }
+    }
 }
 
 template <class A>
@@ -112,7 +124,9 @@ void attention_forward(const AttentionParams& p) {
         return;
     }
     const KernelTable& kernels = active_kernels();
-    if (p.dtype == DType::kF32 && p.kv_dtype == DType::kF32 && !needs_templates(p, kernels.f32_sinks)) {
+    // (A paged cache is read by the templates.)
+    if (p.dtype == DType::kF32 && p.kv_dtype == DType::kF32 && !needs_templates(p, kernels.f32_sinks) &&
+        !p.block_table) {
         run_blocks<float>(p, kernels.attend_block_f32, kernels.plan_f32(p));
     } else if (p.dtype != DType::kF64) {  // 16-bit, int8 or score options: the templates
         const PrefillPlan plan{kBlockRows, block_workspace_elems(p)};

@@ -412,7 +412,7 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
 
 void decode_chunk_f32(const AttentionParams& p, const DecodeTask& task, float* workspace,
                       float* acc, float* m, float* l) {
-    if (!covers(p)) decode_chunk<float, float>(p, task, workspace, acc, m, l);
+    if (!covers(p) || p.block_table) decode_chunk<float, float>(p, task, workspace, acc, m, l);
     else if (p.head_dim == 128) chunk<128 / W>(p, task, workspace, acc, m, l);
     else if (p.head_dim == 64) chunk<64 / W>(p, task, workspace, acc, m, l);
     else chunk<0>(p, task, workspace, acc, m, l);
