@@ -3,6 +3,7 @@
 //
 // Prefill driver: splits the problem into (batch, head, query block) tasks and runs the
 // selected kernel tier over them on OpenMP threads.
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -115,6 +116,52 @@ void run_blocks(const AttentionParams& p,
     });
 }
 
+// A paged cache's keys of one call gathered into contiguous (batch, kv head, key) arrays,
+// for the hand-written float32 prefill kernels (simd_prefill.inl, neon_prefill.inl), which
+// read one strided run of rows: they then compute exactly the bits of a contiguous cache.
+// Costs one copy of the keys the batch reads (O(Tk * D), small next to the O(Tq * Tk * D)
+// prefill); the templates read the pool through the table instead.
+struct GatheredCache {
+    std::unique_ptr<char[]> k, v;
+    AttentionParams params;
+
+    explicit GatheredCache(const AttentionParams& p) : params(p) {
+        int64_t keys = 0;  // the longest batch entry: the gathered arrays' length
+        for (int64_t b = 0; b < p.batch; ++b) keys = batch_seqlen_k(p, b) > keys ? batch_seqlen_k(p, b) : keys;
+        const int64_t elem = kv_element_bytes(p);
+        const int64_t rows = p.batch * p.kv_heads * keys;
+        k.reset(new char[static_cast<size_t>(rows * p.head_dim * elem > 0 ? rows * p.head_dim * elem : 1)]);
+        v.reset(new char[static_cast<size_t>(rows * p.head_dim_v * elem > 0 ? rows * p.head_dim_v * elem : 1)]);
+        const int64_t tasks = p.batch * p.kv_heads;
+        parallel::for_each_dynamic(tasks, p.num_threads < tasks ? p.num_threads : static_cast<int>(tasks),
+                                   false, [&](int64_t index, int) {
+            const int64_t b = index / p.kv_heads, g = index % p.kv_heads;
+            const int64_t* table = p.block_table + b * p.block_table_batch_stride;
+            for (int64_t j = 0; j < batch_seqlen_k(p, b); ++j) {
+                const int64_t block = table[j / p.block_size], row = j % p.block_size;
+                std::memcpy(k.get() + ((index * keys + j) * p.head_dim) * elem,
+                            static_cast<const char*>(p.k) +
+                                (block * p.k_batch_stride + g * p.k_head_stride + row * p.k_row_stride) * elem,
+                            static_cast<size_t>(p.head_dim * elem));
+                std::memcpy(v.get() + ((index * keys + j) * p.head_dim_v) * elem,
+                            static_cast<const char*>(p.v) +
+                                (block * p.v_batch_stride + g * p.v_head_stride + row * p.v_row_stride) * elem,
+                            static_cast<size_t>(p.head_dim_v * elem));
+            }
+        });
+        params.block_table = nullptr;
+        params.k = k.get();
+        params.v = v.get();
+        params.seqlen_k = keys;
+        params.k_row_stride = p.head_dim;
+        params.k_head_stride = keys * p.head_dim;
+        params.k_batch_stride = p.kv_heads * keys * p.head_dim;
+        params.v_row_stride = p.head_dim_v;
+        params.v_head_stride = keys * p.head_dim_v;
+        params.v_batch_stride = p.kv_heads * keys * p.head_dim_v;
+    }
+};
+
 }  // namespace
 
 void attention_forward(const AttentionParams& p) {
@@ -124,9 +171,12 @@ void attention_forward(const AttentionParams& p) {
         return;
     }
     const KernelTable& kernels = active_kernels();
-    // (A paged cache is read by the templates.)
-    if (p.dtype == DType::kF32 && p.kv_dtype == DType::kF32 && !needs_templates(p, kernels.f32_sinks) &&
-        !p.block_table) {
+    if (p.dtype == DType::kF32 && p.kv_dtype == DType::kF32 && !needs_templates(p, kernels.f32_sinks)) {
+        if (p.block_table) {  // see GatheredCache
+            const GatheredCache gathered(p);
+            run_blocks<float>(gathered.params, kernels.attend_block_f32, kernels.plan_f32(gathered.params));
+            return;
+        }
         run_blocks<float>(p, kernels.attend_block_f32, kernels.plan_f32(p));
     } else if (p.dtype != DType::kF64) {  // 16-bit, int8 or score options: the templates
         const PrefillPlan plan{kBlockRows, block_workspace_elems(p)};

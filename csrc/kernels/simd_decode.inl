@@ -317,10 +317,13 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
     int64_t lo[kDecodeGroupRows], hi[kDecodeGroupRows];
 
     const float* q = static_cast<const float*>(p.q) + task.batch * p.q_batch_stride;
-    const float* k = static_cast<const float*>(p.k) + task.batch * p.k_batch_stride +
-                     task.kv_head * p.k_head_stride + task.key_begin * p.k_row_stride;
-    const float* v = static_cast<const float*>(p.v) + task.batch * p.v_batch_stride +
-                     task.kv_head * p.v_head_stride + task.key_begin * p.v_row_stride;
+    // Key rows by key position (kb + chunk-relative key): one run, or one per block of a
+    // paged cache; each group of keys below stays within one run.
+    const KeyRows<float> k = key_rows<float>(p, p.k, p.k_batch_stride, p.k_head_stride,
+                                             p.k_row_stride, task.batch, task.kv_head);
+    const KeyRows<float> v = key_rows<float>(p, p.v, p.v_batch_stride, p.v_head_stride,
+                                             p.v_row_stride, task.batch, task.kv_head);
+    const int64_t kb = task.key_begin;
     const float scale = static_cast<float>(p.scale);
     const int64_t v_row_bytes = Dv * static_cast<int64_t>(sizeof(float));
 
@@ -352,10 +355,10 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
             // Scores, W keys at a time for every row block; the first row block also
             // starts those keys' V rows towards the cache (see decode_chunk).
             const int64_t vsb = p.v_row_stride * static_cast<int64_t>(sizeof(float));
-            for (int64_t j = j0; j < j1; j += W) {
-                const int64_t nk = j1 - j < W ? j1 - j : W;
-                const float* kj = k + j * p.k_row_stride;
-                const char* vj = reinterpret_cast<const char*>(v + j * p.v_row_stride);
+            for (int64_t j = j0, nk = 0; j < j1; j += nk) {
+                nk = k.run_end(kb + j, kb + (j1 - j < W ? j1 : j + W)) - kb - j;
+                const float* kj = k.at(kb + j);
+                const char* vj = reinterpret_cast<const char*>(v.at(kb + j));
                 float* sj = s + (j - j0);
                 int64_t rb = 0;
                 for (; rb + 4 <= n; rb += 4)
@@ -394,17 +397,20 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
                 l[r] += exp_shift_zero(srow, j1 - j0, b, e, m_new);
             }
 
-            for (int64_t v0 = j0; v0 < j1; v0 += kValueSubKeys) {
-                const int64_t v1 = v0 + kValueSubKeys < j1 ? v0 + kValueSubKeys : j1;
+            // (A paged cache's block ends cut the sub-blocks further: same keys, same order.)
+            for (int64_t v0 = j0, v1 = j0; v0 < j1; v0 = v1) {
+                v1 = v.run_end(kb + v0, kb + (v0 + kValueSubKeys < j1 ? v0 + kValueSubKeys : j1)) - kb;
+                const float* vr = v.at(kb + v0);
+                const float* sv = s + (v0 - j0);  // column 0: key v0
                 int64_t rb = 0;
                 for (; rb + 4 <= n; rb += 4)
-                    pv_rows<4>(acc + (r0 + rb) * Dv, Dv, s + rb * ss - j0, ss, v, p.v_row_stride, v0, v1);
+                    pv_rows<4>(acc + (r0 + rb) * Dv, Dv, sv + rb * ss, ss, vr, v.row_stride, 0, v1 - v0);
                 if (n - rb >= 2) {
-                    pv_rows<2>(acc + (r0 + rb) * Dv, Dv, s + rb * ss - j0, ss, v, p.v_row_stride, v0, v1);
+                    pv_rows<2>(acc + (r0 + rb) * Dv, Dv, sv + rb * ss, ss, vr, v.row_stride, 0, v1 - v0);
                     rb += 2;
                 }
                 if (n - rb == 1)
-                    pv_rows<1>(acc + (r0 + rb) * Dv, Dv, s + rb * ss - j0, ss, v, p.v_row_stride, v0, v1);
+                    pv_rows<1>(acc + (r0 + rb) * Dv, Dv, sv + rb * ss, ss, vr, v.row_stride, 0, v1 - v0);
             }
         }
     }
@@ -412,7 +418,7 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
 
 void decode_chunk_f32(const AttentionParams& p, const DecodeTask& task, float* workspace,
                       float* acc, float* m, float* l) {
-    if (!covers(p) || p.block_table) decode_chunk<float, float>(p, task, workspace, acc, m, l);
+    if (!covers(p)) decode_chunk<float, float>(p, task, workspace, acc, m, l);
     else if (p.head_dim == 128) chunk<128 / W>(p, task, workspace, acc, m, l);
     else if (p.head_dim == 64) chunk<64 / W>(p, task, workspace, acc, m, l);
     else chunk<0>(p, task, workspace, acc, m, l);
