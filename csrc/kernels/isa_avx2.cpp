@@ -11,6 +11,7 @@
 #define ATTNFAST_PREFILL_F32 simd::attend_block
 #define ATTNFAST_PREFILL_PLAN_F32 simd::plan
 #define ATTNFAST_DECODE_CHUNK_F32 simd_decode::decode_chunk_f32
+#define ATTNFAST_DECODE_CHUNK_ANY simd_decode::decode_chunk_converting  // 16-bit and int8 K/V
 #define ATTNFAST_F32_SINKS true  // simd_prefill.inl finish_sub_block; decode merges in the template
 #include "export_table.inl"
 

@@ -121,7 +121,9 @@ constexpr int64_t kDecodeScoreStride = kDecodeKeyBlock + 16;
 // Scratch one thread needs for one DecodeTask (and for a merge), in accumulator elements.
 static inline int64_t decode_workspace_elems(const AttentionParams& p) {
     const int64_t merge = p.head_dim_v;
-    const int64_t task = kDecodeGroupRows * (decode_query_stride(p) + kDecodeScoreStride);
+    // + one key block's K and V row scales (int8 caches, hand-written SIMD decode)
+    const int64_t task = kDecodeGroupRows * (decode_query_stride(p) + kDecodeScoreStride) +
+                         2 * kDecodeKeyBlock;
     return task > merge ? task : merge;
 }
 
