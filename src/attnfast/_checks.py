@@ -814,3 +814,43 @@ def check_paged_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_n
     return KVCacheCall(attn=attn, k_cache=k_cache, v_cache=v_cache, starts=starts,
                        k_new=k_new, v_new=v_new, new_tokens=t, k_scale=k_scale,
                        v_scale=v_scale, block_table=table)
+
+
+def check_paged_spec(num_blocks, block_size, kv_heads, head_dim, dtype, v_head_dim):
+    """PagedKVCache(...) arguments -> (num_blocks, block_size, Hkv, D, dtype, Dv), checked."""
+    NB = _positive_int(num_blocks, "num_blocks")
+    BS = _positive_int(block_size, "block_size")
+    _, Hkv, D, _, dt, Dv = check_cache_spec(1, kv_heads, head_dim, 1, dtype, v_head_dim)
+    if NB * Hkv * BS * max(D, Dv) > np.iinfo(np.intp).max // 8:
+        raise ValueError(f"PagedKVCache(num_blocks={NB}, block_size={BS}, kv_heads={Hkv}, "
+                         f"head_dim={D}, v_head_dim={Dv}) is too large: "
+                         f"{NB * Hkv * BS * max(D, Dv)} elements per pool")
+    return NB, BS, Hkv, D, dt, Dv
+
+
+def check_seq_ids(seq_ids, known) -> tuple[list[int], bool]:
+    """seq_ids: one id or a non-empty sequence of distinct ids, each in `known` ->
+    (list of ids, whether one bare id was given)."""
+    single = not isinstance(seq_ids, (list, tuple, np.ndarray))
+    ids = [seq_ids] if single else list(np.asarray(seq_ids).reshape(-1).tolist()
+                                        if isinstance(seq_ids, np.ndarray) else seq_ids)
+    if not ids:
+        raise ValueError("seq_ids must name at least one sequence; got an empty sequence")
+    out = []
+    for s in ids:
+        sid = _as_int(s, "seq_ids", "a sequence id (int) or a list of them")
+        if sid not in known:
+            raise ValueError(f"seq_ids: no sequence {sid} in this cache (live ids: "
+                             f"{sorted(known)[:16]}{' ...' if len(known) > 16 else ''})")
+        out.append(sid)
+    if len(set(out)) != len(out):
+        raise ValueError(f"seq_ids must not repeat a sequence, got {out}")
+    return out, single
+
+
+def check_free_blocks(needed: int, free: int, what: str) -> None:
+    """Raise (changing nothing) when `needed` new blocks exceed the `free` ones."""
+    if needed > free:
+        raise ValueError(f"out of blocks: {what} needs {needed} new block(s) but only {free} "
+                         f"of the pool are free (nothing was written; free sequences or make "
+                         f"a larger pool)")
