@@ -68,19 +68,7 @@ void run_decode(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMerge
     const int64_t ws_elems = decode_workspace_elems(p);
     std::unique_ptr<A[]> workspace(new A[static_cast<size_t>(ws_elems * threads)]);
 
-    // A paged pool stores a block's KV heads side by side: run the heads of a chunk one
-    // after the other (chunk-major), so each pass over a head's rows of a block is followed
-    // by the neighbouring head's, which the hardware prefetcher's overrun (and L3) already
-    // holds. Only the order of execution changes: every slot computes the same bits.
-    std::vector<int64_t> order;
-    if (p.block_table && heads_kv > 1) {
-        order.reserve(static_cast<size_t>(slots));
-        for (int64_t b = 0; b < p.batch; ++b)
-            for (int64_t c = 0; c < chunk_count[b]; ++c)
-                for (int64_t g = 0; g < heads_kv; ++g) order.push_back(slot_base[b] + g * chunk_count[b] + c);
-    }
-    parallel::for_each_dynamic(slots, threads, p.interruptible, [&](int64_t index, int thread_id) {
-        const int64_t slot = order.empty() ? index : order[static_cast<size_t>(index)];
+    parallel::for_each_dynamic(slots, threads, p.interruptible, [&](int64_t slot, int thread_id) {
         chunk_fn(p, tasks[slot], workspace.get() + ws_elems * thread_id,
                  acc.get() + slot * rows * p.head_dim_v, row_max + slot * rows,
                  row_sum + slot * rows);

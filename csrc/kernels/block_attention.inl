@@ -159,16 +159,6 @@ struct KeyRows {
         const int64_t block_end = (j / block_size + 1) * block_size;
         return block_end < end ? block_end : end;
     }
-    // Starts rows [j, end) (row_bytes each) towards L2: a paged cache's next block is
-    // elsewhere in memory, where the hardware prefetcher has not looked yet.
-    void prefetch(int64_t j, int64_t end, int64_t row_bytes) const {
-        while (j < end) {
-            const int64_t stop = run_end(j, end);
-            const char* row = reinterpret_cast<const char*>(at(j));
-            for (; j < stop; ++j, row += row_stride * static_cast<int64_t>(sizeof(T)))
-                for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off, 0, 2);
-        }
-    }
 };
 
 // The K (or V) rows of (batch, kv head): data with the tensor's batch (paged: block), head

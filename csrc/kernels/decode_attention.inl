@@ -328,7 +328,6 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
     const KeyRows<T> v = key_rows<T>(p, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
                                      task.batch, task.kv_head);
     const int64_t kb = task.key_begin;  // chunk-relative key c is key kb + c
-    const int64_t k_ahead = kPagedPrefetchBytes / (D * static_cast<int64_t>(sizeof(T))) + 1;
     const A scale = static_cast<A>(p.scale);
     const int64_t v_row_bytes = Dv * static_cast<int64_t>(sizeof(T));
     const bool options = p.softcap > 0 || p.alibi_slopes || p.mask;
@@ -365,11 +364,6 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
                 const int64_t jb = k.run_end(kb + ja, kb + j1) - kb;
                 const T* krow = k.at(kb + ja);
                 const T* vrow = v.at(kb + ja);
-                if (k.table) {  // paged: K rows kPagedPrefetchBytes ahead (see kernel_table.hpp)
-                    const int64_t ahead = kb + ja + k_ahead;
-                    const int64_t stop = ahead + (jb - ja) < task.seqlen_k ? ahead + (jb - ja) : task.seqlen_k;
-                    k.prefetch(ahead, stop, D * static_cast<int64_t>(sizeof(T)));
-                }
                 for (int64_t j = ja; j < jb; ++j, krow += k.row_stride, vrow += v.row_stride) {
                     // Start this key's V row towards L2 now, so the V stream is fetched
                     // alongside the K stream instead of after it (a block's V, at most half

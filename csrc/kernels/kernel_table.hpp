@@ -118,12 +118,6 @@ constexpr int64_t kDecodeKeyBlock = 1024;
 // two, so the rows do not all fall into the same few L1 sets (a power-of-two stride would).
 constexpr int64_t kDecodeScoreStride = kDecodeKeyBlock + 16;
 
-// How far ahead (bytes of K rows) the decode kernels prefetch the keys of a paged cache,
-// whose next block the hardware prefetcher cannot guess. Measured on a loaded 2-core Zen 4
-// (32/8 heads, D = 128, L = 16k, block_size 16, float32): none 1.4-1.5x the contiguous
-// time, 4 KiB ahead into L1 no better, 16 KiB ahead into L2 ~1.0-1.2x.
-constexpr int64_t kPagedPrefetchBytes = 16384;
-
 // Scratch one thread needs for one DecodeTask (and for a merge), in accumulator elements.
 static inline int64_t decode_workspace_elems(const AttentionParams& p) {
     const int64_t merge = p.head_dim_v;

@@ -360,8 +360,6 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
     const RowScales v_scale = row_scales(p, p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride,
                                          p.v_scale_row_stride, task.batch, task.kv_head);
     const int64_t kb = task.key_begin;
-    const int64_t k_row_bytes = D * static_cast<int64_t>(sizeof(T));
-    const int64_t k_ahead = kPagedPrefetchBytes / k_row_bytes > W ? kPagedPrefetchBytes / k_row_bytes : W;
     const float scale = static_cast<float>(p.scale);
     const int64_t v_row_bytes = Dv * static_cast<int64_t>(sizeof(T));
 
@@ -397,11 +395,6 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
                 nk = k.run_end(kb + j, kb + (j1 - j < W ? j1 : j + W)) - kb - j;
                 const T* kj = k.at(kb + j);
                 const char* vj = reinterpret_cast<const char*>(v.at(kb + j));
-                if (k.table) {  // paged: K rows kPagedPrefetchBytes ahead (never past the keys)
-                    const int64_t ahead = kb + j + k_ahead;
-                    const int64_t stop = ahead + nk < task.seqlen_k ? ahead + nk : task.seqlen_k;
-                    k.prefetch(ahead, stop, k_row_bytes);
-                }
                 float* sj = s + (j - j0);
                 int64_t rb = 0;
                 for (; rb + 4 <= n; rb += 4)

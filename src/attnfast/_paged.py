@@ -43,8 +43,9 @@ class PagedKVCache:
 
     ``PagedKVCache(num_blocks, block_size, kv_heads, head_dim, *, dtype=np.float32,
     v_head_dim=None)`` holds ``k`` (num_blocks, kv_heads, block_size, head_dim) and ``v``
-    (num_blocks, kv_heads, block_size, v_head_dim) pools (and, for ``dtype="int8"``, float32
-    ``k_scale`` / ``v_scale`` (num_blocks, kv_heads, block_size)). A sequence's token t is row
+    (num_blocks, kv_heads, block_size, v_head_dim) pools (views of KV-head-major storage; and,
+    for ``dtype="int8"``, float32 ``k_scale`` / ``v_scale`` (num_blocks, kv_heads,
+    block_size)). Free blocks are handed out lowest id first. A sequence's token t is row
     ``t % block_size`` of its ``t // block_size``-th block; blocks are taken from the pool as
     sequences grow and return to it when they are freed::
 
@@ -74,11 +75,16 @@ class PagedKVCache:
                  v_head_dim=None):
         NB, BS, Hkv, D, dt, Dv = check_paged_spec(num_blocks, block_size, kv_heads, head_dim,
                                                   dtype, v_head_dim)
-        self._k = np.zeros((NB, Hkv, BS, D), dtype=dt)
-        self._v = np.zeros((NB, Hkv, BS, Dv), dtype=dt)
+        # Stored KV-head-major, (Hkv, num_blocks, block_size, D), and exposed as the
+        # (num_blocks, Hkv, block_size, D) view the kernels take: a KV head's rows of blocks
+        # with consecutive ids are then adjacent in memory, so a sequence whose blocks were
+        # taken in order streams like a contiguous cache (scattered short blocks cost more:
+        # see README, Paged KV cache).
+        self._k = np.zeros((Hkv, NB, BS, D), dtype=dt).transpose(1, 0, 2, 3)
+        self._v = np.zeros((Hkv, NB, BS, Dv), dtype=dt).transpose(1, 0, 2, 3)
         int8 = dt == np.int8  # one float32 scale per (block, kv head, row)
-        self._k_scale = np.zeros((NB, Hkv, BS), np.float32) if int8 else None
-        self._v_scale = np.zeros((NB, Hkv, BS), np.float32) if int8 else None
+        self._k_scale = np.zeros((Hkv, NB, BS), np.float32).transpose(1, 0, 2) if int8 else None
+        self._v_scale = np.zeros((Hkv, NB, BS), np.float32).transpose(1, 0, 2) if int8 else None
         self._refs = np.zeros(NB, dtype=np.int64)     # sequences holding each block
         self._free = list(range(NB - 1, -1, -1))      # a stack: the lowest id is taken first
         self._seqs: dict[int, _Sequence] = {}
@@ -88,7 +94,8 @@ class PagedKVCache:
     # ---- state ----
     @property
     def k(self) -> np.ndarray:
-        """Key pool, (num_blocks, kv_heads, block_size, head_dim)."""
+        """Key pool, (num_blocks, kv_heads, block_size, head_dim): a view of storage laid
+        out (kv_heads, num_blocks, block_size, head_dim)."""
         return self._k
 
     @property
