@@ -319,8 +319,6 @@ def contiguous_of(cache, sid):
     """(Hkv, n, D), (Hkv, n, Dv): the tokens of one sequence, gathered from the pools."""
     n = cache.length(sid)
     blocks = cache.blocks(sid)
-    if n == 0:
-        return cache.k[:0, :, :0].reshape(cache.kv_heads, 0, cache.head_dim), None
     k = np.concatenate([cache.k[b] for b in blocks], axis=1)[:, :n]
     v = np.concatenate([cache.v[b] for b in blocks], axis=1)[:, :n]
     return k, v
