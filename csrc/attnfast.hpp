@@ -49,6 +49,17 @@ struct AttentionParams {
     const float* v_scale;
     int64_t k_scale_batch_stride, k_scale_head_stride, k_scale_row_stride;
     int64_t v_scale_batch_stride, v_scale_head_stride, v_scale_row_stride;
+    // Paged KV cache (vLLM's paged attention, flash-attn's block_table), or nullptr =
+    // contiguous. With it, k / v (and k_scale / v_scale) are pools of `num_blocks` blocks of
+    // `block_size` rows: their "batch" stride is then the stride between blocks, and key j of
+    // batch entry b is row j % block_size of block block_table[b * block_table_batch_stride +
+    // j / block_size]. seqlen_k is then max_blocks * block_size (the logical capacity; a
+    // mask's last axis spans it) and only the blocks holding keys [0, seqlens_k[b]) are read.
+    // Results are bit-identical to a contiguous cache holding the same keys.
+    const int64_t* block_table;        // (batch, max_blocks) block ids in [0, num_blocks)
+    int64_t block_table_batch_stride;  // elements between batch entries' rows of the table
+    int64_t block_size;                // rows per block, >= 1 (paged only)
+    int64_t num_blocks;                // blocks in each pool (paged only; ids are checked)
     double scale;        // multiplies q . k
     bool causal;         // row i sees key j iff j <= i' (i' below)
     // Where query row i sits among the keys, i': by default i + (Tk - Tq), bottom-right

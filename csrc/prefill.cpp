@@ -3,6 +3,7 @@
 //
 // Prefill driver: splits the problem into (batch, head, query block) tasks and runs the
 // selected kernel tier over them on OpenMP threads.
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -57,6 +58,18 @@ void check_params(const AttentionParams& p) {
         for (int64_t b = 0; b < p.batch; ++b)
             require(p.seqlens_k[b] >= 0 && p.seqlens_k[b] <= p.seqlen_k,
                     "seqlens_k[b] must be in [0, seqlen_k]");
+    if (p.block_table) {
+        require(p.block_size >= 1 && p.num_blocks >= 0 && p.seqlen_k % p.block_size == 0,
+                "paged cache: block_size must be >= 1 and divide seqlen_k");
+        // Every block a batch entry reads must exist (the table's other entries are unused).
+        for (int64_t b = 0; b < p.batch; ++b) {
+            const int64_t used = (batch_seqlen_k(p, b) + p.block_size - 1) / p.block_size;
+            for (int64_t i = 0; i < used; ++i) {
+                const int64_t id = p.block_table[b * p.block_table_batch_stride + i];
+                require(id >= 0 && id < p.num_blocks, "paged cache: block id out of range");
+            }
+        }
+    }
 }
 
 template <class A>
@@ -103,6 +116,52 @@ void run_blocks(const AttentionParams& p,
     });
 }
 
+// A paged cache's keys of one call gathered into contiguous (batch, kv head, key) arrays,
+// for the hand-written prefill kernels (simd_prefill.inl, neon_prefill.inl, bf16_prefill.inl),
+// which read one strided run of rows: they then compute exactly the bits of a contiguous cache.
+// Costs one copy of the keys the batch reads (O(Tk * D), small next to the O(Tq * Tk * D)
+// prefill); the templates read the pool through the table instead.
+struct GatheredCache {
+    std::unique_ptr<char[]> k, v;
+    AttentionParams params;
+
+    explicit GatheredCache(const AttentionParams& p) : params(p) {
+        int64_t keys = 0;  // the longest batch entry: the gathered arrays' length
+        for (int64_t b = 0; b < p.batch; ++b) keys = batch_seqlen_k(p, b) > keys ? batch_seqlen_k(p, b) : keys;
+        const int64_t elem = kv_element_bytes(p);
+        const int64_t rows = p.batch * p.kv_heads * keys;
+        k.reset(new char[static_cast<size_t>(rows * p.head_dim * elem > 0 ? rows * p.head_dim * elem : 1)]);
+        v.reset(new char[static_cast<size_t>(rows * p.head_dim_v * elem > 0 ? rows * p.head_dim_v * elem : 1)]);
+        const int64_t tasks = p.batch * p.kv_heads;
+        parallel::for_each_dynamic(tasks, p.num_threads < tasks ? p.num_threads : static_cast<int>(tasks),
+                                   false, [&](int64_t index, int) {
+            const int64_t b = index / p.kv_heads, g = index % p.kv_heads;
+            const int64_t* table = p.block_table + b * p.block_table_batch_stride;
+            for (int64_t j = 0; j < batch_seqlen_k(p, b); ++j) {
+                const int64_t block = table[j / p.block_size], row = j % p.block_size;
+                std::memcpy(k.get() + ((index * keys + j) * p.head_dim) * elem,
+                            static_cast<const char*>(p.k) +
+                                (block * p.k_batch_stride + g * p.k_head_stride + row * p.k_row_stride) * elem,
+                            static_cast<size_t>(p.head_dim * elem));
+                std::memcpy(v.get() + ((index * keys + j) * p.head_dim_v) * elem,
+                            static_cast<const char*>(p.v) +
+                                (block * p.v_batch_stride + g * p.v_head_stride + row * p.v_row_stride) * elem,
+                            static_cast<size_t>(p.head_dim_v * elem));
+            }
+        });
+        params.block_table = nullptr;
+        params.k = k.get();
+        params.v = v.get();
+        params.seqlen_k = keys;
+        params.k_row_stride = p.head_dim;
+        params.k_head_stride = keys * p.head_dim;
+        params.k_batch_stride = p.kv_heads * keys * p.head_dim;
+        params.v_row_stride = p.head_dim_v;
+        params.v_head_stride = keys * p.head_dim_v;
+        params.v_batch_stride = p.kv_heads * keys * p.head_dim_v;
+    }
+};
+
 }  // namespace
 
 void attention_forward(const AttentionParams& p) {
@@ -113,8 +172,18 @@ void attention_forward(const AttentionParams& p) {
     }
     const KernelTable& kernels = active_kernels();
     if (p.dtype == DType::kF32 && p.kv_dtype == DType::kF32 && !needs_templates(p, kernels.f32_sinks)) {
+        if (p.block_table) {  // see GatheredCache
+            const GatheredCache gathered(p);
+            run_blocks<float>(gathered.params, kernels.attend_block_f32, kernels.plan_f32(gathered.params));
+            return;
+        }
         run_blocks<float>(p, kernels.attend_block_f32, kernels.plan_f32(p));
     } else if (p.dtype != DType::kF64) {  // 16-bit, int8 or score options
+        if (p.block_table && p.kv_dtype != DType::kI8) {  // (int8 scales are not gathered)
+            const GatheredCache gathered(p);
+            run_blocks<float>(gathered.params, kernels.attend_block_any, kernels.plan_any(gathered.params));
+            return;
+        }
         run_blocks<float>(p, kernels.attend_block_any, kernels.plan_any(p));
     } else {
         const PrefillPlan plan{kBlockRows, block_workspace_elems(p)};

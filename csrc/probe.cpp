@@ -1,6 +1,8 @@
 // A native memory-read kernel: the benchmarks' machine limit for bandwidth-bound decode
 // (attnfast._bench.measure_read_bandwidth takes the best of it and NumPy's kernels). Baseline
 // ISA on purpose: 16-byte loads already ask far more of one core than DRAM delivers.
+#include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include "attnfast.hpp"

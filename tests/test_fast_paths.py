@@ -60,7 +60,8 @@ def forbid_full_checks(monkeypatch):
     """From here on, a call that runs the full checks fails the test."""
     def refuse(*args, **kwargs):
         raise AssertionError("the full checks ran: the fast path was not taken")
-    for module, name in ((_api, "check_attention"), (_kvcache, "check_kvcache_attention")):
+    for module, name in ((_api, "check_attention"), (_kvcache, "check_kvcache_attention"),
+                         (_kvcache, "check_paged_kvcache_attention")):
         monkeypatch.setattr(module, name, refuse)
 
 
@@ -404,6 +405,7 @@ SCORE = {"softcap": 30.0, "alibi_slopes": np.full(H, 0.5, np.float32),
          "sinks": np.zeros(H, np.float32), "return_lse": True}
 FULL = {"attention": dict(SCORE, mask=np.ones((1, 6), bool)),
         "attention_with_kvcache": dict(SCORE, mask=np.ones((1, C), bool), return_lse=True,
+                                       block_table=np.arange(B, dtype=np.int32)[:, None],
                                        out=np.zeros((B, H, 1, D), np.float32),
                                        k_scale=np.zeros((B, HKV, C), np.float32),
                                        v_scale=np.zeros((B, HKV, C), np.float32)),
@@ -439,7 +441,8 @@ def test_options_outside_the_fast_path_run_the_full_checks(rng, monkeypatch, ent
     call()                                  # the plan of the plain call
     assert _checks.ATTENTION_PLANS or _checks.KVCACHE_PLANS
     ran = []
-    for module, name in ((_api, "check_attention"), (_kvcache, "check_kvcache_attention")):
+    for module, name in ((_api, "check_attention"), (_kvcache, "check_kvcache_attention"),
+                         (_kvcache, "check_paged_kvcache_attention")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name,
                             lambda *a, _real=real, **kw: ran.append(1) or _real(*a, **kw))

@@ -113,16 +113,17 @@ def test_function_signature(name):
     _assert_matches(name, getattr(attnfast, name), MODULE_DEFS[name])
 
 
-def test_kvcache_members():
-    cls = CLASSES["KVCache"]
-    defs = _defs(cls.body)
-    runtime_public = {n for n in dir(attnfast.KVCache) if not n.startswith("_")}
+@pytest.mark.parametrize("cls_name", ["KVCache", "PagedKVCache"])
+def test_cache_class_members(cls_name):
+    runtime_cls = getattr(attnfast, cls_name)
+    defs = _defs(CLASSES[cls_name].body)
+    runtime_public = {n for n in dir(runtime_cls) if not n.startswith("_")}
     assert set(n for n in defs if not n.startswith("_")) == runtime_public
     for name, fns in defs.items():
-        member = inspect.getattr_static(attnfast.KVCache, name)
+        member = inspect.getattr_static(runtime_cls, name)
         if isinstance(member, property):
-            assert all(_is_property(fn) for fn in fns), f"KVCache.{name} is a property at runtime"
+            assert all(_is_property(fn) for fn in fns), f"{cls_name}.{name} is a property at runtime"
             continue
-        assert not any(_is_property(fn) for fn in fns), f"KVCache.{name} is not a property at runtime"
-        _assert_matches(f"KVCache.{name}", getattr(attnfast.KVCache(1, 1, 1, 1), name), fns,
+        assert not any(_is_property(fn) for fn in fns), f"{cls_name}.{name} is not a property at runtime"
+        _assert_matches(f"{cls_name}.{name}", getattr(runtime_cls(1, 1, 1, 1), name), fns,
                         skip_self=True)

@@ -55,20 +55,28 @@ inline void score_keys(const bf16_t* __restrict q, int64_t qs, const bf16_t* __r
     for (int r = 0; r < RB; ++r) simd_decode::store_lanes(s + r * ss - r * KB, dots, r * KB, keys);
 }
 
-// acc[r] += sum_{j0 <= j < j1} p[r][j] * v[j] over NG groups of 32 columns, accumulators in
-// registers. p rows are bfloat16, pw words (two keys) apart per row, word 0 = keys (j0,
-// j0 + 1) (j0 even relative to the row start); a missing key j1 (odd count) weighs 0 and
-// its V row is never read. acc layout per group: 16 lanes of columns {0-3, 8-11, 16-19,
-// 24-27}, then 16 of {4-7, 12-15, 20-23, 28-31} (vpunpck{l,h}wd's order).
+// Weights of keys j and j + 1 as one 32-bit word (any alignment: a run of keys may start
+// at an odd key of a block).
+inline int32_t weight_pair(const bf16_t* p) {
+    int32_t word;
+    __builtin_memcpy(&word, p, sizeof word);
+    return word;
+}
+
+// acc[r] += sum_{0 <= j < keys} p[r][j] * v[j] over NG groups of 32 columns, accumulators in
+// registers. p rows are bfloat16, ps elements apart; after an odd count the last key is paired
+// with a zero V vector (its V row is never read, so the weight next to it adds nothing). acc
+// layout per group: 16 lanes of columns {0-3, 8-11, 16-19, 24-27}, then 16 of {4-7, 12-15,
+// 20-23, 28-31} (vpunpck{l,h}wd's order).
 template <int RB, int NG>
-inline void pv_tile(float* __restrict acc, int64_t acc_stride, const uint32_t* __restrict pw,
-                    int64_t pws, const bf16_t* __restrict v, int64_t vs, int64_t j0, int64_t j1) {
+inline void pv_tile(float* __restrict acc, int64_t acc_stride, const bf16_t* __restrict p,
+                    int64_t ps, const bf16_t* __restrict v, int64_t vs, int64_t keys) {
     __m512 a[RB][2 * NG];
     for (int r = 0; r < RB; ++r)
         for (int c = 0; c < 2 * NG; ++c) a[r][c] = _mm512_loadu_ps(acc + r * acc_stride + c * W);
-    for (int64_t j = j0; j < j1; j += 2) {
+    for (int64_t j = 0; j < keys; j += 2) {
         const bf16_t* v0 = v + j * vs;
-        const bool pair = j + 1 < j1;
+        const bool pair = j + 1 < keys;
         __m512bh lo[NG], hi[NG];
         for (int g = 0; g < NG; ++g) {
             const __m512i x = _mm512_loadu_si512(v0 + g * 32);
@@ -77,7 +85,7 @@ inline void pv_tile(float* __restrict acc, int64_t acc_stride, const uint32_t* _
             hi[g] = (__m512bh)_mm512_unpackhi_epi16(x, y);
         }
         for (int r = 0; r < RB; ++r) {
-            const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[r * pws + (j - j0) / 2]));
+            const __m512bh pr = (__m512bh)_mm512_set1_epi32(weight_pair(p + r * ps + j));
             for (int g = 0; g < NG; ++g) {
                 a[r][2 * g] = _mm512_dpbf16_ps(a[r][2 * g], lo[g], pr);
                 a[r][2 * g + 1] = _mm512_dpbf16_ps(a[r][2 * g + 1], hi[g], pr);
@@ -90,12 +98,12 @@ inline void pv_tile(float* __restrict acc, int64_t acc_stride, const uint32_t* _
 
 // All Dv columns (a multiple of 32) for RB rows: 16 accumulators a tile, then single groups.
 template <int RB>
-inline void pv_rows(float* acc, int64_t Dv, const uint32_t* pw, int64_t pws, const bf16_t* v,
-                    int64_t vs, int64_t j0, int64_t j1) {
+inline void pv_rows(float* acc, int64_t Dv, const bf16_t* p, int64_t ps, const bf16_t* v,
+                    int64_t vs, int64_t keys) {
     constexpr int NG = RB == 4 ? 2 : 4;
     int64_t e = 0;
-    for (; e + NG * 32 <= Dv; e += NG * 32) pv_tile<RB, NG>(acc + e, Dv, pw, pws, v + e, vs, j0, j1);
-    for (; e < Dv; e += 32) pv_tile<RB, 1>(acc + e, Dv, pw, pws, v + e, vs, j0, j1);
+    for (; e + NG * 32 <= Dv; e += NG * 32) pv_tile<RB, NG>(acc + e, Dv, p, ps, v + e, vs, keys);
+    for (; e < Dv; e += 32) pv_tile<RB, 1>(acc + e, Dv, p, ps, v + e, vs, keys);
 }
 
 // simd_decode::chunk's arithmetic for bfloat16 q and K/V (see the top of this file).
@@ -133,7 +141,8 @@ struct Bf16Path {
                               rb == 0 ? vj : nullptr, vsb, v_row_bytes);
     }
     // Probabilities to bfloat16 in place (element c over the first half of the row), and a
-    // zero after an odd count so the last pair's second weight is 0.
+    // zero after an odd count so the last pair's second weight is 0 (finite: it meets a zero
+    // V vector).
     static void weights_ready(float* srow, int64_t keys) {
         bf16_t* out = reinterpret_cast<bf16_t*>(srow);
         for (int64_t c = 0; c < keys; c += W) {  // reads floats c.., writes bytes 2c..: behind
@@ -143,17 +152,17 @@ struct Bf16Path {
         if (keys & 1) out[keys].bits = 0;
     }
     static void values(int64_t n, float* acc, int64_t Dv, const float* s_block, int64_t ss,
-                       int64_t j0, const bf16_t* v, int64_t vs, int64_t v0, int64_t v1) {
-        // row rr's weight words start at s_block + rr * ss; key pair (v0, v0 + 1) is word
-        // (v0 - j0) / 2 (v0 - j0 is a multiple of kValueSubKeys, so even)
-        const uint32_t* pw = reinterpret_cast<const uint32_t*>(s_block) + (v0 - j0) / 2;
+                       int64_t c0, const bf16_t* vrun, int64_t vs, int64_t keys) {
+        // row rr's bfloat16 weights start at s_block + rr * ss (2 * ss elements apart)
+        const bf16_t* pb = reinterpret_cast<const bf16_t*>(s_block) + c0;
+        const int64_t ps = 2 * ss;
         int64_t rb = 0;
-        for (; rb + 4 <= n; rb += 4) pv_rows<4>(acc + rb * Dv, Dv, pw + rb * ss, ss, v, vs, v0, v1);
+        for (; rb + 4 <= n; rb += 4) pv_rows<4>(acc + rb * Dv, Dv, pb + rb * ps, ps, vrun, vs, keys);
         if (n - rb >= 2) {
-            pv_rows<2>(acc + rb * Dv, Dv, pw + rb * ss, ss, v, vs, v0, v1);
+            pv_rows<2>(acc + rb * Dv, Dv, pb + rb * ps, ps, vrun, vs, keys);
             rb += 2;
         }
-        if (n - rb == 1) pv_rows<1>(acc + rb * Dv, Dv, pw + rb * ss, ss, v, vs, v0, v1);
+        if (n - rb == 1) pv_rows<1>(acc + rb * Dv, Dv, pb + rb * ps, ps, vrun, vs, keys);
     }
     // Columns back in order: per group of 32, 128-bit pieces l0..l3 (low half) and h0..h3
     // (high half) become l0 h0 l1 h1 | l2 h2 l3 h3.

@@ -108,20 +108,6 @@ inline A exp_shift_sum(A* __restrict x, A m) {
     return sum;
 }
 
-// acc[e] += sum_j p[j] * v_scale[j] * v[j][e] over the first `keys` rows of v (v_scale:
-// an int8 cache's row scales, else all 1).
-template <class A, class T>
-inline void accumulate_pv(A* __restrict acc, const A* __restrict p, const T* __restrict v,
-                          int64_t v_row_stride, int64_t keys, int64_t dim_v,
-                          const RowScales& v_scale, int64_t first_row) {
-    for (int64_t j = 0; j < keys; ++j) {
-        if (p[j] == A(0)) continue;  // masked or underflowed: nothing to add
-        const A pj = p[j] * static_cast<A>(v_scale.at(first_row + j));
-        const T* vrow = v + j * v_row_stride;
-        for (int64_t e = 0; e < dim_v; ++e) acc[e] += pj * load_acc<A>(vrow[e]);
-    }
-}
-
 // Row scales of an int8 K (or V) cache for one (batch, kv head); none for other types.
 inline RowScales row_scales(const float* scale, int64_t batch_stride, int64_t head_stride,
                             int64_t row_stride, int64_t batch, int64_t kv_head) {
@@ -131,6 +117,78 @@ inline RowScales row_scales(const float* scale, int64_t batch_stride, int64_t he
         r.row_stride = row_stride;
     }
     return r;
+}
+
+// The same through a paged cache's block table (row j of the batch entry in block
+// table[j / block_size]); row_scales() when the cache is contiguous.
+inline RowScales row_scales(const AttentionParams& p, const float* scale, int64_t batch_stride,
+                            int64_t head_stride, int64_t row_stride, int64_t batch,
+                            int64_t kv_head) {
+    if (!p.block_table) return row_scales(scale, batch_stride, head_stride, row_stride, batch, kv_head);
+    RowScales r;
+    if (scale) {
+        r.scale = scale + kv_head * head_stride;
+        r.row_stride = row_stride;
+        r.table = p.block_table + batch * p.block_table_batch_stride;
+        r.block_stride = batch_stride;
+        r.block_size = p.block_size;
+    }
+    return r;
+}
+
+// Where the key (or value) rows of one (batch, kv head) live: one strided run, or, in a
+// paged cache (AttentionParams::block_table), one run per block, found through the table.
+// Kernels ask for a row's address once per run (run_end) and step by row_stride inside it,
+// so the table is read once per block, not once per key.
+template <class T>
+struct KeyRows {
+    const T* base;               // contiguous: row 0; paged: the pool at this kv head
+    int64_t row_stride;          // elements between rows of one run
+    const int64_t* table;        // paged: the batch entry's block ids; nullptr: contiguous
+    int64_t block_stride;        // paged: elements between blocks of the pool
+    int64_t block_size;          // paged: rows per block
+
+    const T* at(int64_t j) const {
+        if (!table) return base + j * row_stride;
+        return base + table[j / block_size] * block_stride + j % block_size * row_stride;
+    }
+    // End of the run of rows that starts at j (rows j, j + 1, .. at row_stride steps), at
+    // most `end`: the end of j's block when paged.
+    int64_t run_end(int64_t j, int64_t end) const {
+        if (!table) return end;
+        const int64_t block_end = (j / block_size + 1) * block_size;
+        return block_end < end ? block_end : end;
+    }
+};
+
+// The K (or V) rows of (batch, kv head): data with the tensor's batch (paged: block), head
+// and row strides.
+template <class T>
+inline KeyRows<T> key_rows(const AttentionParams& p, const void* data, int64_t batch_stride,
+                           int64_t head_stride, int64_t row_stride, int64_t batch,
+                           int64_t kv_head) {
+    const T* at_head = static_cast<const T*>(data) + kv_head * head_stride;
+    if (!p.block_table) return KeyRows<T>{at_head + batch * batch_stride, row_stride, nullptr, 0, 1};
+    return KeyRows<T>{at_head, row_stride, p.block_table + batch * p.block_table_batch_stride,
+                      batch_stride, p.block_size};
+}
+
+// acc[e] += sum_j p[j] * v_scale[j] * v[j][e] over the first `keys` rows of v (v_scale:
+// an int8 cache's row scales, else all 1).
+template <class A, class T>
+inline void accumulate_pv(A* __restrict acc, const A* __restrict p, const KeyRows<T>& v,
+                          int64_t keys, int64_t dim_v, const RowScales& v_scale,
+                          int64_t first_row) {
+    for (int64_t j0 = 0; j0 < keys;) {  // runs of rows within one block
+        const int64_t j1 = v.run_end(first_row + j0, first_row + keys) - first_row;
+        const T* vrow = v.at(first_row + j0);
+        for (int64_t j = j0; j < j1; ++j, vrow += v.row_stride) {
+            if (p[j] == A(0)) continue;  // masked or underflowed: nothing to add
+            const A pj = p[j] * static_cast<A>(v_scale.at(first_row + j));
+            for (int64_t e = 0; e < dim_v; ++e) acc[e] += pj * load_acc<A>(vrow[e]);
+        }
+        j0 = j1;
+    }
 }
 
 // A raw score q . k of -inf comes only from an infinite (or overflowing) input: it becomes
@@ -224,11 +282,13 @@ void attend_block(const AttentionParams& p, const BlockTask& task, A* workspace)
     A* l = m + Bq;               // rows
 
     const TQ* q = static_cast<const TQ*>(p.q) + task.batch * p.q_batch_stride + task.head * p.q_head_stride;
-    const TKV* k = static_cast<const TKV*>(p.k) + task.batch * p.k_batch_stride + kv_head * p.k_head_stride;
-    const TKV* v = static_cast<const TKV*>(p.v) + task.batch * p.v_batch_stride + kv_head * p.v_head_stride;
-    const RowScales k_scale = row_scales(p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride,
+    const KeyRows<TKV> k = key_rows<TKV>(p, p.k, p.k_batch_stride, p.k_head_stride,
+                                         p.k_row_stride, task.batch, kv_head);
+    const KeyRows<TKV> v = key_rows<TKV>(p, p.v, p.v_batch_stride, p.v_head_stride,
+                                         p.v_row_stride, task.batch, kv_head);
+    const RowScales k_scale = row_scales(p, p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride,
                                          p.k_scale_row_stride, task.batch, kv_head);
-    const RowScales v_scale = row_scales(p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride,
+    const RowScales v_scale = row_scales(p, p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride,
                                          p.v_scale_row_stride, task.batch, kv_head);
 
     const A scale = static_cast<A>(p.scale);
@@ -252,10 +312,14 @@ void attend_block(const AttentionParams& p, const BlockTask& task, A* workspace)
         const int64_t keys = (kv_end - tile < Bk) ? kv_end - tile : Bk;
 
         // Pack the K tile transposed (zero-padded), converting to the accumulator type.
-        for (int64_t j = 0; j < keys; ++j) {
-            const TKV* krow = k + (tile + j) * p.k_row_stride;
-            const A ks = static_cast<A>(k_scale.at(tile + j));
-            for (int64_t d = 0; d < D; ++d) kt[d * Bk + j] = load_acc<A>(krow[d]) * ks;
+        for (int64_t j0 = 0; j0 < keys;) {  // runs of rows within one block (paged)
+            const int64_t j1 = k.run_end(tile + j0, tile + keys) - tile;
+            const TKV* krow = k.at(tile + j0);
+            for (int64_t j = j0; j < j1; ++j, krow += k.row_stride) {
+                const A ks = static_cast<A>(k_scale.at(tile + j));
+                for (int64_t d = 0; d < D; ++d) kt[d * Bk + j] = load_acc<A>(krow[d]) * ks;
+            }
+            j0 = j1;
         }
         for (int64_t d = 0; d < D; ++d)
             for (int64_t j = keys; j < Bk; ++j) kt[d * Bk + j] = 0;
@@ -286,8 +350,7 @@ void attend_block(const AttentionParams& p, const BlockTask& task, A* workspace)
             A* acc_row = acc + i * Dv;
             if (correction != A(1))
                 for (int64_t e = 0; e < Dv; ++e) acc_row[e] *= correction;
-            accumulate_pv(acc_row, srow, v + tile * p.v_row_stride, p.v_row_stride, keys, Dv,
-                          v_scale, tile);
+            accumulate_pv(acc_row, srow, v, keys, Dv, v_scale, tile);
         }
     }
 

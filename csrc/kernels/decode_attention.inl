@@ -317,17 +317,17 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
     int64_t lo[kGroupRows], hi[kGroupRows];  // each row's visible keys, chunk-relative
 
     const TQ* q = static_cast<const TQ*>(p.q) + task.batch * p.q_batch_stride;
-    // int8 cache: row scales relative to the chunk's first key (else all 1)
-    RowScales k_scale = row_scales(p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride,
-                                   p.k_scale_row_stride, task.batch, task.kv_head);
-    RowScales v_scale = row_scales(p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride,
-                                   p.v_scale_row_stride, task.batch, task.kv_head);
-    if (k_scale.scale) k_scale.scale += task.key_begin * k_scale.row_stride;
-    if (v_scale.scale) v_scale.scale += task.key_begin * v_scale.row_stride;
-    const T* k = static_cast<const T*>(p.k) + task.batch * p.k_batch_stride +
-                 task.kv_head * p.k_head_stride + task.key_begin * p.k_row_stride;
-    const T* v = static_cast<const T*>(p.v) + task.batch * p.v_batch_stride +
-                 task.kv_head * p.v_head_stride + task.key_begin * p.v_row_stride;
+    // int8 cache: row scales by key position (else all 1)
+    const RowScales k_scale = row_scales(p, p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride,
+                                         p.k_scale_row_stride, task.batch, task.kv_head);
+    const RowScales v_scale = row_scales(p, p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride,
+                                         p.v_scale_row_stride, task.batch, task.kv_head);
+    // Key rows by key position (contiguous, or through a paged cache's block table)
+    const KeyRows<T> k = key_rows<T>(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
+                                     task.batch, task.kv_head);
+    const KeyRows<T> v = key_rows<T>(p, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
+                                     task.batch, task.kv_head);
+    const int64_t kb = task.key_begin;  // chunk-relative key c is key kb + c
     const A scale = static_cast<A>(p.scale);
     const int64_t v_row_bytes = Dv * static_cast<int64_t>(sizeof(T));
     const bool options = p.softcap > 0 || p.alibi_slopes || p.mask;
@@ -360,18 +360,23 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
         // softmax update per row, then a pass over its V rows.
         for (int64_t j0 = used_lo; j0 < used_hi; j0 += kDecodeKeyBlock) {
             const int64_t j1 = j0 + kDecodeKeyBlock < used_hi ? j0 + kDecodeKeyBlock : used_hi;
-            for (int64_t j = j0; j < j1; ++j) {
-                // Start this key's V row towards L2 now, so the V stream is fetched alongside
-                // the K stream instead of after it (a block's V, at most half of
-                // the chunk's bytes, stays in L2 until its pass). Measured on one core of an
-                // AMD EPYC: +30% GB/s; the hardware prefetcher alone stalls at each switch.
-                // (Interleaving K and V in smaller blocks, or prefetching the next chunk's K
-                // during the V pass, measured slower.)
-                const char* vbytes = reinterpret_cast<const char*>(v + j * p.v_row_stride);
-                for (int64_t off = 0; off < v_row_bytes; off += 64) __builtin_prefetch(vbytes + off, 0, 2);
-                // Each key row is loaded once and dotted with all n query rows.
-                for_row_blocks(n, ScoreRows<T, A>{qs, qs_stride, k + j * p.k_row_stride, D,
-                                                  s + (j - j0), ss});
+            for (int64_t ja = j0; ja < j1;) {  // runs of keys within one block (paged)
+                const int64_t jb = k.run_end(kb + ja, kb + j1) - kb;
+                const T* krow = k.at(kb + ja);
+                const T* vrow = v.at(kb + ja);
+                for (int64_t j = ja; j < jb; ++j, krow += k.row_stride, vrow += v.row_stride) {
+                    // Start this key's V row towards L2 now, so the V stream is fetched
+                    // alongside the K stream instead of after it (a block's V, at most half
+                    // of the chunk's bytes, stays in L2 until its pass). Measured on one core
+                    // of an AMD EPYC: +30% GB/s; the hardware prefetcher alone stalls at each
+                    // switch. (Interleaving K and V in smaller blocks, or prefetching the next
+                    // chunk's K during the V pass, measured slower.)
+                    const char* vbytes = reinterpret_cast<const char*>(vrow);
+                    for (int64_t off = 0; off < v_row_bytes; off += 64) __builtin_prefetch(vbytes + off, 0, 2);
+                    // Each key row is loaded once and dotted with all n query rows.
+                    for_row_blocks(n, ScoreRows<T, A>{qs, qs_stride, krow, D, s + (j - j0), ss});
+                }
+                ja = jb;
             }
 
             for (int64_t rr = 0; rr < n; ++rr) {
@@ -381,7 +386,7 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
                 const int64_t e = (hi[rr] < j1 ? hi[rr] : j1) - j0;
                 nonfinite_to_nan(srow + b, e - b);
                 if (k_scale.scale)  // int8 K: the score of key j is k_scale[j] * (q . k_int8[j])
-                    for (int64_t c = b; c < e; ++c) srow[c] *= static_cast<A>(k_scale.at(j0 + c));
+                    for (int64_t c = b; c < e; ++c) srow[c] *= static_cast<A>(k_scale.at(kb + j0 + c));
                 if (options && b < e) {
                     const int64_t head = task.kv_head * group + r / tq, pos = r % tq;
                     RowOptions<A>(p, task.batch, head, pos, task.seqlen_k)
@@ -407,15 +412,19 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
                 for (int64_t c = 0; c < b; ++c) srow[c] = 0;
                 for (int64_t c = e; c < j1 - j0; ++c) srow[c] = 0;
                 if (v_scale.scale)  // int8 V: the weight of v_int8[j] is p[j] * v_scale[j]
-                    for (int64_t c = b; c < e; ++c) srow[c] *= static_cast<A>(v_scale.at(j0 + c));
+                    for (int64_t c = b; c < e; ++c) srow[c] *= static_cast<A>(v_scale.at(kb + j0 + c));
             }
 
             // Value rows in sub-blocks that stay in L1 while every row block walks them; each
-            // is loaded once per row block and added to that block's accumulators.
-            for (int64_t v0 = j0; v0 < j1; v0 += kValueSubKeys) {
-                const int64_t v1 = v0 + kValueSubKeys < j1 ? v0 + kValueSubKeys : j1;
-                for_row_blocks(n, AddValueRows<T, A>{acc + r0 * Dv, Dv, s - j0, ss, v,
-                                                     p.v_row_stride, v0, v1});
+            // is loaded once per row block and added to that block's accumulators. A paged
+            // cache's block boundaries cut the sub-blocks further: the sums run over the same
+            // keys in the same order, so the bits are those of a contiguous cache.
+            for (int64_t v0 = j0; v0 < j1;) {
+                int64_t v1 = v0 + kValueSubKeys < j1 ? v0 + kValueSubKeys : j1;
+                v1 = v.run_end(kb + v0, kb + v1) - kb;
+                for_row_blocks(n, AddValueRows<T, A>{acc + r0 * Dv, Dv, s + (v0 - j0), ss,
+                                                     v.at(kb + v0), v.row_stride, 0, v1 - v0});
+                v0 = v1;
             }
         }
     }

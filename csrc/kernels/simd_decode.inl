@@ -363,18 +363,18 @@ struct WidenPath {
     }
     // A row's probabilities of one block (keys_in_block of them) are final in srow.
     static void weights_ready(float*, int64_t) {}
-    // acc rows += p rows times V rows v0 .. v1 (s: the block's score rows, ss apart, whose
-    // column c is key j0 + c).
+    // acc rows += p rows times `keys` V rows from vrun (rows vs apart), whose weights are
+    // columns c0 .. c0 + keys of the block's score rows s_block (ss apart).
     static void values(int64_t n, float* acc, int64_t Dv, const float* s_block, int64_t ss,
-                       int64_t j0, const T* v, int64_t vs, int64_t v0, int64_t v1) {
-        const float* s = s_block - j0;  // column j: key j
+                       int64_t c0, const T* vrun, int64_t vs, int64_t keys) {
+        const float* s = s_block + c0;
         int64_t rb = 0;
-        for (; rb + 4 <= n; rb += 4) pv_rows<4>(acc + rb * Dv, Dv, s + rb * ss, ss, v, vs, v0, v1);
+        for (; rb + 4 <= n; rb += 4) pv_rows<4>(acc + rb * Dv, Dv, s + rb * ss, ss, vrun, vs, 0, keys);
         if (n - rb >= 2) {
-            pv_rows<2>(acc + rb * Dv, Dv, s + rb * ss, ss, v, vs, v0, v1);
+            pv_rows<2>(acc + rb * Dv, Dv, s + rb * ss, ss, vrun, vs, 0, keys);
             rb += 2;
         }
-        if (n - rb == 1) pv_rows<1>(acc + rb * Dv, Dv, s + rb * ss, ss, v, vs, v0, v1);
+        if (n - rb == 1) pv_rows<1>(acc + rb * Dv, Dv, s + rb * ss, ss, vrun, vs, 0, keys);
     }
     // The chunk's accumulator rows are final (in whatever layout values() kept them).
     static void finish(float*, int64_t, int64_t) {}
@@ -402,16 +402,17 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
     int64_t lo[kDecodeGroupRows], hi[kDecodeGroupRows];
 
     const TQ* q = static_cast<const TQ*>(p.q) + task.batch * p.q_batch_stride;
-    const T* k = static_cast<const T*>(p.k) + task.batch * p.k_batch_stride +
-                 task.kv_head * p.k_head_stride + task.key_begin * p.k_row_stride;
-    const T* v = static_cast<const T*>(p.v) + task.batch * p.v_batch_stride +
-                 task.kv_head * p.v_head_stride + task.key_begin * p.v_row_stride;
-    RowScales k_scale = row_scales(p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride,
-                                   p.k_scale_row_stride, task.batch, task.kv_head);
-    RowScales v_scale = row_scales(p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride,
-                                   p.v_scale_row_stride, task.batch, task.kv_head);
-    if (k_scale.scale) k_scale.scale += task.key_begin * k_scale.row_stride;
-    if (v_scale.scale) v_scale.scale += task.key_begin * v_scale.row_stride;
+    // K/V rows and int8 row scales by key position (kb + chunk-relative key): one run, or
+    // one per block of a paged cache; each group of keys below stays within one run.
+    const KeyRows<T> k = key_rows<T>(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
+                                     task.batch, task.kv_head);
+    const KeyRows<T> v = key_rows<T>(p, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
+                                     task.batch, task.kv_head);
+    const RowScales k_scale = row_scales(p, p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride,
+                                         p.k_scale_row_stride, task.batch, task.kv_head);
+    const RowScales v_scale = row_scales(p, p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride,
+                                         p.v_scale_row_stride, task.batch, task.kv_head);
+    const int64_t kb = task.key_begin;
     const float scale = static_cast<float>(p.scale);
     const int64_t v_row_bytes = Dv * static_cast<int64_t>(sizeof(T));
 
@@ -443,17 +444,17 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
             // Scores, W keys at a time for every row block; the first row block also
             // starts those keys' V rows towards the cache (see decode_chunk).
             const int64_t vsb = p.v_row_stride * static_cast<int64_t>(sizeof(T));
-            for (int64_t j = j0; j < j1; j += W) {
-                const int64_t nk = j1 - j < W ? j1 - j : W;
-                const T* kj = k + j * p.k_row_stride;
-                const char* vj = reinterpret_cast<const char*>(v + j * p.v_row_stride);
-                Path::scores(n, qs, qstride, kj, p.k_row_stride, nk, D, s + (j - j0), ss, vj, vsb,
+            for (int64_t j = j0, nk = 0; j < j1; j += nk) {
+                nk = k.run_end(kb + j, kb + (j1 - j < W ? j1 : j + W)) - kb - j;
+                const T* kj = k.at(kb + j);
+                const char* vj = reinterpret_cast<const char*>(v.at(kb + j));
+                Path::scores(n, qs, qstride, kj, k.row_stride, nk, D, s + (j - j0), ss, vj, vsb,
                              v_row_bytes, scale);
             }
             if (k_scale.scale)  // one block's scales, gathered once for all rows
                 for (int64_t c = 0; c < j1 - j0; ++c) {
-                    k_scale_block[c] = k_scale.at(j0 + c);
-                    v_scale_block[c] = v_scale.at(j0 + c);
+                    k_scale_block[c] = k_scale.at(kb + j0 + c);
+                    v_scale_block[c] = v_scale.at(kb + j0 + c);
                 }
 
             for (int64_t rr = 0; rr < n; ++rr) {
@@ -485,9 +486,10 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
                 Path::weights_ready(srow, j1 - j0);
             }
 
-            for (int64_t v0 = j0; v0 < j1; v0 += kValueSubKeys) {
-                const int64_t v1 = v0 + kValueSubKeys < j1 ? v0 + kValueSubKeys : j1;
-                Path::values(n, acc + r0 * Dv, Dv, s, ss, j0, v, p.v_row_stride, v0, v1);
+            // (A paged cache's block ends cut the sub-blocks further: same keys, same order.)
+            for (int64_t v0 = j0, v1 = j0; v0 < j1; v0 = v1) {
+                v1 = v.run_end(kb + v0, kb + (v0 + kValueSubKeys < j1 ? v0 + kValueSubKeys : j1)) - kb;
+                Path::values(n, acc + r0 * Dv, Dv, s, ss, v0 - j0, v.at(kb + v0), v.row_stride, v1 - v0);
             }
         }
     }

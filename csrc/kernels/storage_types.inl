@@ -79,7 +79,16 @@ template <class T, class A> inline T store_from_acc(A x) { return Narrow<T>::fro
 struct RowScales {
     const float* scale = nullptr;  // nullptr: no scales (not an int8 cache)
     int64_t row_stride = 0;
-    float at(int64_t row) const { return scale ? scale[row * row_stride] : 1.0f; }
+    // Paged cache (AttentionParams::block_table): this batch entry's block ids, or nullptr;
+    // `scale` then points at the pool's kv head, blocks block_stride apart.
+    const int64_t* table = nullptr;
+    int64_t block_stride = 0;
+    int64_t block_size = 1;
+    float at(int64_t row) const {
+        if (!scale) return 1.0f;
+        if (table) return scale[table[row / block_size] * block_stride + row % block_size * row_stride];
+        return scale[row * row_stride];
+    }
 };
 
 }  // namespace

@@ -1,7 +1,7 @@
 """attnfast: exact attention for CPUs, from NumPy.
 
 Streaming (FlashAttention-style) prefill that never builds the Tq x Tk score matrix, and
-bandwidth-bound KV-cache decoding (KVCache, attention_with_kvcache), with C++ kernels chosen
+bandwidth-bound KV-cache decoding (KVCache, attention_with_kvcache, PagedKVCache), with C++ kernels chosen
 at run time for the CPU, OpenMP threads and the GIL released.
 """
 __version__ = "0.1.0"
@@ -10,6 +10,7 @@ from ._runtime import get_num_threads, set_num_threads, show_config, _check_forc
 from ._api import attention, attention_weights, merge_attention_states
 from ._varlen import attention_varlen
 from ._kvcache import KVCache, attention_with_kvcache
+from ._paged import PagedKVCache
 
 _check_forced_isa()
 del _check_forced_isa
@@ -21,6 +22,7 @@ __all__ = [
     "merge_attention_states",
     "KVCache",
     "attention_with_kvcache",
+    "PagedKVCache",
     "get_num_threads",
     "set_num_threads",
     "show_config",

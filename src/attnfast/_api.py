@@ -136,8 +136,8 @@ def run_kernels(call, user_out, return_lse, parts=None):
     """Run the C++ kernels for a checked call and return out (and lse).
 
     ``parts`` lists the kernel calls as (rows of q/out/lse on axis 0, k, v, key lengths per
-    row or None[, k_scale, v_scale of an int8 cache]); by default one call over everything
-    with ``call.k`` and ``call.v``.
+    row or None[, k_scale, v_scale of an int8 cache[, int64 block table of a paged cache]]);
+    by default one call over everything with ``call.k`` and ``call.v``.
     """
     target = user_out if user_out is not None else np.empty(call.out_shape(), call.dtype)
     target4 = to_4d(target)
@@ -152,6 +152,7 @@ def run_kernels(call, user_out, return_lse, parts=None):
     for part in parts or [(slice(None), call.k, call.v, None)]:
         rows, k, v, seqlens = part[:4]
         k_scale, v_scale = part[4:6] if len(part) > 4 else (None, None)
+        block_table = part[6] if len(part) > 6 else None
         options = call.options.rows(rows)
         _ext.run_attention(
             call.q[rows], kernel_ready(k), kernel_ready(v), result4[rows],
@@ -161,7 +162,7 @@ def run_kernels(call, user_out, return_lse, parts=None):
             seqlens_k=None if seqlens is None else np.ascontiguousarray(seqlens, dtype=np.int64),
             interruptible=interruptible, k_scale=k_scale, v_scale=v_scale,
             query_offset=call.query_offset, softcap=options.softcap, alibi=options.alibi,
-            sinks=options.sinks, mask=options.mask)
+            sinks=options.sinks, mask=options.mask, block_table=block_table)
     if result4 is not target4:
         np.copyto(target4, result4)
     return (target, lse) if return_lse else target

@@ -596,6 +596,7 @@ class KVCacheCall:
     new_tokens: int
     k_scale: np.ndarray | None = None  # int8 caches: (batch, kv_heads, capacity) float32
     v_scale: np.ndarray | None = None
+    block_table: np.ndarray | None = None  # paged caches: int64 (batch, max_blocks)
 
     @property
     def seqlens_after(self) -> np.ndarray:
@@ -786,3 +787,195 @@ def kvcache_plan(q, k_cache, v_cache, k_new, scale, window):
     B, H, Tq, D = q.shape
     return (0 if k_new is None else k_new.shape[2], (B, H, Tq, v_cache.shape[3]), q.dtype,
             check_scale(scale, D, q.dtype), check_window(window), Tq, k_cache.shape[2])
+
+# ---- paged KV cache: attention_with_kvcache(block_table=...) and PagedKVCache ----
+
+def check_block_table(block_table, batch: int, name: str = "block_table") -> np.ndarray:
+    """An int32 / int64 (batch, max_blocks) table of block ids -> int64 (batch, max_blocks)
+    with a contiguous last axis (a copy only for int32 or a strided last axis; ids are
+    checked against the pool by check_paged_kvcache_attention)."""
+    if isinstance(block_table, (bool, np.bool_)) or np.isscalar(block_table):
+        raise TypeError(f"{name} must be an int32 or int64 array (batch, max_blocks), got "
+                        f"{type(block_table).__name__} {block_table!r}"[:200])
+    arr = np.asarray(block_table)
+    if arr.dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
+        raise TypeError(f"{name} must have dtype int32 or int64, got {arr.dtype}")
+    if arr.ndim != 2:
+        raise ValueError(f"{name} must be 2-D (batch, max_blocks), got shape {arr.shape}")
+    if arr.shape[0] != batch:
+        raise ValueError(f"{name} must have one row per sequence: shape ({batch}, max_blocks), "
+                         f"got {arr.shape}")
+    if arr.dtype != np.int64 or not arr.dtype.isnative or (arr.shape[1] > 1 and arr.strides[1] != 8):
+        arr = np.ascontiguousarray(arr, dtype=np.int64)
+    return arr
+
+
+def check_paged_pools(k_cache, v_cache, *, names=("k_cache", "v_cache")):
+    """Paged pools (num_blocks, Hkv, block_size, D) and (num_blocks, Hkv, block_size, Dv)
+    -> ((num_blocks, Hkv, block_size, D), Dv, dtype)."""
+    kn, vn = names
+    for name, a in ((kn, k_cache), (vn, v_cache)):
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"{name} must be a numpy.ndarray (it is read and written in place), "
+                            f"got {type(a).__name__}")
+        if a.ndim != 4:
+            raise ValueError(f"{name} must be a 4-D pool (num_blocks, kv_heads, block_size, "
+                             f"head_dim) with block_table, got shape {_shape_str(a)}")
+    kd, vd = _exact_dtype(k_cache, kn), _exact_dtype(v_cache, vn)
+    if kd != vd:
+        raise TypeError(f"{kn} and {vn} must share a dtype; got {kd} and {vd}")
+    if v_cache.shape[2] != k_cache.shape[2]:
+        raise ValueError(f"block_size differs: {kn} {_shape_str(k_cache)} has block_size "
+                         f"{k_cache.shape[2]} (axis 2), {vn} {_shape_str(v_cache)} has {v_cache.shape[2]}")
+    if v_cache.shape[:2] != k_cache.shape[:2]:
+        raise ValueError(f"{vn} must match {kn} on (num_blocks, kv_heads); got {kn} "
+                         f"{_shape_str(k_cache)}, {vn} {_shape_str(v_cache)}")
+    if k_cache.shape[2] < 1:
+        raise ValueError(f"block_size (axis 2 of {kn}) must be >= 1, got {_shape_str(k_cache)}")
+    if k_cache.shape[3] < 1 or v_cache.shape[3] < 1:
+        raise ValueError(f"head dims must be >= 1; got {kn} {_shape_str(k_cache)}, "
+                         f"{vn} {_shape_str(v_cache)}")
+    return k_cache.shape, v_cache.shape[3], kd
+
+
+def check_paged_scales(k_scale, v_scale, cache_dtype, pool_shape: tuple, writes: bool,
+                       names=("k_scale", "v_scale")):
+    """An int8 pool's float32 (num_blocks, kv_heads, block_size) row scales."""
+    if cache_dtype == INT8:
+        for name, a in zip(names, (k_scale, v_scale)):
+            if isinstance(a, np.ndarray) and a.ndim == 3 and a.shape[:2] == pool_shape[:2] \
+                    and a.shape[2] != pool_shape[2]:
+                raise ValueError(f"block_size differs: {name} {_shape_str(a)} has block_size "
+                                 f"{a.shape[2]} (axis 2), the pools have {pool_shape[2]}")
+    return check_cache_scales(k_scale, v_scale, cache_dtype, pool_shape, writes, names)
+
+
+def check_paged_blocks(table: np.ndarray, lengths: np.ndarray, block_size: int,
+                       num_blocks: int, name: str = "block_table") -> None:
+    """Every block a sequence of `lengths[b]` tokens uses (its first ceil(len / block_size)
+    table entries) must be an id in [0, num_blocks); later entries are not read."""
+    used = -(-lengths // block_size)
+    over = used > table.shape[1]
+    if np.any(over):
+        b = int(np.argmax(over))
+        raise ValueError(f"too few blocks: sequence {b} needs {int(used[b])} block(s) of "
+                         f"{block_size} for {int(lengths[b])} token(s), but {name} has "
+                         f"{table.shape[1]} column(s)")
+    in_use = np.arange(table.shape[1])[None, :] < used[:, None]
+    bad = in_use & ((table < 0) | (table >= num_blocks))
+    if np.any(bad):
+        b, i = (int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(f"{name}[{b}, {i}] = {int(table[b, i])} is not a block id of the pool "
+                         f"(must be in [0, {num_blocks}); sequence {b} uses its first "
+                         f"{int(used[b])} entries)")
+
+
+def check_paged_writes(table: np.ndarray, starts: np.ndarray, new_tokens: int,
+                       block_size: int, name: str = "block_table") -> None:
+    """The new tokens of different sequences must go to different cache rows."""
+    if not new_tokens or table.shape[0] < 2:
+        return
+    pos = starts[:, None] + np.arange(new_tokens)[None, :]
+    rows = np.take_along_axis(table, pos // block_size, axis=1) * block_size + pos % block_size
+    flat = rows.reshape(-1)
+    if np.unique(flat).size != flat.size:
+        raise ValueError(f"{name} maps the new tokens of two sequences to the same block row; "
+                         "give each sequence its own blocks for the tokens it appends")
+
+
+def check_paged_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                                  *, causal, scale, window, num_threads, k_scale=None,
+                                  v_scale=None, query_offset=None, softcap=None,
+                                  alibi_slopes=None, sinks=None, mask=None,
+                                  cache_names=("k_cache", "v_cache"),
+                                  scale_names=("k_scale", "v_scale"),
+                                  table_name="block_table") -> KVCacheCall:
+    """check_kvcache_attention for a paged cache: pools (num_blocks, Hkv, block_size, D|Dv)
+    read through block_table (B, max_blocks); the logical capacity is max_blocks *
+    block_size. Everything is checked before anything is written."""
+    (NB, Hkv, BS, D), Dv, dtype = check_paged_pools(k_cache, v_cache, names=cache_names)
+    kn, vn = cache_names
+    q = as_float_array(q, "q")
+    if q.ndim != 4:
+        raise ValueError(f"q must be 4-D (batch, heads, query_len, head_dim), got shape {_shape_str(q)}")
+    check_query_kv_dtypes(q.dtype, dtype, f"the cache ({kn}, {vn})")
+    B, H, Tq, Dq = q.shape
+    table = check_block_table(block_table, B, table_name)
+    C = table.shape[1] * BS
+    if Dq != D:
+        raise ValueError(f"q and {kn} must share the head dim D; got q {_shape_str(q)}, "
+                         f"{kn} {_shape_str(k_cache)}")
+    if H % Hkv != 0:
+        raise ValueError(f"query heads must be a multiple of kv heads (GQA/MQA); got q "
+                         f"{_shape_str(q)} with H={H}, {kn} {_shape_str(k_cache)} with Hkv={Hkv}")
+    k_new, v_new, t = check_new_tokens(k_new, v_new, batch=B, kv_heads=Hkv, head_dim=D,
+                                       head_dim_v=Dv, dtype=dtype)
+    k_scale, v_scale = check_paged_scales(k_scale, v_scale, dtype, (NB, Hkv, BS), writes=t > 0,
+                                          names=scale_names)
+    lengths = _ints_per_sequence(cache_seqlens, "cache_seqlens", (B,))
+    if B and lengths.min() < 0:
+        b = int(np.argmax(lengths < 0))
+        raise ValueError(f"cache_seqlens must be >= 0; cache_seqlens[{b}] = {lengths[b]}")
+    if B and lengths.max() > np.iinfo(np.int64).max // 2:
+        raise ValueError(f"cache_seqlens values are too large, got {lengths.max()}")
+    starts = np.ascontiguousarray(lengths, dtype=np.int64)
+    check_paged_blocks(table, starts + t, BS, NB, table_name)
+    check_paged_writes(table, starts, t, BS, table_name)
+    if t:
+        for name, a in ((kn, k_cache), (vn, v_cache)):
+            if not a.flags.writeable:
+                raise ValueError(f"{name} is read-only, but k_new/v_new must be written into it")
+        if _overlap(k_cache, v_cache):
+            raise ValueError(f"{kn} and {vn} share memory; new tokens cannot be written into both")
+    attn = AttentionCall(
+        q=kernel_ready(q), k=k_cache, v=v_cache, rank=4, batch=B, heads=H, kv_heads=Hkv,
+        seqlen_q=Tq, seqlen_k=C, head_dim=D, head_dim_v=Dv, dtype=q.dtype, kv_dtype=dtype,
+        scale=check_scale(scale, D, q.dtype), causal=check_flag(causal, "causal"),
+        window=bound_window(check_window(window), Tq, C, check_query_offset(query_offset)),
+        query_offset=check_query_offset(query_offset),
+        options=check_score_options(softcap, alibi_slopes, sinks, mask, batch=B, heads=H,
+                                    seqlen_q=Tq, seqlen_k=C, rank=4, dtype=q.dtype),
+        num_threads=resolve_threads(num_threads))
+    return KVCacheCall(attn=attn, k_cache=k_cache, v_cache=v_cache, starts=starts,
+                       k_new=k_new, v_new=v_new, new_tokens=t, k_scale=k_scale,
+                       v_scale=v_scale, block_table=table)
+
+
+def check_paged_spec(num_blocks, block_size, kv_heads, head_dim, dtype, v_head_dim):
+    """PagedKVCache(...) arguments -> (num_blocks, block_size, Hkv, D, dtype, Dv), checked."""
+    NB = _positive_int(num_blocks, "num_blocks")
+    BS = _positive_int(block_size, "block_size")
+    _, Hkv, D, _, dt, Dv = check_cache_spec(1, kv_heads, head_dim, 1, dtype, v_head_dim)
+    if NB * Hkv * BS * max(D, Dv) > np.iinfo(np.intp).max // 8:
+        raise ValueError(f"PagedKVCache(num_blocks={NB}, block_size={BS}, kv_heads={Hkv}, "
+                         f"head_dim={D}, v_head_dim={Dv}) is too large: "
+                         f"{NB * Hkv * BS * max(D, Dv)} elements per pool")
+    return NB, BS, Hkv, D, dt, Dv
+
+
+def check_seq_ids(seq_ids, known) -> tuple[list[int], bool]:
+    """seq_ids: one id or a non-empty sequence of distinct ids, each in `known` ->
+    (list of ids, whether one bare id was given)."""
+    single = not isinstance(seq_ids, (list, tuple, np.ndarray))
+    ids = [seq_ids] if single else list(np.asarray(seq_ids).reshape(-1).tolist()
+                                        if isinstance(seq_ids, np.ndarray) else seq_ids)
+    if not ids:
+        raise ValueError("seq_ids must name at least one sequence; got an empty sequence")
+    out = []
+    for s in ids:
+        sid = _as_int(s, "seq_ids", "a sequence id (int) or a list of them")
+        if sid not in known:
+            raise ValueError(f"seq_ids: no sequence {sid} in this cache (live ids: "
+                             f"{sorted(known)[:16]}{' ...' if len(known) > 16 else ''})")
+        out.append(sid)
+    if len(set(out)) != len(out):
+        raise ValueError(f"seq_ids must not repeat a sequence, got {out}")
+    return out, single
+
+
+def check_free_blocks(needed: int, free: int, what: str) -> None:
+    """Raise (changing nothing) when `needed` new blocks exceed the `free` ones."""
+    if needed > free:
+        raise ValueError(f"out of blocks: {what} needs {needed} new block(s) but only {free} "
+                         f"of the pool are free (nothing was written; free sequences or make "
+                         f"a larger pool)")

@@ -45,6 +45,8 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
         const float* v_scale
         int64_t k_scale_batch_stride, k_scale_head_stride, k_scale_row_stride
         int64_t v_scale_batch_stride, v_scale_head_stride, v_scale_row_stride
+        const int64_t* block_table
+        int64_t block_table_batch_stride, block_size, num_blocks
         double scale
         cbool causal
         cbool has_query_offset
@@ -152,7 +154,7 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
                       int64_t window_right, int num_threads, seqlens_k=None,
                       bint interruptible=False, k_scale=None, v_scale=None,
                       query_offset=None, double softcap=0.0, alibi=None, sinks=None,
-                      mask=None):
+                      mask=None, block_table=None):
     """Run the streaming attention kernel; q, k, v, out are 4-D, lse 3-D or None.
 
     softcap (0 = off), alibi (float32 (B, H), heads contiguous), sinks (float32 (H,),
@@ -166,12 +168,18 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
 
     seqlens_k: None, or a C-contiguous int64 array (B,) of keys valid per batch entry, each
     in [0, k.shape[2]] (checked by attnfast._checks; the core re-checks as a guard).
+
+    block_table: None, or an int64 (B, max_blocks) array with a contiguous last axis: a paged
+    cache. k, v are then pools (num_blocks, Hkv, block_size, D|Dv), k_scale / v_scale
+    (num_blocks, Hkv, block_size), and the keys span max_blocks * block_size positions
+    (seqlens_k[b] of them valid; checked by attnfast._checks, the core re-checks the ids).
     """
     cdef AttentionParams p = default_params()
     cdef cnp.ndarray lse_arr
     cdef cnp.ndarray seqlens_arr
     cdef cnp.ndarray ks_arr, vs_arr
-    cdef cnp.ndarray alibi_arr, sinks_arr, mask_arr
+    cdef cnp.ndarray alibi_arr, sinks_arr, mask_arr, table_arr
+    cdef int64_t scale_blocks
     p.q = cnp.PyArray_DATA(q)
     p.k = cnp.PyArray_DATA(k)
     p.v = cnp.PyArray_DATA(v)
@@ -187,6 +195,21 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
             _stride(lse_arr, 0), _stride(lse_arr, 1), _stride(lse_arr, 2))
     p.batch, p.heads, p.seqlen_q, p.head_dim = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
     p.kv_heads, p.seqlen_k, p.head_dim_v = k.shape[1], k.shape[2], v.shape[3]
+    scale_blocks = p.batch
+    if block_table is not None:
+        table_arr = block_table
+        if (cnp.PyArray_TYPE(table_arr) != cnp.NPY_INT64 or table_arr.ndim != 2
+                or table_arr.shape[0] != p.batch
+                or (table_arr.shape[1] > 1 and _stride(table_arr, 1) != 1)
+                or v.shape[0] != k.shape[0] or v.shape[2] != k.shape[2]):
+            raise TypeError("attnfast._ext: block_table must be int64 (B, max_blocks), last "
+                            "axis contiguous, over k, v pools of one block size")
+        p.block_table = <const int64_t*> cnp.PyArray_DATA(table_arr)
+        p.block_table_batch_stride = _stride(table_arr, 0)
+        p.block_size = k.shape[2]
+        p.num_blocks = k.shape[0]
+        p.seqlen_k = table_arr.shape[1] * p.block_size
+        scale_blocks = p.num_blocks
     p.dtype = _dtype_code(q)
     p.kv_dtype = _dtype_code(k)
     if _dtype_code(v) != p.kv_dtype:
@@ -195,9 +218,10 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
         ks_arr, vs_arr = k_scale, v_scale
         for arr in (ks_arr, vs_arr):
             if (cnp.PyArray_TYPE(arr) != cnp.NPY_FLOAT32 or arr.ndim != 3
-                    or arr.shape[0] != p.batch or arr.shape[1] != p.kv_heads
-                    or arr.shape[2] != p.seqlen_k):
-                raise TypeError("attnfast._ext: scales must be float32 (B, Hkv, Tk)")
+                    or arr.shape[0] != scale_blocks or arr.shape[1] != p.kv_heads
+                    or arr.shape[2] != k.shape[2]):
+                raise TypeError("attnfast._ext: scales must be float32 (B, Hkv, Tk), or "
+                                "(num_blocks, Hkv, block_size) when paged")
         p.k_scale = <const float*> cnp.PyArray_DATA(ks_arr)
         p.v_scale = <const float*> cnp.PyArray_DATA(vs_arr)
         p.k_scale_batch_stride, p.k_scale_head_stride, p.k_scale_row_stride = (

@@ -29,6 +29,7 @@ from ._checks import (
     check_cache_spec,
     check_flag,
     check_kvcache_attention,
+    check_paged_kvcache_attention,
     check_new_tokens,
     check_out,
     check_truncate,
@@ -67,12 +68,32 @@ def _write_tokens(k_cache, v_cache, seqs, starts, k_new, v_new, k_scale=None, v_
             v_scale[b, :, s:s + t] = v_rows[i]
 
 
+def _write_paged_tokens(k_pool, v_pool, table, starts, k_new, v_new, k_scale=None,
+                        v_scale=None) -> None:
+    """The paged form of _write_tokens: token starts[i] + u of sequence i goes to row
+    (starts[i] + u) % block_size of block table[i, (starts[i] + u) // block_size]."""
+    t = k_new.shape[2]
+    bs = k_pool.shape[2]
+    if k_scale is not None:  # int8
+        k_new, k_rows = quantize_int8(k_new)
+        v_new, v_rows = quantize_int8(v_new)
+    for i, s in enumerate(starts.tolist()):
+        pos = np.arange(s, s + t)
+        blocks, rows = table[i, pos // bs], pos % bs
+        # advanced indices on axes 0 and 2 put the token axis first: (t, Hkv, D)
+        k_pool[blocks, :, rows] = np.swapaxes(k_new[i], 0, 1)
+        v_pool[blocks, :, rows] = np.swapaxes(v_new[i], 0, 1)
+        if k_scale is not None:
+            k_scale[blocks, :, rows] = k_rows[i].T
+            v_scale[blocks, :, rows] = v_rows[i].T
+
+
 @accepts_arrays
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *,
                            causal=True, scale=None, window=None, softcap=None,
                            alibi_slopes=None, sinks=None, mask=None, return_lse=False,
                            out=None, num_threads=None, query_offset=None, k_scale=None,
-                           v_scale=None):
+                           v_scale=None, block_table=None):
     """Attention of new queries over a KV cache held in caller-owned arrays.
 
     flash-attn's ``flash_attn_with_kvcache`` in PyTorch SDPA's layout. For each sequence b,
@@ -102,6 +123,19 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     k_scale, v_scale : float32 arrays (B, Hkv, capacity), int8 caches only (required there)
         Row j of sequence b, head g stands for ``k_scale[b, g, j] * k_cache[b, g, j]``
         (symmetric: scale = max|x| / 127). The new tokens' scales are written in place.
+        With block_table: (num_blocks, Hkv, block_size), paged like the caches.
+    block_table : int32 or int64 array (B, max_blocks), optional
+        A paged cache (vLLM's paged attention, flash-attn's ``block_table``): ``k_cache`` is
+        then a pool (num_blocks, Hkv, block_size, D) and ``v_cache`` (num_blocks, Hkv,
+        block_size, Dv), any strides on their first three axes (flash-attn's (num_blocks,
+        block_size, Hkv, D) pool passes as ``.transpose(0, 2, 1, 3)``). Token t of sequence b
+        is row ``t % block_size`` of block ``block_table[b, t // block_size]``; new tokens
+        are written there. The capacity is ``max_blocks * block_size`` (a mask's last axis
+        spans it); a sequence of n tokens (after the new ones) reads its first
+        ``ceil(n / block_size)`` entries, which must be ids in [0, num_blocks) (later entries
+        are ignored, e.g. -1 padding). Sequences may share blocks they only read (a common
+        prefix); results are bit-identical to a contiguous cache holding the same tokens.
+        :class:`attnfast.PagedKVCache` manages such a pool.
     causal : bool, default True
         Bottom-right aligned: query i of sequence b sees key j iff
         ``j <= i + (cache_seqlens[b] + t - Tq)``. Unlike flash-attn (whose default is False)
@@ -129,7 +163,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     """
     key = None
     if (softcap is None and alibi_slopes is None and sinks is None and mask is None
-            and return_lse is False and out is None and k_scale is None and v_scale is None):
+            and return_lse is False and out is None and k_scale is None and v_scale is None
+            and block_table is None):
         key = kvcache_key(q, k_cache, v_cache, seqlens_key(cache_seqlens), k_new, v_new,
                           causal, scale, window)
         plan = KVCACHE_PLANS.get(key) if key is not None else None
@@ -139,6 +174,12 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
             if result is not None:
                 return result
     return_lse = check_flag(return_lse, "return_lse")
+    if block_table is not None:
+        return _paged_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                                causal=causal, scale=scale, window=window, softcap=softcap,
+                                alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
+                                return_lse=return_lse, out=out, num_threads=num_threads,
+                                query_offset=query_offset, k_scale=k_scale, v_scale=v_scale)
     call = check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                    causal=causal, scale=scale, window=window,
                                    num_threads=num_threads, k_scale=k_scale, v_scale=v_scale,
@@ -189,6 +230,24 @@ def _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal
                        seqlens_k=seqlens, interruptible=kernels_interruptible(),
                        query_offset=query_offset)
     return out
+
+
+def _paged_attention(q, k_pool, v_pool, cache_seqlens, k_new, v_new, block_table, *,
+                     return_lse, out, **options):
+    """attention_with_kvcache with a block table (arguments as there, return_lse checked)."""
+    call = check_paged_kvcache_attention(q, k_pool, v_pool, cache_seqlens, k_new, v_new,
+                                         block_table, **options)
+    user_out = check_out(out, call.attn.out_shape(), call.attn.dtype,
+                         [("q", call.attn.q), ("k_cache", k_pool), ("v_cache", v_pool),
+                          ("k_new", call.k_new), ("v_new", call.v_new),
+                          ("k_scale", call.k_scale), ("v_scale", call.v_scale),
+                          ("block_table", call.block_table)])
+    if call.new_tokens:
+        _write_paged_tokens(k_pool, v_pool, call.block_table, call.starts, call.k_new,
+                            call.v_new, call.k_scale, call.v_scale)
+    parts = [(slice(None), k_pool, v_pool, call.seqlens_after, call.k_scale, call.v_scale,
+              call.block_table)]
+    return run_kernels(call.attn, user_out, return_lse, parts)
 
 
 class KVCache:

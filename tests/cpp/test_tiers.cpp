@@ -1,7 +1,8 @@
 // C++ tier test (no Python): for every kernel tier compiled in that this CPU can run, checks
 // attnfast::attention_forward against a float64 reference written here (materialised softmax)
 // on small odd shapes that cover both paths (decode: Tq <= 16, prefill), causal and windows,
-// GQA, Dv != D, strided inputs, per-batch key lengths, float32 and float64, the NaN contract,
+// GQA, Dv != D, strided inputs, per-batch key lengths, paged caches (a block table: the same
+// bits as the contiguous cache), float32 and float64, the NaN contract,
 // and that 1 and 3 threads give identical bits. Built with -DATTNFAST_BUILD_TESTS=ON, run by
 // ctest (under qemu-user for cross builds: tools/run_cpp_tests.sh).
 //
@@ -44,6 +45,9 @@ struct Case {
     int nan;              // 0: none; 1: a NaN in one q row; 2: a NaN in one key row
     int64_t query_offset = kBottomRight;  // row i sits at key i + query_offset, or (default)
                                           // bottom-right aligned: i + (keys - Tq)
+    int64_t block = 0;    // > 0: also run through a paged copy of the cache (blocks of this
+                          // many rows, in reverse order in the pool), which must give the
+                          // same bits
 };
 
 // Deterministic data: a 64-bit LCG mapped to [-amp, amp).
@@ -115,12 +119,12 @@ bool nan_known_to_fail(const std::string& tier) {
 std::string describe(const Case& c, const char* dtype) {
     char buf[256];
     std::snprintf(buf, sizeof buf,
-                  "%s B=%lld H=%lld Hkv=%lld Tq=%lld Tk=%lld D=%lld Dv=%lld causal=%d window=(%lld,%lld)%s%s%s",
+                  "%s B=%lld H=%lld Hkv=%lld Tq=%lld Tk=%lld D=%lld Dv=%lld causal=%d window=(%lld,%lld)%s%s%s block=%lld",
                   dtype, (long long)c.B, (long long)c.H, (long long)c.Hkv, (long long)c.Tq,
                   (long long)c.Tk, (long long)c.D, (long long)c.Dv, c.causal ? 1 : 0,
                   (long long)c.wl, (long long)c.wr, c.strided ? " strided" : "",
                   c.seqlens ? " seqlens_k" : "",
-                  c.nan == 1 ? " NaN-in-q" : (c.nan == 2 ? " NaN-in-k" : ""));
+                  c.nan == 1 ? " NaN-in-q" : (c.nan == 2 ? " NaN-in-k" : ""), (long long)c.block);
     return buf;
 }
 
@@ -202,6 +206,46 @@ bool run_case(const Case& c, uint64_t seed, const char* dtype) {
     if (std::memcmp(out1.data.data(), out3.data.data(), out1.data.size() * sizeof(T)) != 0 ||
         std::memcmp(lse1.data(), lse3.data(), lse1.size() * sizeof(T)) != 0)
         fail("1 and 3 threads differ", -1, -1, -1, -1, 0, 0);
+
+    // Paged: the same keys in a pool of blocks (reverse order, rows past the keys NaN), read
+    // through a block table; the same bits as the contiguous call.
+    if (c.block > 0) {
+        const int64_t bs = c.block, per = (c.Tk + bs - 1) / bs, nb = c.B * per + 2;
+        std::vector<T> kp(static_cast<size_t>(nb * c.Hkv * bs * c.D), static_cast<T>(kNaN));
+        std::vector<T> vp(static_cast<size_t>(nb * c.Hkv * bs * c.Dv), static_cast<T>(kNaN));
+        std::vector<int64_t> table(static_cast<size_t>(c.B * per));
+        for (int64_t b = 0; b < c.B; ++b)
+            for (int64_t i = 0; i < per; ++i) {
+                const int64_t id = nb - 1 - (b * per + i);
+                table[b * per + i] = id;
+                for (int64_t g = 0; g < c.Hkv; ++g)
+                    for (int64_t r = 0; r < bs && i * bs + r < lens[b]; ++r) {
+                        for (int64_t d = 0; d < c.D; ++d)
+                            kp[((id * c.Hkv + g) * bs + r) * c.D + d] = k.at(b, g, i * bs + r, d);
+                        for (int64_t d = 0; d < c.Dv; ++d)
+                            vp[((id * c.Hkv + g) * bs + r) * c.Dv + d] = v.at(b, g, i * bs + r, d);
+                    }
+            }
+        attnfast::AttentionParams pp = p;
+        pp.k = kp.data(), pp.v = vp.data();
+        pp.k_batch_stride = c.Hkv * bs * c.D, pp.k_head_stride = bs * c.D, pp.k_row_stride = c.D;
+        pp.v_batch_stride = c.Hkv * bs * c.Dv, pp.v_head_stride = bs * c.Dv, pp.v_row_stride = c.Dv;
+        pp.block_table = table.data(), pp.block_table_batch_stride = per;
+        pp.block_size = bs, pp.num_blocks = nb, pp.seqlen_k = per * bs;
+        pp.seqlens_k = lens.data();  // the keys of the contiguous call (not the pool's capacity)
+        Tensor<T> outp(c.B, c.H, c.Tq, c.Dv, c.strided, sentinel);
+        std::vector<T> lsep(lse1.size(), static_cast<T>(sentinel));
+        pp.out = outp.data.data(), pp.lse = lsep.data(), pp.num_threads = 3;
+        try {
+            attnfast::attention_forward(pp);
+        } catch (const std::exception& e) {
+            std::printf("  FAIL %s: paged attention_forward threw: %s\n", what.c_str(), e.what());
+            return false;
+        }
+        if (std::memcmp(out1.data.data(), outp.data.data(), out1.data.size() * sizeof(T)) != 0 ||
+            std::memcmp(lse1.data(), lsep.data(), lse1.size() * sizeof(T)) != 0)
+            fail("paged (block table) differs from contiguous", -1, -1, -1, -1, 0, 0);
+    }
 
     // Reference, row by row, in float64 from the stored values.
     const int64_t group = c.H / c.Hkv;
@@ -304,6 +348,14 @@ std::vector<Case> accuracy_cases() {
         {2, 4, 2, 40, 130, 17, 3, true, 20, -1, true, true, 1.0, 0, 60},
         {1, 2, 2, 5, 100, 80, 80, true, -1, -1, false, false, 1.0, 0, 10},
         {1, 2, 2, 30, 20, 3, 3, true, -1, -1, false, false, 1.0, 0, 15},
+        // paged caches (block table): decode and prefill, block sizes 1, 7, 16, 64
+        {2, 4, 2, 1, 100, 17, 3, true, -1, -1, false, true, 1.0, 0, kBottomRight, 7},
+        {1, 4, 1, 5, 257, 64, 64, true, -1, -1, true, false, 1.0, 0, kBottomRight, 16},
+        {1, 4, 2, 3, 1100, 130, 130, true, 50, -1, false, false, 1.0, 0, kBottomRight, 64},
+        {2, 2, 1, 9, 40, 3, 17, false, -1, -1, false, true, 1.0, 0, kBottomRight, 1},
+        {3, 2, 1, 100, 63, 64, 64, true, -1, -1, false, true, 1.0, 0, kBottomRight, 16},
+        {1, 2, 2, 100, 257, 17, 130, false, 20, 5, true, false, 1.0, 0, kBottomRight, 7},
+        {2, 4, 2, 40, 130, 17, 3, true, 20, -1, true, true, 1.0, 0, 60, 16},
     };
 }
 

@@ -1,0 +1,364 @@
+"""A paged KV cache for many sequences: one pool of fixed-size blocks (vLLM's paged attention).
+
+`PagedKVCache` owns the pools and, per sequence, the list of its blocks; each call builds the
+block table of the sequences it serves and runs `attention_with_kvcache(..., block_table=)`'s
+kernels over all of them at once. Blocks are reference-counted, so `fork` shares a prefix
+without copying it; a shared, partly filled last block is copied before it is appended to
+(copy-on-write). Every method checks everything (attnfast._checks) before it changes
+anything: running out of blocks raises and leaves the cache as it was.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from ._api import run_kernels
+from ._checks import (
+    check_flag,
+    check_free_blocks,
+    check_new_tokens,
+    check_out,
+    check_paged_kvcache_attention,
+    check_paged_spec,
+    check_seq_ids,
+)
+from ._interop import accepts_arrays
+from ._kvcache import _write_paged_tokens
+
+__all__ = ["PagedKVCache"]
+
+
+class _Sequence:
+    """One sequence of the pool: its blocks in token order and how many tokens it holds."""
+    __slots__ = ("blocks", "length")
+
+    def __init__(self, blocks=None, length=0):
+        self.blocks: list[int] = list(blocks or [])
+        self.length: int = length
+
+
+class PagedKVCache:
+    """A pool of KV-cache blocks shared by many sequences of different lengths.
+
+    ``PagedKVCache(num_blocks, block_size, kv_heads, head_dim, *, dtype=np.float32,
+    v_head_dim=None)`` holds ``k`` (num_blocks, kv_heads, block_size, head_dim) and ``v``
+    (num_blocks, kv_heads, block_size, v_head_dim) pools (views of KV-head-major storage; and,
+    for ``dtype="int8"``, float32 ``k_scale`` / ``v_scale`` (num_blocks, kv_heads,
+    block_size)). Free blocks are handed out lowest id first. A sequence's token t is row
+    ``t % block_size`` of its ``t // block_size``-th block; blocks are taken from the pool as
+    sequences grow and return to it when they are freed::
+
+        cache = attnfast.PagedKVCache(num_blocks=1024, block_size=16, kv_heads=8, head_dim=128)
+        a = cache.add_sequence()
+        cache.step(a, q_prompt, k_prompt, v_prompt)         # (1, H, T, D) ...: causal prefill
+        b = cache.fork(a)                                   # shares a's blocks, copies nothing
+        out = cache.step([a, b], q, k_tok, v_tok)           # both decode in one kernel call
+        cache.free(a)                                       # its unshared blocks go back
+
+    Methods that take ``seq_ids`` accept one id or a list of distinct ids; the arrays passed
+    then hold those sequences, in that order, on axis 0 (with one bare id, 3-D arrays
+    without that axis are taken too, and the result is 3-D).
+
+    Forks share blocks, counted by reference: a block returns to the pool when no sequence
+    holds it. Appending to a sequence whose partly filled last block is shared first copies
+    that block (copy-on-write), so the other sequences' tokens never change.
+
+    Every method checks all its arguments, and that the pool has the blocks it needs,
+    before it changes anything: a rejected call (ValueError "out of blocks ..." included)
+    leaves the pools, the sequences and ``num_free_blocks`` exactly as they were.
+
+    Thread safety: each method holds the cache's lock for its whole call (as KVCache).
+    """
+
+    def __init__(self, num_blocks, block_size, kv_heads, head_dim, *, dtype=np.float32,
+                 v_head_dim=None):
+        NB, BS, Hkv, D, dt, Dv = check_paged_spec(num_blocks, block_size, kv_heads, head_dim,
+                                                  dtype, v_head_dim)
+        # Stored KV-head-major, (Hkv, num_blocks, block_size, D), and exposed as the
+        # (num_blocks, Hkv, block_size, D) view the kernels take: a KV head's rows of blocks
+        # with consecutive ids are then adjacent in memory, so a sequence whose blocks were
+        # taken in order streams like a contiguous cache (scattered short blocks cost more:
+        # see README, Paged KV cache).
+        self._k = np.zeros((Hkv, NB, BS, D), dtype=dt).transpose(1, 0, 2, 3)
+        self._v = np.zeros((Hkv, NB, BS, Dv), dtype=dt).transpose(1, 0, 2, 3)
+        int8 = dt == np.int8  # one float32 scale per (block, kv head, row)
+        self._k_scale = np.zeros((Hkv, NB, BS), np.float32).transpose(1, 0, 2) if int8 else None
+        self._v_scale = np.zeros((Hkv, NB, BS), np.float32).transpose(1, 0, 2) if int8 else None
+        self._refs = np.zeros(NB, dtype=np.int64)     # sequences holding each block
+        self._free = list(range(NB - 1, -1, -1))      # a stack: the lowest id is taken first
+        self._seqs: dict[int, _Sequence] = {}
+        self._next_id = 0
+        self._lock = threading.Lock()  # held by every method for its whole call
+
+    # ---- state ----
+    @property
+    def k(self) -> np.ndarray:
+        """Key pool, (num_blocks, kv_heads, block_size, head_dim): a view of storage laid
+        out (kv_heads, num_blocks, block_size, head_dim)."""
+        return self._k
+
+    @property
+    def v(self) -> np.ndarray:
+        """Value pool, (num_blocks, kv_heads, block_size, v_head_dim)."""
+        return self._v
+
+    @property
+    def k_scale(self) -> np.ndarray | None:
+        """int8 pools: float32 (num_blocks, kv_heads, block_size) row scales; else None."""
+        return self._k_scale
+
+    @property
+    def v_scale(self) -> np.ndarray | None:
+        """int8 pools: the value rows' scales, as k_scale."""
+        return self._v_scale
+
+    num_blocks = property(lambda self: self._k.shape[0], doc="Blocks in the pool.")
+    block_size = property(lambda self: self._k.shape[2], doc="Tokens per block.")
+    kv_heads = property(lambda self: self._k.shape[1], doc="KV heads (Hkv).")
+    head_dim = property(lambda self: self._k.shape[3], doc="Head dim of keys (and queries).")
+    v_head_dim = property(lambda self: self._v.shape[3], doc="Head dim of values.")
+    dtype = property(lambda self: self._k.dtype, doc="Storage dtype of the pools.")
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence holds, available to appends."""
+        return len(self._free)
+
+    @property
+    def sequences(self) -> tuple[int, ...]:
+        """Ids of the live sequences, in the order they were added."""
+        return tuple(self._seqs)
+
+    @property
+    def lengths(self) -> dict[int, int]:
+        """Tokens held per live sequence, {seq_id: length} (a copy)."""
+        return {sid: s.length for sid, s in self._seqs.items()}
+
+    def length(self, seq_id) -> int:
+        """Tokens held by one sequence."""
+        (sid,), _ = check_seq_ids([seq_id], self._seqs)
+        return self._seqs[sid].length
+
+    def blocks(self, seq_id) -> tuple[int, ...]:
+        """The pool blocks of one sequence, in token order."""
+        (sid,), _ = check_seq_ids([seq_id], self._seqs)
+        return tuple(self._seqs[sid].blocks)
+
+    def block_table(self, seq_ids) -> np.ndarray:
+        """int32 (n, max_blocks) table of the sequences (unused entries -1), as
+        :func:`attnfast.attention_with_kvcache` takes it with this cache's ``k`` and ``v``."""
+        ids, _ = check_seq_ids(seq_ids, self._seqs)
+        return self._table([self._seqs[s].blocks for s in ids], fill=-1).astype(np.int32)
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+                f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
+                f"v_head_dim={self.v_head_dim}; {len(self._seqs)} sequence(s), "
+                f"{self.num_free_blocks} free block(s))")
+
+    # ---- sequences ----
+    def add_sequence(self) -> int:
+        """A new, empty sequence (it takes no block until tokens are appended); its id."""
+        with self._lock:
+            sid = self._next_id
+            self._next_id += 1
+            self._seqs[sid] = _Sequence()
+            return sid
+
+    def free(self, seq_id) -> None:
+        """Forget a sequence; the blocks no other sequence holds return to the pool."""
+        with self._lock:
+            (sid,), _ = check_seq_ids([seq_id], self._seqs)
+            for blk in self._seqs.pop(sid).blocks:
+                self._release(blk)
+
+    def fork(self, seq_id) -> int:
+        """A new sequence holding the same tokens as `seq_id`, sharing its blocks (nothing is
+        copied now; a shared partly filled block is copied when either one appends to it).
+        Returns the new id."""
+        with self._lock:
+            (sid,), _ = check_seq_ids([seq_id], self._seqs)
+            src = self._seqs[sid]
+            for blk in src.blocks:
+                self._refs[blk] += 1
+            new = self._next_id
+            self._next_id += 1
+            self._seqs[new] = _Sequence(src.blocks, src.length)
+            return new
+
+    # ---- tokens and attention ----
+    @accepts_arrays
+    def append(self, seq_ids, k_new, v_new) -> None:
+        """Append t >= 1 tokens to each sequence of `seq_ids`: k_new (n, kv_heads, t,
+        head_dim), v_new (n, kv_heads, t, v_head_dim) in the cache's dtype (float32 is also
+        taken by a 16-bit or int8 cache). Takes blocks from the pool as needed; raises
+        ValueError, changing nothing, when it has too few."""
+        with self._lock:
+            ids, single = check_seq_ids(seq_ids, self._seqs)
+            k_new, v_new = _lift(single, k_new), _lift(single, v_new)
+            k_new, v_new, t = check_new_tokens(
+                k_new, v_new, batch=len(ids), kv_heads=self.kv_heads, head_dim=self.head_dim,
+                head_dim_v=self.v_head_dim, dtype=self.dtype)
+            if t == 0:
+                raise ValueError("append needs both k_new and v_new; both are None")
+            plan = self._plan(ids, t)
+            starts = np.array([self._seqs[s].length for s in ids], dtype=np.int64)
+            self._commit(ids, plan)
+            table = self._table([self._seqs[s].blocks for s in ids])
+            _write_paged_tokens(self._k, self._v, table, starts, k_new, v_new,
+                                self._k_scale, self._v_scale)
+            for s in ids:
+                self._seqs[s].length += t
+
+    @accepts_arrays
+    def attend(self, seq_ids, q, *, causal=True, scale=None, window=None, softcap=None,
+               alibi_slopes=None, sinks=None, mask=None, return_lse=False, out=None,
+               num_threads=None, query_offset=None):
+        """Attention of q (n, H, Tq, head_dim) over each sequence's tokens, all sequences in
+        one kernel call. Causal by default, bottom-right aligned per sequence; options as in
+        :func:`attnfast.attention_with_kvcache`. A mask's last axis spans the call's key
+        positions: ``max_blocks * block_size``, max_blocks being the most blocks any of the
+        sequences holds. Returns out (n, H, Tq, v_head_dim), or (out, lse)."""
+        return self._run(seq_ids, q, None, None, causal=causal, scale=scale, window=window,
+                         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
+                         return_lse=return_lse, out=out, num_threads=num_threads,
+                         query_offset=query_offset)
+
+    @accepts_arrays
+    def step(self, seq_ids, q, k_new, v_new, *, causal=True, scale=None, window=None,
+             softcap=None, alibi_slopes=None, sinks=None, mask=None, return_lse=False,
+             out=None, num_threads=None, query_offset=None):
+        """The decode step: :meth:`append` k_new, v_new, then :meth:`attend` q, in one call
+        (one kernel call for all the sequences). Everything, the free blocks included, is
+        checked before anything is written."""
+        if k_new is None or v_new is None:
+            missing = " and ".join(n for n, a in (("k_new", k_new), ("v_new", v_new)) if a is None)
+            raise ValueError(f"step needs both k_new and v_new; {missing} is None (use attend() "
+                             "to attend without appending)")
+        return self._run(seq_ids, q, k_new, v_new, causal=causal, scale=scale, window=window,
+                         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
+                         return_lse=return_lse, out=out, num_threads=num_threads,
+                         query_offset=query_offset)
+
+    # ---- internals ----
+    def _release(self, blk: int) -> None:
+        self._refs[blk] -= 1
+        if self._refs[blk] == 0:
+            self._free.append(blk)
+
+    def _plan(self, ids, t):
+        """For appending t tokens to each of `ids`: per sequence (copy its shared partial last
+        block?, new blocks to take), checked against the free blocks. Changes nothing."""
+        bs = self.block_size
+        refs = {}  # references as the earlier sequences of this call leave them
+        plan, needed = [], 0
+        for sid in ids:
+            seq = self._seqs[sid]
+            copy = False
+            if t and seq.length % bs and seq.length // bs < len(seq.blocks):
+                last = seq.blocks[seq.length // bs]
+                left = refs.get(last, int(self._refs[last]))
+                if left > 1:  # shared: this sequence writes into a copy of its own
+                    copy = True
+                    refs[last] = left - 1
+            grow = max(0, -(-(seq.length + t) // bs) - len(seq.blocks))
+            plan.append((copy, grow))
+            needed += copy + grow
+        what = (f"appending {t} token(s) to sequence(s) {ids}" if len(ids) <= 8
+                else f"appending {t} token(s) to {len(ids)} sequences")
+        check_free_blocks(needed, len(self._free), what)
+        return plan
+
+    def _tentative(self, ids, plan):
+        """The block lists `ids` would have after _commit(ids, plan), without taking blocks."""
+        upcoming = self._free[::-1]  # the order _commit pops them in
+        lists, n = [], 0
+        for sid, (copy, grow) in zip(ids, plan):
+            seq = self._seqs[sid]
+            blocks = list(seq.blocks)
+            if copy:
+                blocks[seq.length // self.block_size] = upcoming[n]
+                n += 1
+            blocks += upcoming[n:n + grow]
+            n += grow
+            lists.append(blocks)
+        return lists
+
+    def _commit(self, ids, plan) -> None:
+        """Take the planned blocks, copying shared partial blocks (copy-on-write)."""
+        bs = self.block_size
+        for sid, (copy, grow) in zip(ids, plan):
+            seq = self._seqs[sid]
+            if copy:
+                i = seq.length // bs
+                old, new = seq.blocks[i], self._free.pop()
+                rows = seq.length % bs
+                self._k[new, :, :rows] = self._k[old, :, :rows]
+                self._v[new, :, :rows] = self._v[old, :, :rows]
+                if self._k_scale is not None:
+                    self._k_scale[new, :, :rows] = self._k_scale[old, :, :rows]
+                    self._v_scale[new, :, :rows] = self._v_scale[old, :, :rows]
+                self._refs[new] = 1
+                self._release(old)
+                seq.blocks[i] = new
+            for _ in range(grow):
+                blk = self._free.pop()
+                self._refs[blk] = 1
+                seq.blocks.append(blk)
+
+    @staticmethod
+    def _table(block_lists, fill=0) -> np.ndarray:
+        """int64 (n, max(1, most blocks)) table; `fill` (a valid id: never read) elsewhere."""
+        width = max(1, max(len(b) for b in block_lists))
+        table = np.full((len(block_lists), width), fill, dtype=np.int64)
+        for i, b in enumerate(block_lists):
+            table[i, :len(b)] = b
+        return table
+
+    def _run(self, seq_ids, q, k_new, v_new, **kwargs):
+        with self._lock:
+            return self._run_locked(seq_ids, q, k_new, v_new, **kwargs)
+
+    def _run_locked(self, seq_ids, q, k_new, v_new, *, return_lse, out, **options):
+        return_lse = check_flag(return_lse, "return_lse")
+        ids, single = check_seq_ids(seq_ids, self._seqs)
+        squeeze = single and np.ndim(q) == 3  # one bare id, 3-D q: 3-D results
+        q, k_new, v_new = _lift(single, q), _lift(single, k_new), _lift(single, v_new)
+        t = np.shape(k_new)[2] if k_new is not None and np.ndim(k_new) == 4 else 0
+        plan = self._plan(ids, t) if t else [(False, 0)] * len(ids)
+        lengths = np.array([self._seqs[s].length for s in ids], dtype=np.int64)
+        table = self._table(self._tentative(ids, plan))
+        s_names = ("cache.k_scale", "cache.v_scale")
+        call = check_paged_kvcache_attention(
+            q, self._k, self._v, lengths, k_new, v_new, table, k_scale=self._k_scale,
+            v_scale=self._v_scale, cache_names=("cache.k", "cache.v"), scale_names=s_names,
+            **options)
+        user_out = check_out(_lift(single, out) if out is not None and np.ndim(out) == 3 else out,
+                             call.attn.out_shape(), call.attn.dtype,
+                             [("q", call.attn.q), ("cache.k", self._k), ("cache.v", self._v),
+                              ("k_new", call.k_new), ("v_new", call.v_new)])
+        self._commit(ids, plan)  # the blocks of `table`, now taken
+        if call.new_tokens:
+            _write_paged_tokens(self._k, self._v, call.block_table, call.starts, call.k_new,
+                                call.v_new, self._k_scale, self._v_scale)
+        for s, n in zip(ids, call.seqlens_after.tolist()):
+            self._seqs[s].length = n
+        try:
+            parts = [(slice(None), self._k, self._v, call.seqlens_after, self._k_scale,
+                      self._v_scale, call.block_table)]
+            result = run_kernels(call.attn, user_out, return_lse, parts)
+        except BaseException:  # KeyboardInterrupt: the tokens were not appended
+            for s, n in zip(ids, call.starts.tolist()):
+                self._seqs[s].length = n
+            raise
+        if squeeze:
+            return (result[0][0], result[1][0]) if return_lse else result[0]
+        return result
+
+
+def _lift(single: bool, x):
+    """With one bare sequence id, a 3-D array gains the sequence axis (a view)."""
+    if single and x is not None and np.ndim(x) == 3:
+        return np.asarray(x)[None]
+    return x
