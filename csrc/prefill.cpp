@@ -86,7 +86,9 @@ void run_blocks(const AttentionParams& p,
         task.row_end = task.row_begin + block_rows < p.seqlen_q ? task.row_begin + block_rows : p.seqlen_q;
         return task;
     };
-    const int64_t q_row_bytes = p.head_dim * static_cast<int64_t>(sizeof(A));
+    // (q's elements are A, or 16 bits under a float32 accumulator)
+    const int64_t q_elem = p.dtype == DType::kF16 || p.dtype == DType::kBF16 ? 2 : static_cast<int64_t>(sizeof(A));
+    const int64_t q_row_bytes = p.head_dim * q_elem;
     parallel::for_each_dynamic(tasks, threads, p.interruptible, [&](int64_t index, int thread_id) {
         // The dynamic schedule most likely hands this thread index + threads next: start
         // bringing that task's query rows in now, a whole task ahead (a cache hint only).
@@ -95,7 +97,7 @@ void run_blocks(const AttentionParams& p,
             for (int64_t h = next.head; h < next.head + next.head_count; ++h)
                 for (int64_t r = next.row_begin; r < next.row_end; ++r) {
                     const char* row = static_cast<const char*>(p.q) +
-                        (next.batch * p.q_batch_stride + h * p.q_head_stride + r * p.q_row_stride) * static_cast<int64_t>(sizeof(A));
+                        (next.batch * p.q_batch_stride + h * p.q_head_stride + r * p.q_row_stride) * q_elem;
                     for (int64_t off = 0; off < q_row_bytes; off += 64) __builtin_prefetch(row + off, 0, 2);
                 }
         }
@@ -112,9 +114,9 @@ void attention_forward(const AttentionParams& p) {
         return;
     }
     const KernelTable& kernels = active_kernels();
-    if (p.dtype == DType::kF32 && p.kv_dtype == DType::kF32 && !needs_templates(p, kernels.f32_sinks)) {
+    if (p.dtype != DType::kF64 && prefill_uses_f32_kernel(p, kernels)) {
         run_blocks<float>(p, kernels.attend_block_f32, kernels.plan_f32(p));
-    } else if (p.dtype != DType::kF64) {  // 16-bit, int8 or score options: the templates
+    } else if (p.dtype != DType::kF64) {  // 16-bit, int8 or score options on other tiers: the templates
         const PrefillPlan plan{kBlockRows, block_workspace_elems(p)};
         run_blocks<float>(p, kernels.attend_block_any, plan);
     } else {

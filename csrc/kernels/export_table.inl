@@ -3,6 +3,7 @@
 // prefill kernel names it (and its plan) in ATTNFAST_PREFILL_F32 / ATTNFAST_PREFILL_PLAN_F32;
 // otherwise the shared template is used. Likewise a float32 decode chunk kernel in
 // ATTNFAST_DECODE_CHUNK_F32. ATTNFAST_F32_SINKS: its float32 kernels take sinks.
+// ATTNFAST_PREFILL_F32_ANY: its float32 prefill kernel takes every dtype and score option.
 #ifndef ATTNFAST_KERNEL_NS
 #error "define ATTNFAST_KERNEL_NS and include the kernel .inl files before export_table.inl"
 #endif
@@ -21,10 +22,14 @@ namespace {
 #ifndef ATTNFAST_F32_SINKS
 #define ATTNFAST_F32_SINKS false
 #endif
+#ifndef ATTNFAST_PREFILL_F32_ANY
+#define ATTNFAST_PREFILL_F32_ANY false
+#endif
 
 const KernelTable kTable = {
     ATTNFAST_KERNEL_NAME,
     ATTNFAST_F32_SINKS,
+    ATTNFAST_PREFILL_F32_ANY,
     ATTNFAST_PREFILL_F32, attend_block_f64,
     ATTNFAST_PREFILL_PLAN_F32,
     ATTNFAST_DECODE_CHUNK_F32, decode_chunk_f64,

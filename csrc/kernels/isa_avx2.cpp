@@ -12,6 +12,7 @@
 #define ATTNFAST_PREFILL_PLAN_F32 simd::plan
 #define ATTNFAST_DECODE_CHUNK_F32 simd_decode::decode_chunk_f32
 #define ATTNFAST_F32_SINKS true  // simd_prefill.inl finish_sub_block; decode merges in the template
+#define ATTNFAST_PREFILL_F32_ANY true  // simd_prefill.inl: 16-bit / int8 and every score option
 #include "export_table.inl"
 
 const attnfast::KernelTable* attnfast::kernel_table_avx2() { return &isa_avx2::kTable; }

@@ -139,6 +139,10 @@ struct KernelTable {
     // Whether attend_block_f32 and decode_chunk_f32 take sinks (the other score options
     // always go to the templates).
     bool f32_sinks;
+    // Whether attend_block_f32 (with plan_f32) also runs every dtype combination and score
+    // option attend_block_any does (the x86 SIMD tiers' kernel, simd_prefill.inl): then the
+    // prefill never needs the templates but for float64.
+    bool prefill_f32_any;
     // Attend one block of query rows over all the keys it may see; writes its out/lse rows.
     void (*attend_block_f32)(const AttentionParams&, const BlockTask&, float* workspace);
     void (*attend_block_f64)(const AttentionParams&, const BlockTask&, double* workspace);
@@ -182,10 +186,18 @@ const KernelTable* kernel_table_neon();
 const KernelTable& active_kernels();
 
 // Whether a float32 call needs the templates (the *_any entries): softcap, ALiBi and masks
-// are not in the hand-written float32 kernels; sinks are where the tier says so
+// are not in the hand-written float32 decode kernels, nor in the float32 prefill of tiers
+// without KernelTable::prefill_f32_any; sinks are where the tier says so
 // (KernelTable::f32_sinks: they touch only the prefill's finish and the shared decode merge).
 static inline bool needs_templates(const AttentionParams& p, bool f32_kernels_take_sinks) {
     return p.softcap != 0.0 || p.alibi_slopes || p.mask || (p.sinks && !f32_kernels_take_sinks);
+}
+
+// Whether a (not float64) prefill runs the tier's attend_block_f32 rather than the
+// converting templates (attend_block_any).
+static inline bool prefill_uses_f32_kernel(const AttentionParams& p, const KernelTable& kernels) {
+    if (kernels.prefill_f32_any) return true;
+    return p.dtype == DType::kF32 && p.kv_dtype == DType::kF32 && !needs_templates(p, kernels.f32_sinks);
 }
 
 // Key position of query row `row`, i' (see AttentionParams::has_query_offset).
