@@ -6,8 +6,9 @@
 Times attention(q, k, v, causal=...) with q, k, v in each dtype (float16, bfloat16, and
 float32 q over a bfloat16 / int8 cache), causal and not, against the same call in float32,
 as medians of interleaved repeats (float32 and the dtype timed in turns, so a drift of the
-machine hits both alike). Prints time and the speed ratio float32 time / dtype time (>= 1:
-the dtype is as fast or faster).
+machine hits both alike). Prints the median times and the speed ratio float32 time / dtype
+time (>= 1: the dtype is as fast or faster), and the same ratio of the fastest repeats
+(steadier on a shared machine).
 """
 import argparse
 import statistics
@@ -31,7 +32,7 @@ def main():
     rng = np.random.default_rng(0)
     cfg = af.show_config()
     print(f"H={args.heads}, D={args.head_dim}; kernel tier {cfg['isa']}")
-    print(f"{'dtype':16s} {'T':>5s} {'causal':>6s} {'threads':>7s} {'float32':>10s} {'dtype':>10s} {'speed':>6s}")
+    print(f"{'dtype':16s} {'T':>5s} {'causal':>6s} {'threads':>7s} {'float32':>10s} {'dtype':>10s} {'speed':>6s} {'(min)':>6s}")
     for t in [int(x) for x in args.tokens.split(",")]:
         shape = (1, args.heads, t, args.head_dim)
         q, k, v = (rng.standard_normal(shape).astype(np.float32) for _ in range(3))
@@ -61,7 +62,7 @@ def main():
                         t0 = time.perf_counter(); base(); tb.append(time.perf_counter() - t0)
                         t0 = time.perf_counter(); call(causal, n); td.append(time.perf_counter() - t0)
                     mb, md = statistics.median(tb), statistics.median(td)
-                    print(f"{name:16s} {t:5d} {str(causal):>6s} {n:7d} {mb * 1e3:8.1f}ms {md * 1e3:8.1f}ms {mb / md:5.2f}x",
+                    print(f"{name:16s} {t:5d} {str(causal):>6s} {n:7d} {mb * 1e3:8.1f}ms {md * 1e3:8.1f}ms {mb / md:5.2f}x {min(tb) / min(td):5.2f}x",
                           flush=True)
 
 
