@@ -27,11 +27,17 @@ def main():
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--threads", default="1,2")
     p.add_argument("--dtypes", default="bfloat16,float16,f32q-bfloat16,f32q-int8")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time with the process's CPU time instead of the wall clock (steadier on a "
+                        "shared machine: time spent descheduled is not counted; with several threads "
+                        "it sums them, idle waits included)")
     p.add_argument("--repeats", type=int, default=5, help="interleaved pairs per case (median)")
     args = p.parse_args()
+    clock = time.process_time if args.cpu_time else time.perf_counter
     rng = np.random.default_rng(0)
     cfg = af.show_config()
-    print(f"H={args.heads}, D={args.head_dim}; kernel tier {cfg['isa']}")
+    print(f"H={args.heads}, D={args.head_dim}; kernel tier {cfg['isa']}; "
+          f"{'CPU' if args.cpu_time else 'wall'} time")
     print(f"{'dtype':16s} {'T':>5s} {'causal':>6s} {'threads':>7s} {'float32':>10s} {'dtype':>10s} {'speed':>6s} {'(min)':>6s}")
     for t in [int(x) for x in args.tokens.split(",")]:
         shape = (1, args.heads, t, args.head_dim)
@@ -59,8 +65,8 @@ def main():
                     base(); call(causal, n)  # warm up
                     tb, td = [], []
                     for _ in range(args.repeats):
-                        t0 = time.perf_counter(); base(); tb.append(time.perf_counter() - t0)
-                        t0 = time.perf_counter(); call(causal, n); td.append(time.perf_counter() - t0)
+                        t0 = clock(); base(); tb.append(clock() - t0)
+                        t0 = clock(); call(causal, n); td.append(clock() - t0)
                     mb, md = statistics.median(tb), statistics.median(td)
                     print(f"{name:16s} {t:5d} {str(causal):>6s} {n:7d} {mb * 1e3:8.1f}ms {md * 1e3:8.1f}ms {mb / md:5.2f}x {min(tb) / min(td):5.2f}x",
                           flush=True)
