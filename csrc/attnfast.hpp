@@ -113,5 +113,7 @@ const char* isa_compiled();        // comma-separated names of tiers built into 
 // name is unknown or the CPU cannot run it; see isa_error() for why.
 bool isa_force(const char* name);
 const char* isa_error();
+// What the active tier's 16-bit and int8 paths run on (instructions), in words.
+const char* isa_lowp_instructions();
 
 }  // namespace attnfast

@@ -53,6 +53,11 @@ bool cpu_runs_avx512() {
     const unsigned need = (1u << 16) | (1u << 17) | (1u << 30) | (1u << 31);  // F, DQ, BW, VL
     return (ebx7 & need) == need && (xcr0() & 0xE6) == 0xE6;
 }
+bool cpu_runs_avx512bf16() {
+    unsigned eax, ebx, ecx, edx;
+    if (!cpu_runs_avx512() || !__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return false;
+    return eax & (1u << 5);  // CPUID.(7, 1):EAX[5] AVX512_BF16
+}
 #endif
 bool cpu_runs_always() { return true; }
 
@@ -60,6 +65,9 @@ bool cpu_runs_always() { return true; }
 const Tier kTiers[] = {
 #ifdef ATTNFAST_HAVE_NEON
     {"neon", kernel_table_neon, cpu_runs_always},  // Advanced SIMD is part of AArch64
+#endif
+#ifdef ATTNFAST_HAVE_AVX512BF16
+    {"avx512bf16", kernel_table_avx512bf16, cpu_runs_avx512bf16},
 #endif
 #ifdef ATTNFAST_HAVE_AVX512
     {"avx512", kernel_table_avx512, cpu_runs_avx512},
@@ -130,6 +138,8 @@ const KernelTable& active_kernels() {
 }
 
 const char* isa_selected() { return active_kernels().name; }
+
+const char* isa_lowp_instructions() { return active_kernels().lowp_instructions; }
 
 const char* isa_available() {
     active_kernels();

@@ -1,8 +1,9 @@
 """Scan a built extension for instructions a baseline x86-64 CPU lacks, outside the ISA kernels.
 
 attnfast ships one binary for every x86-64 CPU: the drivers, dispatch and Cython bridge are
-compiled for the baseline (x86-64 v1: SSE2), and only csrc/kernels/isa_avx2.cpp and
-isa_avx512.cpp are compiled with -mavx2/-mfma/-mf16c/-mavx512*; dispatch.cpp calls into them
+compiled for the baseline (x86-64 v1: SSE2), and only csrc/kernels/isa_avx2.cpp,
+isa_avx512.cpp and isa_avx512bf16.cpp are compiled with -mavx2/-mfma/-mf16c/-mavx512*;
+dispatch.cpp calls into them
 only after cpuid says the CPU can run them. A non-baseline instruction anywhere else would
 crash (SIGILL) an older CPU before dispatch gets a say. The classic way to get one is an
 inline function or template (std:: or our own) instantiated in an AVX translation unit and
@@ -10,9 +11,9 @@ in a baseline one: both copies are COMDAT, the linker keeps one, possibly the AV
 
 The scan disassembles the extension with ``objdump -d --no-show-raw-insn -C`` and attributes
 each instruction to the function (symbol) it sits in. A function counts as ISA-specific when
-its demangled name contains ``isa_avx2::`` or ``isa_avx512::`` (the namespaces of those two
-files, anonymous namespaces and lambdas inside them included) or ``kernel_table_avx2`` /
-``kernel_table_avx512``. Every other function must be free of:
+its demangled name contains ``isa_avx2::``, ``isa_avx512::`` or ``isa_avx512bf16::`` (the
+namespaces of those files, anonymous namespaces and lambdas inside them included) or
+``kernel_table_avx2`` / ``kernel_table_avx512`` / ``kernel_table_avx512bf16``. Every other function must be free of:
 
 - VEX/EVEX-encoded instructions (AVX, AVX2, FMA, F16C, AVX-512: mnemonics starting with ``v``,
   e.g. vmovaps, vfmadd231ps, vpbroadcastd, vcvtph2ps, vzeroupper), ymm/zmm registers and
@@ -36,7 +37,8 @@ import subprocess
 import sys
 from collections import defaultdict
 
-ISA_SPECIFIC_MARKERS = ("isa_avx2::", "isa_avx512::", "kernel_table_avx2", "kernel_table_avx512")
+ISA_SPECIFIC_MARKERS = ("isa_avx2::", "isa_avx512::", "isa_avx512bf16::", "kernel_table_avx2",
+                        "kernel_table_avx512")  # (kernel_table_avx512bf16 included)
 
 _PREFIXES = {
     "lock", "rep", "repz", "repnz", "repe", "repne", "notrack", "bnd", "data16", "data32",

@@ -256,7 +256,7 @@ def test_16bit_prefill_is_float32_prefill_of_the_widened_values(tier, rng, case,
         opts = dict(softcap=4.0, alibi_slopes=np.full(h, 0.02, np.float32), sinks=np.ones(h, np.float32),
                     mask=rng.random((b, 1, tq, tk)) < 0.8)
     if kv == "int8":
-        if tier not in ("avx2", "avx512"):
+        if not tier.startswith("avx"):
             pytest.skip("the templates multiply an int8 V row's scale into the weight, not the value")
         (k8, ks), (v8, vs) = int8_cache(rng, (b, hkv, tk, d)), int8_cache(rng, (b, hkv, tk, d))
         out, lse = af.attention_with_kvcache(q, k8, v8, tk, k_scale=ks, v_scale=vs, return_lse=True, **opts)
@@ -295,3 +295,31 @@ def test_16bit_prefill_rounds_nan_and_extremes(tier, rng, dtype):
     assert np.all(np.isnan(out[0, 1, :, 3].astype(np.float32)))
     np.testing.assert_array_equal(np.delete(out[0, 1], 3, axis=-1), np.asarray(big, dtype))
     np.testing.assert_array_equal(out[0, 0], np.asarray(big, dtype))
+
+
+@pytest.mark.parametrize("d,dv", [(32, 32), (64, 128), (128, 64), (128, 128), (160, 96)])
+@pytest.mark.parametrize("h,hkv,tq", [(8, 2, 1), (32, 8, 1), (12, 2, 3), (5, 5, 2)])
+def test_bf16_decode_shapes_of_the_dot_product_kernel(tier, rng, d, dv, h, hkv, tq):
+    """bfloat16 q over a bfloat16 cache in the decode path: D and Dv multiples of 32 (the
+    shapes the vdpbf16ps kernel of the avx512bf16 tier takes), row groups of 1 to 18 rows
+    (row blocks of 4, 2 and 1), odd key counts (the last key pair half empty), and a cache
+    longer than one decode chunk and key block."""
+    for tk in (1, 33, 1031) + ((5001,) if d == 128 else ()):
+        q, k, v = rand(rng, (1, h, tq, d), BF16), rand(rng, (1, hkv, tk, d), BF16), rand(rng, (1, hkv, tk, dv), BF16)
+        out, lse = af.attention(q, k, v, causal=True, return_lse=True)
+        assert out.dtype == BF16
+        assert_flash_rule(out, q, k, v, causal=True)
+        _, ref_lse, _ = reference_attention(q, k, v, causal=True)
+        np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-4)
+
+
+def test_bf16_decode_nan_and_rows_without_keys(tier, rng):
+    """The vdpbf16ps decode keeps the NaN rule and gives zeros / -inf to rows that see no
+    key (a window past the cache end), like every other path."""
+    q, k, v = rand(rng, (1, 8, 1, 64), BF16), rand(rng, (1, 2, 300, 64), BF16), rand(rng, (1, 2, 300, 64), BF16)
+    k[0, 1, 7, 3] = np.nan
+    out, lse = af.attention(q, k, v, return_lse=True)
+    assert np.isnan(out[0, 4:].astype(np.float32)).all() and np.isnan(lse[0, 4:]).all()
+    assert np.isfinite(out[0, :4].astype(np.float32)).all()
+    out, lse = af.attention(q, k, v, window=(0, 0), query_offset=400, return_lse=True)
+    assert (out.astype(np.float32) == 0).all() and (lse == -np.inf).all()

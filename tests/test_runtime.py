@@ -68,6 +68,19 @@ def test_show_config(capsys):
     assert info["isa"] in info["isa_available"] and info["isa"] in text
     assert "OpenMP" in text
     assert info["num_threads"] == af.get_num_threads()
+    assert f"16-bit / int8: {info['lowp_instructions']}" in text
+
+
+@pytest.mark.parametrize("tier", af.show_config.__globals__["_ext"].runtime_info()["isa_available"])
+def test_show_config_names_the_16bit_instructions_of_each_tier(tier):
+    """show_config says what the 16-bit paths of the forced tier run on: vdpbf16ps only on the
+    tier that uses it, F16C's conversion on the other x86 SIMD tiers."""
+    code = "import attnfast; print(attnfast.show_config()['lowp_instructions'])"
+    res = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ATTNFAST_ISA": tier},
+                         capture_output=True, text=True, check=True)
+    words = res.stdout.strip().splitlines()[-1]
+    assert ("vdpbf16ps" in words) == (tier == "avx512bf16")
+    assert ("vcvtph2ps" in words) == (tier in ("avx2", "avx512", "avx512bf16"))
 
 
 @pytest.mark.parametrize("threads", [1, 2])

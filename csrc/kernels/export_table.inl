@@ -2,7 +2,8 @@
 // Included last by kernels/isa_*.cpp, after the kernel .inl files. A tier with its own float32
 // prefill kernel names it (and its plan) in ATTNFAST_PREFILL_F32 / ATTNFAST_PREFILL_PLAN_F32;
 // otherwise the shared template is used. Likewise a float32 decode chunk kernel in
-// ATTNFAST_DECODE_CHUNK_F32. ATTNFAST_F32_SINKS: its float32 kernels take sinks.
+// ATTNFAST_DECODE_CHUNK_F32, and one for every other float32-accumulated dtype combination in
+// ATTNFAST_DECODE_CHUNK_ANY. ATTNFAST_F32_SINKS: its float32 kernels take sinks.
 // ATTNFAST_PREFILL_F32_ANY: its float32 prefill kernel takes every dtype and score option.
 #ifndef ATTNFAST_KERNEL_NS
 #error "define ATTNFAST_KERNEL_NS and include the kernel .inl files before export_table.inl"
@@ -14,11 +15,17 @@
 #ifndef ATTNFAST_DECODE_CHUNK_F32
 #define ATTNFAST_DECODE_CHUNK_F32 decode_chunk_f32
 #endif
+#ifndef ATTNFAST_DECODE_CHUNK_ANY
+#define ATTNFAST_DECODE_CHUNK_ANY decode_chunk_any
+#endif
 
 namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {
 namespace {
 
+#ifndef ATTNFAST_LOWP_INSTRUCTIONS
+#define ATTNFAST_LOWP_INSTRUCTIONS "16-bit and int8 values widened to float32 in plain C++"
+#endif
 #ifndef ATTNFAST_F32_SINKS
 #define ATTNFAST_F32_SINKS false
 #endif
@@ -28,13 +35,14 @@ namespace {
 
 const KernelTable kTable = {
     ATTNFAST_KERNEL_NAME,
+    ATTNFAST_LOWP_INSTRUCTIONS,
     ATTNFAST_F32_SINKS,
     ATTNFAST_PREFILL_F32_ANY,
     ATTNFAST_PREFILL_F32, attend_block_f64,
     ATTNFAST_PREFILL_PLAN_F32,
     ATTNFAST_DECODE_CHUNK_F32, decode_chunk_f64,
     decode_merge_f32, decode_merge_f64,
-    attend_block_any, decode_chunk_any, decode_merge_any,
+    attend_block_any, ATTNFAST_DECODE_CHUNK_ANY, decode_merge_any,
 };
 
 }  // namespace

@@ -11,8 +11,11 @@
 #define ATTNFAST_PREFILL_F32 simd::attend_block
 #define ATTNFAST_PREFILL_PLAN_F32 simd::plan
 #define ATTNFAST_DECODE_CHUNK_F32 simd_decode::decode_chunk_f32
+#define ATTNFAST_DECODE_CHUNK_ANY simd_decode::decode_chunk_converting  // 16-bit and int8 K/V
 #define ATTNFAST_F32_SINKS true  // simd_prefill.inl finish_sub_block; decode merges in the template
 #define ATTNFAST_PREFILL_F32_ANY true  // simd_prefill.inl: 16-bit / int8 and every score option
+#define ATTNFAST_LOWP_INSTRUCTIONS \
+    "bfloat16, float16 (F16C vcvtph2ps) and int8 (vpmovsxbd) widened to float32 as vectors load; float32 FMA"
 #include "export_table.inl"
 
 const attnfast::KernelTable* attnfast::kernel_table_avx2() { return &isa_avx2::kTable; }

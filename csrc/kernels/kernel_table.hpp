@@ -121,7 +121,9 @@ constexpr int64_t kDecodeScoreStride = kDecodeKeyBlock + 16;
 // Scratch one thread needs for one DecodeTask (and for a merge), in accumulator elements.
 static inline int64_t decode_workspace_elems(const AttentionParams& p) {
     const int64_t merge = p.head_dim_v;
-    const int64_t task = kDecodeGroupRows * (decode_query_stride(p) + kDecodeScoreStride);
+    // + one key block's K and V row scales (int8 caches, hand-written SIMD decode)
+    const int64_t task = kDecodeGroupRows * (decode_query_stride(p) + kDecodeScoreStride) +
+                         2 * kDecodeKeyBlock;
     return task > merge ? task : merge;
 }
 
@@ -136,6 +138,8 @@ struct PrefillPlan {
 
 struct KernelTable {
     const char* name;
+    // What the 16-bit and int8 paths of this tier run on, for show_config().
+    const char* lowp_instructions;
     // Whether attend_block_f32 and decode_chunk_f32 take sinks (the other score options
     // always go to the templates).
     bool f32_sinks;
@@ -180,6 +184,7 @@ struct KernelTable {
 const KernelTable* kernel_table_generic();
 const KernelTable* kernel_table_avx2();
 const KernelTable* kernel_table_avx512();
+const KernelTable* kernel_table_avx512bf16();
 const KernelTable* kernel_table_neon();
 
 // The table in use (chosen once; see dispatch.cpp).

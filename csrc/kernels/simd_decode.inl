@@ -1,8 +1,15 @@
-// Hand-written float32 decode kernel for the x86 SIMD tiers (AVX-512: W = 16 lanes; AVX2+FMA:
-// W = 8). Included by kernels/isa_avx512.cpp and isa_avx2.cpp after decode_attention.inl and
-// simd_prefill.inl (whose exp2_neg it uses), inside their ATTNFAST_KERNEL_NS. Shapes it does
-// not cover (D or Dv not a multiple of W) and the generic tier keep the shared template
-// decode_chunk<float, float>.
+// Hand-written decode kernel for the x86 SIMD tiers (AVX-512: W = 16 lanes; AVX2+FMA: W = 8),
+// float32 arithmetic over K/V stored as float32, bfloat16, float16 or int8 (one float32
+// scale per row), q as float32 or 16 bits. Included by kernels/isa_avx512.cpp and
+// isa_avx2.cpp after decode_attention.inl and simd_prefill.inl (whose exp2_neg it uses),
+// inside their ATTNFAST_KERNEL_NS. Shapes it does not cover (D or Dv not a multiple of W),
+// the score options softcap / ALiBi / mask, and the generic tier keep the shared template
+// decode_chunk<TQ, TKV, float>.
+//
+// 16-bit and int8 K/V are widened to float32 in registers as each vector is loaded (F16C's
+// vcvtph2ps, a 16-bit shift for bfloat16, vpmovsxbd + vcvtdq2ps for int8), never copied into
+// a float32 array; int8 row scales multiply the scores (K) and the probabilities (V) of a
+// block, as in the template.
 //
 // Same task and result contract as decode_chunk (one chunk of keys of one (batch, kv head),
 // all its query rows): one pass over a block's K rows writes its scores, a vectorised online
@@ -146,6 +153,32 @@ inline V keep_range(V x, int64_t c0, int64_t b, int64_t e) {
 }
 #endif
 
+// W stored K/V elements from p, widened to float32 (exact for every storage type).
+inline V vld_kv(const float* p) { return vld(p); }
+#if defined(__AVX512F__)
+inline V vld_kv(const bf16_t* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline V vld_kv(const f16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline V vld_kv(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#else
+inline V vld_kv(const bf16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline V vld_kv(const f16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline V vld_kv(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
 // s[r * ss + j] = q[r] . k[j] for RB query rows (q rows qs apart, D a multiple of W) and
 // the first `keys` (<= W / RB) of W / RB keys (key rows ks apart). Missing keys repeat the
 // last one and are not stored. With ND = D / W > 0 the loops are unrolled for that D and
@@ -153,12 +186,12 @@ inline V keep_range(V x, int64_t c0, int64_t b, int64_t e) {
 // walked side by side measured up to 40% slower, though faster from cache); ND = 0 takes any
 // D. When vpf is set, each key's V row (vpf + j * vsb, vrow_bytes long) is prefetched
 // before its K row is read (see decode_chunk: the V stream then flows alongside K).
-template <int RB, int ND>
-inline void score_keys(const float* __restrict q, int64_t qs, const float* __restrict k,
+template <int RB, int ND, class T>
+inline void score_keys(const float* __restrict q, int64_t qs, const T* __restrict k,
                        int64_t ks, int64_t keys, int64_t D, float* __restrict s, int64_t ss,
                        const char* vpf, int64_t vsb, int64_t vrow_bytes) {
     constexpr int KB = W / RB;
-    const float* kp[KB];
+    const T* kp[KB];
     for (int j = 0; j < KB; ++j) kp[j] = k + (j < keys ? j : keys - 1) * ks;
     V acc[W];
     for (int n = 0; n < W; ++n) acc[n] = vzero();
@@ -168,13 +201,13 @@ inline void score_keys(const float* __restrict q, int64_t qs, const float* __res
             for (int64_t off = 0; off < vrow_bytes; off += 64) __builtin_prefetch(vpf + j * vsb + off, 0, 2);
         if (ND > 0) {
             for (int c = 0; c < ND; ++c) {
-                const V kv = vld(kp[j] + c * W);
+                const V kv = vld_kv(kp[j] + c * W);
                 for (int r = 0; r < RB; ++r)
                     acc[r * KB + j] = vfma(kv, vld(q + r * qs + c * W), acc[r * KB + j]);
             }
         } else {
             for (int64_t d = 0; d < D; d += W) {
-                const V kv = vld(kp[j] + d);
+                const V kv = vld_kv(kp[j] + d);
                 for (int r = 0; r < RB; ++r)
                     acc[r * KB + j] = vfma(kv, vld(q + r * qs + d), acc[r * KB + j]);
             }
@@ -194,16 +227,16 @@ inline void score_keys(const float* __restrict q, int64_t qs, const float* __res
 
 // acc[r][c] += sum_{j0 <= j < j1} p[r][j] * v[j][c] for RB rows and NV vectors of columns;
 // accumulators in registers.
-template <int RB, int NV>
+template <int RB, int NV, class T>
 inline void pv_tile(float* __restrict acc, int64_t acc_stride, const float* __restrict p,
-                    int64_t ps, const float* __restrict v, int64_t vs, int64_t j0, int64_t j1) {
+                    int64_t ps, const T* __restrict v, int64_t vs, int64_t j0, int64_t j1) {
     V a[RB][NV];
     for (int r = 0; r < RB; ++r)
         for (int c = 0; c < NV; ++c) a[r][c] = vld(acc + r * acc_stride + c * W);
     for (int64_t j = j0; j < j1; ++j) {
-        const float* vrow = v + j * vs;
+        const T* vrow = v + j * vs;
         V vv[NV];
-        for (int c = 0; c < NV; ++c) vv[c] = vld(vrow + c * W);
+        for (int c = 0; c < NV; ++c) vv[c] = vld_kv(vrow + c * W);
         for (int r = 0; r < RB; ++r) {
             const V pr = vset(p[r * ps + j]);
             for (int c = 0; c < NV; ++c) a[r][c] = vfma(pr, vv[c], a[r][c]);
@@ -215,8 +248,8 @@ inline void pv_tile(float* __restrict acc, int64_t acc_stride, const float* __re
 
 // All Dv columns (a multiple of W) for RB rows: RB x NV accumulators a tile (16 with 32
 // zmm registers; 8-12 of the 16 ymm registers), then single vectors.
-template <int RB>
-inline void pv_rows(float* acc, int64_t Dv, const float* p, int64_t ps, const float* v,
+template <int RB, class T>
+inline void pv_rows(float* acc, int64_t Dv, const float* p, int64_t ps, const T* v,
                     int64_t vs, int64_t j0, int64_t j1) {
 #if defined(__AVX512F__)
     constexpr int NV = 16 / RB > 8 ? 8 : 16 / RB;
@@ -226,8 +259,8 @@ inline void pv_rows(float* acc, int64_t Dv, const float* p, int64_t ps, const fl
     constexpr int NV = RB == 4 ? 3 : (RB == 2 ? 4 : 8);
 #endif
     int64_t e = 0;
-    for (; e + NV * W <= Dv; e += NV * W) pv_tile<RB, NV>(acc + e, Dv, p, ps, v + e, vs, j0, j1);
-    for (; e < Dv; e += W) pv_tile<RB, 1>(acc + e, Dv, p, ps, v + e, vs, j0, j1);
+    for (; e + NV * W <= Dv; e += NV * W) pv_tile<RB, NV, T>(acc + e, Dv, p, ps, v + e, vs, j0, j1);
+    for (; e < Dv; e += W) pv_tile<RB, 1, T>(acc + e, Dv, p, ps, v + e, vs, j0, j1);
 }
 
 // Largest of x[b .. e), or NaN when any of them is NaN (max_ps alone may drop a NaN).
@@ -283,27 +316,76 @@ inline float exp_shift_zero(float* x, int64_t n, int64_t b, int64_t e, float m) 
     return hsum(sum);
 }
 
-template <int RB, int ND>
+template <int RB, int ND, class T>
 struct ScoreBlock {  // scores of RB rows against up to W keys, in groups of W / RB keys
-    static void run(const float* qs, int64_t qstride, const float* k, int64_t ks, int64_t keys,
+    static void run(const float* qs, int64_t qstride, const T* k, int64_t ks, int64_t keys,
                     int64_t D, float* s, int64_t ss, const char* vpf, int64_t vsb,
                     int64_t vrow_bytes) {
         constexpr int KB = W / RB;
         for (int64_t j = 0; j < keys; j += KB)
-            score_keys<RB, ND>(qs, qstride, k + j * ks, ks, keys - j < KB ? keys - j : KB, D,
+            score_keys<RB, ND, T>(qs, qstride, k + j * ks, ks, keys - j < KB ? keys - j : KB, D,
                                s + j, ss, vpf ? vpf + j * vsb : nullptr, vsb, vrow_bytes);
     }
 };
 
-// Whether this kernel covers the shape (otherwise the shared template runs).
-inline bool covers(const AttentionParams& p) {
-    return p.head_dim % W == 0 && p.head_dim_v % W == 0;
-}
-
+// How chunk() does its arithmetic, as a policy: staging a query row, scoring W keys for
+// every row, the probabilities of a block being ready, adding V rows, finishing the chunk.
+// This one widens every K/V vector to float32 and runs float32 FMAs (any storage type T,
+// q of type TQ); bf16_decode.inl has a vdpbf16ps one for bfloat16 q and K/V.
 // ND: D / W when the score loops are unrolled for it (0: any multiple of W).
-template <int ND>
+template <int ND, class TQ, class T>
+struct WidenPath {
+    using Q = TQ;
+    using KV = T;
+    // Workspace floats per staged query row (D rounded up to whole vectors).
+    static int64_t query_stride(const AttentionParams& p) { return decode_query_stride(p); }
+    static void stage_query(float* qs, const TQ* qrow, int64_t D, float scale) {
+        for (int64_t d = 0; d < D; ++d) qs[d] = widen(qrow[d]) * scale;
+    }
+    // Scores of keys [j, j + nk) (nk <= W) for the n staged rows; the first row block also
+    // starts those keys' V rows towards the cache (vj: the first one's bytes). The staged
+    // rows already carry the scale.
+    static void scores(int64_t n, const float* qs, int64_t qstride, const T* kj, int64_t ks,
+                       int64_t nk, int64_t D, float* sj, int64_t ss, const char* vj,
+                       int64_t vsb, int64_t v_row_bytes, float /*scale*/) {
+        int64_t rb = 0;
+        for (; rb + 4 <= n; rb += 4)
+            ScoreBlock<4, ND, T>::run(qs + rb * qstride, qstride, kj, ks, nk, D, sj + rb * ss, ss,
+                                      rb == 0 ? vj : nullptr, vsb, v_row_bytes);
+        if (n - rb >= 2) {
+            ScoreBlock<2, ND, T>::run(qs + rb * qstride, qstride, kj, ks, nk, D, sj + rb * ss, ss,
+                                      rb == 0 ? vj : nullptr, vsb, v_row_bytes);
+            rb += 2;
+        }
+        if (n - rb == 1)
+            ScoreBlock<1, ND, T>::run(qs + rb * qstride, qstride, kj, ks, nk, D, sj + rb * ss, ss,
+                                      rb == 0 ? vj : nullptr, vsb, v_row_bytes);
+    }
+    // A row's probabilities of one block (keys_in_block of them) are final in srow.
+    static void weights_ready(float*, int64_t) {}
+    // acc rows += p rows times V rows v0 .. v1 (s: the block's score rows, ss apart, whose
+    // column c is key j0 + c).
+    static void values(int64_t n, float* acc, int64_t Dv, const float* s_block, int64_t ss,
+                       int64_t j0, const T* v, int64_t vs, int64_t v0, int64_t v1) {
+        const float* s = s_block - j0;  // column j: key j
+        int64_t rb = 0;
+        for (; rb + 4 <= n; rb += 4) pv_rows<4>(acc + rb * Dv, Dv, s + rb * ss, ss, v, vs, v0, v1);
+        if (n - rb >= 2) {
+            pv_rows<2>(acc + rb * Dv, Dv, s + rb * ss, ss, v, vs, v0, v1);
+            rb += 2;
+        }
+        if (n - rb == 1) pv_rows<1>(acc + rb * Dv, Dv, s + rb * ss, ss, v, vs, v0, v1);
+    }
+    // The chunk's accumulator rows are final (in whatever layout values() kept them).
+    static void finish(float*, int64_t, int64_t) {}
+};
+
+// One chunk of keys for all rows of a (batch, kv head), with the arithmetic of Path.
+template <class Path>
 void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, float* acc,
            float* m, float* l) {
+    using TQ = typename Path::Q;
+    using T = typename Path::KV;
     const int64_t D = p.head_dim, Dv = p.head_dim_v, tq = p.seqlen_q;
     const int64_t group = p.heads / p.kv_heads;
     const int64_t rows = group * tq;
@@ -311,18 +393,27 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
     const int64_t ss = kDecodeScoreStride;
     static_assert(kDecodeScoreStride >= kDecodeKeyBlock + W, "score rows hold a block plus one vector");
 
-    const int64_t qstride = decode_query_stride(p);  // == D here
+    const int64_t qstride = Path::query_stride(p);
     float* qs = workspace;
     float* s = qs + kDecodeGroupRows * qstride;
+    // int8 cache: one block's K and V row scales, contiguous (see decode_workspace_elems)
+    float* k_scale_block = s + kDecodeGroupRows * ss;
+    float* v_scale_block = k_scale_block + kDecodeKeyBlock;
     int64_t lo[kDecodeGroupRows], hi[kDecodeGroupRows];
 
-    const float* q = static_cast<const float*>(p.q) + task.batch * p.q_batch_stride;
-    const float* k = static_cast<const float*>(p.k) + task.batch * p.k_batch_stride +
-                     task.kv_head * p.k_head_stride + task.key_begin * p.k_row_stride;
-    const float* v = static_cast<const float*>(p.v) + task.batch * p.v_batch_stride +
-                     task.kv_head * p.v_head_stride + task.key_begin * p.v_row_stride;
+    const TQ* q = static_cast<const TQ*>(p.q) + task.batch * p.q_batch_stride;
+    const T* k = static_cast<const T*>(p.k) + task.batch * p.k_batch_stride +
+                 task.kv_head * p.k_head_stride + task.key_begin * p.k_row_stride;
+    const T* v = static_cast<const T*>(p.v) + task.batch * p.v_batch_stride +
+                 task.kv_head * p.v_head_stride + task.key_begin * p.v_row_stride;
+    RowScales k_scale = row_scales(p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride,
+                                   p.k_scale_row_stride, task.batch, task.kv_head);
+    RowScales v_scale = row_scales(p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride,
+                                   p.v_scale_row_stride, task.batch, task.kv_head);
+    if (k_scale.scale) k_scale.scale += task.key_begin * k_scale.row_stride;
+    if (v_scale.scale) v_scale.scale += task.key_begin * v_scale.row_stride;
     const float scale = static_cast<float>(p.scale);
-    const int64_t v_row_bytes = Dv * static_cast<int64_t>(sizeof(float));
+    const int64_t v_row_bytes = Dv * static_cast<int64_t>(sizeof(T));
 
     for (int64_t r0 = 0; r0 < rows; r0 += kDecodeGroupRows) {
         const int64_t n = rows - r0 < kDecodeGroupRows ? rows - r0 : kDecodeGroupRows;
@@ -330,8 +421,8 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
         for (int64_t rr = 0; rr < n; ++rr) {
             const int64_t r = r0 + rr;
             const int64_t head = task.kv_head * group + r / tq, pos = r % tq;
-            const float* qrow = q + head * p.q_head_stride + pos * p.q_row_stride;
-            for (int64_t d = 0; d < D; ++d) qs[rr * qstride + d] = qrow[d] * scale;
+            const TQ* qrow = q + head * p.q_head_stride + pos * p.q_row_stride;
+            Path::stage_query(qs + rr * qstride, qrow, D, scale);
             const KeyRange vis = visible_keys(p, pos, task.seqlen_k);
             const int64_t b = vis.begin > task.key_begin ? vis.begin : task.key_begin;
             const int64_t e = vis.end < task.key_end ? vis.end : task.key_end;
@@ -351,35 +442,32 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
             const int64_t j1 = j0 + kDecodeKeyBlock < used_hi ? j0 + kDecodeKeyBlock : used_hi;
             // Scores, W keys at a time for every row block; the first row block also
             // starts those keys' V rows towards the cache (see decode_chunk).
-            const int64_t vsb = p.v_row_stride * static_cast<int64_t>(sizeof(float));
+            const int64_t vsb = p.v_row_stride * static_cast<int64_t>(sizeof(T));
             for (int64_t j = j0; j < j1; j += W) {
                 const int64_t nk = j1 - j < W ? j1 - j : W;
-                const float* kj = k + j * p.k_row_stride;
+                const T* kj = k + j * p.k_row_stride;
                 const char* vj = reinterpret_cast<const char*>(v + j * p.v_row_stride);
-                float* sj = s + (j - j0);
-                int64_t rb = 0;
-                for (; rb + 4 <= n; rb += 4)
-                    ScoreBlock<4, ND>::run(qs + rb * qstride, qstride, kj, p.k_row_stride, nk, D,
-                                           sj + rb * ss, ss, rb == 0 ? vj : nullptr, vsb, v_row_bytes);
-                if (n - rb >= 2) {
-                    ScoreBlock<2, ND>::run(qs + rb * qstride, qstride, kj, p.k_row_stride, nk, D,
-                                           sj + rb * ss, ss, rb == 0 ? vj : nullptr, vsb, v_row_bytes);
-                    rb += 2;
-                }
-                if (n - rb == 1)
-                    ScoreBlock<1, ND>::run(qs + rb * qstride, qstride, kj, p.k_row_stride, nk, D,
-                                           sj + rb * ss, ss, rb == 0 ? vj : nullptr, vsb, v_row_bytes);
+                Path::scores(n, qs, qstride, kj, p.k_row_stride, nk, D, s + (j - j0), ss, vj, vsb,
+                             v_row_bytes, scale);
             }
+            if (k_scale.scale)  // one block's scales, gathered once for all rows
+                for (int64_t c = 0; c < j1 - j0; ++c) {
+                    k_scale_block[c] = k_scale.at(j0 + c);
+                    v_scale_block[c] = v_scale.at(j0 + c);
+                }
 
             for (int64_t rr = 0; rr < n; ++rr) {
                 const int64_t r = r0 + rr;
                 float* srow = s + rr * ss;  // column c is key j0 + c
                 const int64_t b = (lo[rr] > j0 ? lo[rr] : j0) - j0;
                 const int64_t e = (hi[rr] < j1 ? hi[rr] : j1) - j0;
+                if (k_scale.scale)  // int8 K: the score of key j is k_scale[j] * (q . k_int8[j])
+                    for (int64_t c = b; c < e; ++c) srow[c] *= k_scale_block[c];
                 nonfinite_to_nan(srow + b, e - b);  // -inf from an infinite input: NaN
                 const float block_max = b < e ? range_max(srow, b, e) : -__builtin_inff();
                 if (block_max == -__builtin_inff()) {  // sees nothing in this block: weight 0
                     for (int64_t c = 0; c < j1 - j0; ++c) srow[c] = 0;
+                    Path::weights_ready(srow, j1 - j0);
                     continue;
                 }
                 const float m_new = m[r] > block_max ? m[r] : block_max;
@@ -392,30 +480,60 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
                 }
                 m[r] = m_new;
                 l[r] += exp_shift_zero(srow, j1 - j0, b, e, m_new);
+                if (v_scale.scale)  // int8 V: the weight of v_int8[j] is p[j] * v_scale[j]
+                    for (int64_t c = b; c < e; ++c) srow[c] *= v_scale_block[c];
+                Path::weights_ready(srow, j1 - j0);
             }
 
             for (int64_t v0 = j0; v0 < j1; v0 += kValueSubKeys) {
                 const int64_t v1 = v0 + kValueSubKeys < j1 ? v0 + kValueSubKeys : j1;
-                int64_t rb = 0;
-                for (; rb + 4 <= n; rb += 4)
-                    pv_rows<4>(acc + (r0 + rb) * Dv, Dv, s + rb * ss - j0, ss, v, p.v_row_stride, v0, v1);
-                if (n - rb >= 2) {
-                    pv_rows<2>(acc + (r0 + rb) * Dv, Dv, s + rb * ss - j0, ss, v, p.v_row_stride, v0, v1);
-                    rb += 2;
-                }
-                if (n - rb == 1)
-                    pv_rows<1>(acc + (r0 + rb) * Dv, Dv, s + rb * ss - j0, ss, v, p.v_row_stride, v0, v1);
+                Path::values(n, acc + r0 * Dv, Dv, s, ss, j0, v, p.v_row_stride, v0, v1);
             }
         }
     }
+    Path::finish(acc, rows, Dv);
+}
+
+// Whether this kernel takes the call (else the shared template): every vector of D and Dv
+// whole, and no score option but sinks (which only the merge sees).
+inline bool covers(const AttentionParams& p) {
+    return p.head_dim % W == 0 && p.head_dim_v % W == 0 && p.softcap == 0.0 &&
+           !p.alibi_slopes && !p.mask;
+}
+
+template <class TQ, class T>
+void chunk_for(const AttentionParams& p, const DecodeTask& task, float* workspace, float* acc,
+               float* m, float* l) {
+    if (p.head_dim == 128) chunk<WidenPath<128 / W, TQ, T>>(p, task, workspace, acc, m, l);
+    else if (p.head_dim == 64) chunk<WidenPath<64 / W, TQ, T>>(p, task, workspace, acc, m, l);
+    else chunk<WidenPath<0, TQ, T>>(p, task, workspace, acc, m, l);
 }
 
 void decode_chunk_f32(const AttentionParams& p, const DecodeTask& task, float* workspace,
                       float* acc, float* m, float* l) {
     if (!covers(p)) decode_chunk<float, float>(p, task, workspace, acc, m, l);
-    else if (p.head_dim == 128) chunk<128 / W>(p, task, workspace, acc, m, l);
-    else if (p.head_dim == 64) chunk<64 / W>(p, task, workspace, acc, m, l);
-    else chunk<0>(p, task, workspace, acc, m, l);
+    else chunk_for<float, float>(p, task, workspace, acc, m, l);
+}
+
+// Every float32-accumulated dtype combination (KernelTable::decode_chunk_any): this kernel
+// where it covers the call, else the converting template.
+void decode_chunk_converting(const AttentionParams& p, const DecodeTask& task, float* ws,
+                             float* acc, float* m, float* l) {
+    if (!covers(p)) return decode_chunk_any(p, task, ws, acc, m, l);
+    const DType q = p.dtype, kv = p.kv_dtype;
+    if (kv == DType::kBF16) {
+        if (q == DType::kBF16) chunk_for<bf16_t, bf16_t>(p, task, ws, acc, m, l);
+        else chunk_for<float, bf16_t>(p, task, ws, acc, m, l);
+    } else if (kv == DType::kF16) {
+        if (q == DType::kF16) chunk_for<f16_t, f16_t>(p, task, ws, acc, m, l);
+        else chunk_for<float, f16_t>(p, task, ws, acc, m, l);
+    } else if (kv == DType::kF32) {
+        chunk_for<float, float>(p, task, ws, acc, m, l);
+    } else {  // kI8
+        if (q == DType::kBF16) chunk_for<bf16_t, int8_t>(p, task, ws, acc, m, l);
+        else if (q == DType::kF16) chunk_for<f16_t, int8_t>(p, task, ws, acc, m, l);
+        else chunk_for<float, int8_t>(p, task, ws, acc, m, l);
+    }
 }
 
 }  // namespace simd_decode

@@ -74,6 +74,7 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
     const char* isa_compiled() noexcept nogil
     cbool isa_force(const char* name) noexcept nogil
     const char* isa_error() noexcept nogil
+    const char* isa_lowp_instructions() noexcept nogil
 
 
 cdef extern from "<signal.h>":
@@ -264,6 +265,7 @@ def runtime_info():
         "isa_available": [s for s in isa_available().decode().split(",") if s],
         "isa_compiled": [s for s in isa_compiled().decode().split(",") if s],
         "isa_error": isa_error().decode(),
+        "lowp_instructions": isa_lowp_instructions().decode(),
     }
 
 

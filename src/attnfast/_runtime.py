@@ -99,7 +99,8 @@ def config() -> dict:
 
 
 def show_config() -> dict:
-    """Print (and return) the version, kernel tier chosen, threads and OpenMP runtime."""
+    """Print (and return) the version, kernel tier chosen, threads, OpenMP runtime, and the
+    instructions the 16-bit and int8 paths of that tier use."""
     info = config()
     lines = [
         f"attnfast {info['version']}",
@@ -108,6 +109,7 @@ def show_config() -> dict:
         f"  threads: {info['num_threads']} (at most {info['processors']}: the processors "
         "this process may run on)",
         f"  OpenMP: {info['openmp_runtime']}",
+        f"  16-bit / int8: {info['lowp_instructions']}",
     ]
     if info["threads_note"]:
         lines.append(f"  note: {info['threads_note']}")

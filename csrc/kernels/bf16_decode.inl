@@ -1,0 +1,190 @@
+// bfloat16 decode with AVX512_BF16's vdpbf16ps, for bfloat16 q over a bfloat16 cache (a
+// model run in bfloat16). Included by kernels/isa_avx512bf16.cpp after simd_decode.inl, whose
+// chunk() it drives with its own arithmetic policy (Bf16Path); every other call goes to the
+// widening kernel of this tier.
+//
+// Why: widening costs two instructions per 16 K or V values on top of the float32 FMAs,
+// and with 4 query rows per KV head (32/8 heads) a 16-bit cache read at memory speed needs
+// more FMAs per second than one core issues. vdpbf16ps takes bfloat16 pairs as they are
+// stored and does 32 multiply-adds per instruction, accumulating in float32:
+//   * q . k: q is used as given (bfloat16, exact: the scale multiplies the float32 score
+//     afterwards), so the scores carry no rounding beyond float32 accumulation.
+//   * p . v: the probabilities are rounded to bfloat16 (relative error <= 2^-9 per weight;
+//     the row sum l stays the float32 sum of the unrounded ones, as in FlashAttention), in
+//     place over their float32 row. V rows j and j+1 are interleaved in registers
+//     (vpunpck{l,h}wd) so each 32-bit lane holds (v[j][c], v[j+1][c]) for one column c;
+//     the accumulators then hold columns in a fixed permuted order within each group of 32,
+//     undone once when the chunk finishes.
+#if !defined(__AVX512BF16__)
+#error "bf16_decode.inl needs AVX512_BF16"
+#endif
+
+namespace attnfast {
+namespace ATTNFAST_KERNEL_NS {
+namespace {
+namespace bf16_decode {
+
+using simd_decode::W;  // 16 float32 lanes
+
+inline __m512bh load_pairs(const void* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+// s[r * ss + j] = scale * q[r] . k[j] for RB rows (bfloat16 rows qs elements apart) and the
+// first `keys` of W / RB keys; as simd_decode::score_keys (same access order, V prefetch),
+// 32 elements of D per instruction. ND: D / 32 (0: any multiple of 32).
+template <int RB, int ND>
+inline void score_keys(const bf16_t* __restrict q, int64_t qs, const bf16_t* __restrict k,
+                       int64_t ks, int64_t keys, int64_t D, float scale, float* __restrict s,
+                       int64_t ss, const char* vpf, int64_t vsb, int64_t vrow_bytes) {
+    constexpr int KB = W / RB;
+    const bf16_t* kp[KB];
+    for (int j = 0; j < KB; ++j) kp[j] = k + (j < keys ? j : keys - 1) * ks;
+    __m512 acc[W];
+    for (int n = 0; n < W; ++n) acc[n] = _mm512_setzero_ps();
+    const int64_t nd = ND > 0 ? ND : D / 32;
+#pragma GCC unroll 16
+    for (int j = 0; j < KB; ++j) {
+        if (vpf && j < keys)
+            for (int64_t off = 0; off < vrow_bytes; off += 64) __builtin_prefetch(vpf + j * vsb + off, 0, 2);
+        for (int64_t c = 0; c < nd; ++c) {
+            const __m512bh kv = load_pairs(kp[j] + c * 32);
+            for (int r = 0; r < RB; ++r)
+                acc[r * KB + j] = _mm512_dpbf16_ps(acc[r * KB + j], load_pairs(q + r * qs + c * 32), kv);
+        }
+    }
+    const __m512 dots = _mm512_mul_ps(simd_decode::transpose_reduce(acc), _mm512_set1_ps(scale));
+    for (int r = 0; r < RB; ++r) simd_decode::store_lanes(s + r * ss - r * KB, dots, r * KB, keys);
+}
+
+// acc[r] += sum_{j0 <= j < j1} p[r][j] * v[j] over NG groups of 32 columns, accumulators in
+// registers. p rows are bfloat16, pw words (two keys) apart per row, word 0 = keys (j0,
+// j0 + 1) (j0 even relative to the row start); a missing key j1 (odd count) weighs 0 and
+// its V row is never read. acc layout per group: 16 lanes of columns {0-3, 8-11, 16-19,
+// 24-27}, then 16 of {4-7, 12-15, 20-23, 28-31} (vpunpck{l,h}wd's order).
+template <int RB, int NG>
+inline void pv_tile(float* __restrict acc, int64_t acc_stride, const uint32_t* __restrict pw,
+                    int64_t pws, const bf16_t* __restrict v, int64_t vs, int64_t j0, int64_t j1) {
+    __m512 a[RB][2 * NG];
+    for (int r = 0; r < RB; ++r)
+        for (int c = 0; c < 2 * NG; ++c) a[r][c] = _mm512_loadu_ps(acc + r * acc_stride + c * W);
+    for (int64_t j = j0; j < j1; j += 2) {
+        const bf16_t* v0 = v + j * vs;
+        const bool pair = j + 1 < j1;
+        __m512bh lo[NG], hi[NG];
+        for (int g = 0; g < NG; ++g) {
+            const __m512i x = _mm512_loadu_si512(v0 + g * 32);
+            const __m512i y = pair ? _mm512_loadu_si512(v0 + vs + g * 32) : _mm512_setzero_si512();
+            lo[g] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+            hi[g] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+        }
+        for (int r = 0; r < RB; ++r) {
+            const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[r * pws + (j - j0) / 2]));
+            for (int g = 0; g < NG; ++g) {
+                a[r][2 * g] = _mm512_dpbf16_ps(a[r][2 * g], lo[g], pr);
+                a[r][2 * g + 1] = _mm512_dpbf16_ps(a[r][2 * g + 1], hi[g], pr);
+            }
+        }
+    }
+    for (int r = 0; r < RB; ++r)
+        for (int c = 0; c < 2 * NG; ++c) _mm512_storeu_ps(acc + r * acc_stride + c * W, a[r][c]);
+}
+
+// All Dv columns (a multiple of 32) for RB rows: 16 accumulators a tile, then single groups.
+template <int RB>
+inline void pv_rows(float* acc, int64_t Dv, const uint32_t* pw, int64_t pws, const bf16_t* v,
+                    int64_t vs, int64_t j0, int64_t j1) {
+    constexpr int NG = RB == 4 ? 2 : 4;
+    int64_t e = 0;
+    for (; e + NG * 32 <= Dv; e += NG * 32) pv_tile<RB, NG>(acc + e, Dv, pw, pws, v + e, vs, j0, j1);
+    for (; e < Dv; e += 32) pv_tile<RB, 1>(acc + e, Dv, pw, pws, v + e, vs, j0, j1);
+}
+
+// simd_decode::chunk's arithmetic for bfloat16 q and K/V (see the top of this file).
+template <int ND>
+struct Bf16Path {
+    using Q = bf16_t;
+    using KV = bf16_t;
+    // A staged row is D bfloat16 values: D / 2 floats of workspace.
+    static int64_t query_stride(const AttentionParams& p) { return p.head_dim / 2; }
+    static void stage_query(float* qs, const bf16_t* qrow, int64_t D, float) {
+        bf16_t* row = reinterpret_cast<bf16_t*>(qs);
+        for (int64_t d = 0; d < D; ++d) row[d] = qrow[d];
+    }
+    // The scale, which stage_query left out, multiplies each float32 score.
+    static void scores(int64_t n, const float* qs, int64_t qstride, const bf16_t* kj,
+                       int64_t ks, int64_t nk, int64_t D, float* sj, int64_t ss, const char* vj,
+                       int64_t vsb, int64_t v_row_bytes, float scale) {
+        const bf16_t* q = reinterpret_cast<const bf16_t*>(qs);
+        const int64_t qe = 2 * qstride;  // bfloat16 elements between staged rows
+        int64_t rb = 0;
+        for (; rb + 4 <= n; rb += 4)
+            for (int64_t j = 0; j < nk; j += W / 4)
+                score_keys<4, ND>(q + rb * qe, qe, kj + j * ks, ks, nk - j < W / 4 ? nk - j : W / 4, D,
+                                  scale, sj + rb * ss + j, ss, rb == 0 && vj ? vj + j * vsb : nullptr,
+                                  vsb, v_row_bytes);
+        if (n - rb >= 2) {
+            for (int64_t j = 0; j < nk; j += W / 2)
+                score_keys<2, ND>(q + rb * qe, qe, kj + j * ks, ks, nk - j < W / 2 ? nk - j : W / 2, D,
+                                  scale, sj + rb * ss + j, ss, rb == 0 && vj ? vj + j * vsb : nullptr,
+                                  vsb, v_row_bytes);
+            rb += 2;
+        }
+        if (n - rb == 1)
+            score_keys<1, ND>(q + rb * qe, qe, kj, ks, nk, D, scale, sj + rb * ss, ss,
+                              rb == 0 ? vj : nullptr, vsb, v_row_bytes);
+    }
+    // Probabilities to bfloat16 in place (element c over the first half of the row), and a
+    // zero after an odd count so the last pair's second weight is 0.
+    static void weights_ready(float* srow, int64_t keys) {
+        bf16_t* out = reinterpret_cast<bf16_t*>(srow);
+        for (int64_t c = 0; c < keys; c += W) {  // reads floats c.., writes bytes 2c..: behind
+            const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(srow + c));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), (__m256i)h);
+        }
+        if (keys & 1) out[keys].bits = 0;
+    }
+    static void values(int64_t n, float* acc, int64_t Dv, const float* s_block, int64_t ss,
+                       int64_t j0, const bf16_t* v, int64_t vs, int64_t v0, int64_t v1) {
+        // row rr's weight words start at s_block + rr * ss; key pair (v0, v0 + 1) is word
+        // (v0 - j0) / 2 (v0 - j0 is a multiple of kValueSubKeys, so even)
+        const uint32_t* pw = reinterpret_cast<const uint32_t*>(s_block) + (v0 - j0) / 2;
+        int64_t rb = 0;
+        for (; rb + 4 <= n; rb += 4) pv_rows<4>(acc + rb * Dv, Dv, pw + rb * ss, ss, v, vs, v0, v1);
+        if (n - rb >= 2) {
+            pv_rows<2>(acc + rb * Dv, Dv, pw + rb * ss, ss, v, vs, v0, v1);
+            rb += 2;
+        }
+        if (n - rb == 1) pv_rows<1>(acc + rb * Dv, Dv, pw + rb * ss, ss, v, vs, v0, v1);
+    }
+    // Columns back in order: per group of 32, 128-bit pieces l0..l3 (low half) and h0..h3
+    // (high half) become l0 h0 l1 h1 | l2 h2 l3 h3.
+    static void finish(float* acc, int64_t rows, int64_t Dv) {
+        const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+        const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < Dv; c += 32) {
+                float* g = acc + r * Dv + c;
+                const __m512 lo = _mm512_loadu_ps(g), hi = _mm512_loadu_ps(g + W);
+                _mm512_storeu_ps(g, _mm512_permutex2var_ps(lo, first, hi));
+                _mm512_storeu_ps(g + W, _mm512_permutex2var_ps(lo, second, hi));
+            }
+    }
+};
+
+inline bool covers(const AttentionParams& p) {
+    return p.dtype == DType::kBF16 && p.kv_dtype == DType::kBF16 && p.head_dim % 32 == 0 &&
+           p.head_dim_v % 32 == 0 && p.softcap == 0.0 && !p.alibi_slopes && !p.mask;
+}
+
+// KernelTable::decode_chunk_any of this tier.
+void decode_chunk(const AttentionParams& p, const DecodeTask& task, float* ws, float* acc,
+                  float* m, float* l) {
+    if (!covers(p)) return simd_decode::decode_chunk_converting(p, task, ws, acc, m, l);
+    if (p.head_dim == 128) simd_decode::chunk<Bf16Path<4>>(p, task, ws, acc, m, l);
+    else if (p.head_dim == 64) simd_decode::chunk<Bf16Path<2>>(p, task, ws, acc, m, l);
+    else simd_decode::chunk<Bf16Path<0>>(p, task, ws, acc, m, l);
+}
+
+}  // namespace bf16_decode
+}  // namespace
+}  // namespace ATTNFAST_KERNEL_NS
+}  // namespace attnfast

@@ -1,0 +1,25 @@
+// Kernel tier "avx512bf16": the avx512 tier's kernels plus the bfloat16 ones that use
+// AVX512_BF16's vdpbf16ps (bf16_decode.inl), compiled with this file's flags (CMakeLists.txt:
+// the avx512 ones and -mavx512bf16). Chosen over "avx512" on CPUs that have the instruction
+// (AMD Zen 4, Intel Cooper Lake and Sapphire Rapids on); ATTNFAST_ISA=avx512 forces the tier
+// without it.
+#define ATTNFAST_KERNEL_NS isa_avx512bf16
+#define ATTNFAST_KERNEL_NAME "avx512bf16"
+#define ATTNFAST_SIMD_BYTES 64  // vector register width the kernels are tuned for
+#include "block_attention.inl"
+#include "decode_attention.inl"
+#include "simd_prefill.inl"
+#include "simd_decode.inl"
+#include "bf16_decode.inl"
+#define ATTNFAST_PREFILL_F32 simd::attend_block
+#define ATTNFAST_PREFILL_PLAN_F32 simd::plan
+#define ATTNFAST_DECODE_CHUNK_F32 simd_decode::decode_chunk_f32
+#define ATTNFAST_DECODE_CHUNK_ANY bf16_decode::decode_chunk  // vdpbf16ps for bfloat16 q and K/V
+#define ATTNFAST_F32_SINKS true  // simd_prefill.inl finish_sub_block; decode merges in the template
+#define ATTNFAST_PREFILL_F32_ANY true  // simd_prefill.inl: 16-bit / int8 and every score option
+#define ATTNFAST_LOWP_INSTRUCTIONS \
+    "bfloat16 q with bfloat16 K/V: vdpbf16ps (decode); other 16-bit and int8 values widened to " \
+    "float32 as vectors load (F16C vcvtph2ps, vpmovsxbd); float32 FMA"
+#include "export_table.inl"
+
+const attnfast::KernelTable* attnfast::kernel_table_avx512bf16() { return &isa_avx512bf16::kTable; }
