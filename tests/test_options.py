@@ -306,3 +306,62 @@ def test_prefill_options_thread_count_gives_the_same_bits(tier, rng, dtype):
     two = af.attention(q, k, v, num_threads=2, return_lse=True, **opts)
     np.testing.assert_array_equal(one[0], two[0])
     np.testing.assert_array_equal(one[1], two[1])
+
+
+# ---- the decode kernel (Tq <= 16) with the options: D a multiple of the vector width (the
+# hand-written x86 decode) and not (the template), GQA, masks through every stride kind,
+# several split-KV chunks, 16-bit caches.
+
+@pytest.mark.parametrize("d", [64, 24])
+@pytest.mark.parametrize("tq", [1, 5])
+def test_decode_options(tier, rng, d, tq):
+    b, h, hkv, tk = 2, 8, 2, 2500
+    q, k, v = qkv(rng, b, h, hkv, tq, tk, d, d)
+    q *= 2
+    masks = [rng.random((b, 1, tq, tk)) < 0.8,
+             (rng.random((b, h, tk, tq)) < 0.7).transpose(0, 1, 3, 2),      # col stride != 1
+             rng.standard_normal((tq, tk)) * 2,                            # float64 additive
+             np.where(rng.random((1, h, 1, tk)) < 0.7, 0, -np.inf).astype(np.float32)]
+    for opts in [dict(softcap=2.0), dict(alibi_slopes=rng.uniform(0, 0.01, (b, h)).astype(np.float32))] + \
+            [dict(mask=m) for m in masks] + \
+            [dict(softcap=3.0, alibi_slopes=np.full(h, 0.002, np.float32), mask=masks[0],
+                  sinks=rng.standard_normal(h).astype(np.float32), window=(1500, 0))]:
+        for causal in (False, True):
+            out, lse = af.attention(q, k, v, causal=causal, return_lse=True, **opts)
+            ref, ref_lse, _ = reference_attention(q, k, v, causal=causal, **opts)
+            np.testing.assert_allclose(out, ref, **F32, err_msg=str(sorted(opts)))
+            np.testing.assert_allclose(lse, ref_lse, **F32, err_msg=str(sorted(opts)))
+
+
+def test_decode_options_rows_dropped_nan_and_thread_bits(tier, rng):
+    b, h, hkv, tq, tk, d = 1, 4, 1, 3, 9000, 128
+    q, k, v = qkv(rng, b, h, hkv, tq, tk, d, d)
+    mask = rng.random((b, 1, tq, tk)) < 0.9
+    mask[..., 1, :] = False               # row 1 sees nothing
+    k[0, 0, 100] = np.nan                 # dropped for every row: no NaN
+    mask[..., 100] = False
+    out, lse = check(q, k, v, mask=mask)
+    assert np.all(out[:, :, 1] == 0) and np.all(lse[:, :, 1] == -np.inf) and np.isfinite(out).all()
+    opts = dict(mask=mask, softcap=4.0, alibi_slopes=np.full(h, 1e-4, np.float32))
+    np.testing.assert_array_equal(af.attention(q, k, v, num_threads=1, **opts),
+                                  af.attention(q, k, v, num_threads=2, **opts))
+    mask[:, :, [0, 2], 100] = True        # now every row but row 1 sees the NaN key
+    _, lse = af.attention(q, k, v, return_lse=True, softcap=4.0, mask=mask)
+    assert np.isnan(lse[:, :, [0, 2]]).all() and np.all(lse[:, :, 1] == -np.inf)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "int8"])
+def test_decode_options_16bit_and_int8_cache(tier, rng, dtype):
+    import ml_dtypes
+    cache = af.KVCache(1, 2, 64, 1200, dtype=np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else dtype)
+    k, v = rng.standard_normal((2, 1, 2, 1100, 64)).astype(np.float32)
+    cache.append(k, v)
+    kk, vv = (cache.k[:, :, :1100], cache.v[:, :, :1100]) if dtype != "int8" else \
+        (cache.k[:, :, :1100] * cache.k_scale[:, :, :1100, None].astype(np.float64),
+         cache.v[:, :, :1100] * cache.v_scale[:, :, :1100, None].astype(np.float64))
+    q = rng.standard_normal((1, 8, 2, 64)).astype(np.float32)
+    mask = rng.random((1, 1, 2, 1200)) < 0.8
+    opts = dict(softcap=3.0, alibi_slopes=np.full(8, 0.003, np.float32), sinks=np.ones(8, np.float32))
+    out = cache.attend(q, mask=mask, **opts)
+    ref, _, _ = reference_attention(q, kk, vv, causal=True, mask=mask[..., :1100], **opts)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
