@@ -9,7 +9,7 @@
 #include "simd_prefill.inl"
 #include "simd_decode.inl"
 #define ATTNFAST_PREFILL_F32 simd::attend_block
-#define ATTNFAST_PREFILL_PLAN_F32 simd::plan
+#define ATTNFAST_PREFILL_PLAN_F32 simd::plan_all_dtypes
 #define ATTNFAST_DECODE_CHUNK_F32 simd_decode::decode_chunk_f32
 #define ATTNFAST_DECODE_CHUNK_ANY simd_decode::decode_chunk_converting  // 16-bit and int8 K/V
 #define ATTNFAST_F32_SINKS true  // simd_prefill.inl finish_sub_block; decode merges in the template

@@ -225,12 +225,12 @@ struct Block {
     float* st;            // Bk x Bq, shared
     int32_t* rel_begin;   // Bq, shared: visible keys of each lane relative to the tile start
     int32_t* rel_end;
-    float* alibi_pos;     // Bq, shared: i' - tile start of each lane (ALiBi)
-    float* mt;            // Bk (rounded up to 8) x Bq, shared: the mask of the tile, transposed
+    float* alibi_pos = nullptr;  // Bq, shared: i' - tile start of each lane (ALiBi)
+    float* mt = nullptr;         // Bk (rounded up to 8) x Bq, shared: the mask of the tile, transposed
     const float* k;       // key row kv_first of this (batch, kv head): the caller's array, or
     const float* v;       // the task's float32 copy of the current super-tile
     int64_t k_stride, v_stride;
-    int64_t kv_first;     // key index of row 0 of k and v
+    int64_t kv_first = 0;  // key index of row 0 of k and v
     int64_t head, row_begin, rows;
     int64_t seqlen_k;      // keys valid for this batch entry (batch_seqlen_k)
     KeyRange first, last;  // visible keys of the first and last row
@@ -265,7 +265,8 @@ struct Tiling {
 };
 // Most keys per tile (Bk); 48..96 measured alike on AVX2 (Sapphire Rapids, Bq = 32).
 constexpr int64_t kMaxTileKeys = 16 * kRows > 96 ? 16 * kRows : 96;
-inline Tiling tiling(const AttentionParams& p) {
+// widened: the task widens K and V into a float32 copy (see kMaxSubBlocksWidened).
+inline Tiling tiling(const AttentionParams& p, bool widened = false) {
     const CacheSizes& cache = cache_sizes();
     Tiling t;
     const int64_t bk = (cache.l1d / 4) / (Bq * static_cast<int64_t>(sizeof(float)));
@@ -275,16 +276,16 @@ inline Tiling tiling(const AttentionParams& p) {
     t.prefetch = p.seqlen_k * row_bytes > cache.l2 / 2;
     t.sub_elems = (p.head_dim + p.head_dim_v + 2) * Bq;
     t.shared_elems = t.Bk * Bq + 3 * Bq + round_up(t.Bk, 8) * Bq;
-    if (converts_kv(p))  // the float32 copy, beside up to kMaxSubBlocksWidened states
+    if (widened)  // the float32 copy, beside up to kMaxSubBlocksWidened states
         t.super_keys = round_down(clamp64((cache.l2 / 4) / row_bytes, t.Bk, 1 << 20), t.Bk);
-    t.kv_copy_elems = converts_kv(p) ? t.super_keys * (p.head_dim + p.head_dim_v) : 0;
+    t.kv_copy_elems = widened ? t.super_keys * (p.head_dim + p.head_dim_v) : 0;
     return t;
 }
 
 // How tasks group sub-blocks: heads of one KV head (GQA) and consecutive row blocks.
-// Depends on the shape, the dtypes and the cache sizes only.
-PrefillPlan plan(const AttentionParams& p) {
-    const Tiling t = tiling(p);
+// Depends on the shape, the dtypes and the cache sizes only. widened: as tiling().
+PrefillPlan plan_for(const AttentionParams& p, bool widened) {
+    const Tiling t = tiling(p, widened);
     const int64_t group = p.heads / p.kv_heads;
     // Heads per task: the largest divisor of the group up to kMaxSubBlocks.
     int64_t heads = 1;
@@ -293,7 +294,7 @@ PrefillPlan plan(const AttentionParams& p) {
     // Row blocks per task: worth it when one head's K and V do not fit in L2, or when each
     // super-tile is widened (once per task, so for more rows). Heads stay at most
     // kMaxSubBlocks (GQA: each head of a task is a sub-block of every row block).
-    int64_t row_blocks = converts_kv(p) ? kMaxSubBlocksWidened / heads : (t.prefetch ? kMaxSubBlocks / heads : 1);
+    int64_t row_blocks = widened ? kMaxSubBlocksWidened / heads : (t.prefetch ? kMaxSubBlocks / heads : 1);
     if (row_blocks < 1) row_blocks = 1;
     // Keep enough tasks (64) to balance the thread counts of most machines; a function of
     // the shape only, so the result does not depend on the thread count.
@@ -313,6 +314,10 @@ PrefillPlan plan(const AttentionParams& p) {
     plan.workspace_elems = heads * row_blocks * t.sub_elems + t.shared_elems + t.kv_copy_elems + 64 / sizeof(float);
     return plan;
 }
+// The plan of a task that reads float32 K and V in place (at most kMaxSubBlocks sub-blocks).
+[[maybe_unused]] PrefillPlan plan(const AttentionParams& p) { return plan_for(p, false); }
+// The plan of attend_block for any dtype: K and V not float32 are widened.
+PrefillPlan plan_all_dtypes(const AttentionParams& p) { return plan_for(p, converts_kv(p)); }
 
 // ---------------------------------------------------------------- prefetch
 // Brings the K and V rows of the next tile towards L2, a line or two per step, while the
@@ -646,7 +651,7 @@ void init_sub_block(const AttentionParams& p, Block& b, const TQ* q) {
 
 // out = Oᵀᵀ / l, rounded to q's type; lse = ln(l) + m ln 2. A row that saw no key (l == 0):
 // zeros and -inf; a NaN in a score the row sees makes l NaN, and NaN goes on to out and lse.
-template <class TQ>
+template <class TQ = float>
 void finish_sub_block(const AttentionParams& p, const Block& b, int64_t batch) {
     TQ* out = static_cast<TQ*>(p.out) + batch * p.out_batch_stride + b.head * p.out_head_stride;
     float* lse = static_cast<float*>(p.lse);
@@ -848,10 +853,10 @@ inline ScoreOptions score_options(const AttentionParams& p) {
 template <class TQ, class TKV>
 void attend_block_typed(const AttentionParams& p, const BlockTask& task, float* workspace) {
     constexpr bool kConvert = !IsFloat<TKV>::value;
-    const Tiling t = tiling(p);
+    const Tiling t = tiling(p, kConvert);
     const int64_t head_count = task.head_count;
     const int64_t row_blocks = (task.row_end - task.row_begin + Bq - 1) / Bq;
-    const int64_t subs = head_count * row_blocks;  // <= kMaxSubBlocks(Widened) (plan)
+    const int64_t subs = head_count * row_blocks;  // <= kMaxSubBlocks(Widened) (plan_all_dtypes)
     const int64_t kv_head = task.head / (p.heads / p.kv_heads);
     const ScoreOptions opt = score_options(p);
 
