@@ -39,15 +39,21 @@ def main():
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--threads", default="1,2")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time with the process's CPU time instead of the wall clock (steadier on a "
+                        "shared machine: time spent descheduled is not counted; with several threads "
+                        "it sums them, idle waits included)")
     p.add_argument("--repeats", type=int, default=5, help="interleaved pairs per option (median)")
     args = p.parse_args()
+    clock = time.process_time if args.cpu_time else time.perf_counter
     rng = np.random.default_rng(0)
     b, h, t, d = 1, args.heads, args.tokens, args.head_dim
     q, k, v = (rng.standard_normal((b, h, t, d)).astype(np.float32) for _ in range(3))
     out = np.empty_like(q)
     opts = options(rng, b, h, t)
     cfg = af.show_config()
-    print(f"T={t}, H={h}, D={d}, float32, causal; kernel tier {cfg['isa']}")
+    print(f"T={t}, H={h}, D={d}, float32, causal; kernel tier {cfg['isa']}; "
+          f"{'CPU' if args.cpu_time else 'wall'} time")
     print(f"{'option':26s} {'threads':>7s} {'plain':>10s} {'option':>10s} {'ratio':>7s}")
     for n in [int(x) for x in args.threads.split(",")]:
         af.attention(q, k, v, causal=True, out=out, num_threads=n)  # warm up
@@ -55,12 +61,12 @@ def main():
             plain, timed = [], []
             af.attention(q, k, v, causal=True, out=out, num_threads=n, **kw)
             for _ in range(args.repeats):
-                t0 = time.perf_counter()
+                t0 = clock()
                 af.attention(q, k, v, causal=True, out=out, num_threads=n)
-                plain.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
+                plain.append(clock() - t0)
+                t0 = clock()
                 af.attention(q, k, v, causal=True, out=out, num_threads=n, **kw)
-                timed.append(time.perf_counter() - t0)
+                timed.append(clock() - t0)
             mp, mo = statistics.median(plain), statistics.median(timed)
             print(f"{name:26s} {n:7d} {mp * 1e3:8.1f}ms {mo * 1e3:8.1f}ms {mo / mp:6.2f}x")
 

@@ -99,7 +99,9 @@ void run_blocks(const AttentionParams& p,
         task.row_end = task.row_begin + block_rows < p.seqlen_q ? task.row_begin + block_rows : p.seqlen_q;
         return task;
     };
-    const int64_t q_row_bytes = p.head_dim * static_cast<int64_t>(sizeof(A));
+    // (q's elements are A, or 16 bits under a float32 accumulator)
+    const int64_t q_elem = p.dtype == DType::kF16 || p.dtype == DType::kBF16 ? 2 : static_cast<int64_t>(sizeof(A));
+    const int64_t q_row_bytes = p.head_dim * q_elem;
     parallel::for_each_dynamic(tasks, threads, p.interruptible, [&](int64_t index, int thread_id) {
         // The dynamic schedule most likely hands this thread index + threads next: start
         // bringing that task's query rows in now, a whole task ahead (a cache hint only).
@@ -108,7 +110,7 @@ void run_blocks(const AttentionParams& p,
             for (int64_t h = next.head; h < next.head + next.head_count; ++h)
                 for (int64_t r = next.row_begin; r < next.row_end; ++r) {
                     const char* row = static_cast<const char*>(p.q) +
-                        (next.batch * p.q_batch_stride + h * p.q_head_stride + r * p.q_row_stride) * static_cast<int64_t>(sizeof(A));
+                        (next.batch * p.q_batch_stride + h * p.q_head_stride + r * p.q_row_stride) * q_elem;
                     for (int64_t off = 0; off < q_row_bytes; off += 64) __builtin_prefetch(row + off, 0, 2);
                 }
         }
@@ -123,6 +125,7 @@ void run_blocks(const AttentionParams& p,
 // prefill); the templates read the pool through the table instead.
 struct GatheredCache {
     std::unique_ptr<char[]> k, v;
+    std::unique_ptr<float[]> k_scale, v_scale;  // int8 caches: their row scales, gathered too
     AttentionParams params;
 
     explicit GatheredCache(const AttentionParams& p) : params(p) {
@@ -132,6 +135,10 @@ struct GatheredCache {
         const int64_t rows = p.batch * p.kv_heads * keys;
         k.reset(new char[static_cast<size_t>(rows * p.head_dim * elem > 0 ? rows * p.head_dim * elem : 1)]);
         v.reset(new char[static_cast<size_t>(rows * p.head_dim_v * elem > 0 ? rows * p.head_dim_v * elem : 1)]);
+        if (p.k_scale) {
+            k_scale.reset(new float[static_cast<size_t>(rows > 0 ? rows : 1)]);
+            v_scale.reset(new float[static_cast<size_t>(rows > 0 ? rows : 1)]);
+        }
         const int64_t tasks = p.batch * p.kv_heads;
         parallel::for_each_dynamic(tasks, p.num_threads < tasks ? p.num_threads : static_cast<int>(tasks),
                                    false, [&](int64_t index, int) {
@@ -147,6 +154,12 @@ struct GatheredCache {
                             static_cast<const char*>(p.v) +
                                 (block * p.v_batch_stride + g * p.v_head_stride + row * p.v_row_stride) * elem,
                             static_cast<size_t>(p.head_dim_v * elem));
+                if (p.k_scale) {
+                    k_scale[index * keys + j] = p.k_scale[block * p.k_scale_batch_stride +
+                                                          g * p.k_scale_head_stride + row * p.k_scale_row_stride];
+                    v_scale[index * keys + j] = p.v_scale[block * p.v_scale_batch_stride +
+                                                          g * p.v_scale_head_stride + row * p.v_scale_row_stride];
+                }
             }
         });
         params.block_table = nullptr;
@@ -159,6 +172,13 @@ struct GatheredCache {
         params.v_row_stride = p.head_dim_v;
         params.v_head_stride = keys * p.head_dim_v;
         params.v_batch_stride = p.kv_heads * keys * p.head_dim_v;
+        if (p.k_scale) {
+            params.k_scale = k_scale.get();
+            params.v_scale = v_scale.get();
+            params.k_scale_row_stride = params.v_scale_row_stride = 1;
+            params.k_scale_head_stride = params.v_scale_head_stride = keys;
+            params.k_scale_batch_stride = params.v_scale_batch_stride = p.kv_heads * keys;
+        }
     }
 };
 
@@ -179,7 +199,7 @@ void attention_forward(const AttentionParams& p) {
         }
         run_blocks<float>(p, kernels.attend_block_f32, kernels.plan_f32(p));
     } else if (p.dtype != DType::kF64) {  // 16-bit, int8 or score options
-        if (p.block_table && p.kv_dtype != DType::kI8) {  // (int8 scales are not gathered)
+        if (p.block_table) {  // see GatheredCache
             const GatheredCache gathered(p);
             run_blocks<float>(gathered.params, kernels.attend_block_any, kernels.plan_any(gathered.params));
             return;

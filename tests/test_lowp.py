@@ -212,6 +212,91 @@ def test_varlen_and_weights_16bit(rng, dtype):
     np.testing.assert_allclose(w.astype(np.float64), ref_w, atol=2 * float(ml_dtypes.finfo(dtype).eps))
 
 
+# ---- the prefill kernels' converting path: each K/V super-tile widened once per task, q as
+# Qᵀ is formed, the output rounded on store. Sizes that cross sub-blocks (32 rows), tiles
+# and super-tiles (~1000 keys at D = 64), with GQA.
+
+@pytest.mark.parametrize("dtype", LOWP, ids=str)
+@pytest.mark.parametrize("d", [64, 80])
+def test_16bit_prefill_across_super_tiles(tier, rng, dtype, d):
+    q, k, v = rand(rng, (1, 4, 100, d), dtype), rand(rng, (1, 2, 1300, d), dtype), rand(rng, (1, 2, 1300, d), dtype)
+    for causal in (False, True):
+        out, lse = af.attention(q, k, v, causal=causal, return_lse=True)
+        assert_flash_rule(out, q, k, v, causal)
+        _, ref_lse, _ = reference_attention(q, k, v, causal=causal)
+        np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-4)
+
+
+def float32_of_int8(x, scale):
+    """What an int8 cache row stands for, as the kernel forms it: float32(x) * scale, one
+    float32 rounding."""
+    return x.astype(np.float32) * scale[..., None]
+
+
+def int8_cache(rng, shape):
+    x = rng.standard_normal(shape)
+    scale = (np.abs(x).max(-1) / 127).astype(np.float32)
+    return np.rint(x / scale[..., None]).astype(np.int8), scale
+
+
+@pytest.mark.parametrize("case", ["float16", "float32 q, bfloat16 kv", "float32 q, float16 kv",
+                                  "bfloat16 q, int8 kv", "float16 q, int8 kv", "float32 q, int8 kv"])
+@pytest.mark.parametrize("options", [False, True])
+def test_16bit_prefill_is_float32_prefill_of_the_widened_values(tier, rng, case, options):
+    """Widening is exact and accumulation float32: the converting path gives the bits of the
+    float32 path on the widened inputs (the same kernel and plan), rounded to the output
+    dtype (round to nearest even: numpy's astype) -- options and sinks included."""
+    b, h, hkv, tq, tk, d = 1, 4, 2, 200, 1500, 64  # < 64 tasks: the same plan for both
+    qname, _, kvname = case.partition(" q, ")
+    qdt = BF16 if qname.startswith("bfloat16") else np.dtype(qname.split()[0])
+    kv = kvname.split()[0] if kvname else qname
+    q = rand(rng, (b, h, tq, d), qdt)
+    opts = {}
+    if options:
+        opts = dict(softcap=4.0, alibi_slopes=np.full(h, 0.02, np.float32), sinks=np.ones(h, np.float32),
+                    mask=rng.random((b, 1, tq, tk)) < 0.8)
+    if kv == "int8":
+        if not tier.startswith("avx"):
+            pytest.skip("the templates multiply an int8 V row's scale into the weight, not the value")
+        (k8, ks), (v8, vs) = int8_cache(rng, (b, hkv, tk, d)), int8_cache(rng, (b, hkv, tk, d))
+        out, lse = af.attention_with_kvcache(q, k8, v8, tk, k_scale=ks, v_scale=vs, return_lse=True, **opts)
+        k32, v32 = float32_of_int8(k8, ks), float32_of_int8(v8, vs)
+    else:
+        kvdt = BF16 if kv == "bfloat16" else np.dtype(kv)
+        k, v = rand(rng, (b, hkv, tk, d), kvdt), rand(rng, (b, hkv, tk, d), kvdt)
+        out, lse = af.attention(q, k, v, causal=True, return_lse=True, **opts)
+        k32, v32 = k.astype(np.float32), v.astype(np.float32)
+    out32, lse32 = af.attention(q.astype(np.float32), k32, v32, causal=True, return_lse=True, **opts)
+    assert out.dtype == qdt
+    np.testing.assert_array_equal(out, out32.astype(qdt))
+    np.testing.assert_array_equal(lse, lse32)
+
+
+@pytest.mark.parametrize("qdtype", [np.dtype(np.float32), F16, BF16], ids=str)
+def test_int8_prefill_across_super_tiles(tier, rng, qdtype):
+    (k8, ks), (v8, vs) = int8_cache(rng, (1, 2, 2300, 64)), int8_cache(rng, (1, 2, 2300, 48))
+    q = rand(rng, (1, 8, 40, 64), qdtype)
+    out = af.attention_with_kvcache(q, k8, v8, 2300, k_scale=ks, v_scale=vs)
+    ref, _, _ = reference_attention(q, float32_of_int8(k8, ks), float32_of_int8(v8, vs), causal=True)
+    tol = 2e-5 if qdtype == np.float32 else 2 * float(ml_dtypes.finfo(qdtype).eps)
+    np.testing.assert_allclose(out.astype(np.float64), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", LOWP, ids=str)
+def test_16bit_prefill_rounds_nan_and_extremes(tier, rng, dtype):
+    """NaN stays NaN on store; large outputs (float16: near its largest value) round to
+    themselves, never to inf. (bfloat16's range is float32's: the float32 accumulator of
+    50 such values would overflow, so a smaller one.)"""
+    big = min(float(ml_dtypes.finfo(dtype).max) / 2, 1e30)
+    q, k = rand(rng, (1, 2, 50, 16), dtype), rand(rng, (1, 2, 50, 16), dtype)
+    v = np.full((1, 2, 50, 16), big, np.float32).astype(dtype)
+    v[0, 1, :, 3] = np.nan
+    out = af.attention(q, k, v)
+    assert np.all(np.isnan(out[0, 1, :, 3].astype(np.float32)))
+    np.testing.assert_array_equal(np.delete(out[0, 1], 3, axis=-1), np.asarray(big, dtype))
+    np.testing.assert_array_equal(out[0, 0], np.asarray(big, dtype))
+
+
 @pytest.mark.parametrize("d,dv", [(32, 32), (64, 128), (128, 64), (128, 128), (160, 96)])
 @pytest.mark.parametrize("h,hkv,tq", [(8, 2, 1), (32, 8, 1), (12, 2, 3), (5, 5, 2)])
 def test_bf16_decode_shapes_of_the_dot_product_kernel(tier, rng, d, dv, h, hkv, tq):

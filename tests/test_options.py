@@ -176,3 +176,192 @@ def test_bad_options_write_nothing(rng, kwargs, error, match):
         cache.step(q[:, :, :1], k[:, :, :1], v[:, :, :1],
                    **{n: (x[..., :1] if n == "mask" else x) for n, x in kwargs.items()})
     assert np.array_equal(cache.k, before[0]) and np.array_equal(cache.lengths, before[1])
+
+
+# ---- the prefill kernels at sizes that reach every part of their tiling: query sub-blocks
+# of 32 rows (and a part one), key tiles of ~60 and super-tiles of ~500 keys (D = 128),
+# diagonal (partial) tiles, GQA, D a multiple of the vector width and not.
+
+def opts_each(rng, b, h, tq, tk):
+    """Each option alone, then all together, as keyword dicts."""
+    slopes = rng.uniform(0.001, 0.05, (b, h)).astype(np.float32)
+    yield dict(softcap=3.0)
+    yield dict(alibi_slopes=slopes)
+    yield dict(mask=rng.random((b, 1, tq, tk)) < 0.8)
+    yield dict(mask=(rng.standard_normal((b, h, tq, tk)) * 2).astype(np.float32))
+    yield dict(softcap=3.0, alibi_slopes=slopes[0], sinks=rng.standard_normal(h).astype(np.float32),
+               mask=rng.random((tq, tk)) < 0.9)
+
+
+@pytest.mark.parametrize("d", [16, 17, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_prefill_options_across_tiles(tier, rng, d, causal):
+    b, h, hkv, tq, tk = 1, 4, 2, 70, 1100
+    q, k, v = qkv(rng, b, h, hkv, tq, tk, d, d)
+    q *= 2
+    for opts in opts_each(rng, b, h, tq, tk):
+        out, lse = af.attention(q, k, v, causal=causal, return_lse=True, **opts)
+        ref, ref_lse, _ = reference_attention(q, k, v, causal=causal, **opts)
+        np.testing.assert_allclose(out, ref, **F32, err_msg=str(sorted(opts)))
+        np.testing.assert_allclose(lse, ref_lse, **F32, err_msg=str(sorted(opts)))
+
+
+def test_prefill_options_causal_square_with_window(tier, rng):
+    """Tq = Tk: every sub-block has diagonal tiles; the window cuts tiles on the left."""
+    b, h, hkv, t, d = 2, 2, 1, 200, 40
+    q, k, v = qkv(rng, b, h, hkv, t, t, d, 24)
+    for opts in opts_each(rng, b, h, t, t):
+        check(q, k, v, causal=True, window=(90, 0), **opts)
+
+
+@pytest.mark.parametrize("layout", ["padding (B,1,1,Tk)", "per row (Tq,1)", "(B,H,Tq,Tk) transposed view",
+                                    "float64 additive", "float32 -inf and 0"])
+def test_prefill_mask_strides(tier, rng, layout):
+    b, h, hkv, tq, tk, d = 2, 4, 4, 45, 300, 32
+    q, k, v = qkv(rng, b, h, hkv, tq, tk, d, d)
+    if layout.startswith("padding"):
+        mask = np.ones((b, 1, 1, tk), bool)
+        mask[0, ..., :37] = False   # left padding of sequence 0
+        mask[1, ..., 250:] = False  # right padding of sequence 1
+    elif layout.startswith("per row"):
+        mask = rng.random((tq, 1)) < 0.8   # col stride 0: a row keeps all keys or none
+    elif layout.startswith("(B,H"):
+        mask = (rng.random((b, h, tk, tq)) < 0.7).transpose(0, 1, 3, 2)  # col stride Tq
+    elif layout.startswith("float64"):
+        mask = rng.standard_normal((b, 1, tq, tk)) * 3
+    else:
+        mask = np.where(rng.random((1, h, tq, tk)) < 0.6, 0.0, -np.inf).astype(np.float32)
+    out, lse = check(q, k, v, mask=mask)
+    if layout.startswith("per row"):
+        dropped = ~mask[:, 0]
+        assert dropped.any() and np.all(out[:, :, dropped] == 0) and np.all(lse[:, :, dropped] == -np.inf)
+
+
+def test_prefill_mask_dropping_rows_and_whole_tiles(tier, rng):
+    """Rows the mask drops entirely give zeros and lse = -inf beside rows that see keys; tiles
+    it drops for every row of a sub-block are skipped; with sinks such a row's lse is the sink."""
+    b, h, hkv, tq, tk, d = 1, 2, 1, 70, 700, 64
+    q, k, v = qkv(rng, b, h, hkv, tq, tk, d, d)
+    mask = rng.random((b, 1, tq, tk)) < 0.9
+    mask[..., 100:520] = False           # several whole tiles, every row
+    mask[..., [0, 31, 32, 69], :] = False  # whole rows, at sub-block edges
+    k[:, :, 300] = np.nan                # a key no row keeps: no NaN anywhere
+    out, lse = check(q, k, v, mask=mask)
+    assert np.all(out[:, :, [0, 31, 32, 69]] == 0) and np.all(lse[:, :, [0, 31, 32, 69]] == -np.inf)
+    assert np.all(np.isfinite(out))
+    sinks = np.array([0.5, -2.0], np.float32)
+    out, lse = check(q, k, v, mask=mask, sinks=sinks, causal=True)
+    np.testing.assert_array_equal(lse[0, :, 0], sinks)
+
+
+def test_prefill_options_nan_rules(tier, rng):
+    b, h, hkv, tq, tk, d = 1, 2, 1, 40, 200, 32
+    q, k, v = qkv(rng, b, h, hkv, tq, tk, d, d)
+    k[0, 0, 77] = np.nan  # a key every row sees: every row NaN, with any option
+    for opts in (dict(softcap=2.0), dict(alibi_slopes=np.full(h, 0.1, np.float32)),
+                 dict(mask=np.zeros((tq, tk), np.float32))):
+        out, lse = af.attention(q, k, v, return_lse=True, **opts)
+        assert np.all(np.isnan(out)) and np.all(np.isnan(lse)), opts
+    # a NaN in an additive mask reaches its row only; a bool mask that drops the NaN key
+    # for some rows keeps those rows finite
+    k[0, 0, 77] = 0
+    mask = np.zeros((tq, tk), np.float32)
+    mask[5, 9] = np.nan
+    out, lse = af.attention(q, k, v, mask=mask, return_lse=True)
+    assert np.all(np.isnan(lse[0, :, 5])) and np.isfinite(np.delete(lse, 5, axis=2)).all()
+    k[0, 0, 77] = np.nan
+    keep = np.ones((tq, tk), bool)
+    keep[:20, 77] = False
+    out, lse = af.attention(q, k, v, mask=keep, return_lse=True)
+    assert np.isfinite(lse[0, :, :20]).all() and np.isnan(lse[0, :, 20:]).all()
+
+
+def test_prefill_softcap_accuracy_through_lse(tier, rng):
+    """With one key, lse is the softcapped score itself: samples the kernel's tanh over
+    small, medium and saturated arguments (and NaN / inf scores)."""
+    c = 5.0
+    x = np.concatenate([np.linspace(-60, 60, 2001), rng.standard_normal(1000) * 3,
+                        np.geomspace(1e-6, 4.0, 400), [0.0, -0.0]]).astype(np.float32)
+    q = x.reshape(1, 1, -1, 1)
+    k = np.ones((1, 1, 1, 1), np.float32)
+    _, lse = af.attention(q, k, k, scale=1.0, softcap=c, return_lse=True)
+    ref = c * np.tanh(x.astype(np.float64) / c)
+    np.testing.assert_allclose(lse[0, 0], ref, rtol=1e-6, atol=1e-6)
+    q = np.array([np.nan, np.inf, -np.inf] * 7, np.float32).reshape(1, 1, -1, 1)
+    _, lse = af.attention(q, k, k, scale=1.0, softcap=c, return_lse=True)
+    assert np.all(np.isnan(lse[0, 0, ::3]))
+    np.testing.assert_array_equal(lse[0, 0, 1::3], np.float32(c))  # +inf -> c tanh(inf), as the reference
+    assert np.all(np.isnan(lse[0, 0, 2::3]))                       # q . k = -inf: an infinite input
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_prefill_options_thread_count_gives_the_same_bits(tier, rng, dtype):
+    import ml_dtypes
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    b, h, hkv, tq, tk, d = 1, 8, 2, 300, 900, 64
+    q, k, v = qkv(rng, b, h, hkv, tq, tk, d, d, dt)
+    opts = dict(causal=True, softcap=4.0, alibi_slopes=np.full(h, 0.01, np.float32),
+                sinks=np.ones(h, np.float32), mask=rng.random((b, 1, tq, tk)) < 0.9)
+    one = af.attention(q, k, v, num_threads=1, return_lse=True, **opts)
+    two = af.attention(q, k, v, num_threads=2, return_lse=True, **opts)
+    np.testing.assert_array_equal(one[0], two[0])
+    np.testing.assert_array_equal(one[1], two[1])
+
+
+# ---- the decode kernel (Tq <= 16) with the options: D a multiple of the vector width (the
+# hand-written x86 decode) and not (the template), GQA, masks through every stride kind,
+# several split-KV chunks, 16-bit caches.
+
+@pytest.mark.parametrize("d", [64, 24])
+@pytest.mark.parametrize("tq", [1, 5])
+def test_decode_options(tier, rng, d, tq):
+    b, h, hkv, tk = 2, 8, 2, 2500
+    q, k, v = qkv(rng, b, h, hkv, tq, tk, d, d)
+    q *= 2
+    masks = [rng.random((b, 1, tq, tk)) < 0.8,
+             (rng.random((b, h, tk, tq)) < 0.7).transpose(0, 1, 3, 2),      # col stride != 1
+             rng.standard_normal((tq, tk)) * 2,                            # float64 additive
+             np.where(rng.random((1, h, 1, tk)) < 0.7, 0, -np.inf).astype(np.float32)]
+    for opts in [dict(softcap=2.0), dict(alibi_slopes=rng.uniform(0, 0.01, (b, h)).astype(np.float32))] + \
+            [dict(mask=m) for m in masks] + \
+            [dict(softcap=3.0, alibi_slopes=np.full(h, 0.002, np.float32), mask=masks[0],
+                  sinks=rng.standard_normal(h).astype(np.float32), window=(1500, 0))]:
+        for causal in (False, True):
+            out, lse = af.attention(q, k, v, causal=causal, return_lse=True, **opts)
+            ref, ref_lse, _ = reference_attention(q, k, v, causal=causal, **opts)
+            np.testing.assert_allclose(out, ref, **F32, err_msg=str(sorted(opts)))
+            np.testing.assert_allclose(lse, ref_lse, **F32, err_msg=str(sorted(opts)))
+
+
+def test_decode_options_rows_dropped_nan_and_thread_bits(tier, rng):
+    b, h, hkv, tq, tk, d = 1, 4, 1, 3, 9000, 128
+    q, k, v = qkv(rng, b, h, hkv, tq, tk, d, d)
+    mask = rng.random((b, 1, tq, tk)) < 0.9
+    mask[..., 1, :] = False               # row 1 sees nothing
+    k[0, 0, 100] = np.nan                 # dropped for every row: no NaN
+    mask[..., 100] = False
+    out, lse = check(q, k, v, mask=mask)
+    assert np.all(out[:, :, 1] == 0) and np.all(lse[:, :, 1] == -np.inf) and np.isfinite(out).all()
+    opts = dict(mask=mask, softcap=4.0, alibi_slopes=np.full(h, 1e-4, np.float32))
+    np.testing.assert_array_equal(af.attention(q, k, v, num_threads=1, **opts),
+                                  af.attention(q, k, v, num_threads=2, **opts))
+    mask[:, :, [0, 2], 100] = True        # now every row but row 1 sees the NaN key
+    _, lse = af.attention(q, k, v, return_lse=True, softcap=4.0, mask=mask)
+    assert np.isnan(lse[:, :, [0, 2]]).all() and np.all(lse[:, :, 1] == -np.inf)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "int8"])
+def test_decode_options_16bit_and_int8_cache(tier, rng, dtype):
+    import ml_dtypes
+    cache = af.KVCache(1, 2, 64, 1200, dtype=np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else dtype)
+    k, v = rng.standard_normal((2, 1, 2, 1100, 64)).astype(np.float32)
+    cache.append(k, v)
+    kk, vv = (cache.k[:, :, :1100], cache.v[:, :, :1100]) if dtype != "int8" else \
+        (cache.k[:, :, :1100] * cache.k_scale[:, :, :1100, None].astype(np.float64),
+         cache.v[:, :, :1100] * cache.v_scale[:, :, :1100, None].astype(np.float64))
+    q = rng.standard_normal((1, 8, 2, 64)).astype(np.float32)
+    mask = rng.random((1, 1, 2, 1200)) < 0.8
+    opts = dict(softcap=3.0, alibi_slopes=np.full(8, 0.003, np.float32), sinks=np.ones(8, np.float32))
+    out = cache.attend(q, mask=mask, **opts)
+    ref, _, _ = reference_attention(q, kk, vv, causal=True, mask=mask[..., :1100], **opts)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)

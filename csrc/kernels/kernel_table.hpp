@@ -141,7 +141,7 @@ struct KernelTable {
     // What the 16-bit and int8 paths of this tier run on, for show_config().
     const char* lowp_instructions;
     // Whether attend_block_f32 and decode_chunk_f32 take sinks (the other score options
-    // always go to the templates).
+    // go to the *_any entries).
     bool f32_sinks;
     // Attend one block of query rows over all the keys it may see; writes its out/lse rows.
     void (*attend_block_f32)(const AttentionParams&, const BlockTask&, float* workspace);
@@ -164,10 +164,12 @@ struct KernelTable {
     void (*decode_merge_f64)(const AttentionParams&, int64_t batch, int64_t kv_head,
                              int64_t chunks, const double* acc, const double* m,
                              const double* l, double* workspace);
-    // The converting templates, for every dtype combination but float64 (float16 / bfloat16
-    // q, k, v; float32 q over a 16-bit or int8 cache; 16-bit q over an int8 cache; float32)
-    // and every score option (softcap, ALiBi, mask, sinks), all accumulating in float32: the
-    // same contracts as the float32 entries, dispatching on p.dtype and p.kv_dtype.
+    // Every dtype combination but float64 (float16 / bfloat16 q, k, v; float32 q over a
+    // 16-bit or int8 cache; 16-bit q over an int8 cache; float32) and every score option
+    // (softcap, ALiBi, mask, sinks), all accumulating in float32: the same contracts as the
+    // float32 entries, dispatching on p.dtype and p.kv_dtype. The tier's hand-written
+    // kernels where it has them (widening as they load; vdpbf16ps on avx512bf16), else the
+    // converting templates.
     void (*attend_block_any)(const AttentionParams&, const BlockTask&, float* workspace);
     PrefillPlan (*plan_any)(const AttentionParams&);  // its block rows and workspace
     void (*decode_chunk_any)(const AttentionParams&, const DecodeTask&, float* workspace,
@@ -187,9 +189,9 @@ const KernelTable* kernel_table_neon();
 // The table in use (chosen once; see dispatch.cpp).
 const KernelTable& active_kernels();
 
-// Whether a float32 call needs the templates (the *_any entries): softcap, ALiBi and masks
-// are not in the hand-written float32 kernels; sinks are where the tier says so
-// (KernelTable::f32_sinks: they touch only the prefill's finish and the shared decode merge).
+// Whether a float32 call needs the *_any entries: softcap, ALiBi and masks are not in the
+// float32 entries; sinks are where the tier says so (KernelTable::f32_sinks: they touch only
+// the prefill's finish and the shared decode merge).
 static inline bool needs_templates(const AttentionParams& p, bool f32_kernels_take_sinks) {
     return p.softcap != 0.0 || p.alibi_slopes || p.mask || (p.sinks && !f32_kernels_take_sinks);
 }

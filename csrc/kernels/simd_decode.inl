@@ -2,9 +2,9 @@
 // float32 arithmetic over K/V stored as float32, bfloat16, float16 or int8 (one float32
 // scale per row), q as float32 or 16 bits. Included by kernels/isa_avx512.cpp and
 // isa_avx2.cpp after decode_attention.inl and simd_prefill.inl (whose exp2_neg it uses),
-// inside their ATTNFAST_KERNEL_NS. Shapes it does not cover (D or Dv not a multiple of W),
-// the score options softcap / ALiBi / mask, and the generic tier keep the shared template
-// decode_chunk<TQ, TKV, float>.
+// inside their ATTNFAST_KERNEL_NS. Shapes it does not cover (D or Dv not a multiple of W)
+// and the generic tier keep the shared template decode_chunk<TQ, TKV, float>; the score
+// options softcap / ALiBi / mask are applied to each row's block of scores (RowScoreOptions).
 //
 // 16-bit and int8 K/V are widened to float32 in registers as each vector is loaded (F16C's
 // vcvtph2ps, a 16-bit shift for bfloat16, vpmovsxbd + vcvtdq2ps for int8), never copied into
@@ -316,6 +316,62 @@ inline float exp_shift_zero(float* x, int64_t n, int64_t b, int64_t e, float m) 
     return hsum(sum);
 }
 
+// The score options of one query row (softcap, ALiBi, mask: AttentionParams' order) on its
+// scores srow[b, e) (scaled, natural-log units; column c is key key0 + c), W at a time:
+// the last vector may run past e (score rows have room; exp_shift_zero ignores those lanes).
+// softcap with simd_prefill's tanh_vec; the mask read through its strides.
+struct RowScoreOptions {
+    float cap = 0, inv_cap = 0;  // softcap (0: off)
+    float slope = 0;             // ALiBi slope (0: off)
+    int64_t aligned = 0;         // i', the row's key position
+    const void* mask = nullptr;  // the row's mask entries, col_stride apart
+    int64_t col_stride = 0;
+
+    RowScoreOptions(const AttentionParams& p, int64_t batch, int64_t head, int64_t pos, int64_t seqlen_k) {
+        if (p.softcap > 0) cap = static_cast<float>(p.softcap), inv_cap = static_cast<float>(1.0 / p.softcap);
+        if (p.alibi_slopes) slope = p.alibi_slopes[batch * p.alibi_batch_stride + head];
+        aligned = aligned_row(p, pos, seqlen_k);
+        if (p.mask) {
+            const int64_t at = batch * p.mask_batch_stride + head * p.mask_head_stride + pos * p.mask_row_stride;
+            const int64_t bytes = p.mask_kind == MaskKind::kBool ? 1 : (p.mask_dtype == DType::kF64 ? 8 : 4);
+            mask = static_cast<const char*>(p.mask) + at * bytes;
+            col_stride = p.mask_col_stride;
+        }
+    }
+    template <class M>
+    const M* mask_at(int64_t key) const { return static_cast<const M*>(mask) + key * col_stride; }
+
+    void apply(const AttentionParams& p, float* srow, int64_t b, int64_t e, int64_t key0) const {
+        if (cap != 0) {
+            const V c = vset(cap), ic = vset(inv_cap);
+            for (int64_t x = b; x < e; x += W) vst(srow + x, vmul(c, simd::tanh_vec(vmul(vld(srow + x), ic))));
+        }
+        if (slope != 0) {  // |i' - j| exactly while below 2^24
+            alignas(64) float iota[W];
+            for (int i = 0; i < W; ++i) iota[i] = static_cast<float>(i);
+            const V sl = vset(slope), io = vld(iota);
+            for (int64_t x = b; x < e; x += W) {
+                const V dist = simd::vabs(simd::vsub(vset(static_cast<float>(aligned - (key0 + x))), io));
+                vst(srow + x, simd::vfnma(sl, dist, vld(srow + x)));
+            }
+        }
+        if (!mask) return;
+        if (p.mask_kind == MaskKind::kBool) {
+            for (int64_t x = b; x < e; ++x)
+                if (!*mask_at<uint8_t>(key0 + x)) srow[x] = -__builtin_inff();
+        } else if (p.mask_dtype == DType::kF64) {
+            for (int64_t x = b; x < e; ++x) srow[x] += static_cast<float>(*mask_at<double>(key0 + x));
+        } else if (col_stride == 1) {
+            const float* m = mask_at<float>(key0);
+            int64_t x = b;
+            for (; x + W <= e; x += W) vst(srow + x, simd::vadd(vld(srow + x), vld(m + x)));
+            for (; x < e; ++x) srow[x] += m[x];
+        } else {
+            for (int64_t x = b; x < e; ++x) srow[x] += *mask_at<float>(key0 + x);
+        }
+    }
+};
+
 template <int RB, int ND, class T>
 struct ScoreBlock {  // scores of RB rows against up to W keys, in groups of W / RB keys
     static void run(const float* qs, int64_t qstride, const T* k, int64_t ks, int64_t keys,
@@ -415,6 +471,7 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
     const int64_t kb = task.key_begin;
     const float scale = static_cast<float>(p.scale);
     const int64_t v_row_bytes = Dv * static_cast<int64_t>(sizeof(T));
+    const bool options = p.softcap > 0 || p.alibi_slopes || p.mask;
 
     for (int64_t r0 = 0; r0 < rows; r0 += kDecodeGroupRows) {
         const int64_t n = rows - r0 < kDecodeGroupRows ? rows - r0 : kDecodeGroupRows;
@@ -465,6 +522,10 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
                 if (k_scale.scale)  // int8 K: the score of key j is k_scale[j] * (q . k_int8[j])
                     for (int64_t c = b; c < e; ++c) srow[c] *= k_scale_block[c];
                 nonfinite_to_nan(srow + b, e - b);  // -inf from an infinite input: NaN
+                if (options && b < e) {
+                    const int64_t head = task.kv_head * group + r / tq, pos = r % tq;
+                    RowScoreOptions(p, task.batch, head, pos, task.seqlen_k).apply(p, srow, b, e, task.key_begin + j0);
+                }
                 const float block_max = b < e ? range_max(srow, b, e) : -__builtin_inff();
                 if (block_max == -__builtin_inff()) {  // sees nothing in this block: weight 0
                     for (int64_t c = 0; c < j1 - j0; ++c) srow[c] = 0;
@@ -497,10 +558,9 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
 }
 
 // Whether this kernel takes the call (else the shared template): every vector of D and Dv
-// whole, and no score option but sinks (which only the merge sees).
+// whole (any score option: RowScoreOptions; sinks only the merge sees).
 inline bool covers(const AttentionParams& p) {
-    return p.head_dim % W == 0 && p.head_dim_v % W == 0 && p.softcap == 0.0 &&
-           !p.alibi_slopes && !p.mask;
+    return p.head_dim % W == 0 && p.head_dim_v % W == 0;
 }
 
 template <class TQ, class T>

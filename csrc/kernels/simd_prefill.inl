@@ -75,6 +75,20 @@ inline Vec neg_inf_to_nan(Vec x) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, vset(-__builtin_inff()), _CMP_EQ_OQ), x,
                                 vset(__builtin_nanf("")));
 }
+inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+inline Vec vfnma(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
+inline Vec vabs(Vec x) { return _mm512_abs_ps(x); }
+inline Vec vcopysign(Vec mag, Vec sgn) {  // mag >= 0 (or NaN) with the sign bit of sgn
+    return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(mag), _mm512_castps_si512(sgn),
+                                                         _mm512_set1_epi32(INT32_MIN), 0xF8));  // a | (b & c)
+}
+inline Mask less_than(Vec a, float x) { return _mm512_cmp_ps_mask(a, vset(x), _CMP_LT_OQ); }
+inline bool all_lanes(Mask m) { return m == Mask(0xFFFF); }
+inline Vec select(Mask m, Vec yes, Vec no) { return _mm512_mask_blend_ps(m, no, yes); }
+// x where the sign bit of `drop` is clear, else drop (a mask tile's 0 / -inf entries).
+inline Vec keep_unless_sign(Vec x, Vec drop) {
+    return _mm512_mask_blend_ps(_mm512_movepi32_mask(_mm512_castps_si512(drop)), x, drop);
+}
 #else  // AVX2 + FMA
 using Vec = __m256;
 using Mask = __m256;
@@ -112,6 +126,14 @@ inline bool all_ones(Vec x) { return _mm256_movemask_ps(_mm256_cmp_ps(x, vset(1.
 inline Vec neg_inf_to_nan(Vec x) {
     return _mm256_blendv_ps(x, vset(__builtin_nanf("")), _mm256_cmp_ps(x, vset(-__builtin_inff()), _CMP_EQ_OQ));
 }
+inline Vec vdiv(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+inline Vec vfnma(Vec a, Vec b, Vec c) { return _mm256_fnmadd_ps(a, b, c); }
+inline Vec vabs(Vec x) { return _mm256_andnot_ps(vset(-0.0f), x); }
+inline Vec vcopysign(Vec mag, Vec sgn) { return _mm256_or_ps(mag, _mm256_and_ps(sgn, vset(-0.0f))); }
+inline Mask less_than(Vec a, float x) { return _mm256_cmp_ps(a, vset(x), _CMP_LT_OQ); }
+inline bool all_lanes(Mask m) { return _mm256_movemask_ps(m) == 0xFF; }
+inline Vec select(Mask m, Vec yes, Vec no) { return _mm256_blendv_ps(no, yes, m); }
+inline Vec keep_unless_sign(Vec x, Vec drop) { return _mm256_blendv_ps(x, drop, drop); }
 #endif
 
 constexpr int64_t Bq = kQueryVecs * W;
@@ -147,7 +169,51 @@ inline Vec exp2_neg(Vec x) {
 #endif
 }
 
+// tanh, <= 1.58 ulp against the float64 tanh over every float32 input (checked
+// exhaustively on both tiers when written; tests/test_options.py samples it through lse).
+// |x| < 0.875: x + x^3 P(x^2), P a degree-5 minimax fit of the relative error (1.1e-8);
+// otherwise 1 - 2e / (1 + e) with e = exp(-2|x|) from exp2_neg (no cancellation: the
+// quotient is < 0.28 there). Past |x| = 9 the result rounds to exactly +-1; NaN stays NaN. Only a vector with some lane past 0.875 pays for the exponential and the
+// division (softcapped scores are mostly well inside it).
+inline Vec tanh_vec(Vec x) {
+    constexpr float t1 = -3.333324194e-01f, t2 = 1.333097517e-01f, t3 = -5.376160145e-02f,
+                    t4 = 2.101710252e-02f, t5 = -7.003248669e-03f, t6 = 1.370988553e-03f;
+    const Vec a = vabs(x);
+    const Vec u = vmul(a, a);
+    Vec p = vfma(vset(t6), u, vset(t5));
+    p = vfma(p, u, vset(t4));
+    p = vfma(p, u, vset(t3));
+    p = vfma(p, u, vset(t2));
+    p = vfma(p, u, vset(t1));
+    Vec r = vfma(vmul(a, u), p, a);
+    const Mask small = less_than(a, 0.875f);
+    if (!all_lanes(small)) {
+        const Vec e = exp2_neg(vmul(a, vset(-2.0f * 1.4426950408889634f)));
+        const Vec big = vsub(vset(1.0f), vdiv(vadd(e, e), vadd(vset(1.0f), e)));
+        r = select(small, r, big);
+    }
+    return vcopysign(r, x);
+}
+
 // ---------------------------------------------------------------- block state
+// The score options of a task (AttentionParams order), in the kernel's base-2 units: the
+// score x = s log2(e) of a scaled score s becomes cap tanh(x / cap) (cap = softcap log2 e),
+// then x - slope |i' - j| (slope = ALiBi slope log2 e), then the mask's.
+struct ScoreOptions {
+    bool softcap = false;
+    float cap = 0, inv_cap = 0;
+    bool alibi = false;
+    float slope = 0;
+    bool mask = false;
+};
+// What one tile applies: the task's options, and the mask as its tile came out.
+enum class TileMask : int { kNone, kDrop, kAdd };  // kDrop: 0 / -inf entries; kAdd: added
+struct TileOptions {
+    bool softcap, alibi;
+    TileMask mask;
+    bool any() const { return softcap || alibi || mask != TileMask::kNone; }
+};
+
 // One sub-block: Bq query rows of one head, with its own online-softmax state. The
 // scratch shared by the sub-blocks of a task (Sᵀ, masks) is reached from here too.
 struct Block {
@@ -159,20 +225,33 @@ struct Block {
     float* st;            // Bk x Bq, shared
     int32_t* rel_begin;   // Bq, shared: visible keys of each lane relative to the tile start
     int32_t* rel_end;
-    const float* k;       // key row 0 of this (batch, kv head)
-    const float* v;
+    float* alibi_pos = nullptr;  // Bq, shared: i' - tile start of each lane (ALiBi)
+    float* mt = nullptr;         // Bk (rounded up to 8) x Bq, shared: the mask of the tile, transposed
+    const float* k;       // key row kv_first of this (batch, kv head): the caller's array, or
+    const float* v;       // the task's float32 copy of the current super-tile
     int64_t k_stride, v_stride;
+    int64_t kv_first = 0;  // key index of row 0 of k and v
     int64_t head, row_begin, rows;
     int64_t seqlen_k;      // keys valid for this batch entry (batch_seqlen_k)
     KeyRange first, last;  // visible keys of the first and last row
+    ScoreOptions opt;
 };
 
 inline int64_t round_down(int64_t x, int64_t to) { return x / to * to; }
+inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 inline int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
 // Most sub-blocks one task holds: each K/V super-tile is read from L3 once per task and
 // reused from L2 by up to this many sub-blocks, whose states (Qᵀ, Oᵀ) also live in L2.
 constexpr int64_t kMaxSubBlocks = 4;
+// The same when K and V are widened into a float32 copy per task: twice the rows share
+// each widening, in super-tiles half the size (L2 / 4). Measured on Zen 4 (1 MiB L2,
+// bfloat16 / float16, T = 2048..4096, D = 128): 0.94-0.97x of float32's speed with
+// 4 sub-blocks and L2 / 2, 0.98-1.0x with these.
+constexpr int64_t kMaxSubBlocksWidened = 8;
+
+// K and V not float32: each super-tile is widened into a float32 copy once per task.
+inline bool converts_kv(const AttentionParams& p) { return p.kv_dtype != DType::kF32; }
 
 // Tile sizes of the float32 prefill, from D, Dv and the cache sizes only.
 struct Tiling {
@@ -182,10 +261,12 @@ struct Tiling {
     bool prefetch;       // one head's K and V do not fit in half of L2
     int64_t sub_elems;   // floats of one sub-block's state
     int64_t shared_elems;
+    int64_t kv_copy_elems;  // floats of the widened super-tile (K and V not float32), else 0
 };
 // Most keys per tile (Bk); 48..96 measured alike on AVX2 (Sapphire Rapids, Bq = 32).
 constexpr int64_t kMaxTileKeys = 16 * kRows > 96 ? 16 * kRows : 96;
-inline Tiling tiling(const AttentionParams& p) {
+// widened: the task widens K and V into a float32 copy (see kMaxSubBlocksWidened).
+inline Tiling tiling(const AttentionParams& p, bool widened = false) {
     const CacheSizes& cache = cache_sizes();
     Tiling t;
     const int64_t bk = (cache.l1d / 4) / (Bq * static_cast<int64_t>(sizeof(float)));
@@ -194,21 +275,26 @@ inline Tiling tiling(const AttentionParams& p) {
     t.super_keys = round_down(clamp64((cache.l2 / 2) / row_bytes, t.Bk, 1 << 20), t.Bk);
     t.prefetch = p.seqlen_k * row_bytes > cache.l2 / 2;
     t.sub_elems = (p.head_dim + p.head_dim_v + 2) * Bq;
-    t.shared_elems = t.Bk * Bq + 2 * Bq;
+    t.shared_elems = t.Bk * Bq + 3 * Bq + round_up(t.Bk, 8) * Bq;
+    if (widened)  // the float32 copy, beside up to kMaxSubBlocksWidened states
+        t.super_keys = round_down(clamp64((cache.l2 / 4) / row_bytes, t.Bk, 1 << 20), t.Bk);
+    t.kv_copy_elems = widened ? t.super_keys * (p.head_dim + p.head_dim_v) : 0;
     return t;
 }
 
 // How tasks group sub-blocks: heads of one KV head (GQA) and consecutive row blocks.
-// Depends on the shape and the cache sizes only.
-PrefillPlan plan(const AttentionParams& p) {
-    const Tiling t = tiling(p);
+// Depends on the shape, the dtypes and the cache sizes only. widened: as tiling().
+PrefillPlan plan_for(const AttentionParams& p, bool widened) {
+    const Tiling t = tiling(p, widened);
     const int64_t group = p.heads / p.kv_heads;
     // Heads per task: the largest divisor of the group up to kMaxSubBlocks.
     int64_t heads = 1;
     for (int64_t h = 1; h <= group && h <= kMaxSubBlocks; ++h)
         if (group % h == 0) heads = h;
-    // Row blocks per task: only worth it when one head's K and V do not fit in L2.
-    int64_t row_blocks = t.prefetch ? kMaxSubBlocks / heads : 1;
+    // Row blocks per task: worth it when one head's K and V do not fit in L2, or when each
+    // super-tile is widened (once per task, so for more rows). Heads stay at most
+    // kMaxSubBlocks (GQA: each head of a task is a sub-block of every row block).
+    int64_t row_blocks = widened ? kMaxSubBlocksWidened / heads : (t.prefetch ? kMaxSubBlocks / heads : 1);
     if (row_blocks < 1) row_blocks = 1;
     // Keep enough tasks (64) to balance the thread counts of most machines; a function of
     // the shape only, so the result does not depend on the thread count.
@@ -225,9 +311,13 @@ PrefillPlan plan(const AttentionParams& p) {
     PrefillPlan plan;
     plan.block_rows = row_blocks * Bq;
     plan.heads_per_task = heads;
-    plan.workspace_elems = heads * row_blocks * t.sub_elems + t.shared_elems + 64 / sizeof(float);
+    plan.workspace_elems = heads * row_blocks * t.sub_elems + t.shared_elems + t.kv_copy_elems + 64 / sizeof(float);
     return plan;
 }
+// The plan of a task that reads float32 K and V in place (at most kMaxSubBlocks sub-blocks).
+[[maybe_unused]] PrefillPlan plan(const AttentionParams& p) { return plan_for(p, false); }
+// The plan of attend_block for any dtype: K and V not float32 are widened.
+PrefillPlan plan_all_dtypes(const AttentionParams& p) { return plan_for(p, converts_kv(p)); }
 
 // ---------------------------------------------------------------- prefetch
 // Brings the K and V rows of the next tile towards L2, a line or two per step, while the
@@ -247,8 +337,8 @@ struct PrefetchStream {
     PrefetchStream(const Block& b, int64_t first_row, int64_t rows) {
         k_stride = b.k_stride * 4;
         v_stride = b.v_stride * 4;
-        k_row = reinterpret_cast<const char*>(b.k) + first_row * k_stride;
-        v_row = reinterpret_cast<const char*>(b.v) + first_row * v_stride;
+        k_row = reinterpret_cast<const char*>(b.k) + (first_row - b.kv_first) * k_stride;
+        v_row = reinterpret_cast<const char*>(b.v) + (first_row - b.kv_first) * v_stride;
         k_bytes = b.D * 4;
         v_bytes = b.Dv * 4;
         k_lines = k_bytes / 64 + 1;  // + 1: a row need not start on a line
@@ -278,9 +368,10 @@ struct PrefetchStream {
 
 // ---------------------------------------------------------------- micro-kernels
 // Sᵀ rows [j0, j0 + R) of the tile starting at key `tile`: scores of R keys against all Bq
-// query lanes; masked to -inf outside each lane's range when `partial`; folds the row max.
-template <int R>
-void scores_rows(const Block& b, int64_t tile, int64_t j0, bool partial, Vec* tile_max) {
+// query lanes; the score options applied (kOptions, as `o` says); masked to -inf outside
+// each lane's range when `partial`; folds the row max.
+template <int R, bool kOptions>
+void scores_rows(const Block& b, int64_t tile, int64_t j0, bool partial, const TileOptions& o, Vec* tile_max) {
     Vec acc[R][kQueryVecs];
 #pragma GCC unroll 16
     for (int t = 0; t < R; ++t)
@@ -288,7 +379,7 @@ void scores_rows(const Block& b, int64_t tile, int64_t j0, bool partial, Vec* ti
         for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = vzero();
     const float* krow[R];
 #pragma GCC unroll 16
-    for (int t = 0; t < R; ++t) krow[t] = b.k + (tile + j0 + t) * b.k_stride;
+    for (int t = 0; t < R; ++t) krow[t] = b.k + (tile - b.kv_first + j0 + t) * b.k_stride;
     const float* q = b.qt;
     for (int64_t d = 0; d < b.D; ++d, q += Bq) {
         Vec qv[kQueryVecs];
@@ -302,11 +393,24 @@ void scores_rows(const Block& b, int64_t tile, int64_t j0, bool partial, Vec* ti
         }
     }
     float* s = b.st + j0 * Bq;
+    // (Read before the stores to s, which the compiler cannot tell apart from b.)
+    const Vec cap = vset(b.opt.cap), inv_cap = vset(b.opt.inv_cap), slope = vset(b.opt.slope);
+    const float* mt = b.mt + j0 * Bq;
+    const float* alibi_pos = b.alibi_pos;
 #pragma GCC unroll 16
     for (int t = 0; t < R; ++t)
 #pragma GCC unroll 4
         for (int u = 0; u < kQueryVecs; ++u) {
             Vec x = neg_inf_to_nan(acc[t][u]);  // -inf only from an infinite input
+            if constexpr (kOptions) {
+                if (o.softcap) x = vmul(cap, tanh_vec(vmul(x, inv_cap)));
+                if (o.alibi) {  // |i' - j| exactly (while below 2^24)
+                    const Vec dist = vabs(vsub(vload(alibi_pos + u * W), vset(static_cast<float>(j0 + t))));
+                    x = vfnma(slope, dist, x);
+                }
+                if (o.mask == TileMask::kDrop) x = keep_unless_sign(x, vload(mt + t * Bq + u * W));
+                else if (o.mask == TileMask::kAdd) x = vadd(x, vload(mt + t * Bq + u * W));
+            }
             if (partial)
                 x = keep_or_neg_inf(key_visible(b.rel_begin + u * W, b.rel_end + u * W,
                                                 static_cast<int32_t>(j0 + t)), x);
@@ -333,7 +437,7 @@ void pv_rows(const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* 
 #pragma GCC unroll 4
             for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = vload(o + t * Bq + u * W);
     }
-    const float* vrow = b.v + tile * b.v_stride + e0;
+    const float* vrow = b.v + (tile - b.kv_first) * b.v_stride + e0;
     const float* pt = b.st;
     for (int64_t j = 0; j < keys; ++j, vrow += b.v_stride, pt += Bq) {
         for (int i = 0; i < pf_steps; ++i) pf.step();
@@ -355,10 +459,11 @@ void pv_rows(const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* 
 
 // Remainder micro-tiles (fewer than kRows keys or columns), picked by an if-chain at
 // compile time. (No static table: its constructor would run AVX code at library load.)
-template <int R>
-inline void scores_tail(int64_t rows, const Block& b, int64_t tile, int64_t j0, bool partial, Vec* tile_max) {
-    if (rows == R) scores_rows<R>(b, tile, j0, partial, tile_max);
-    else if constexpr (R > 1) scores_tail<R - 1>(rows, b, tile, j0, partial, tile_max);
+template <int R, bool kOptions>
+inline void scores_tail(int64_t rows, const Block& b, int64_t tile, int64_t j0, bool partial,
+                        const TileOptions& o, Vec* tile_max) {
+    if (rows == R) scores_rows<R, kOptions>(b, tile, j0, partial, o, tile_max);
+    else if constexpr (R > 1) scores_tail<R - 1, kOptions>(rows, b, tile, j0, partial, o, tile_max);
 }
 template <int R>
 inline void pv_cols(int64_t cols, const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* corr,
@@ -381,14 +486,23 @@ inline void exp_pass(const Block& b, int64_t keys, const Vec* shift, Vec* sum) {
         }
 }
 
+template <bool kOptions>
+inline void scores_tile(const Block& b, int64_t tile, int64_t keys, bool partial, const TileOptions& o,
+                        Vec* tile_max) {
+    int64_t j0 = 0;
+    for (; j0 + kRows <= keys; j0 += kRows) scores_rows<kRows, kOptions>(b, tile, j0, partial, o, tile_max);
+    if (j0 < keys) scores_tail<kRows - 1, kOptions>(keys - j0, b, tile, j0, partial, o, tile_max);
+}
+
 // Online-softmax update of the block with keys [tile, tile + keys).
-void attend_tile(const Block& b, int64_t tile, int64_t keys, int64_t next_keys, bool partial) {
-    // 1. Sᵀ = K_tile Qᵀ (scaled, base 2), masked on partial tiles, with the tile's row max.
+void attend_tile(const Block& b, int64_t tile, int64_t keys, int64_t next_keys, bool partial,
+                 const TileOptions& o) {
+    // 1. Sᵀ = K_tile Qᵀ (scaled, base 2), options applied, masked on partial tiles, with
+    //    the tile's row max.
     Vec tile_max[kQueryVecs];
     for (int u = 0; u < kQueryVecs; ++u) tile_max[u] = vset(-__builtin_inff());
-    int64_t j0 = 0;
-    for (; j0 + kRows <= keys; j0 += kRows) scores_rows<kRows>(b, tile, j0, partial, tile_max);
-    if (j0 < keys) scores_tail<kRows - 1>(keys - j0, b, tile, j0, partial, tile_max);
+    if (o.any()) scores_tile<true>(b, tile, keys, partial, o, tile_max);
+    else scores_tile<false>(b, tile, keys, partial, o, tile_max);
 
     // 2. New max, rescale factor of the old state, Pᵀ = 2^(Sᵀ - m) in place, row sums.
     Vec shift[kQueryVecs], corr[kQueryVecs], sum[kQueryVecs];
@@ -422,6 +536,58 @@ void attend_tile(const Block& b, int64_t tile, int64_t keys, int64_t next_keys, 
     }
 }
 
+// ---------------------------------------------------------------- storage types
+// Eight consecutive elements of a row widened to float32 (exact), and float32 narrowed to
+// the output type (round to nearest even, NaN kept, as storage_types.inl's scalars).
+inline __m256 widen8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 widen8(const f16_t* x) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
+inline __m256 widen8(const bf16_t* x) {
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+inline __m256 widen8(const int8_t* x) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x))));
+}
+inline void narrow8(float* y, __m256 x) { _mm256_storeu_ps(y, x); }
+inline void narrow8(f16_t* y, __m256 x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline void narrow8(bf16_t* y, __m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i hi = _mm256_srli_epi32(u, 16);
+    const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(hi, _mm256_set1_epi32(1)));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
+                                           _mm256_set1_epi32(0x7F800000));
+    const __m256i r = _mm256_blendv_epi8(rounded, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y),
+                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+inline void narrow1(float* y, float x) { *y = x; }
+inline void narrow1(f16_t* y, float x) { *y = narrow_f16(x); }
+inline void narrow1(bf16_t* y, float x) { *y = narrow_bf16(x); }
+
+// Rows [first, first + rows) of one (batch, kv head)'s K or V, widened into dst (rows x
+// dim, contiguous) and, for an int8 cache, times each row's scale (one rounding, as the
+// templates do).
+template <class T>
+void widen_rows(const T* src, int64_t stride, int64_t first, int64_t rows, int64_t dim,
+                const RowScales& scale, float* dst) {
+    for (int64_t r = 0; r < rows; ++r, dst += dim) {
+        const T* x = src + (first + r) * stride;
+        const float sc = scale.at(first + r);
+        const __m256 sc8 = _mm256_set1_ps(sc);
+        int64_t d = 0;
+        if (scale.scale) {
+            for (; d + 8 <= dim; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(widen8(x + d), sc8));
+            for (; d < dim; ++d) dst[d] = widen(x[d]) * sc;
+        } else {
+            for (; d + 8 <= dim; d += 8) _mm256_storeu_ps(dst + d, widen8(x + d));
+            for (; d < dim; ++d) dst[d] = widen(x[d]);
+        }
+    }
+}
+
 // ---------------------------------------------------------------- one task
 // r[c] <- column c of the 8 x 8 block whose rows are r[0..7] (AVX; both tiers have it).
 inline void transpose8(__m256* r) {
@@ -447,28 +613,29 @@ inline void transpose8(__m256* r) {
     r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
 
-// Sets up one sub-block: Qᵀ scaled into base 2 (exp(x) = 2^(x log2 e)), lanes past the
-// last row 0; empty state.
-void init_sub_block(const AttentionParams& p, Block& b, const float* q) {
+// Sets up one sub-block: Qᵀ widened to float32 and scaled into base 2 (exp(x) =
+// 2^(x log2 e)), lanes past the last row 0; empty state.
+template <class TQ>
+void init_sub_block(const AttentionParams& p, Block& b, const TQ* q) {
     const float qscale = static_cast<float>(p.scale * 1.4426950408889634);
     const __m256 scale8 = _mm256_set1_ps(qscale);
     const int64_t D = b.D;
     int64_t i0 = 0;
     for (; i0 + 8 <= b.rows; i0 += 8) {  // 8 x 8 blocks through registers
-        const float* q0 = q + (b.row_begin + i0) * p.q_row_stride;
+        const TQ* q0 = q + (b.row_begin + i0) * p.q_row_stride;
         int64_t d0 = 0;
         for (; d0 + 8 <= D; d0 += 8) {
             __m256 r[8];
-            for (int c = 0; c < 8; ++c) r[c] = _mm256_mul_ps(_mm256_loadu_ps(q0 + c * p.q_row_stride + d0), scale8);
+            for (int c = 0; c < 8; ++c) r[c] = _mm256_mul_ps(widen8(q0 + c * p.q_row_stride + d0), scale8);
             transpose8(r);
             for (int c = 0; c < 8; ++c) _mm256_store_ps(b.qt + (d0 + c) * Bq + i0, r[c]);
         }
         for (; d0 < D; ++d0)
-            for (int c = 0; c < 8; ++c) b.qt[d0 * Bq + i0 + c] = q0[c * p.q_row_stride + d0] * qscale;
+            for (int c = 0; c < 8; ++c) b.qt[d0 * Bq + i0 + c] = widen(q0[c * p.q_row_stride + d0]) * qscale;
     }
     for (; i0 < b.rows; ++i0) {
-        const float* qrow = q + (b.row_begin + i0) * p.q_row_stride;
-        for (int64_t d = 0; d < D; ++d) b.qt[d * Bq + i0] = qrow[d] * qscale;
+        const TQ* qrow = q + (b.row_begin + i0) * p.q_row_stride;
+        for (int64_t d = 0; d < D; ++d) b.qt[d * Bq + i0] = widen(qrow[d]) * qscale;
     }
     for (int64_t d = 0; d < D; ++d)
         for (int64_t i = b.rows; i < Bq; ++i) b.qt[d * Bq + i] = 0.0f;
@@ -482,10 +649,11 @@ void init_sub_block(const AttentionParams& p, Block& b, const float* q) {
     b.last = visible_keys(p, b.row_begin + b.rows - 1, b.seqlen_k);
 }
 
-// out = Oᵀᵀ / l; lse = ln(l) + m ln 2. A row that saw no key (l == 0): zeros and -inf;
-// a NaN in a score the row sees makes l NaN, and NaN goes on to out and lse.
+// out = Oᵀᵀ / l, rounded to q's type; lse = ln(l) + m ln 2. A row that saw no key (l == 0):
+// zeros and -inf; a NaN in a score the row sees makes l NaN, and NaN goes on to out and lse.
+template <class TQ = float>
 void finish_sub_block(const AttentionParams& p, const Block& b, int64_t batch) {
-    float* out = static_cast<float*>(p.out) + batch * p.out_batch_stride + b.head * p.out_head_stride;
+    TQ* out = static_cast<TQ*>(p.out) + batch * p.out_batch_stride + b.head * p.out_head_stride;
     float* lse = static_cast<float*>(p.lse);
     if (lse) lse += batch * p.lse_batch_stride + b.head * p.lse_head_stride;
     alignas(64) float inv[Bq];
@@ -517,21 +685,21 @@ void finish_sub_block(const AttentionParams& p, const Block& b, int64_t batch) {
     for (int64_t i = 0; i < Bq; ++i) inv[i] = b.l[i] != 0.0f ? 1.0f / b.l[i] : 0.0f;
     int64_t i0 = 0;
     for (; i0 + 8 <= b.rows; i0 += 8) {  // 8 x 8 blocks through registers
-        float* o0 = out + (b.row_begin + i0) * p.out_row_stride;
+        TQ* o0 = out + (b.row_begin + i0) * p.out_row_stride;
         const __m256 inv8 = _mm256_load_ps(inv + i0);
         int64_t e0 = 0;
         for (; e0 + 8 <= Dv; e0 += 8) {
             __m256 r[8];
             for (int c = 0; c < 8; ++c) r[c] = _mm256_mul_ps(_mm256_load_ps(b.ot + (e0 + c) * Bq + i0), inv8);
             transpose8(r);
-            for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o0 + c * p.out_row_stride + e0, r[c]);
+            for (int c = 0; c < 8; ++c) narrow8(o0 + c * p.out_row_stride + e0, r[c]);
         }
         for (; e0 < Dv; ++e0)
-            for (int c = 0; c < 8; ++c) o0[c * p.out_row_stride + e0] = b.ot[e0 * Bq + i0 + c] * inv[i0 + c];
+            for (int c = 0; c < 8; ++c) narrow1(o0 + c * p.out_row_stride + e0, b.ot[e0 * Bq + i0 + c] * inv[i0 + c]);
     }
     for (; i0 < b.rows; ++i0) {
-        float* orow = out + (b.row_begin + i0) * p.out_row_stride;
-        for (int64_t e = 0; e < Dv; ++e) orow[e] = b.ot[e * Bq + i0] * inv[i0];
+        TQ* orow = out + (b.row_begin + i0) * p.out_row_stride;
+        for (int64_t e = 0; e < Dv; ++e) narrow1(orow + e, b.ot[e * Bq + i0] * inv[i0]);
     }
     if (lse)
         for (int64_t i = 0; i < b.rows; ++i)
@@ -539,8 +707,114 @@ void finish_sub_block(const AttentionParams& p, const Block& b, int64_t batch) {
                 b.l[i] != 0.0f ? b.m[i] * 0.6931471805599453f + __builtin_logf(b.l[i]) : -__builtin_inff();
 }
 
-// Keys [tile, tile + keys) for sub-block b: masks when some lane's range cuts the tile.
-void attend_sub_tile(const AttentionParams& p, const Block& b, int64_t tile, int64_t keys, int64_t next_keys) {
+// ---------------------------------------------------------------- masks
+// Mask values in the kernel's units: a bool mask's entry as +0 (keep) or -inf (drop), an
+// additive mask's times log2(e).
+inline float mask_value(const uint8_t* m) { return *m ? 0.0f : -__builtin_inff(); }
+inline float mask_value(const float* m) { return *m * 1.4426950408889634f; }
+inline float mask_value(const double* m) { return static_cast<float>(*m) * 1.4426950408889634f; }
+inline __m256 mask_values8(const uint8_t* m) {
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m)));
+    const __m256i drop = _mm256_cmpeq_epi32(x, _mm256_setzero_si256());
+    return _mm256_and_ps(_mm256_castsi256_ps(drop), _mm256_set1_ps(-__builtin_inff()));
+}
+inline __m256 mask_values8(const float* m) { return _mm256_mul_ps(_mm256_loadu_ps(m), _mm256_set1_ps(1.4426950408889634f)); }
+inline __m256 mask_values8(const double* m) {
+    const __m256 x = _mm256_set_m128(_mm256_cvtpd_ps(_mm256_loadu_pd(m + 4)), _mm256_cvtpd_ps(_mm256_loadu_pd(m)));
+    return _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+}
+
+// What a tile's mask entries hold: `set` ORs the bits of entries that drop (bool: -inf) or
+// are nonzero (additive), `clear` those that keep (bool) .
+struct MaskSummary {
+    __m256 set = _mm256_setzero_ps();
+    __m256 clear = _mm256_setzero_ps();
+    void add(__m256 x) {
+        const __m256 nz = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_NEQ_UQ);
+        set = _mm256_or_ps(set, nz);
+        clear = _mm256_or_ps(clear, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_EQ_OQ));
+    }
+    void add(float x) { add(_mm256_set1_ps(x)); }
+    bool any_set() const { return _mm256_movemask_ps(set) != 0; }
+    bool any_clear() const { return _mm256_movemask_ps(clear) != 0; }
+};
+
+// b.mt <- the mask of keys [tile, tile + keys) for the sub-block's Bq lanes, transposed
+// (key-major, like Sᵀ); padding lanes repeat the last row. Read through the mask's strides
+// (0 for a broadcast axis), never beyond key seqlen_k of a row.
+template <class M>
+void mask_tile(const AttentionParams& p, const Block& b, const M* base, int64_t tile, int64_t keys,
+               MaskSummary& sum) {
+    const int64_t rs = p.mask_row_stride, cs = p.mask_col_stride;
+    auto row = [&](int64_t i) { return base + (b.row_begin + (i < b.rows ? i : b.rows - 1)) * rs + tile * cs; };
+    if (rs == 0 || b.rows == 1) {  // every lane the same row: one value per key, broadcast
+        const M* m = row(0);
+        for (int64_t j = 0; j < keys; ++j) {
+            const float x = mask_value(m + j * cs);
+            sum.add(x);
+            const Vec xv = vset(x);
+            for (int u = 0; u < kQueryVecs; ++u) vstore(b.mt + j * Bq + u * W, xv);
+        }
+        return;
+    }
+    if (cs == 1) {  // rows of consecutive keys: 8 x 8 blocks through registers
+        for (int64_t i0 = 0; i0 < Bq; i0 += 8) {
+            const M* r0[8];
+            for (int c = 0; c < 8; ++c) r0[c] = row(i0 + c);
+            int64_t j0 = 0;
+            for (; j0 < keys && tile + j0 + 8 <= p.seqlen_k; j0 += 8) {
+                __m256 r[8];
+                for (int c = 0; c < 8; ++c) r[c] = mask_values8(r0[c] + j0);
+                transpose8(r);
+                const int64_t n = keys - j0 < 8 ? keys - j0 : 8;
+                for (int64_t c = 0; c < n; ++c) {
+                    sum.add(r[c]);
+                    _mm256_store_ps(b.mt + (j0 + c) * Bq + i0, r[c]);
+                }
+            }
+            for (; j0 < keys; ++j0)  // the last keys of the rows
+                for (int c = 0; c < 8; ++c) {
+                    const float x = mask_value(r0[c] + j0);
+                    sum.add(x);
+                    b.mt[j0 * Bq + i0 + c] = x;
+                }
+        }
+        return;
+    }
+    for (int64_t i = 0; i < Bq; ++i) {  // any other strides
+        const M* m = row(i);
+        for (int64_t j = 0; j < keys; ++j) {
+            const float x = mask_value(m + j * cs);
+            sum.add(x);
+            b.mt[j * Bq + i] = x;
+        }
+    }
+}
+
+// Keys [tile, tile + keys) for sub-block b: masks when some lane's range cuts the tile; the
+// score options' per-tile state (ALiBi positions, the mask tile). A tile a bool mask drops
+// entirely is skipped (exact: it would add nothing); a mask tile that keeps every key (bool)
+// or adds only zeros is not applied.
+void attend_sub_tile(const AttentionParams& p, const Block& b, int64_t batch, int64_t tile, int64_t keys,
+                     int64_t next_keys) {
+    TileOptions o{b.opt.softcap, b.opt.alibi, TileMask::kNone};
+    if (b.opt.mask) {
+        MaskSummary sum;
+        const int64_t at = batch * p.mask_batch_stride + b.head * p.mask_head_stride;
+        if (p.mask_kind == MaskKind::kBool) {
+            mask_tile(p, b, static_cast<const uint8_t*>(p.mask) + at, tile, keys, sum);
+            if (!sum.any_clear()) return;  // every key dropped
+            if (sum.any_set()) o.mask = TileMask::kDrop;
+        } else {
+            if (p.mask_dtype == DType::kF64) mask_tile(p, b, static_cast<const double*>(p.mask) + at, tile, keys, sum);
+            else mask_tile(p, b, static_cast<const float*>(p.mask) + at, tile, keys, sum);
+            if (sum.any_set()) o.mask = TileMask::kAdd;
+        }
+    }
+    if (b.opt.alibi) {
+        const int64_t aligned0 = aligned_row(p, b.row_begin, b.seqlen_k);
+        for (int64_t i = 0; i < Bq; ++i) b.alibi_pos[i] = static_cast<float>(aligned0 - tile + i);
+    }
     const bool partial = tile < b.last.begin || tile + keys > b.first.end;
     if (partial) {
         // Padding lanes copy the last row's range so they never make a tile partial.
@@ -551,27 +825,58 @@ void attend_sub_tile(const AttentionParams& p, const Block& b, int64_t tile, int
             b.rel_end[i] = static_cast<int32_t>(clamp64(r.end - tile, rb, keys));
         }
     }
-    attend_tile(b, tile, keys, next_keys, partial);
+    attend_tile(b, tile, keys, next_keys, partial, o);
+}
+
+template <class T> struct IsFloat { static constexpr bool value = false; };
+template <> struct IsFloat<float> { static constexpr bool value = true; };
+
+// The task's score options (see ScoreOptions).
+inline ScoreOptions score_options(const AttentionParams& p) {
+    ScoreOptions o;
+    if (p.softcap > 0) {
+        o.softcap = true;
+        o.cap = static_cast<float>(p.softcap * 1.4426950408889634);
+        o.inv_cap = static_cast<float>(1.0 / (p.softcap * 1.4426950408889634));
+    }
+    o.alibi = p.alibi_slopes != nullptr;
+    o.mask = p.mask != nullptr;
+    return o;
 }
 
 // One task: heads [head, head + head_count) (all of one KV head) x rows [row_begin, row_end),
 // as sub-blocks of Bq rows. The keys are walked in L2-sized super-tiles; every sub-block
 // walks a super-tile (in Bk tiles) before the next, so K and V come from L3 once per task
-// instead of once per sub-block. The tile grid starts at the task's first visible key.
-void attend_block(const AttentionParams& p, const BlockTask& task, float* workspace) {
-    const Tiling t = tiling(p);
+// instead of once per sub-block (and, not float32, are widened once per task into a float32
+// copy of the super-tile). The tile grid starts at the task's first visible key.
+// TQ: type of q and out; TKV: of k and v.
+template <class TQ, class TKV>
+void attend_block_typed(const AttentionParams& p, const BlockTask& task, float* workspace) {
+    constexpr bool kConvert = !IsFloat<TKV>::value;
+    const Tiling t = tiling(p, kConvert);
     const int64_t head_count = task.head_count;
     const int64_t row_blocks = (task.row_end - task.row_begin + Bq - 1) / Bq;
-    const int64_t subs = head_count * row_blocks;  // <= kMaxSubBlocks (plan)
+    const int64_t subs = head_count * row_blocks;  // <= kMaxSubBlocks(Widened) (plan_all_dtypes)
     const int64_t kv_head = task.head / (p.heads / p.kv_heads);
+    const ScoreOptions opt = score_options(p);
 
     float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(workspace) + 63) & ~uintptr_t(63));
     float* st = base;
     int32_t* rel_begin = reinterpret_cast<int32_t*>(st + t.Bk * Bq);
     int32_t* rel_end = rel_begin + Bq;
+    float* alibi_pos = reinterpret_cast<float*>(rel_end + Bq);
+    float* mt = alibi_pos + Bq;
     float* sub_base = base + t.shared_elems;
+    float* kv_copy = sub_base + subs * t.sub_elems;  // super_keys x D, then super_keys x Dv
 
-    Block blocks[kMaxSubBlocks];
+    const TKV* k = static_cast<const TKV*>(p.k) + task.batch * p.k_batch_stride + kv_head * p.k_head_stride;
+    const TKV* v = static_cast<const TKV*>(p.v) + task.batch * p.v_batch_stride + kv_head * p.v_head_stride;
+    const RowScales k_scale = row_scales(p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride,
+                                         p.k_scale_row_stride, task.batch, kv_head);
+    const RowScales v_scale = row_scales(p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride,
+                                         p.v_scale_row_stride, task.batch, kv_head);
+
+    Block blocks[kMaxSubBlocksWidened];
     int64_t kv_begin = 0, kv_end = 0;
     for (int64_t sidx = 0; sidx < subs; ++sidx) {
         Block& b = blocks[sidx];
@@ -585,15 +890,28 @@ void attend_block(const AttentionParams& p, const BlockTask& task, float* worksp
         b.st = st;
         b.rel_begin = rel_begin;
         b.rel_end = rel_end;
-        b.k = static_cast<const float*>(p.k) + task.batch * p.k_batch_stride + kv_head * p.k_head_stride;
-        b.v = static_cast<const float*>(p.v) + task.batch * p.v_batch_stride + kv_head * p.v_head_stride;
-        b.k_stride = p.k_row_stride;
-        b.v_stride = p.v_row_stride;
+        b.alibi_pos = alibi_pos;
+        b.mt = mt;
+        if constexpr (kConvert) {
+            b.k = kv_copy;
+            b.v = kv_copy + t.super_keys * b.D;
+            b.k_stride = b.D;
+            b.v_stride = b.Dv;
+        } else {
+            b.k = k;
+            b.v = v;
+            b.k_stride = p.k_row_stride;
+            b.v_stride = p.v_row_stride;
+        }
+        b.kv_first = 0;
         b.head = task.head + sidx / row_blocks;
         b.row_begin = task.row_begin + (sidx % row_blocks) * Bq;
         b.rows = task.row_end - b.row_begin < Bq ? task.row_end - b.row_begin : Bq;
         b.seqlen_k = batch_seqlen_k(p, task.batch);
-        const float* q = static_cast<const float*>(p.q) + task.batch * p.q_batch_stride + b.head * p.q_head_stride;
+        b.opt = opt;
+        if (opt.alibi) b.opt.slope = static_cast<float>(p.alibi_slopes[task.batch * p.alibi_batch_stride + b.head] *
+                                                        1.4426950408889634);
+        const TQ* q = static_cast<const TQ*>(p.q) + task.batch * p.q_batch_stride + b.head * p.q_head_stride;
         init_sub_block(p, b, q);
         if (sidx == 0 || b.first.begin < kv_begin) kv_begin = b.first.begin;
         if (sidx == 0 || b.last.end > kv_end) kv_end = b.last.end;
@@ -601,6 +919,12 @@ void attend_block(const AttentionParams& p, const BlockTask& task, float* worksp
 
     for (int64_t super = kv_begin; super < kv_end; super += t.super_keys) {
         const int64_t super_end = super + t.super_keys < kv_end ? super + t.super_keys : kv_end;
+        if constexpr (kConvert) {
+            widen_rows(k, p.k_row_stride, super, super_end - super, p.head_dim, k_scale, kv_copy);
+            widen_rows(v, p.v_row_stride, super, super_end - super, p.head_dim_v, v_scale,
+                       kv_copy + t.super_keys * p.head_dim);
+            for (int64_t sidx = 0; sidx < subs; ++sidx) blocks[sidx].kv_first = super;
+        }
         int64_t covered = super;  // keys of this super-tile some earlier sub-block has read
         for (int64_t sidx = 0; sidx < subs; ++sidx) {
             const Block& b = blocks[sidx];
@@ -609,18 +933,38 @@ void attend_block(const AttentionParams& p, const BlockTask& task, float* worksp
             if (lo > tile) tile += round_down(lo - tile, t.Bk);  // skip tiles before the range
             for (; tile < hi; tile += t.Bk) {
                 const int64_t keys = hi - tile < t.Bk ? hi - tile : t.Bk;
-                // Prefetch the next tile unless an earlier sub-block already brought it in.
+                // Prefetch the next tile unless an earlier sub-block already brought it in
+                // (or it is in the widened copy, already in L2).
                 int64_t next_keys = 0;
-                if (t.prefetch && tile + t.Bk >= covered) {
+                if (!kConvert && t.prefetch && tile + t.Bk >= covered) {
                     const int64_t after = kv_end - (tile + t.Bk);
                     next_keys = after <= 0 ? 0 : (after < t.Bk ? after : t.Bk);
                 }
-                attend_sub_tile(p, b, tile, keys, next_keys);
+                attend_sub_tile(p, b, task.batch, tile, keys, next_keys);
             }
             if (hi > covered) covered = hi;
         }
     }
-    for (int64_t sidx = 0; sidx < subs; ++sidx) finish_sub_block(p, blocks[sidx], task.batch);
+    for (int64_t sidx = 0; sidx < subs; ++sidx) finish_sub_block<TQ>(p, blocks[sidx], task.batch);
+}
+
+// Every float32-accumulated dtype combination attention_forward accepts (float32, float16 /
+// bfloat16 q k v, float32 q over a 16-bit or int8 cache, 16-bit q over an int8 cache), with
+// every score option.
+void attend_block(const AttentionParams& p, const BlockTask& task, float* workspace) {
+    const DType q = p.dtype, kv = p.kv_dtype;
+    if (kv == DType::kF32) attend_block_typed<float, float>(p, task, workspace);
+    else if (kv == DType::kBF16) {
+        if (q == DType::kBF16) attend_block_typed<bf16_t, bf16_t>(p, task, workspace);
+        else attend_block_typed<float, bf16_t>(p, task, workspace);
+    } else if (kv == DType::kF16) {
+        if (q == DType::kF16) attend_block_typed<f16_t, f16_t>(p, task, workspace);
+        else attend_block_typed<float, f16_t>(p, task, workspace);
+    } else {  // kI8
+        if (q == DType::kBF16) attend_block_typed<bf16_t, int8_t>(p, task, workspace);
+        else if (q == DType::kF16) attend_block_typed<f16_t, int8_t>(p, task, workspace);
+        else attend_block_typed<float, int8_t>(p, task, workspace);
+    }
 }
 
 }  // namespace simd

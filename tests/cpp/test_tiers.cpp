@@ -2,8 +2,9 @@
 // attnfast::attention_forward against a float64 reference written here (materialised softmax)
 // on small odd shapes that cover both paths (decode: Tq <= 16, prefill), causal and windows,
 // GQA, Dv != D, strided inputs, per-batch key lengths, paged caches (a block table: the same
-// bits as the contiguous cache), float32 and float64, the NaN contract,
-// and that 1 and 3 threads give identical bits. Built with -DATTNFAST_BUILD_TESTS=ON, run by
+// bits as the contiguous cache), float32 and float64, the score options (softcap, ALiBi, bool
+// and additive masks, sinks), the NaN contract, and that 1 and 3 threads give identical bits.
+// Built with -DATTNFAST_BUILD_TESTS=ON, run by
 // ctest (under qemu-user for cross builds: tools/run_cpp_tests.sh).
 //
 // Usage: test_tiers [--nan | --random N [seed]]
@@ -48,6 +49,12 @@ struct Case {
     int64_t block = 0;    // > 0: also run through a paged copy of the cache (blocks of this
                           // many rows, in reverse order in the pool), which must give the
                           // same bits
+    double softcap = 0;  // 0: off
+    double alibi = 0;    // 0: off; else head h's ALiBi slope is alibi * (h + 1)
+    int mask = 0;        // 0: none; 1: bool (B, 1, Tq, Tk), ~1 key in 5 dropped and row Tq / 2
+                         // dropped entirely; 2: additive (Tq, Tk) of the case's dtype,
+                         // broadcast over batch and heads, ~1 in 10 entries -inf
+    bool sinks = false;  // head h's sink logit 0.5 - 0.3 h
 };
 
 // Deterministic data: a 64-bit LCG mapped to [-amp, amp).
@@ -119,12 +126,14 @@ bool nan_known_to_fail(const std::string& tier) {
 std::string describe(const Case& c, const char* dtype) {
     char buf[256];
     std::snprintf(buf, sizeof buf,
-                  "%s B=%lld H=%lld Hkv=%lld Tq=%lld Tk=%lld D=%lld Dv=%lld causal=%d window=(%lld,%lld)%s%s%s block=%lld",
+                  "%s B=%lld H=%lld Hkv=%lld Tq=%lld Tk=%lld D=%lld Dv=%lld causal=%d window=(%lld,%lld)%s%s%s"
+                  " block=%lld softcap=%g alibi=%g mask=%d%s",
                   dtype, (long long)c.B, (long long)c.H, (long long)c.Hkv, (long long)c.Tq,
                   (long long)c.Tk, (long long)c.D, (long long)c.Dv, c.causal ? 1 : 0,
                   (long long)c.wl, (long long)c.wr, c.strided ? " strided" : "",
                   c.seqlens ? " seqlens_k" : "",
-                  c.nan == 1 ? " NaN-in-q" : (c.nan == 2 ? " NaN-in-k" : ""), (long long)c.block);
+                  c.nan == 1 ? " NaN-in-q" : (c.nan == 2 ? " NaN-in-k" : ""), (long long)c.block,
+                  c.softcap, c.alibi, c.mask, c.sinks ? " sinks" : "");
     return buf;
 }
 
@@ -157,6 +166,29 @@ bool run_case(const Case& c, uint64_t seed, const char* dtype) {
     if (c.nan == 1) q.at(0, c.H - 1, nan_row, c.D / 2) = static_cast<T>(kNaN);
     if (c.nan == 2) k.at(0, 0, nan_key, c.D - 1) = static_cast<T>(kNaN);
 
+    // Score options.
+    std::vector<float> slopes(static_cast<size_t>(c.H)), sinks(static_cast<size_t>(c.H));
+    for (int64_t h = 0; h < c.H; ++h) {
+        slopes[h] = static_cast<float>(c.alibi * static_cast<double>(h + 1));
+        sinks[h] = static_cast<float>(0.5 - 0.3 * static_cast<double>(h));
+    }
+    std::vector<uint8_t> keep(c.mask == 1 ? static_cast<size_t>(c.B * c.Tq * c.Tk) : 0);
+    for (int64_t b = 0; b < (c.mask == 1 ? c.B : 0); ++b)
+        for (int64_t i = 0; i < c.Tq; ++i)
+            for (int64_t j = 0; j < c.Tk; ++j)
+                keep[(b * c.Tq + i) * c.Tk + j] = i != c.Tq / 2 && rng.next(1.0) > -0.6;
+    std::vector<T> add(c.mask == 2 ? static_cast<size_t>(c.Tq * c.Tk) : 0);
+    for (size_t x = 0; x < add.size(); ++x) {
+        const double r = rng.next(1.0);
+        add[x] = static_cast<T>(r < -0.8 ? -kInf : 2.0 * r);
+    }
+    auto mask_drops = [&](int64_t b, int64_t i, int64_t j) {
+        return c.mask == 1 && !keep[(b * c.Tq + i) * c.Tk + j];
+    };
+    auto mask_adds = [&](int64_t i, int64_t j) {
+        return c.mask == 2 ? static_cast<double>(add[i * c.Tk + j]) : 0.0;
+    };
+
     // Outputs: out in the case's layout, padding a sentinel that must survive; lse (B, Tq, H)
     // when strided (SDPA-transposed), else (B, H, Tq); both start as NaN-free garbage-free
     // sentinels so an unwritten element shows.
@@ -184,6 +216,16 @@ bool run_case(const Case& c, uint64_t seed, const char* dtype) {
     p.causal = c.causal, p.window_left = c.wl, p.window_right = c.wr;
     p.has_query_offset = c.query_offset != kBottomRight;
     p.query_offset = p.has_query_offset ? c.query_offset : 0;
+    p.softcap = c.softcap;
+    if (c.alibi != 0) p.alibi_slopes = slopes.data(), p.alibi_batch_stride = 0;
+    if (c.sinks) p.sinks = sinks.data();
+    if (c.mask == 1) {
+        p.mask = keep.data(), p.mask_kind = attnfast::MaskKind::kBool;
+        p.mask_batch_stride = c.Tq * c.Tk, p.mask_head_stride = 0, p.mask_row_stride = c.Tk, p.mask_col_stride = 1;
+    } else if (c.mask == 2) {
+        p.mask = add.data(), p.mask_kind = attnfast::MaskKind::kAdditive, p.mask_dtype = p.dtype;
+        p.mask_batch_stride = 0, p.mask_head_stride = 0, p.mask_row_stride = c.Tk, p.mask_col_stride = 1;
+    }
 
     const std::string what = describe(c, dtype);
     try {
@@ -256,6 +298,7 @@ bool run_case(const Case& c, uint64_t seed, const char* dtype) {
                 int64_t lo, hi;
                 visible(c, i, lens[b], &lo, &hi);
                 const int64_t g = h / group;
+                const int64_t aligned = i + (c.query_offset == kBottomRight ? lens[b] - c.Tq : c.query_offset);
                 double m = -kInf;
                 bool has_nan = false;
                 for (int64_t j = lo; j < hi; ++j) {
@@ -263,12 +306,19 @@ bool run_case(const Case& c, uint64_t seed, const char* dtype) {
                     for (int64_t d = 0; d < c.D; ++d)
                         dot += static_cast<double>(q.at(b, h, i, d)) * static_cast<double>(k.at(b, g, j, d));
                     s[j] = dot * p.scale;
+                    // the options in AttentionParams' order; a dropped key is -inf (skipped)
+                    if (c.softcap != 0) s[j] = c.softcap * std::tanh(s[j] / c.softcap);
+                    if (c.alibi != 0) s[j] -= static_cast<double>(slopes[h]) * static_cast<double>(std::llabs(aligned - j));
+                    s[j] = mask_drops(b, i, j) ? -kInf : s[j] + mask_adds(i, j);
                     if (std::isnan(s[j])) has_nan = true;
                     else m = std::max(m, s[j]);
                 }
-                double sum = 0;
+                const bool blind = m == -kInf;  // (no key seen, or every one dropped)
+                if (c.sinks && !has_nan) m = std::max(m, static_cast<double>(sinks[h]));
+                double sum = c.sinks && !has_nan ? std::exp(static_cast<double>(sinks[h]) - m) : 0;
                 for (int64_t e = 0; e < c.Dv; ++e) o[e] = 0;
-                for (int64_t j = lo; j < hi && !has_nan; ++j) {
+                for (int64_t j = lo; j < hi && !has_nan && !blind; ++j) {
+                    if (s[j] == -kInf) continue;
                     const double w = std::exp(s[j] - m);
                     sum += w;
                     for (int64_t e = 0; e < c.Dv; ++e) o[e] += w * static_cast<double>(v.at(b, g, j, e));
@@ -283,8 +333,10 @@ bool run_case(const Case& c, uint64_t seed, const char* dtype) {
                         }
                     continue;
                 }
-                if (hi == lo) {  // sees no key: exact zeros and -inf
-                    if (got_lse != -kInf) fail("lse of a blind row", b, h, i, -1, got_lse, -kInf);
+                if (hi == lo || blind) {  // sees no key: exact zeros and -inf (the sink with sinks)
+                    const double want_lse = c.sinks ? static_cast<double>(sinks[h]) : -kInf;
+                    if (!(got_lse == want_lse || std::fabs(got_lse - want_lse) <= tol))
+                        fail("lse of a blind row", b, h, i, -1, got_lse, want_lse);
                     for (int64_t e = 0; e < c.Dv; ++e)
                         if (out1.at(b, h, i, e) != T(0)) {
                             fail("out of a blind row", b, h, i, e, out1.at(b, h, i, e), 0);
@@ -356,6 +408,16 @@ std::vector<Case> accuracy_cases() {
         {3, 2, 1, 100, 63, 64, 64, true, -1, -1, false, true, 1.0, 0, kBottomRight, 16},
         {1, 2, 2, 100, 257, 17, 130, false, 20, 5, true, false, 1.0, 0, kBottomRight, 7},
         {2, 4, 2, 40, 130, 17, 3, true, 20, -1, true, true, 1.0, 0, 60, 16},
+        // score options: softcap, ALiBi, masks, sinks, alone and together (decode and prefill;
+        // Tq = 100, Tk = 1100, D = 128 crosses prefill sub-blocks, tiles and super-tiles)
+        {1, 4, 2, 70, 300, 17, 17, true, -1, -1, false, false, 3.0, 0, kBottomRight, 0, 3.0},
+        {1, 4, 2, 70, 300, 64, 48, false, -1, -1, true, false, 1.0, 0, kBottomRight, 0, 0, 0.05},
+        {2, 2, 1, 45, 700, 32, 48, true, -1, -1, false, true, 1.0, 0, kBottomRight, 0, 0, 0, 1},
+        {1, 2, 2, 100, 100, 80, 80, true, 30, -1, false, false, 1.0, 0, kBottomRight, 0, 0, 0, 2, true},
+        {2, 4, 1, 3, 300, 64, 64, true, -1, -1, false, true, 2.0, 0, kBottomRight, 0, 4.0, 0.02, 1, true},
+        {1, 4, 2, 9, 200, 16, 16, false, -1, -1, false, false, 1.0, 0, kBottomRight, 0, 0, 0, 2},
+        {1, 4, 2, 100, 1100, 128, 128, true, -1, -1, false, false, 2.0, 0, kBottomRight, 0, 5.0, 0.01, 1, true},
+        {1, 2, 1, 40, 130, 17, 3, true, 20, -1, true, true, 1.0, 0, 60, 0, 2.0, 0.1, 2, true},
     };
 }
 
