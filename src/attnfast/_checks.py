@@ -604,6 +604,34 @@ class KVCacheCall:
         return self.starts + self.new_tokens
 
 
+def _kvcache_call(q, k_cache, v_cache, sizes, dtype, cache_names, starts, k_new, v_new, t,
+                  k_scale, v_scale, *, causal, scale, window, query_offset, softcap,
+                  alibi_slopes, sinks, mask, num_threads, block_table=None) -> KVCacheCall:
+    """The checks check_kvcache_attention and check_paged_kvcache_attention share once their
+    caches, tokens and lengths are checked: caches writable (and apart) when tokens are
+    written, then the attention options. sizes: (B, H, Hkv, Tq, capacity, D, Dv)."""
+    B, H, Hkv, Tq, C, D, Dv = sizes
+    kn, vn = cache_names
+    if t:
+        for name, a in ((kn, k_cache), (vn, v_cache)):
+            if not a.flags.writeable:
+                raise ValueError(f"{name} is read-only, but k_new/v_new must be written into it")
+        if _overlap(k_cache, v_cache):
+            raise ValueError(f"{kn} and {vn} share memory; new tokens cannot be written into both")
+    attn = AttentionCall(
+        q=kernel_ready(q), k=k_cache, v=v_cache, rank=4, batch=B, heads=H, kv_heads=Hkv,
+        seqlen_q=Tq, seqlen_k=C, head_dim=D, head_dim_v=Dv, dtype=q.dtype, kv_dtype=dtype,
+        scale=check_scale(scale, D, q.dtype), causal=check_flag(causal, "causal"),
+        window=bound_window(check_window(window), Tq, C, check_query_offset(query_offset)),
+        query_offset=check_query_offset(query_offset),
+        options=check_score_options(softcap, alibi_slopes, sinks, mask, batch=B, heads=H,
+                                    seqlen_q=Tq, seqlen_k=C, rank=4, dtype=q.dtype),
+        num_threads=resolve_threads(num_threads))
+    return KVCacheCall(attn=attn, k_cache=k_cache, v_cache=v_cache, starts=starts,
+                       k_new=k_new, v_new=v_new, new_tokens=t, k_scale=k_scale,
+                       v_scale=v_scale, block_table=block_table)
+
+
 def check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, *, causal,
                             scale, window, num_threads, k_scale=None, v_scale=None,
                             query_offset=None, softcap=None, alibi_slopes=None, sinks=None,
@@ -632,23 +660,11 @@ def check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, *,
     k_scale, v_scale = check_cache_scales(k_scale, v_scale, dtype, (B, Hkv, C), writes=t > 0,
                                           names=scale_names)
     starts = check_cache_seqlens(cache_seqlens, B, C, t)
-    if t:
-        for name, a in ((kn, k_cache), (vn, v_cache)):
-            if not a.flags.writeable:
-                raise ValueError(f"{name} is read-only, but k_new/v_new must be written into it")
-        if _overlap(k_cache, v_cache):
-            raise ValueError(f"{kn} and {vn} share memory; new tokens cannot be written into both")
-    attn = AttentionCall(
-        q=kernel_ready(q), k=k_cache, v=v_cache, rank=4, batch=B, heads=H, kv_heads=Hkv,
-        seqlen_q=Tq, seqlen_k=C, head_dim=D, head_dim_v=Dv, dtype=q.dtype, kv_dtype=dtype,
-        scale=check_scale(scale, D, q.dtype), causal=check_flag(causal, "causal"),
-        window=bound_window(check_window(window), Tq, C, check_query_offset(query_offset)),
-        query_offset=check_query_offset(query_offset),
-        options=check_score_options(softcap, alibi_slopes, sinks, mask, batch=B, heads=H,
-                                    seqlen_q=Tq, seqlen_k=C, rank=4, dtype=q.dtype),
-        num_threads=resolve_threads(num_threads))
-    return KVCacheCall(attn=attn, k_cache=k_cache, v_cache=v_cache, starts=starts,
-                       k_new=k_new, v_new=v_new, new_tokens=t, k_scale=k_scale, v_scale=v_scale)
+    return _kvcache_call(q, k_cache, v_cache, (B, H, Hkv, Tq, C, D, Dv), dtype, cache_names,
+                         starts, k_new, v_new, t, k_scale, v_scale, causal=causal, scale=scale,
+                         window=window, query_offset=query_offset, softcap=softcap,
+                         alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
+                         num_threads=num_threads)
 
 
 def check_truncate(n, lengths: np.ndarray) -> np.ndarray:
@@ -921,24 +937,11 @@ def check_paged_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_n
     starts = np.ascontiguousarray(lengths, dtype=np.int64)
     check_paged_blocks(table, starts + t, BS, NB, table_name)
     check_paged_writes(table, starts, t, BS, table_name)
-    if t:
-        for name, a in ((kn, k_cache), (vn, v_cache)):
-            if not a.flags.writeable:
-                raise ValueError(f"{name} is read-only, but k_new/v_new must be written into it")
-        if _overlap(k_cache, v_cache):
-            raise ValueError(f"{kn} and {vn} share memory; new tokens cannot be written into both")
-    attn = AttentionCall(
-        q=kernel_ready(q), k=k_cache, v=v_cache, rank=4, batch=B, heads=H, kv_heads=Hkv,
-        seqlen_q=Tq, seqlen_k=C, head_dim=D, head_dim_v=Dv, dtype=q.dtype, kv_dtype=dtype,
-        scale=check_scale(scale, D, q.dtype), causal=check_flag(causal, "causal"),
-        window=bound_window(check_window(window), Tq, C, check_query_offset(query_offset)),
-        query_offset=check_query_offset(query_offset),
-        options=check_score_options(softcap, alibi_slopes, sinks, mask, batch=B, heads=H,
-                                    seqlen_q=Tq, seqlen_k=C, rank=4, dtype=q.dtype),
-        num_threads=resolve_threads(num_threads))
-    return KVCacheCall(attn=attn, k_cache=k_cache, v_cache=v_cache, starts=starts,
-                       k_new=k_new, v_new=v_new, new_tokens=t, k_scale=k_scale,
-                       v_scale=v_scale, block_table=table)
+    return _kvcache_call(q, k_cache, v_cache, (B, H, Hkv, Tq, C, D, Dv), dtype, cache_names,
+                         starts, k_new, v_new, t, k_scale, v_scale, causal=causal, scale=scale,
+                         window=window, query_offset=query_offset, softcap=softcap,
+                         alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
+                         num_threads=num_threads, block_table=table)
 
 
 def check_paged_spec(num_blocks, block_size, kv_heads, head_dim, dtype, v_head_dim):
