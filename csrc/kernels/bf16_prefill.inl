@@ -12,7 +12,9 @@
 //                    sums l stay float32 sums of the unrounded weights); the tile's V rows
 //                    are packed once per tile into pairs (v[j][e], v[j+1][e]):
 //                    acc[e][v] += pt2[j/2][v] . vpair[j/2][e].
-// Odd D and Dv take the widening kernel of the tier (simd_prefill.inl's templates).
+// An odd D and the score options softcap / ALiBi / mask take the tier's widening kernel
+// (simd_prefill.inl); sinks are applied by the shared finish. A paged pool arrives gathered
+// (prefill.cpp's GatheredCache).
 #if !defined(__AVX512BF16__)
 #error "bf16_prefill.inl needs AVX512_BF16"
 #endif

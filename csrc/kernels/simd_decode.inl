@@ -417,7 +417,7 @@ struct WidenPath {
             ScoreBlock<1, ND, T>::run(qs + rb * qstride, qstride, kj, ks, nk, D, sj + rb * ss, ss,
                                       rb == 0 ? vj : nullptr, vsb, v_row_bytes);
     }
-    // A row's probabilities of one block (keys_in_block of them) are final in srow.
+    // A row's probabilities of one block (its key count given) are final in srow.
     static void weights_ready(float*, int64_t) {}
     // acc rows += p rows times `keys` V rows from vrun (rows vs apart), whose weights are
     // columns c0 .. c0 + keys of the block's score rows s_block (ss apart).
