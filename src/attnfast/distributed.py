@@ -652,7 +652,9 @@ class ShardedKVCache:
         ray = self._ray
         try:
             refs = self._dag.execute(*requests)
-            return ray.get(refs, timeout=self._timeout)
+            # (a compiled graph's own default is 10 s, which a loaded machine can exceed;
+            # -1 is its "no limit", matching ordinary calls with timeout=None)
+            return ray.get(refs, timeout=self._timeout if self._timeout is not None else -1)
         except Exception as error:
             self._drop_dag()
             self._gather([(s, a.ping.remote()) for s, a in enumerate(self._actors)],
