@@ -1,8 +1,9 @@
 // bfloat16 prefill with AVX512_BF16's vdpbf16ps, for bfloat16 q, k, v (a model run in
 // bfloat16). Included by kernels/isa_avx512bf16.cpp after simd_prefill.inl, whose layout it
 // keeps (queries in vector lanes, Bq = 32 rows per sub-block; Sᵀ, Oᵀ and the online softmax
-// in float32; tiling, task plan, prefetch and the finish shared) and whose micro-kernels it
-// replaces by ones that do 32 multiply-adds per instruction on bfloat16 pairs:
+// in float32; tiling, task plan, prefetch and the finish (rounding out to bfloat16) shared)
+// and whose micro-kernels it replaces by ones that do 32 multiply-adds per instruction on
+// bfloat16 pairs:
 //   S micro-kernel:  Qᵀ is held as pairs (q[i][2d], q[i][2d+1]), one 32-bit word per query
 //                    lane, exactly as stored (the scale multiplies the float32 scores, so q
 //                    is not rounded); each K pair (k[t][2d], k[t][2d+1]) is one 32-bit
@@ -39,15 +40,13 @@ inline __m512bh broadcast_pair(const bf16_t* p) {
     return as_pairs(_mm512_set1_epi32(word));
 }
 
-// What one task's kernel needs beyond simd::Block: the packed V tile and a float32 staging
-// area for the output rows (finished by simd::finish_sub_block, then rounded).
+// What one task's kernel needs beyond simd::Block: the packed V tile.
 struct Scratch {
     uint32_t* v_pairs;  // ceil(Bk / 2) x Dv words: (v[2j][e], v[2j + 1][e])
-    float* out_rows;    // Bq x Dv
 };
 
 inline int64_t scratch_elems(const AttentionParams& p, const simd::Tiling& t) {
-    return (t.Bk + 1) / 2 * p.head_dim_v + Bq * p.head_dim_v;
+    return (t.Bk + 1) / 2 * p.head_dim_v;
 }
 
 PrefillPlan plan(const AttentionParams& p) {
@@ -257,29 +256,6 @@ void init_sub_block(const AttentionParams& p, simd::Block& b, const bf16_t* q) {
     b.last = visible_keys(p, b.row_begin + b.rows - 1, b.seqlen_k);
 }
 
-// simd::finish_sub_block into float32 rows, then each row rounded to bfloat16 (nearest even).
-void finish_sub_block(const AttentionParams& p, const simd::Block& b, const Scratch& sc, int64_t batch) {
-    AttentionParams staged = p;
-    staged.out = sc.out_rows;  // rows 0 .. b.rows - 1, Dv apart
-    staged.out_batch_stride = staged.out_head_stride = 0;
-    staged.out_row_stride = b.Dv;
-    if (p.lse) staged.lse = static_cast<float*>(p.lse) + b.row_begin * p.lse_row_stride;
-    simd::Block at_zero = b;
-    at_zero.row_begin = 0;
-    simd::finish_sub_block(staged, at_zero, batch);
-    bf16_t* out = static_cast<bf16_t*>(p.out) + batch * p.out_batch_stride + b.head * p.out_head_stride;
-    for (int64_t i = 0; i < b.rows; ++i) {
-        bf16_t* orow = out + (b.row_begin + i) * p.out_row_stride;
-        const float* row = sc.out_rows + i * b.Dv;
-        int64_t e = 0;
-        for (; e + 16 <= b.Dv; e += 16) {  // vcvtneps2bf16: nearest even, NaN stays NaN
-            const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(row + e));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + e), (__m256i)h);
-        }
-        for (; e < b.Dv; ++e) orow[e] = narrow_bf16(row[e]);
-    }
-}
-
 // simd::attend_block's task structure (super-tiles shared by the task's sub-blocks).
 void attend_block(const AttentionParams& p, const BlockTask& task, float* workspace) {
     const simd::Tiling t = simd::tiling(p);
@@ -294,7 +270,7 @@ void attend_block(const AttentionParams& p, const BlockTask& task, float* worksp
     int32_t* rel_end = rel_begin + Bq;
     float* sub_base = base + t.shared_elems;
     float* scratch = sub_base + subs * t.sub_elems;
-    const Scratch sc{reinterpret_cast<uint32_t*>(scratch), scratch + (t.Bk + 1) / 2 * p.head_dim_v};
+    const Scratch sc{reinterpret_cast<uint32_t*>(scratch)};
 
     simd::Block blocks[simd::kMaxSubBlocks];
     int64_t kv_begin = 0, kv_end = 0;
@@ -353,7 +329,7 @@ void attend_block(const AttentionParams& p, const BlockTask& task, float* worksp
             if (hi > covered) covered = hi;
         }
     }
-    for (int64_t sidx = 0; sidx < subs; ++sidx) finish_sub_block(p, blocks[sidx], sc, task.batch);
+    for (int64_t sidx = 0; sidx < subs; ++sidx) simd::finish_sub_block<bf16_t>(p, blocks[sidx], task.batch);
 }
 
 inline bool covers(const AttentionParams& p) {
