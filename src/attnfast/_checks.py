@@ -982,3 +982,17 @@ def check_free_blocks(needed: int, free: int, what: str) -> None:
         raise ValueError(f"out of blocks: {what} needs {needed} new block(s) but only {free} "
                          f"of the pool are free (nothing was written; free sequences or make "
                          f"a larger pool)")
+
+
+def check_leading_sequences(seqs, batch, **arrays) -> None:
+    """Axis 0 of each 4-D array must be the number of selected sequences (``seqs``, indices
+    into a cache of ``batch`` sequences); other ranks are reported by the shape checks."""
+    for name, a in arrays.items():
+        if a is None or np.ndim(a) != 4:
+            continue
+        n = np.shape(a)[0]
+        if n != seqs.size:
+            what = (f"the cache holds {batch}" if seqs.size == batch
+                    else f"batch_index selects {seqs.size}")
+            raise ValueError(f"{name} has {n} sequence(s) on axis 0 (shape {np.shape(a)}), "
+                             f"but {what}")

@@ -28,6 +28,7 @@ from ._checks import (
     check_cache_room,
     check_cache_spec,
     check_flag,
+    check_leading_sequences,
     check_kvcache_attention,
     check_paged_kvcache_attention,
     check_new_tokens,
@@ -351,7 +352,7 @@ class KVCache:
 
     def _append(self, k_new, v_new, batch_index) -> None:
         seqs = check_batch_index(batch_index, self.batch)
-        self._check_leading(seqs, k_new=k_new, v_new=v_new)
+        check_leading_sequences(seqs, self.batch, k_new=k_new, v_new=v_new)
         k_new, v_new, t = check_new_tokens(
             k_new, v_new, batch=seqs.size, kv_heads=self.kv_heads, head_dim=self.head_dim,
             head_dim_v=self.v_head_dim, dtype=self.dtype)
@@ -424,19 +425,6 @@ class KVCache:
             self._lengths[:] = 0
 
     # ---- internals ----
-    def _check_leading(self, seqs, **arrays) -> None:
-        """Axis 0 of each 4-D array must be the number of selected sequences (other ranks
-        are reported by the shape checks)."""
-        for name, a in arrays.items():
-            if a is None or np.ndim(a) != 4:
-                continue
-            n = np.shape(a)[0]
-            if n != seqs.size:
-                what = (f"the cache holds {self.batch}" if seqs.size == self.batch
-                        else f"batch_index selects {seqs.size}")
-                raise ValueError(f"{name} has {n} sequence(s) on axis 0 (shape {np.shape(a)}), "
-                                 f"but {what}")
-
     def _views(self, seqs):
         """(rows of the selection, batch slice of the cache) for each kernel call: one call
         when the indices are evenly spaced (a strided view, no copy), else one per sequence."""
@@ -514,7 +502,7 @@ class KVCache:
                     alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset):
         return_lse = check_flag(return_lse, "return_lse")
         seqs = check_batch_index(batch_index, self.batch)
-        self._check_leading(seqs, q=q, k_new=k_new, v_new=v_new)
+        check_leading_sequences(seqs, self.batch, q=q, k_new=k_new, v_new=v_new)
         t = np.shape(k_new)[2] if k_new is not None and np.ndim(k_new) == 4 else 0
         if t:
             check_cache_room(self._lengths, seqs, t, self.capacity)

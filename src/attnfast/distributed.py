@@ -31,6 +31,7 @@ from ._checks import (
     check_cache_spec,
     check_flag,
     check_kvcache_attention,
+    check_leading_sequences,
     check_new_tokens,
     check_out,
     check_truncate,
@@ -359,7 +360,7 @@ class ShardedKVCache:
             ks, vs = self._split_layers(layers, layer, k_new=k_new, v_new=v_new)
             checked = []
             for li, l in enumerate(layers):
-                self._check_leading(seqs, k_new=ks[li], v_new=vs[li])
+                check_leading_sequences(seqs, self._batch, k_new=ks[li], v_new=vs[li])
                 k, v, t = check_new_tokens(ks[li], vs[li], batch=seqs.size,
                                            kv_heads=self._kv_heads, head_dim=self._head_dim,
                                            head_dim_v=self._v_head_dim, dtype=self._dtype)
@@ -457,17 +458,6 @@ class ShardedKVCache:
             result.append(list(a))
         return result
 
-    def _check_leading(self, seqs, **arrays):
-        for name, a in arrays.items():
-            if a is None or np.ndim(a) != 4:
-                continue
-            n = np.shape(a)[0]
-            if n != seqs.size:
-                what = (f"the cache holds {self._batch}" if seqs.size == self._batch
-                        else f"batch_index selects {seqs.size}")
-                raise ValueError(f"{name} has {n} sequence(s) on axis 0 (shape {np.shape(a)}), "
-                                 f"but {what}")
-
     def _stand_ins(self, n):
         """Zero-stride arrays shaped like the selected part of the whole cache."""
         shape = (n, self._kv_heads, self.capacity)
@@ -498,7 +488,7 @@ class ShardedKVCache:
                     checked.append(None if not t else (ks[li].astype(c0.k_new.dtype, copy=False),
                                                        vs[li].astype(c0.v_new.dtype, copy=False), t))
                     continue
-                self._check_leading(seqs, q=qs[li], k_new=ks[li], v_new=vs[li])
+                check_leading_sequences(seqs, self._batch, q=qs[li], k_new=ks[li], v_new=vs[li])
                 if t:
                     check_cache_room(self._lengths[l], seqs, t, self.capacity)
                 call = check_kvcache_attention(
