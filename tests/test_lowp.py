@@ -323,3 +323,29 @@ def test_bf16_decode_nan_and_rows_without_keys(tier, rng):
     assert np.isfinite(out[0, :4].astype(np.float32)).all()
     out, lse = af.attention(q, k, v, window=(0, 0), query_offset=400, return_lse=True)
     assert (out.astype(np.float32) == 0).all() and (lse == -np.inf).all()
+
+
+def test_every_float16_value_widens_and_narrows_exactly(tier):
+    """V holds every finite float16 (subnormals, +-0, 65504 included); with window=(0, 0) each
+    row sees only its own key, so out is that key's V row, bit for bit (only -0 may come
+    back as +0). Covers each tier's widening of K/V and rounding of out (the SSE2 generic
+    tier does both without F16C)."""
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    finite = bits.view(np.float16)[np.isfinite(bits.view(np.float16))]  # 63488 = 8 * 124 * 64
+    v = finite.reshape(1, 8, 124, 64)
+    q = np.ones_like(v)
+    out = af.attention(q, np.zeros_like(v), v, window=(0, 0))
+    np.testing.assert_array_equal(out, v)
+
+
+def test_float16_subnormal_keys_are_not_flushed(tier, rng):
+    """Keys made only of float16 subnormals against a large q: scores of a few units, which a
+    widening that flushed subnormals to zero would make all 0 (and lse = log(Tk))."""
+    sub = (np.arange(1, 1024, dtype=np.uint16)).view(np.float16)  # every positive subnormal
+    k = rng.choice(sub, size=(1, 2, 40, 64)) * rng.choice(np.array([-1, 1], np.float16), size=(1, 2, 40, 64))
+    q = np.full((1, 2, 40, 64), 2048.0, np.float16)
+    v = rand(rng, (1, 2, 40, 64), F16)
+    out, lse = af.attention(q, k, v, causal=True, return_lse=True)
+    ref, ref_lse, _ = reference_attention(q, k, v, causal=True)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-4)
+    assert_flash_rule(out, q, k, v, causal=True)
