@@ -4,6 +4,8 @@ Accuracy follows FlashAttention's rule: attnfast's max error against the float64
 is at most twice the error of a materialised attention computed from the same 16-bit inputs
 in float32 (softmax included) and rounded to the output dtype, plus a small absolute slack.
 """
+import platform
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -17,6 +19,13 @@ F16 = np.dtype(np.float16)
 LOWP = [F16, BF16]
 TIERS = _ext.runtime_info()["isa_available"]
 SLACK = 1e-4
+X86_64 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def runs_simd_prefill(tier):
+    """The tiers whose prefill is csrc/kernels/simd_prefill.inl: the avx ones, and generic on
+    x86-64 (its SSE2 branch); elsewhere generic runs the templates (neon has its own)."""
+    return tier.startswith("avx") or (tier == "generic" and X86_64)
 
 
 @pytest.fixture(params=TIERS)
@@ -256,7 +265,7 @@ def test_16bit_prefill_is_float32_prefill_of_the_widened_values(tier, rng, case,
         opts = dict(softcap=4.0, alibi_slopes=np.full(h, 0.02, np.float32), sinks=np.ones(h, np.float32),
                     mask=rng.random((b, 1, tq, tk)) < 0.8)
     if kv == "int8":
-        if not tier.startswith("avx"):
+        if not runs_simd_prefill(tier):
             pytest.skip("the templates multiply an int8 V row's scale into the weight, not the value")
         (k8, ks), (v8, vs) = int8_cache(rng, (b, hkv, tk, d)), int8_cache(rng, (b, hkv, tk, d))
         out, lse = af.attention_with_kvcache(q, k8, v8, tk, k_scale=ks, v_scale=vs, return_lse=True, **opts)
@@ -323,3 +332,29 @@ def test_bf16_decode_nan_and_rows_without_keys(tier, rng):
     assert np.isfinite(out[0, :4].astype(np.float32)).all()
     out, lse = af.attention(q, k, v, window=(0, 0), query_offset=400, return_lse=True)
     assert (out.astype(np.float32) == 0).all() and (lse == -np.inf).all()
+
+
+def test_every_float16_value_widens_and_narrows_exactly(tier):
+    """V holds every finite float16 (subnormals, +-0, 65504 included); with window=(0, 0) each
+    row sees only its own key, so out is that key's V row, bit for bit (only -0 may come
+    back as +0). Covers each tier's widening of K/V and rounding of out (the SSE2 generic
+    tier does both without F16C)."""
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    finite = bits.view(np.float16)[np.isfinite(bits.view(np.float16))]  # 63488 = 8 * 124 * 64
+    v = finite.reshape(1, 8, 124, 64)
+    q = np.ones_like(v)
+    out = af.attention(q, np.zeros_like(v), v, window=(0, 0))
+    np.testing.assert_array_equal(out, v)
+
+
+def test_float16_subnormal_keys_are_not_flushed(tier, rng):
+    """Keys made only of float16 subnormals against a large q: scores of a few units, which a
+    widening that flushed subnormals to zero would make all 0 (and lse = log(Tk))."""
+    sub = (np.arange(1, 1024, dtype=np.uint16)).view(np.float16)  # every positive subnormal
+    k = rng.choice(sub, size=(1, 2, 40, 64)) * rng.choice(np.array([-1, 1], np.float16), size=(1, 2, 40, 64))
+    q = np.full((1, 2, 40, 64), 2048.0, np.float16)
+    v = rand(rng, (1, 2, 40, 64), F16)
+    out, lse = af.attention(q, k, v, causal=True, return_lse=True)
+    ref, ref_lse, _ = reference_attention(q, k, v, causal=True)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-4)
+    assert_flash_rule(out, q, k, v, causal=True)

@@ -1,5 +1,6 @@
 """Thread settings, show_config, and the environment variables."""
 import os
+import platform
 import subprocess
 import sys
 
@@ -81,6 +82,8 @@ def test_show_config_names_the_16bit_instructions_of_each_tier(tier):
     words = res.stdout.strip().splitlines()[-1]
     assert ("vdpbf16ps" in words) == (tier == "avx512bf16")
     assert ("vcvtph2ps" in words) == (tier in ("avx2", "avx512", "avx512bf16"))
+    x86_64 = platform.machine().lower() in ("x86_64", "amd64")
+    assert ("SSE2" in words) == (tier == "generic" and x86_64)  # its hand-written prefill
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -1,11 +1,26 @@
-// Kernel tier "generic": the shared kernel templates compiled with this file's flags
-// (baseline ISA; the compiler's auto-vectorisation only).
+// Kernel tier "generic": what a CPU gets when no other tier runs on it, compiled with the
+// baseline flags of the target (no -m flags).
+// x86-64 (baseline: SSE2, 16 xmm registers, no FMA): float32-accumulated prefill (float32,
+// 16-bit and int8 inputs, every score option) from the hand-written kernel simd_prefill.inl
+// in its SSE2 branch; float64 prefill and all decode from the shared auto-vectorised templates.
+// Other architectures (the aarch64 build, where neon is the usual tier): the templates only.
 #define ATTNFAST_KERNEL_NS isa_generic
 #define ATTNFAST_KERNEL_NAME "generic"
 #define ATTNFAST_SIMD_BYTES 16  // vector register width the kernels are tuned for
 #include "block_attention.inl"
 #include "decode_attention.inl"
-#define ATTNFAST_F32_SINKS true  // the templates themselves
+#if defined(__SSE2__)
+#include "simd_prefill.inl"
+#define ATTNFAST_PREFILL_F32 simd::attend_block
+#define ATTNFAST_PREFILL_PLAN_F32 simd::plan_all_dtypes
+#define ATTNFAST_PREFILL_ANY simd::attend_block  // 16-bit / int8 and every score option
+#define ATTNFAST_PREFILL_PLAN_ANY simd::plan_all_dtypes
+#define ATTNFAST_LOWP_INSTRUCTIONS \
+    "bfloat16 (16-bit shift), float16 (SSE2 integer rebias; no F16C) and int8 (SSE2 unpack) " \
+    "widened to float32 into a float32 copy of each K/V super-tile in prefill; in plain C++ in " \
+    "decode; float32 multiply then add (no FMA)"
+#endif
+#define ATTNFAST_F32_SINKS true  // simd_prefill.inl finish_sub_block / the templates themselves
 #include "export_table.inl"
 
 const attnfast::KernelTable* attnfast::kernel_table_generic() { return &isa_generic::kTable; }

@@ -1,7 +1,9 @@
-// Hand-written float32 prefill kernel for the x86 SIMD tiers (AVX-512 and AVX2+FMA).
-// Included by kernels/isa_avx512.cpp and kernels/isa_avx2.cpp after block_attention.inl,
-// inside their ATTNFAST_KERNEL_NS; the intrinsics below compile only under those files'
-// -m flags. The generic tier and float64 keep the auto-vectorised templates.
+// Hand-written float32 prefill kernel for the x86 SIMD tiers: AVX-512, AVX2+FMA, and SSE2
+// (the generic tier on x86-64: 4 lanes, 16 xmm registers, no FMA).
+// Included by kernels/isa_avx512.cpp, isa_avx2.cpp and (x86-64 only) isa_generic.cpp after
+// block_attention.inl, inside their ATTNFAST_KERNEL_NS; the intrinsics below compile only under
+// those files' flags (the generic tier's: the x86-64 baseline, SSE2 and nothing newer).
+// float64, and the generic tier on other architectures, keep the auto-vectorised templates.
 //
 // Layout: query rows live in vector lanes. One block holds Bq = kQueryVecs * W query rows:
 //   qt  (D  x Bq)  Qᵀ, pre-multiplied by scale * log2(e) (so the softmax runs in base 2)
@@ -21,8 +23,11 @@
 // No std:: templates here (see block_attention.inl).
 #include <immintrin.h>
 
-#if !defined(__AVX2__) || !defined(__FMA__)
-#error "simd_prefill.inl needs at least -mavx2 -mfma"
+#if !defined(__SSE2__)
+#error "simd_prefill.inl needs at least SSE2"
+#endif
+#if defined(__AVX2__) && !defined(__FMA__)
+#error "simd_prefill.inl's AVX2 branch needs -mfma too"
 #endif
 
 // GCC 12 warns about the deliberately undefined pass-through operand inside
@@ -89,7 +94,7 @@ inline Vec select(Mask m, Vec yes, Vec no) { return _mm512_mask_blend_ps(m, no, 
 inline Vec keep_unless_sign(Vec x, Vec drop) {
     return _mm512_mask_blend_ps(_mm512_movepi32_mask(_mm512_castps_si512(drop)), x, drop);
 }
-#else  // AVX2 + FMA
+#elif defined(__AVX2__)  // AVX2 + FMA
 using Vec = __m256;
 using Mask = __m256;
 constexpr int W = 8;
@@ -134,6 +139,60 @@ inline Mask less_than(Vec a, float x) { return _mm256_cmp_ps(a, vset(x), _CMP_LT
 inline bool all_lanes(Mask m) { return _mm256_movemask_ps(m) == 0xFF; }
 inline Vec select(Mask m, Vec yes, Vec no) { return _mm256_blendv_ps(no, yes, m); }
 inline Vec keep_unless_sign(Vec x, Vec drop) { return _mm256_blendv_ps(x, drop, drop); }
+#else  // SSE2 only (the generic tier on x86-64): no blendv, no round, no FMA
+using Vec = __m128;
+using Mask = __m128;  // all-ones / all-zeros lanes
+constexpr int W = 4;
+// 12 accumulators; without FMA each product needs a temporary (two-operand SSE), and the
+// broadcast K / V value a register, so of the 4 query vectors GCC keeps 2 in registers and
+// reads 2 as memory operands (loads are not the limit: the FP pipes are, with one shuffle
+// per broadcast beside each 4 multiplies and 4 adds). Measured on Zen 4 (AMD EPYC, this tier
+// forced, T = 4096, H = 8, D = 64 / 128, full and causal, 1 thread, best of 5-9 runs each on
+// a shared machine; GFLOP/s): 4x3 32.0-35.4, 6x2 31.6-34.3, 8x1 31.1-32.6, 3x3 30.4-32.1,
+// 5x2 29.3-32.2, 4x2 29.4-30.6, 2x6 29.1-31.2, 3x4 24.7-26.4, 6x1 22.3-26.5 (kQueryVecs x
+// kRows; above 4 query vectors the `#pragma GCC unroll 4` of the micro-kernels was raised).
+#ifndef ATTNFAST_SSE2_QUERY_VECS  // (overridable only to measure other shapes)
+#define ATTNFAST_SSE2_QUERY_VECS 4
+#define ATTNFAST_SSE2_ROWS 3
+#endif
+constexpr int kQueryVecs = ATTNFAST_SSE2_QUERY_VECS;  // Bq = 16 rows
+constexpr int kRows = ATTNFAST_SSE2_ROWS;
+
+inline Vec vzero() { return _mm_setzero_ps(); }
+inline Vec vset(float x) { return _mm_set1_ps(x); }
+inline Vec vload(const float* p) { return _mm_load_ps(p); }
+inline void vstore(float* p, Vec x) { _mm_store_ps(p, x); }
+inline Vec vbcast(const float* p) { return _mm_load1_ps(p); }  // movss + shufps
+// No FMA on this tier: a multiply, then an add (two roundings; the float32 tolerances of the
+// tests hold either way). Two-operand SSE needs a copy of one factor per product; register
+// moves are free on current x86 cores (eliminated at rename), but it is one more register.
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm_add_ps(_mm_mul_ps(a, b), c); }
+inline Vec vadd(Vec a, Vec b) { return _mm_add_ps(a, b); }
+inline Vec vsub(Vec a, Vec b) { return _mm_sub_ps(a, b); }
+inline Vec vmul(Vec a, Vec b) { return _mm_mul_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm_max_ps(a, b); }
+inline Vec select(Mask m, Vec yes, Vec no) { return _mm_or_ps(_mm_and_ps(m, yes), _mm_andnot_ps(m, no)); }
+inline Mask key_visible(const int32_t* begin, const int32_t* end, int32_t key) {
+    const __m128i kv = _mm_set1_epi32(key);
+    const __m128i b = _mm_load_si128(reinterpret_cast<const __m128i*>(begin));
+    const __m128i e = _mm_load_si128(reinterpret_cast<const __m128i*>(end));
+    return _mm_castsi128_ps(_mm_andnot_si128(_mm_cmpgt_epi32(b, kv), _mm_cmpgt_epi32(e, kv)));
+}
+inline Vec keep_or_neg_inf(Mask keep, Vec x) { return select(keep, x, vset(-__builtin_inff())); }
+inline Vec finite_or_zero(Vec m) { return _mm_andnot_ps(_mm_cmpeq_ps(m, vset(-__builtin_inff())), m); }
+inline bool all_ones(Vec x) { return _mm_movemask_ps(_mm_cmpneq_ps(x, vset(1.0f))) == 0; }  // NaN: not
+inline Vec neg_inf_to_nan(Vec x) {  // -inf | quiet-NaN bits is a NaN; other lanes OR in 0
+    return _mm_or_ps(x, _mm_and_ps(_mm_cmpeq_ps(x, vset(-__builtin_inff())), vset(__builtin_nanf(""))));
+}
+inline Vec vdiv(Vec a, Vec b) { return _mm_div_ps(a, b); }
+inline Vec vfnma(Vec a, Vec b, Vec c) { return _mm_sub_ps(c, _mm_mul_ps(a, b)); }
+inline Vec vabs(Vec x) { return _mm_andnot_ps(vset(-0.0f), x); }
+inline Vec vcopysign(Vec mag, Vec sgn) { return _mm_or_ps(mag, _mm_and_ps(sgn, vset(-0.0f))); }
+inline Mask less_than(Vec a, float x) { return _mm_cmplt_ps(a, vset(x)); }
+inline bool all_lanes(Mask m) { return _mm_movemask_ps(m) == 0xF; }
+inline Vec keep_unless_sign(Vec x, Vec drop) {
+    return select(_mm_castsi128_ps(_mm_srai_epi32(_mm_castps_si128(drop), 31)), drop, x);
+}
 #endif
 
 constexpr int64_t Bq = kQueryVecs * W;
@@ -149,11 +208,18 @@ inline Vec exp2_neg(Vec x) {
     const Mask keep = _mm512_cmp_ps_mask(x, vset(-126.0f), _CMP_NLT_UQ);
     const Vec n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const Vec r = vsub(x, n);
-#else
+#elif defined(__AVX2__)
     const Vec keep = _mm256_cmp_ps(x, vset(-126.0f), _CMP_NLT_UQ);
     const Vec xc = _mm256_max_ps(vset(-127.0f), x);  // keeps 2^n's exponent field >= 0; NaN passes
     const Vec n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const Vec r = vsub(xc, n);
+#else
+    const Vec keep = _mm_cmpnlt_ps(x, vset(-126.0f));  // (unordered: true, so NaN is kept)
+    const Vec xc = _mm_max_ps(vset(-127.0f), x);         // maxps returns x when x is NaN
+    // cvtps2dq rounds to nearest even in the default MXCSR mode (no roundps before SSE4.1);
+    // xc is in [-127, 0] here, so it never overflows; NaN gives INT_MIN and r stays NaN.
+    const __m128i ni = _mm_cvtps_epi32(xc);
+    const Vec r = vsub(xc, _mm_cvtepi32_ps(ni));
 #endif
     Vec p = vfma(vset(c6), r, vset(c5));
     p = vfma(p, r, vset(c4));
@@ -163,9 +229,12 @@ inline Vec exp2_neg(Vec x) {
     p = vfma(p, r, vset(1.0f));
 #if defined(__AVX512F__)
     return _mm512_maskz_scalef_ps(keep, p, n);
-#else
+#elif defined(__AVX2__)
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(keep, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+#else
+    const __m128i bits = _mm_slli_epi32(_mm_add_epi32(ni, _mm_set1_epi32(127)), 23);
+    return _mm_and_ps(keep, _mm_mul_ps(p, _mm_castsi128_ps(bits)));
 #endif
 }
 
@@ -537,22 +606,33 @@ void attend_tile(const Block& b, int64_t tile, int64_t keys, int64_t next_keys, 
 }
 
 // ---------------------------------------------------------------- storage types
-// Eight consecutive elements of a row widened to float32 (exact), and float32 narrowed to
+// A chunk: kChunk consecutive float32 elements of a row in one register (8 in a ymm on both
+// AVX tiers, 4 in an xmm on SSE2). Q, the output and mask tiles go through registers
+// kChunk x kChunk elements at a time (transpose_chunks).
+#if defined(__AVX2__)
+using Chunk = __m256;
+constexpr int kChunk = 8;
+inline Chunk chunk_set(float x) { return _mm256_set1_ps(x); }
+inline Chunk chunk_mul(Chunk a, Chunk b) { return _mm256_mul_ps(a, b); }
+inline Chunk chunk_load(const float* p) { return _mm256_load_ps(p); }  // aligned
+inline void chunk_store(float* p, Chunk x) { _mm256_store_ps(p, x); }   // aligned
+inline void chunk_storeu(float* p, Chunk x) { _mm256_storeu_ps(p, x); }
+// kChunk consecutive elements of a row widened to float32 (exact), and float32 narrowed to
 // the output type (round to nearest even, NaN kept, as storage_types.inl's scalars).
-inline __m256 widen8(const float* x) { return _mm256_loadu_ps(x); }
-inline __m256 widen8(const f16_t* x) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
-inline __m256 widen8(const bf16_t* x) {
+inline Chunk widen_chunk(const float* x) { return _mm256_loadu_ps(x); }
+inline Chunk widen_chunk(const f16_t* x) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
+inline Chunk widen_chunk(const bf16_t* x) {
     const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
 }
-inline __m256 widen8(const int8_t* x) {
+inline Chunk widen_chunk(const int8_t* x) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x))));
 }
-inline void narrow8(float* y, __m256 x) { _mm256_storeu_ps(y, x); }
-inline void narrow8(f16_t* y, __m256 x) {
+inline void narrow_chunk(float* y, Chunk x) { _mm256_storeu_ps(y, x); }
+inline void narrow_chunk(f16_t* y, Chunk x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(y), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
-inline void narrow8(bf16_t* y, __m256 x) {
+inline void narrow_chunk(bf16_t* y, Chunk x) {
     const __m256i u = _mm256_castps_si256(x);
     const __m256i hi = _mm256_srli_epi32(u, 16);
     const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(hi, _mm256_set1_epi32(1)));
@@ -563,6 +643,65 @@ inline void narrow8(bf16_t* y, __m256 x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(y),
                      _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
 }
+#else  // SSE2
+using Chunk = __m128;
+constexpr int kChunk = 4;
+inline Chunk chunk_set(float x) { return _mm_set1_ps(x); }
+inline Chunk chunk_mul(Chunk a, Chunk b) { return _mm_mul_ps(a, b); }
+inline Chunk chunk_load(const float* p) { return _mm_load_ps(p); }  // aligned
+inline void chunk_store(float* p, Chunk x) { _mm_store_ps(p, x); }   // aligned
+inline void chunk_storeu(float* p, Chunk x) { _mm_storeu_ps(p, x); }
+inline __m128i load4_bytes(const void* p) {
+    int32_t w;
+    __builtin_memcpy(&w, p, 4);
+    return _mm_cvtsi32_si128(w);
+}
+// As the AVX branch, in SSE2 integer operations (no pmovzx / pmovsx / F16C).
+inline Chunk widen_chunk(const float* x) { return _mm_loadu_ps(x); }
+inline Chunk widen_chunk(const bf16_t* x) {  // the 16 bits into the upper half of each lane
+    return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(x))));
+}
+// float16: the exponent rebiased (+112) and the mantissa shifted into place; inf / NaN get
+// the float32 exponent 255; zeros and subnormals (exponent 0) are m * 2^-24, computed as
+// (2^-14 (1 + m 2^-10)) - 2^-14 so no denormal is ever an operand (exact, whatever DAZ says).
+inline Chunk widen_chunk(const f16_t* x) {
+    const __m128i h = _mm_unpacklo_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x)), _mm_setzero_si128());
+    const __m128i em = _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x7FFF)), 13);
+    const __m128i e = _mm_and_si128(h, _mm_set1_epi32(0x7C00));
+    const __m128i rebias = _mm_set1_epi32(112 << 23);
+    __m128i bits = _mm_add_epi32(em, rebias);
+    bits = _mm_add_epi32(bits, _mm_and_si128(_mm_cmpeq_epi32(e, _mm_set1_epi32(0x7C00)), rebias));
+    const __m128 two_m14 = _mm_castsi128_ps(_mm_set1_epi32(113 << 23));
+    const __m128 small = _mm_sub_ps(_mm_castsi128_ps(_mm_add_epi32(em, _mm_set1_epi32(113 << 23))), two_m14);
+    const __m128 is_small = _mm_castsi128_ps(_mm_cmpeq_epi32(e, _mm_setzero_si128()));
+    const __m128 mag = _mm_or_ps(_mm_and_ps(is_small, small), _mm_andnot_ps(is_small, _mm_castsi128_ps(bits)));
+    return _mm_or_ps(mag, _mm_castsi128_ps(_mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x8000)), 16)));
+}
+inline Chunk widen_chunk(const int8_t* x) {  // each byte into all four of its lane, then >> 24
+    __m128i b = load4_bytes(x);
+    b = _mm_unpacklo_epi8(b, b);
+    b = _mm_unpacklo_epi16(b, b);
+    return _mm_cvtepi32_ps(_mm_srai_epi32(b, 24));
+}
+inline void narrow_chunk(float* y, Chunk x) { _mm_storeu_ps(y, x); }
+inline void narrow_chunk(f16_t* y, Chunk x) {  // no F16C: storage_types.inl's scalar rounding
+    alignas(16) float f[4];
+    _mm_store_ps(f, x);
+    for (int c = 0; c < 4; ++c) y[c] = narrow_f16(f[c]);
+}
+inline void narrow_chunk(bf16_t* y, Chunk x) {
+    const __m128i u = _mm_castps_si128(x);
+    const __m128i hi = _mm_srli_epi32(u, 16);
+    const __m128i bias = _mm_add_epi32(_mm_set1_epi32(0x7FFF), _mm_and_si128(hi, _mm_set1_epi32(1)));
+    const __m128i rounded = _mm_srli_epi32(_mm_add_epi32(u, bias), 16);
+    const __m128i nan = _mm_cmpgt_epi32(_mm_and_si128(u, _mm_set1_epi32(0x7FFFFFFF)), _mm_set1_epi32(0x7F800000));
+    __m128i r = _mm_or_si128(_mm_and_si128(nan, _mm_or_si128(hi, _mm_set1_epi32(0x40))), _mm_andnot_si128(nan, rounded));
+    // r is in [0, 0xFFFF]; packssdw saturates signed, so sign-extend its low half first
+    // (no packusdw before SSE4.1): the same 16 bits come out.
+    r = _mm_srai_epi32(_mm_slli_epi32(r, 16), 16);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(y), _mm_packs_epi32(r, r));
+}
+#endif
 inline void narrow1(float* y, float x) { *y = x; }
 inline void narrow1(f16_t* y, float x) { *y = narrow_f16(x); }
 inline void narrow1(bf16_t* y, float x) { *y = narrow_bf16(x); }
@@ -576,21 +715,22 @@ void widen_rows(const T* src, int64_t stride, int64_t first, int64_t rows, int64
     for (int64_t r = 0; r < rows; ++r, dst += dim) {
         const T* x = src + (first + r) * stride;
         const float sc = scale.at(first + r);
-        const __m256 sc8 = _mm256_set1_ps(sc);
+        const Chunk scc = chunk_set(sc);
         int64_t d = 0;
         if (scale.scale) {
-            for (; d + 8 <= dim; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(widen8(x + d), sc8));
+            for (; d + kChunk <= dim; d += kChunk) chunk_storeu(dst + d, chunk_mul(widen_chunk(x + d), scc));
             for (; d < dim; ++d) dst[d] = widen(x[d]) * sc;
         } else {
-            for (; d + 8 <= dim; d += 8) _mm256_storeu_ps(dst + d, widen8(x + d));
+            for (; d + kChunk <= dim; d += kChunk) chunk_storeu(dst + d, widen_chunk(x + d));
             for (; d < dim; ++d) dst[d] = widen(x[d]);
         }
     }
 }
 
 // ---------------------------------------------------------------- one task
-// r[c] <- column c of the 8 x 8 block whose rows are r[0..7] (AVX; both tiers have it).
-inline void transpose8(__m256* r) {
+// r[c] <- column c of the kChunk x kChunk block whose rows are r[0..kChunk-1].
+#if defined(__AVX2__)
+inline void transpose_chunks(__m256* r) {
     const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
     const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
     const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
@@ -612,26 +752,29 @@ inline void transpose8(__m256* r) {
     r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
     r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
+#else
+inline void transpose_chunks(__m128* r) { _MM_TRANSPOSE4_PS(r[0], r[1], r[2], r[3]); }
+#endif
 
 // Sets up one sub-block: Qᵀ widened to float32 and scaled into base 2 (exp(x) =
 // 2^(x log2 e)), lanes past the last row 0; empty state.
 template <class TQ>
 void init_sub_block(const AttentionParams& p, Block& b, const TQ* q) {
     const float qscale = static_cast<float>(p.scale * 1.4426950408889634);
-    const __m256 scale8 = _mm256_set1_ps(qscale);
+    const Chunk scalec = chunk_set(qscale);
     const int64_t D = b.D;
     int64_t i0 = 0;
-    for (; i0 + 8 <= b.rows; i0 += 8) {  // 8 x 8 blocks through registers
+    for (; i0 + kChunk <= b.rows; i0 += kChunk) {  // kChunk x kChunk blocks through registers
         const TQ* q0 = q + (b.row_begin + i0) * p.q_row_stride;
         int64_t d0 = 0;
-        for (; d0 + 8 <= D; d0 += 8) {
-            __m256 r[8];
-            for (int c = 0; c < 8; ++c) r[c] = _mm256_mul_ps(widen8(q0 + c * p.q_row_stride + d0), scale8);
-            transpose8(r);
-            for (int c = 0; c < 8; ++c) _mm256_store_ps(b.qt + (d0 + c) * Bq + i0, r[c]);
+        for (; d0 + kChunk <= D; d0 += kChunk) {
+            Chunk r[kChunk];
+            for (int c = 0; c < kChunk; ++c) r[c] = chunk_mul(widen_chunk(q0 + c * p.q_row_stride + d0), scalec);
+            transpose_chunks(r);
+            for (int c = 0; c < kChunk; ++c) chunk_store(b.qt + (d0 + c) * Bq + i0, r[c]);
         }
         for (; d0 < D; ++d0)
-            for (int c = 0; c < 8; ++c) b.qt[d0 * Bq + i0 + c] = widen(q0[c * p.q_row_stride + d0]) * qscale;
+            for (int c = 0; c < kChunk; ++c) b.qt[d0 * Bq + i0 + c] = widen(q0[c * p.q_row_stride + d0]) * qscale;
     }
     for (; i0 < b.rows; ++i0) {
         const TQ* qrow = q + (b.row_begin + i0) * p.q_row_stride;
@@ -684,18 +827,18 @@ void finish_sub_block(const AttentionParams& p, const Block& b, int64_t batch) {
     // l == 0: the row saw no key (zeros, lse -inf); l NaN (a NaN score) stays NaN in both.
     for (int64_t i = 0; i < Bq; ++i) inv[i] = b.l[i] != 0.0f ? 1.0f / b.l[i] : 0.0f;
     int64_t i0 = 0;
-    for (; i0 + 8 <= b.rows; i0 += 8) {  // 8 x 8 blocks through registers
+    for (; i0 + kChunk <= b.rows; i0 += kChunk) {  // kChunk x kChunk blocks through registers
         TQ* o0 = out + (b.row_begin + i0) * p.out_row_stride;
-        const __m256 inv8 = _mm256_load_ps(inv + i0);
+        const Chunk invc = chunk_load(inv + i0);
         int64_t e0 = 0;
-        for (; e0 + 8 <= Dv; e0 += 8) {
-            __m256 r[8];
-            for (int c = 0; c < 8; ++c) r[c] = _mm256_mul_ps(_mm256_load_ps(b.ot + (e0 + c) * Bq + i0), inv8);
-            transpose8(r);
-            for (int c = 0; c < 8; ++c) narrow8(o0 + c * p.out_row_stride + e0, r[c]);
+        for (; e0 + kChunk <= Dv; e0 += kChunk) {
+            Chunk r[kChunk];
+            for (int c = 0; c < kChunk; ++c) r[c] = chunk_mul(chunk_load(b.ot + (e0 + c) * Bq + i0), invc);
+            transpose_chunks(r);
+            for (int c = 0; c < kChunk; ++c) narrow_chunk(o0 + c * p.out_row_stride + e0, r[c]);
         }
         for (; e0 < Dv; ++e0)
-            for (int c = 0; c < 8; ++c) narrow1(o0 + c * p.out_row_stride + e0, b.ot[e0 * Bq + i0 + c] * inv[i0 + c]);
+            for (int c = 0; c < kChunk; ++c) narrow1(o0 + c * p.out_row_stride + e0, b.ot[e0 * Bq + i0 + c] * inv[i0 + c]);
     }
     for (; i0 < b.rows; ++i0) {
         TQ* orow = out + (b.row_begin + i0) * p.out_row_stride;
@@ -713,19 +856,33 @@ void finish_sub_block(const AttentionParams& p, const Block& b, int64_t batch) {
 inline float mask_value(const uint8_t* m) { return *m ? 0.0f : -__builtin_inff(); }
 inline float mask_value(const float* m) { return *m * 1.4426950408889634f; }
 inline float mask_value(const double* m) { return static_cast<float>(*m) * 1.4426950408889634f; }
-inline __m256 mask_values8(const uint8_t* m) {
+#if defined(__AVX2__)
+inline __m256 mask_chunk(const uint8_t* m) {
     const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m)));
     const __m256i drop = _mm256_cmpeq_epi32(x, _mm256_setzero_si256());
     return _mm256_and_ps(_mm256_castsi256_ps(drop), _mm256_set1_ps(-__builtin_inff()));
 }
-inline __m256 mask_values8(const float* m) { return _mm256_mul_ps(_mm256_loadu_ps(m), _mm256_set1_ps(1.4426950408889634f)); }
-inline __m256 mask_values8(const double* m) {
+inline __m256 mask_chunk(const float* m) { return _mm256_mul_ps(_mm256_loadu_ps(m), _mm256_set1_ps(1.4426950408889634f)); }
+inline __m256 mask_chunk(const double* m) {
     const __m256 x = _mm256_set_m128(_mm256_cvtpd_ps(_mm256_loadu_pd(m + 4)), _mm256_cvtpd_ps(_mm256_loadu_pd(m)));
     return _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
 }
+#else
+inline __m128 mask_chunk(const uint8_t* m) {
+    const __m128i z = _mm_setzero_si128();
+    const __m128i x = _mm_unpacklo_epi16(_mm_unpacklo_epi8(load4_bytes(m), z), z);
+    return _mm_and_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(x, z)), _mm_set1_ps(-__builtin_inff()));
+}
+inline __m128 mask_chunk(const float* m) { return _mm_mul_ps(_mm_loadu_ps(m), _mm_set1_ps(1.4426950408889634f)); }
+inline __m128 mask_chunk(const double* m) {
+    const __m128 x = _mm_movelh_ps(_mm_cvtpd_ps(_mm_loadu_pd(m)), _mm_cvtpd_ps(_mm_loadu_pd(m + 2)));
+    return _mm_mul_ps(x, _mm_set1_ps(1.4426950408889634f));
+}
+#endif
 
 // What a tile's mask entries hold: `set` ORs the bits of entries that drop (bool: -inf) or
 // are nonzero (additive), `clear` those that keep (bool) .
+#if defined(__AVX2__)
 struct MaskSummary {
     __m256 set = _mm256_setzero_ps();
     __m256 clear = _mm256_setzero_ps();
@@ -738,6 +895,19 @@ struct MaskSummary {
     bool any_set() const { return _mm256_movemask_ps(set) != 0; }
     bool any_clear() const { return _mm256_movemask_ps(clear) != 0; }
 };
+#else
+struct MaskSummary {
+    __m128 set = _mm_setzero_ps();
+    __m128 clear = _mm_setzero_ps();
+    void add(__m128 x) {
+        set = _mm_or_ps(set, _mm_cmpneq_ps(x, _mm_setzero_ps()));  // (NaN: unordered, counted)
+        clear = _mm_or_ps(clear, _mm_cmpeq_ps(x, _mm_setzero_ps()));
+    }
+    void add(float x) { add(_mm_set1_ps(x)); }
+    bool any_set() const { return _mm_movemask_ps(set) != 0; }
+    bool any_clear() const { return _mm_movemask_ps(clear) != 0; }
+};
+#endif
 
 // b.mt <- the mask of keys [tile, tile + keys) for the sub-block's Bq lanes, transposed
 // (key-major, like Sᵀ); padding lanes repeat the last row. Read through the mask's strides
@@ -757,23 +927,23 @@ void mask_tile(const AttentionParams& p, const Block& b, const M* base, int64_t 
         }
         return;
     }
-    if (cs == 1) {  // rows of consecutive keys: 8 x 8 blocks through registers
-        for (int64_t i0 = 0; i0 < Bq; i0 += 8) {
-            const M* r0[8];
-            for (int c = 0; c < 8; ++c) r0[c] = row(i0 + c);
+    if (cs == 1) {  // rows of consecutive keys: kChunk x kChunk blocks through registers
+        for (int64_t i0 = 0; i0 < Bq; i0 += kChunk) {
+            const M* r0[kChunk];
+            for (int c = 0; c < kChunk; ++c) r0[c] = row(i0 + c);
             int64_t j0 = 0;
-            for (; j0 < keys && tile + j0 + 8 <= p.seqlen_k; j0 += 8) {
-                __m256 r[8];
-                for (int c = 0; c < 8; ++c) r[c] = mask_values8(r0[c] + j0);
-                transpose8(r);
-                const int64_t n = keys - j0 < 8 ? keys - j0 : 8;
+            for (; j0 < keys && tile + j0 + kChunk <= p.seqlen_k; j0 += kChunk) {
+                Chunk r[kChunk];
+                for (int c = 0; c < kChunk; ++c) r[c] = mask_chunk(r0[c] + j0);
+                transpose_chunks(r);
+                const int64_t n = keys - j0 < kChunk ? keys - j0 : kChunk;
                 for (int64_t c = 0; c < n; ++c) {
                     sum.add(r[c]);
-                    _mm256_store_ps(b.mt + (j0 + c) * Bq + i0, r[c]);
+                    chunk_store(b.mt + (j0 + c) * Bq + i0, r[c]);
                 }
             }
             for (; j0 < keys; ++j0)  // the last keys of the rows
-                for (int c = 0; c < 8; ++c) {
+                for (int c = 0; c < kChunk; ++c) {
                     const float x = mask_value(r0[c] + j0);
                     sum.add(x);
                     b.mt[j0 * Bq + i0 + c] = x;
