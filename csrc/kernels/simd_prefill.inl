@@ -530,7 +530,8 @@ inline void exp_pass(const Block& b, int64_t keys, const Vec* shift, Vec* sum) {
 // factor corr that rescales the old state, Pᵀ = 2^(Sᵀ - m) in place and the new row sums.
 // Returns whether corr is not all ones (once the running max settles it is: Oᵀ is then
 // not multiplied by it).
-inline bool update_softmax(const Block& b, int64_t keys, const Vec* tile_max, Vec* corr) {
+__attribute__((always_inline)) inline bool update_softmax(const Block& b, int64_t keys, const Vec* tile_max,
+                                                          Vec* corr) {
     Vec shift[kQueryVecs], sum[kQueryVecs];
     for (int u = 0; u < kQueryVecs; ++u) {
         const Vec m_old = vload(b.m + u * W);
