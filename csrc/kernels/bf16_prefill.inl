@@ -186,9 +186,10 @@ inline void pair_weights(const simd::Block& b, int64_t keys) {
     }
 }
 
-// simd::attend_tile with the bfloat16 micro-kernels.
-void attend_tile(const simd::Block& b, const Scratch& sc, int64_t tile, int64_t keys, int64_t next_keys,
-                 bool partial, float scale2) {
+// simd::attend_tile with the bfloat16 micro-kernels. Not inlined into simd::run_task, so
+// that the compiler's choices inside it (which micro-tiles it inlines) stay as measured.
+__attribute__((noinline)) void attend_tile(const simd::Block& b, const Scratch& sc, int64_t tile, int64_t keys,
+                                           int64_t next_keys, bool partial, float scale2) {
     Vec tile_max[kQueryVecs];
     for (int u = 0; u < kQueryVecs; ++u) tile_max[u] = simd::vset(-__builtin_inff());
     int64_t j0 = 0;
