@@ -1,9 +1,10 @@
 // bfloat16 prefill with AVX512_BF16's vdpbf16ps, for bfloat16 q, k, v (a model run in
 // bfloat16). Included by kernels/isa_avx512bf16.cpp after simd_prefill.inl, whose layout it
 // keeps (queries in vector lanes, Bq = 32 rows per sub-block; Sᵀ, Oᵀ and the online softmax
-// in float32; tiling, task plan, prefetch and the finish (rounding out to bfloat16) shared)
-// and whose micro-kernels it replaces by ones that do 32 multiply-adds per instruction on
-// bfloat16 pairs:
+// in float32; the task loop simd::run_task, driven with this file's policy Bf16Kernel, and
+// the tiling, task plan, softmax update, prefetch and finish (rounding out to bfloat16)
+// shared) and whose micro-kernels it replaces by ones that do 32 multiply-adds per
+// instruction on bfloat16 pairs:
 //   S micro-kernel:  Qᵀ is held as pairs (q[i][2d], q[i][2d+1]), one 32-bit word per query
 //                    lane, exactly as stored (the scale multiplies the float32 scores, so q
 //                    is not rounded); each K pair (k[t][2d], k[t][2d+1]) is one 32-bit
@@ -185,9 +186,10 @@ inline void pair_weights(const simd::Block& b, int64_t keys) {
     }
 }
 
-// simd::attend_tile with the bfloat16 micro-kernels.
-void attend_tile(const simd::Block& b, const Scratch& sc, int64_t tile, int64_t keys, int64_t next_keys,
-                 bool partial, float scale2) {
+// simd::attend_tile with the bfloat16 micro-kernels. Not inlined into simd::run_task, so
+// that the compiler's choices inside it (which micro-tiles it inlines) stay as measured.
+__attribute__((noinline)) void attend_tile(const simd::Block& b, const Scratch& sc, int64_t tile, int64_t keys,
+                                           int64_t next_keys, bool partial, float scale2) {
     Vec tile_max[kQueryVecs];
     for (int u = 0; u < kQueryVecs; ++u) tile_max[u] = simd::vset(-__builtin_inff());
     int64_t j0 = 0;
@@ -195,38 +197,14 @@ void attend_tile(const simd::Block& b, const Scratch& sc, int64_t tile, int64_t 
     if (j0 < keys) scores_tail<kRows - 1>(keys - j0, b, tile, j0, partial, scale2, tile_max);
     pack_values(b, sc, tile, keys);  // (its V rows load while the scores finish)
 
-    Vec shift[kQueryVecs], corr[kQueryVecs], sum[kQueryVecs];
-    for (int u = 0; u < kQueryVecs; ++u) {
-        const Vec m_old = simd::vload(b.m + u * W);
-        const Vec m_new = simd::vmax(m_old, tile_max[u]);
-        shift[u] = simd::finite_or_zero(m_new);
-        corr[u] = simd::exp2_neg(simd::vsub(m_old, shift[u]));
-        sum[u] = simd::vmul(simd::vload(b.l + u * W), corr[u]);
-        simd::vstore(b.m + u * W, m_new);
-    }
-    simd::exp_pass(b, keys, shift, sum);
-    for (int u = 0; u < kQueryVecs; ++u) simd::vstore(b.l + u * W, sum[u]);
-    bool rescale = false;
-    for (int u = 0; u < kQueryVecs; ++u) rescale = rescale || !simd::all_ones(corr[u]);
+    Vec corr[kQueryVecs];
+    const bool rescale = simd::update_softmax(b, keys, tile_max, corr);
     pair_weights(b, keys);
 
     const int64_t pairs = (keys + 1) / 2;
     const int64_t passes = (b.Dv + kRows - 1) / kRows;
     simd::PrefetchStream pf;
-    int pf_steps = 0;
-    if (next_keys > 0) {
-        pf = simd::PrefetchStream(b, tile + b.Bk, next_keys);
-        // (the stream counts in float32 rows: halve strides and row bytes for bfloat16)
-        pf.k_stride /= 2;
-        pf.v_stride /= 2;
-        pf.k_row = reinterpret_cast<const char*>(reinterpret_cast<const bf16_t*>(b.k) + (tile + b.Bk) * b.k_stride);
-        pf.v_row = reinterpret_cast<const char*>(reinterpret_cast<const bf16_t*>(b.v) + (tile + b.Bk) * b.v_stride);
-        pf.k_bytes /= 2;
-        pf.v_bytes /= 2;
-        pf.k_lines = pf.k_bytes / 64 + 1;
-        pf.lines = pf.k_lines + pf.v_bytes / 64 + 1;
-        pf_steps = static_cast<int>((pf.total_lines() + passes * pairs - 1) / (passes * pairs));
-    }
+    const int pf_steps = simd::prefetch_next_tile(b, tile, next_keys, sizeof(bf16_t), passes * pairs, pf);
     for (int64_t pass = 0, e0 = 0; pass < passes; ++pass) {
         const int64_t cols = b.Dv / passes + (pass < b.Dv % passes ? 1 : 0);
         pv_cols<kRows>(cols, b, sc, pairs, e0, rescale ? corr : nullptr, pf, pf_steps);
@@ -235,7 +213,7 @@ void attend_tile(const simd::Block& b, const Scratch& sc, int64_t tile, int64_t 
 }
 
 // Qᵀ as pairs: word (d / 2, i) = q[i][d], q[i][d + 1] (a 32-bit transpose of the rows);
-// lanes past the last row 0; empty state (as simd::init_sub_block).
+// lanes past the last row 0; empty state.
 void init_sub_block(const AttentionParams& p, simd::Block& b, const bf16_t* q) {
     uint32_t* qt = reinterpret_cast<uint32_t*>(b.qt);
     const int64_t words = b.D / 2;
@@ -247,90 +225,29 @@ void init_sub_block(const AttentionParams& p, simd::Block& b, const bf16_t* q) {
             qt[w * Bq + i] = word;
         }
     }
-    for (int64_t i = 0; i < Bq; ++i) {
-        b.m[i] = -__builtin_inff();
-        b.l[i] = 0.0f;
-    }
-    for (int64_t x = 0; x < b.Dv * Bq; ++x) b.ot[x] = 0.0f;
-    b.first = visible_keys(p, b.row_begin, b.seqlen_k);
-    b.last = visible_keys(p, b.row_begin + b.rows - 1, b.seqlen_k);
+    simd::start_state(p, b);
 }
 
-// simd::attend_block's task structure (super-tiles shared by the task's sub-blocks).
-void attend_block(const AttentionParams& p, const BlockTask& task, float* workspace) {
-    const simd::Tiling t = simd::tiling(p);
-    const int64_t row_blocks = (task.row_end - task.row_begin + Bq - 1) / Bq;
-    const int64_t subs = task.head_count * row_blocks;
-    const int64_t kv_head = task.head / (p.heads / p.kv_heads);
-    const float scale2 = static_cast<float>(p.scale * 1.4426950408889634);  // base 2
-
-    float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(workspace) + 63) & ~uintptr_t(63));
-    float* st = base;
-    int32_t* rel_begin = reinterpret_cast<int32_t*>(st + t.Bk * Bq);
-    int32_t* rel_end = rel_begin + Bq;
-    float* sub_base = base + t.shared_elems;
-    float* scratch = sub_base + subs * t.sub_elems;
-    const Scratch sc{reinterpret_cast<uint32_t*>(scratch)};
-
-    simd::Block blocks[simd::kMaxSubBlocks];
-    int64_t kv_begin = 0, kv_end = 0;
-    const bf16_t* k = static_cast<const bf16_t*>(p.k) + task.batch * p.k_batch_stride + kv_head * p.k_head_stride;
-    const bf16_t* v = static_cast<const bf16_t*>(p.v) + task.batch * p.v_batch_stride + kv_head * p.v_head_stride;
-    for (int64_t sidx = 0; sidx < subs; ++sidx) {
-        simd::Block& b = blocks[sidx];
-        b.D = p.head_dim;
-        b.Dv = p.head_dim_v;
-        b.Bk = t.Bk;
-        b.qt = sub_base + sidx * t.sub_elems;  // D / 2 words x Bq, then as simd::Block
-        b.ot = b.qt + b.D * Bq;
-        b.m = b.ot + b.Dv * Bq;
-        b.l = b.m + Bq;
-        b.st = st;
-        b.rel_begin = rel_begin;
-        b.rel_end = rel_end;
-        b.k = reinterpret_cast<const float*>(k);  // bfloat16 rows; strides in elements
-        b.v = reinterpret_cast<const float*>(v);
-        b.k_stride = p.k_row_stride;
-        b.v_stride = p.v_row_stride;
-        b.head = task.head + sidx / row_blocks;
-        b.row_begin = task.row_begin + (sidx % row_blocks) * Bq;
-        b.rows = task.row_end - b.row_begin < Bq ? task.row_end - b.row_begin : Bq;
-        b.seqlen_k = batch_seqlen_k(p, task.batch);
-        init_sub_block(p, b, static_cast<const bf16_t*>(p.q) + task.batch * p.q_batch_stride + b.head * p.q_head_stride);
-        if (sidx == 0 || b.first.begin < kv_begin) kv_begin = b.first.begin;
-        if (sidx == 0 || b.last.end > kv_end) kv_end = b.last.end;
+// simd::run_task's policy (see simd::WidenKernel) for bfloat16 q, k, v: K and V read in
+// place (bfloat16 rows), Qᵀ as pairs, the tile's packed V rows in the workspace past the
+// sub-blocks (plan() adds them).
+struct Bf16Kernel {
+    using Q = bf16_t;
+    using KV = bf16_t;
+    static constexpr bool kWidened = false;
+    Scratch sc;
+    float scale2;  // scale * log2(e): the scores in base 2 (Qᵀ is not pre-scaled)
+    Bf16Kernel(const AttentionParams& p, float* extra)
+        : sc{reinterpret_cast<uint32_t*>(extra)}, scale2(static_cast<float>(p.scale * 1.4426950408889634)) {}
+    void init_sub_block(const AttentionParams& p, simd::Block& b, const bf16_t* q) const {
+        bf16_prefill::init_sub_block(p, b, q);
     }
-
-    for (int64_t super = kv_begin; super < kv_end; super += t.super_keys) {
-        const int64_t super_end = super + t.super_keys < kv_end ? super + t.super_keys : kv_end;
-        int64_t covered = super;
-        for (int64_t sidx = 0; sidx < subs; ++sidx) {
-            simd::Block& b = blocks[sidx];
-            const int64_t lo = b.first.begin, hi = b.last.end < super_end ? b.last.end : super_end;
-            int64_t tile = super;
-            if (lo > tile) tile += simd::round_down(lo - tile, t.Bk);
-            for (; tile < hi; tile += t.Bk) {
-                const int64_t keys = hi - tile < t.Bk ? hi - tile : t.Bk;
-                int64_t next_keys = 0;
-                if (t.prefetch && tile + t.Bk >= covered) {
-                    const int64_t after = kv_end - (tile + t.Bk);
-                    next_keys = after <= 0 ? 0 : (after < t.Bk ? after : t.Bk);
-                }
-                const bool partial = tile < b.last.begin || tile + keys > b.first.end;
-                if (partial)
-                    for (int64_t i = 0; i < Bq; ++i) {
-                        const KeyRange r = visible_keys(p, b.row_begin + (i < b.rows ? i : b.rows - 1), b.seqlen_k);
-                        const int64_t rb = simd::clamp64(r.begin - tile, 0, keys);
-                        b.rel_begin[i] = static_cast<int32_t>(rb);
-                        b.rel_end[i] = static_cast<int32_t>(simd::clamp64(r.end - tile, rb, keys));
-                    }
-                attend_tile(b, sc, tile, keys, next_keys, partial, scale2);
-            }
-            if (hi > covered) covered = hi;
-        }
+    void attend(const AttentionParams& p, const simd::Block& b, int64_t /*batch*/, int64_t tile, int64_t keys,
+                int64_t next_keys) const {
+        const bool partial = simd::tile_ranges(p, b, tile, keys);
+        attend_tile(b, sc, tile, keys, next_keys, partial, scale2);
     }
-    for (int64_t sidx = 0; sidx < subs; ++sidx) simd::finish_sub_block<bf16_t>(p, blocks[sidx], task.batch);
-}
+};
 
 inline bool covers(const AttentionParams& p) {
     return p.dtype == DType::kBF16 && p.kv_dtype == DType::kBF16 && p.head_dim % 2 == 0 &&
@@ -340,7 +257,7 @@ inline bool covers(const AttentionParams& p) {
 // KernelTable::attend_block_any and plan_any of this tier: this kernel where it covers the
 // call, else the tier's widening path (ATTNFAST_BF16_FALLBACK_PREFILL / _PLAN).
 void attend_block_any(const AttentionParams& p, const BlockTask& task, float* workspace) {
-    if (covers(p)) attend_block(p, task, workspace);
+    if (covers(p)) simd::run_task<Bf16Kernel>(p, task, workspace);
     else ATTNFAST_BF16_FALLBACK_PREFILL(p, task, workspace);
 }
 PrefillPlan plan_any(const AttentionParams& p) {

@@ -297,7 +297,8 @@ struct Block {
     float* alibi_pos = nullptr;  // Bq, shared: i' - tile start of each lane (ALiBi)
     float* mt = nullptr;         // Bk (rounded up to 8) x Bq, shared: the mask of the tile, transposed
     const float* k;       // key row kv_first of this (batch, kv head): the caller's array, or
-    const float* v;       // the task's float32 copy of the current super-tile
+    const float* v;       // the task's float32 copy of the current super-tile (bf16_prefill.inl:
+                          // the caller's bfloat16 rows, cast; strides count elements)
     int64_t k_stride, v_stride;
     int64_t kv_first = 0;  // key index of row 0 of k and v
     int64_t head, row_begin, rows;
@@ -309,6 +310,35 @@ struct Block {
 inline int64_t round_down(int64_t x, int64_t to) { return x / to * to; }
 inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 inline int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+// The empty online-softmax state of sub-block b (Qᵀ is the kernel's to stage) and the
+// visible keys of its first and last rows.
+inline void start_state(const AttentionParams& p, Block& b) {
+    for (int64_t i = 0; i < Bq; ++i) {
+        b.m[i] = -__builtin_inff();
+        b.l[i] = 0.0f;
+    }
+    for (int64_t x = 0; x < b.Dv * Bq; ++x) b.ot[x] = 0.0f;
+    // Ranges only move right as rows go down.
+    b.first = visible_keys(p, b.row_begin, b.seqlen_k);
+    b.last = visible_keys(p, b.row_begin + b.rows - 1, b.seqlen_k);
+}
+
+// Whether some lane of sub-block b sees only part of keys [tile, tile + keys); if so, each
+// lane's visible keys relative to the tile go to b.rel_begin / rel_end (for key_visible).
+inline bool tile_ranges(const AttentionParams& p, const Block& b, int64_t tile, int64_t keys) {
+    const bool partial = tile < b.last.begin || tile + keys > b.first.end;
+    if (partial) {
+        // Padding lanes copy the last row's range so they never make a tile partial.
+        for (int64_t i = 0; i < Bq; ++i) {
+            const KeyRange r = visible_keys(p, b.row_begin + (i < b.rows ? i : b.rows - 1), b.seqlen_k);
+            const int64_t rb = clamp64(r.begin - tile, 0, keys);
+            b.rel_begin[i] = static_cast<int32_t>(rb);
+            b.rel_end[i] = static_cast<int32_t>(clamp64(r.end - tile, rb, keys));
+        }
+    }
+    return partial;
+}
 
 // Most sub-blocks one task holds: each K/V super-tile is read from L3 once per task and
 // reused from L2 by up to this many sub-blocks, whose states (Qᵀ, Oᵀ) also live in L2.
@@ -403,13 +433,14 @@ struct PrefetchStream {
     int64_t rows_left = 0;
 
     PrefetchStream() = default;
-    PrefetchStream(const Block& b, int64_t first_row, int64_t rows) {
-        k_stride = b.k_stride * 4;
-        v_stride = b.v_stride * 4;
+    // elem_bytes: of one K / V element as b.k and b.v hold them (4, or 2 for bfloat16 rows).
+    PrefetchStream(const Block& b, int64_t first_row, int64_t rows, int64_t elem_bytes) {
+        k_stride = b.k_stride * elem_bytes;
+        v_stride = b.v_stride * elem_bytes;
         k_row = reinterpret_cast<const char*>(b.k) + (first_row - b.kv_first) * k_stride;
         v_row = reinterpret_cast<const char*>(b.v) + (first_row - b.kv_first) * v_stride;
-        k_bytes = b.D * 4;
-        v_bytes = b.Dv * 4;
+        k_bytes = b.D * elem_bytes;
+        v_bytes = b.Dv * elem_bytes;
         k_lines = k_bytes / 64 + 1;  // + 1: a row need not start on a line
         lines = k_lines + v_bytes / 64 + 1;
         rows_left = rows;
@@ -434,6 +465,15 @@ struct PrefetchStream {
         }
     }
 };
+
+// pf <- the stream over the `next_keys` K and V rows after the tile at `tile` (none when 0),
+// spread evenly over the `visits` iterations of the tile's PV loops: returns the steps per visit.
+inline int prefetch_next_tile(const Block& b, int64_t tile, int64_t next_keys, int64_t elem_bytes,
+                              int64_t visits, PrefetchStream& pf) {
+    if (next_keys <= 0) return 0;
+    pf = PrefetchStream(b, tile + b.Bk, next_keys, elem_bytes);
+    return static_cast<int>((pf.total_lines() + visits - 1) / visits);
+}
 
 // ---------------------------------------------------------------- micro-kernels
 // Sᵀ rows [j0, j0 + R) of the tile starting at key `tile`: scores of R keys against all Bq
@@ -555,6 +595,29 @@ inline void exp_pass(const Block& b, int64_t keys, const Vec* shift, Vec* sum) {
         }
 }
 
+// Step 2 of a tile, after its scores: the new running max (with the tile's row max), the
+// factor corr that rescales the old state, Pᵀ = 2^(Sᵀ - m) in place and the new row sums.
+// Returns whether corr is not all ones (once the running max settles it is: Oᵀ is then
+// not multiplied by it). Always inlined, as when each attend_tile had it written out: an
+// out-of-line copy measured up to 4% slower bfloat16 prefill on Zen 4.
+__attribute__((always_inline)) inline bool update_softmax(const Block& b, int64_t keys, const Vec* tile_max,
+                                                          Vec* corr) {
+    Vec shift[kQueryVecs], sum[kQueryVecs];
+    for (int u = 0; u < kQueryVecs; ++u) {
+        const Vec m_old = vload(b.m + u * W);
+        const Vec m_new = vmax(m_old, tile_max[u]);
+        shift[u] = finite_or_zero(m_new);
+        corr[u] = exp2_neg(vsub(m_old, shift[u]));  // 0 while m_old is -inf
+        sum[u] = vmul(vload(b.l + u * W), corr[u]);
+        vstore(b.m + u * W, m_new);
+    }
+    exp_pass(b, keys, shift, sum);
+    for (int u = 0; u < kQueryVecs; ++u) vstore(b.l + u * W, sum[u]);
+    bool rescale = false;
+    for (int u = 0; u < kQueryVecs; ++u) rescale = rescale || !all_ones(corr[u]);
+    return rescale;
+}
+
 template <bool kOptions>
 inline void scores_tile(const Block& b, int64_t tile, int64_t keys, bool partial, const TileOptions& o,
                         Vec* tile_max) {
@@ -574,30 +637,14 @@ void attend_tile(const Block& b, int64_t tile, int64_t keys, int64_t next_keys, 
     else scores_tile<false>(b, tile, keys, partial, o, tile_max);
 
     // 2. New max, rescale factor of the old state, Pᵀ = 2^(Sᵀ - m) in place, row sums.
-    Vec shift[kQueryVecs], corr[kQueryVecs], sum[kQueryVecs];
-    for (int u = 0; u < kQueryVecs; ++u) {
-        const Vec m_old = vload(b.m + u * W);
-        const Vec m_new = vmax(m_old, tile_max[u]);
-        shift[u] = finite_or_zero(m_new);
-        corr[u] = exp2_neg(vsub(m_old, shift[u]));  // 0 while m_old is -inf
-        sum[u] = vmul(vload(b.l + u * W), corr[u]);
-        vstore(b.m + u * W, m_new);
-    }
-    exp_pass(b, keys, shift, sum);
-    for (int u = 0; u < kQueryVecs; ++u) vstore(b.l + u * W, sum[u]);
-    // Once the running max settles, corr is all ones: skip multiplying Oᵀ by it.
-    bool rescale = false;
-    for (int u = 0; u < kQueryVecs; ++u) rescale = rescale || !all_ones(corr[u]);
+    Vec corr[kQueryVecs];
+    const bool rescale = update_softmax(b, keys, tile_max, corr);
 
     // 3. Oᵀ = corr * Oᵀ + Vᵀ Pᵀ, in passes of near-equal width (Dv = 64: 11+11+11+11+10+10,
     //    not 12 x 5 + 4), prefetching the next tile on the way.
     const int64_t passes = (b.Dv + kRows - 1) / kRows;
     PrefetchStream pf;
-    int pf_steps = 0;
-    if (next_keys > 0) {
-        pf = PrefetchStream(b, tile + b.Bk, next_keys);
-        pf_steps = static_cast<int>((pf.total_lines() + passes * keys - 1) / (passes * keys));
-    }
+    const int pf_steps = prefetch_next_tile(b, tile, next_keys, sizeof(float), passes * keys, pf);
     for (int64_t pass = 0, e0 = 0; pass < passes; ++pass) {
         const int64_t cols = b.Dv / passes + (pass < b.Dv % passes ? 1 : 0);
         pv_cols<kRows>(cols, b, tile, keys, e0, rescale ? corr : nullptr, pf, pf_steps);
@@ -782,14 +829,7 @@ void init_sub_block(const AttentionParams& p, Block& b, const TQ* q) {
     }
     for (int64_t d = 0; d < D; ++d)
         for (int64_t i = b.rows; i < Bq; ++i) b.qt[d * Bq + i] = 0.0f;
-    for (int64_t i = 0; i < Bq; ++i) {
-        b.m[i] = -__builtin_inff();
-        b.l[i] = 0.0f;
-    }
-    for (int64_t x = 0; x < b.Dv * Bq; ++x) b.ot[x] = 0.0f;
-    // Ranges only move right as rows go down.
-    b.first = visible_keys(p, b.row_begin, b.seqlen_k);
-    b.last = visible_keys(p, b.row_begin + b.rows - 1, b.seqlen_k);
+    start_state(p, b);
 }
 
 // out = Oᵀᵀ / l, rounded to q's type; lse = ln(l) + m ln 2. A row that saw no key (l == 0):
@@ -985,16 +1025,7 @@ void attend_sub_tile(const AttentionParams& p, const Block& b, int64_t batch, in
         const int64_t aligned0 = aligned_row(p, b.row_begin, b.seqlen_k);
         for (int64_t i = 0; i < Bq; ++i) b.alibi_pos[i] = static_cast<float>(aligned0 - tile + i);
     }
-    const bool partial = tile < b.last.begin || tile + keys > b.first.end;
-    if (partial) {
-        // Padding lanes copy the last row's range so they never make a tile partial.
-        for (int64_t i = 0; i < Bq; ++i) {
-            const KeyRange r = visible_keys(p, b.row_begin + (i < b.rows ? i : b.rows - 1), b.seqlen_k);
-            const int64_t rb = clamp64(r.begin - tile, 0, keys);
-            b.rel_begin[i] = static_cast<int32_t>(rb);
-            b.rel_end[i] = static_cast<int32_t>(clamp64(r.end - tile, rb, keys));
-        }
-    }
+    const bool partial = tile_ranges(p, b, tile, keys);
     attend_tile(b, tile, keys, next_keys, partial, o);
 }
 
@@ -1014,19 +1045,42 @@ inline ScoreOptions score_options(const AttentionParams& p) {
     return o;
 }
 
-// One task: heads [head, head + head_count) (all of one KV head) x rows [row_begin, row_end),
-// as sub-blocks of Bq rows. The keys are walked in L2-sized super-tiles; every sub-block
-// walks a super-tile (in Bk tiles) before the next, so K and V come from L3 once per task
-// instead of once per sub-block (and, not float32, are widened once per task into a float32
-// copy of the super-tile). The tile grid starts at the task's first visible key.
-// TQ: type of q and out; TKV: of k and v.
+// What run_task leaves to a prefill kernel, as a policy (as simd_decode.inl's chunk() takes
+// WidenPath): Q and KV, the storage types of q / out and of k / v; kWidened, whether each
+// K/V super-tile is widened into a float32 copy that b.k and b.v then point into (else they
+// point into the caller's arrays, strides in elements); the constructor, given the task's
+// workspace past the sub-blocks and the copy (what the kernel's plan added); init_sub_block,
+// Qᵀ in the kernel's layout and the empty state; attend, one KV tile of one sub-block.
+// This kernel widens q, k and v to float32 and applies every score option; bf16_prefill.inl
+// has a vdpbf16ps one for bfloat16 q, k, v.
 template <class TQ, class TKV>
-void attend_block_typed(const AttentionParams& p, const BlockTask& task, float* workspace) {
-    constexpr bool kConvert = !IsFloat<TKV>::value;
-    const Tiling t = tiling(p, kConvert);
+struct WidenKernel {
+    using Q = TQ;
+    using KV = TKV;
+    static constexpr bool kWidened = !IsFloat<TKV>::value;
+    WidenKernel(const AttentionParams&, float* /*extra*/) {}
+    void init_sub_block(const AttentionParams& p, Block& b, const TQ* q) const { simd::init_sub_block(p, b, q); }
+    void attend(const AttentionParams& p, const Block& b, int64_t batch, int64_t tile, int64_t keys,
+                int64_t next_keys) const {
+        attend_sub_tile(p, b, batch, tile, keys, next_keys);
+    }
+};
+
+// One task: heads [head, head + head_count) (all of one KV head) x rows [row_begin, row_end),
+// as sub-blocks of Bq rows, with the arithmetic of Kernel (see WidenKernel). The keys are
+// walked in L2-sized super-tiles; every sub-block walks a super-tile (in Bk tiles) before
+// the next, so K and V come from L3 once per task instead of once per sub-block (and, when
+// Kernel::kWidened, are widened once per task into a float32 copy of the super-tile). The
+// tile grid starts at the task's first visible key.
+template <class Kernel>
+void run_task(const AttentionParams& p, const BlockTask& task, float* workspace) {
+    using TQ = typename Kernel::Q;
+    using TKV = typename Kernel::KV;
+    constexpr bool kWidened = Kernel::kWidened;
+    const Tiling t = tiling(p, kWidened);
     const int64_t head_count = task.head_count;
     const int64_t row_blocks = (task.row_end - task.row_begin + Bq - 1) / Bq;
-    const int64_t subs = head_count * row_blocks;  // <= kMaxSubBlocks(Widened) (plan_all_dtypes)
+    const int64_t subs = head_count * row_blocks;  // <= kMaxSubBlocks(Widened) (plan_for)
     const int64_t kv_head = task.head / (p.heads / p.kv_heads);
     const ScoreOptions opt = score_options(p);
 
@@ -1038,6 +1092,7 @@ void attend_block_typed(const AttentionParams& p, const BlockTask& task, float* 
     float* mt = alibi_pos + Bq;
     float* sub_base = base + t.shared_elems;
     float* kv_copy = sub_base + subs * t.sub_elems;  // super_keys x D, then super_keys x Dv
+    const Kernel kernel(p, kv_copy + t.kv_copy_elems);
 
     const TKV* k = static_cast<const TKV*>(p.k) + task.batch * p.k_batch_stride + kv_head * p.k_head_stride;
     const TKV* v = static_cast<const TKV*>(p.v) + task.batch * p.v_batch_stride + kv_head * p.v_head_stride;
@@ -1062,14 +1117,14 @@ void attend_block_typed(const AttentionParams& p, const BlockTask& task, float* 
         b.rel_end = rel_end;
         b.alibi_pos = alibi_pos;
         b.mt = mt;
-        if constexpr (kConvert) {
+        if constexpr (kWidened) {
             b.k = kv_copy;
             b.v = kv_copy + t.super_keys * b.D;
             b.k_stride = b.D;
             b.v_stride = b.Dv;
         } else {
-            b.k = k;
-            b.v = v;
+            b.k = reinterpret_cast<const float*>(k);
+            b.v = reinterpret_cast<const float*>(v);
             b.k_stride = p.k_row_stride;
             b.v_stride = p.v_row_stride;
         }
@@ -1082,14 +1137,14 @@ void attend_block_typed(const AttentionParams& p, const BlockTask& task, float* 
         if (opt.alibi) b.opt.slope = static_cast<float>(p.alibi_slopes[task.batch * p.alibi_batch_stride + b.head] *
                                                         1.4426950408889634);
         const TQ* q = static_cast<const TQ*>(p.q) + task.batch * p.q_batch_stride + b.head * p.q_head_stride;
-        init_sub_block(p, b, q);
+        kernel.init_sub_block(p, b, q);
         if (sidx == 0 || b.first.begin < kv_begin) kv_begin = b.first.begin;
         if (sidx == 0 || b.last.end > kv_end) kv_end = b.last.end;
     }
 
     for (int64_t super = kv_begin; super < kv_end; super += t.super_keys) {
         const int64_t super_end = super + t.super_keys < kv_end ? super + t.super_keys : kv_end;
-        if constexpr (kConvert) {
+        if constexpr (kWidened) {
             widen_rows(k, p.k_row_stride, super, super_end - super, p.head_dim, k_scale, kv_copy);
             widen_rows(v, p.v_row_stride, super, super_end - super, p.head_dim_v, v_scale,
                        kv_copy + t.super_keys * p.head_dim);
@@ -1106,11 +1161,11 @@ void attend_block_typed(const AttentionParams& p, const BlockTask& task, float* 
                 // Prefetch the next tile unless an earlier sub-block already brought it in
                 // (or it is in the widened copy, already in L2).
                 int64_t next_keys = 0;
-                if (!kConvert && t.prefetch && tile + t.Bk >= covered) {
+                if (!kWidened && t.prefetch && tile + t.Bk >= covered) {
                     const int64_t after = kv_end - (tile + t.Bk);
                     next_keys = after <= 0 ? 0 : (after < t.Bk ? after : t.Bk);
                 }
-                attend_sub_tile(p, b, task.batch, tile, keys, next_keys);
+                kernel.attend(p, b, task.batch, tile, keys, next_keys);
             }
             if (hi > covered) covered = hi;
         }
@@ -1123,17 +1178,17 @@ void attend_block_typed(const AttentionParams& p, const BlockTask& task, float* 
 // every score option.
 void attend_block(const AttentionParams& p, const BlockTask& task, float* workspace) {
     const DType q = p.dtype, kv = p.kv_dtype;
-    if (kv == DType::kF32) attend_block_typed<float, float>(p, task, workspace);
+    if (kv == DType::kF32) run_task<WidenKernel<float, float>>(p, task, workspace);
     else if (kv == DType::kBF16) {
-        if (q == DType::kBF16) attend_block_typed<bf16_t, bf16_t>(p, task, workspace);
-        else attend_block_typed<float, bf16_t>(p, task, workspace);
+        if (q == DType::kBF16) run_task<WidenKernel<bf16_t, bf16_t>>(p, task, workspace);
+        else run_task<WidenKernel<float, bf16_t>>(p, task, workspace);
     } else if (kv == DType::kF16) {
-        if (q == DType::kF16) attend_block_typed<f16_t, f16_t>(p, task, workspace);
-        else attend_block_typed<float, f16_t>(p, task, workspace);
+        if (q == DType::kF16) run_task<WidenKernel<f16_t, f16_t>>(p, task, workspace);
+        else run_task<WidenKernel<float, f16_t>>(p, task, workspace);
     } else {  // kI8
-        if (q == DType::kBF16) attend_block_typed<bf16_t, int8_t>(p, task, workspace);
-        else if (q == DType::kF16) attend_block_typed<f16_t, int8_t>(p, task, workspace);
-        else attend_block_typed<float, int8_t>(p, task, workspace);
+        if (q == DType::kBF16) run_task<WidenKernel<bf16_t, int8_t>>(p, task, workspace);
+        else if (q == DType::kF16) run_task<WidenKernel<f16_t, int8_t>>(p, task, workspace);
+        else run_task<WidenKernel<float, int8_t>>(p, task, workspace);
     }
 }
 
