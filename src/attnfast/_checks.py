@@ -515,25 +515,37 @@ def check_cache_seqlens(cache_seqlens, batch: int, capacity: int, new_tokens: in
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
-def check_cache_pair(k_cache, v_cache, *, names=("k_cache", "v_cache")):
-    """Caller-owned caches (B, Hkv, capacity, D) and (B, Hkv, capacity, Dv) -> shapes."""
+def _check_array_pair(k_cache, v_cache, names, four_d: str):
+    """The part every caller-owned K/V pair shares: both writable-in-place ndarrays, 4-D
+    (`four_d` says which 4 axes, for the message), one exact dtype -> that dtype."""
     kn, vn = names
     for name, a in ((kn, k_cache), (vn, v_cache)):
         if not isinstance(a, np.ndarray):
             raise TypeError(f"{name} must be a numpy.ndarray (it is read and written in place), "
                             f"got {type(a).__name__}")
         if a.ndim != 4:
-            raise ValueError(f"{name} must be 4-D (batch, kv_heads, capacity, head_dim), got "
-                             f"shape {_shape_str(a)}")
+            raise ValueError(f"{name} must be {four_d}, got shape {_shape_str(a)}")
     kd, vd = _exact_dtype(k_cache, kn), _exact_dtype(v_cache, vn)
     if kd != vd:
         raise TypeError(f"{kn} and {vn} must share a dtype; got {kd} and {vd}")
-    if v_cache.shape[:3] != k_cache.shape[:3]:
-        raise ValueError(f"{vn} must match {kn} on (batch, kv_heads, capacity); got {kn} "
-                         f"{_shape_str(k_cache)}, {vn} {_shape_str(v_cache)}")
+    return kd
+
+
+def _check_head_dims(k_cache, v_cache, names) -> None:
+    kn, vn = names
     if k_cache.shape[3] < 1 or v_cache.shape[3] < 1:
         raise ValueError(f"head dims must be >= 1; got {kn} {_shape_str(k_cache)}, "
                          f"{vn} {_shape_str(v_cache)}")
+
+
+def check_cache_pair(k_cache, v_cache, *, names=("k_cache", "v_cache")):
+    """Caller-owned caches (B, Hkv, capacity, D) and (B, Hkv, capacity, Dv) -> shapes."""
+    kn, vn = names
+    kd = _check_array_pair(k_cache, v_cache, names, "4-D (batch, kv_heads, capacity, head_dim)")
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"{vn} must match {kn} on (batch, kv_heads, capacity); got {kn} "
+                         f"{_shape_str(k_cache)}, {vn} {_shape_str(v_cache)}")
+    _check_head_dims(k_cache, v_cache, names)
     return k_cache.shape, v_cache.shape[3], kd
 
 
@@ -830,16 +842,8 @@ def check_paged_pools(k_cache, v_cache, *, names=("k_cache", "v_cache")):
     """Paged pools (num_blocks, Hkv, block_size, D) and (num_blocks, Hkv, block_size, Dv)
     -> ((num_blocks, Hkv, block_size, D), Dv, dtype)."""
     kn, vn = names
-    for name, a in ((kn, k_cache), (vn, v_cache)):
-        if not isinstance(a, np.ndarray):
-            raise TypeError(f"{name} must be a numpy.ndarray (it is read and written in place), "
-                            f"got {type(a).__name__}")
-        if a.ndim != 4:
-            raise ValueError(f"{name} must be a 4-D pool (num_blocks, kv_heads, block_size, "
-                             f"head_dim) with block_table, got shape {_shape_str(a)}")
-    kd, vd = _exact_dtype(k_cache, kn), _exact_dtype(v_cache, vn)
-    if kd != vd:
-        raise TypeError(f"{kn} and {vn} must share a dtype; got {kd} and {vd}")
+    kd = _check_array_pair(k_cache, v_cache, names,
+                           "a 4-D pool (num_blocks, kv_heads, block_size, head_dim) with block_table")
     if v_cache.shape[2] != k_cache.shape[2]:
         raise ValueError(f"block_size differs: {kn} {_shape_str(k_cache)} has block_size "
                          f"{k_cache.shape[2]} (axis 2), {vn} {_shape_str(v_cache)} has {v_cache.shape[2]}")
@@ -848,9 +852,7 @@ def check_paged_pools(k_cache, v_cache, *, names=("k_cache", "v_cache")):
                          f"{_shape_str(k_cache)}, {vn} {_shape_str(v_cache)}")
     if k_cache.shape[2] < 1:
         raise ValueError(f"block_size (axis 2 of {kn}) must be >= 1, got {_shape_str(k_cache)}")
-    if k_cache.shape[3] < 1 or v_cache.shape[3] < 1:
-        raise ValueError(f"head dims must be >= 1; got {kn} {_shape_str(k_cache)}, "
-                         f"{vn} {_shape_str(v_cache)}")
+    _check_head_dims(k_cache, v_cache, names)
     return k_cache.shape, v_cache.shape[3], kd
 
 
