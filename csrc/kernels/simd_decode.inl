@@ -503,10 +503,12 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
         // following task of this thread reads), so memory streams while the FMAs run; the
         // next K pass then finds its rows in L2. Measured on one Zen 4 core (RESULTS 13.7):
         // +26-33 % at 32/8, +9-12 % at 16/8 and 64/8, float32 and bfloat16, both x86 tiers; on
-        // two cores +4-18 %; at one row within noise, so it is not used there.
+        // two cores +4-18 %; at one row within noise, and with an int8 cache (a quarter of
+        // the bytes per key, so the widening arithmetic, not memory, bounds it) 8-21 % slower:
+        // neither is pipelined.
         // (Run lengths change no addition, so no bits; the block length changes the online
         // softmax's rescaling points, the same for any thread count.)
-        const bool pipelined = n >= 2;
+        const bool pipelined = n >= 2 && sizeof(T) >= 2;
         const int64_t key_block = pipelined ? kPipelinedKeyBlock : kDecodeKeyBlock;
         const int64_t value_keys = pipelined ? kPipelinedValueRun : (n <= 4 ? kValueRunKeys : kValueSubKeys);
         const int64_t prefetch_end = task.seqlen_k - kb;  // chunk-relative end of the head's keys
