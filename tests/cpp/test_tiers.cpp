@@ -208,7 +208,8 @@ std::string describe(const Case& c, const char* dtype) {
 // any mismatch (printed). Arithmetic, lse and additive masks are float64 for float64, else
 // float32 (A); an int8 K/V row stands for its float32 scale times its values.
 // The active tier rounds P to bfloat16 for P·V with bfloat16 q, k, v (avx512bf16's vdpbf16ps
-// kernels; README): each weight's relative error up to 2^-9 adds up to 2^-9 max|v| to out.
+// kernels; README): each weight's relative error up to 2^-9 adds up to 2^-9 max|v| to out;
+// and bfloat16 subnormals count as zero there (vdpbf16ps's inputs).
 bool g_bf16_rounds_p = false;
 
 template <class T, class TKV = T>
@@ -591,6 +592,46 @@ long run_dtypes(const Case& c, uint64_t& seed, long& checks) {
     return failed;
 }
 
+// Every finite value of a 16-bit type T (subnormals and the largest included) through the
+// prefill and back: V holds them all, window (0, 0) lets each row see only its own key (q and
+// k ones, weight exactly 1), so out must be V bit for bit (a -0 may come back +0). Checks the
+// tier's widening of K/V and its rounding of out. flushes_subnormals: subnormal values may come
+// back as zeros (vdpbf16ps treats its subnormal inputs as zero). Returns whether it held.
+template <class T>
+bool round_trip_16bit(const char* dtype, bool flushes_subnormals = false) {
+    std::vector<T> v;
+    for (uint32_t b = 0; b < 65536; ++b) {
+        T x;
+        x.bits = static_cast<uint16_t>(b);
+        if (std::isfinite(static_cast<double>(x))) v.push_back(x);
+    }
+    const int64_t H = 8, D = 64, T_ = static_cast<int64_t>(v.size()) / (H * D);  // f16: 124; bf16: 127 (+ rest)
+    v.resize(static_cast<size_t>(H * T_ * D));
+    std::vector<T> ones(v.size(), T(1.0)), out(v.size(), T(kNaN));
+    attnfast::AttentionParams p = attnfast::default_params();
+    p.dtype = p.kv_dtype = dtype_of<T>();
+    p.q = ones.data(), p.k = ones.data(), p.v = v.data(), p.out = out.data();
+    p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.out_batch_stride = H * T_ * D;
+    p.q_head_stride = p.k_head_stride = p.v_head_stride = p.out_head_stride = T_ * D;
+    p.q_row_stride = p.k_row_stride = p.v_row_stride = p.out_row_stride = D;
+    p.batch = 1, p.heads = p.kv_heads = H, p.seqlen_q = p.seqlen_k = T_, p.head_dim = p.head_dim_v = D;
+    p.scale = 1.0, p.window_left = 0, p.window_right = 0, p.num_threads = 3;
+    try {
+        attnfast::attention_forward(p);
+    } catch (const std::exception& e) {
+        std::printf("  FAIL %s round trip: attention_forward threw: %s\n", dtype, e.what());
+        return false;
+    }
+    const uint16_t exponent = std::is_same<T, F16>::value ? 0x7C00 : 0x7F80;
+    for (size_t x = 0; x < v.size(); ++x)
+        if (out[x].bits != v[x].bits && !(v[x].bits == 0x8000 && out[x].bits == 0) &&
+            !(flushes_subnormals && (v[x].bits & exponent) == 0 && (out[x].bits & 0x7FFF) == 0)) {
+            std::printf("  FAIL %s round trip: value bits 0x%04x came back as 0x%04x\n", dtype, v[x].bits, out[x].bits);
+            return false;
+        }
+    return true;
+}
+
 // All cases on the active tier, in every dtype combination.
 void run_tier(const std::string& tier, bool nan_only, Stats& total) {
     Stats st;
@@ -600,6 +641,11 @@ void run_tier(const std::string& tier, bool nan_only, Stats& total) {
     if (!nan_only)
         for (const Case& c : g_cases) st.failures += run_dtypes(c, seed, st.checks);
     for (const Case& c : nan_cases()) nan_failed += run_dtypes(c, seed, nan_checked);
+    if (!nan_only) {
+        st.checks += 2;
+        st.failures += round_trip_16bit<F16>("f16") ? 0 : 1;
+        st.failures += round_trip_16bit<Bf16>("bf16", g_bf16_rounds_p) ? 0 : 1;
+    }
     st.checks += nan_checked;
     const bool known = nan_known_to_fail(tier);
     if (known) {
