@@ -119,7 +119,7 @@ void run_blocks(const AttentionParams& p,
 }
 
 // A paged cache's keys of one call gathered into contiguous (batch, kv head, key) arrays,
-// for the hand-written prefill kernels (simd_prefill.inl, neon_prefill.inl, bf16_prefill.inl),
+// for the hand-written prefill kernels (simd_prefill.inl, bf16_prefill.inl),
 // which read one strided run of rows: they then compute exactly the bits of a contiguous cache.
 // Costs one copy of the keys the batch reads (O(Tk * D), small next to the O(Tq * Tk * D)
 // prefill); the templates read the pool through the table instead.

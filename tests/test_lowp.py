@@ -23,9 +23,9 @@ X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 
 
 def runs_simd_prefill(tier):
-    """The tiers whose prefill is csrc/kernels/simd_prefill.inl: the avx ones, and generic on
-    x86-64 (its SSE2 branch); elsewhere generic runs the templates (neon has its own)."""
-    return tier.startswith("avx") or (tier == "generic" and X86_64)
+    """The tiers whose prefill is csrc/kernels/simd_prefill.inl: the avx ones, neon (its NEON
+    branch) and generic on x86-64 (its SSE2 branch); elsewhere generic runs the templates."""
+    return tier.startswith("avx") or tier == "neon" or (tier == "generic" and X86_64)
 
 
 @pytest.fixture(params=TIERS)

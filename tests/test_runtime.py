@@ -75,7 +75,8 @@ def test_show_config(capsys):
 @pytest.mark.parametrize("tier", af.show_config.__globals__["_ext"].runtime_info()["isa_available"])
 def test_show_config_names_the_16bit_instructions_of_each_tier(tier):
     """show_config says what the 16-bit paths of the forced tier run on: vdpbf16ps only on the
-    tier that uses it, F16C's conversion on the other x86 SIMD tiers."""
+    tier that uses it, F16C's conversion on the other x86 SIMD tiers, SSE2's and NEON's
+    widening where the hand-written prefill runs on them."""
     code = "import attnfast; print(attnfast.show_config()['lowp_instructions'])"
     res = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ATTNFAST_ISA": tier},
                          capture_output=True, text=True, check=True)
@@ -84,6 +85,7 @@ def test_show_config_names_the_16bit_instructions_of_each_tier(tier):
     assert ("vcvtph2ps" in words) == (tier in ("avx2", "avx512", "avx512bf16"))
     x86_64 = platform.machine().lower() in ("x86_64", "amd64")
     assert ("SSE2" in words) == (tier == "generic" and x86_64)  # its hand-written prefill
+    assert ("fcvtl" in words) == (tier == "neon")  # the NEON branch of the same prefill
 
 
 @pytest.mark.parametrize("threads", [1, 2])

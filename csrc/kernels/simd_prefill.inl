@@ -1,8 +1,12 @@
-// Hand-written float32 prefill kernel for the x86 SIMD tiers: AVX-512, AVX2+FMA, and SSE2
-// (the generic tier on x86-64: 4 lanes, 16 xmm registers, no FMA).
-// Included by kernels/isa_avx512.cpp, isa_avx2.cpp and (x86-64 only) isa_generic.cpp after
-// block_attention.inl, inside their ATTNFAST_KERNEL_NS; the intrinsics below compile only under
-// those files' flags (the generic tier's: the x86-64 baseline, SSE2 and nothing newer).
+// Hand-written float32 prefill kernel for the SIMD tiers: on x86 AVX-512, AVX2+FMA, and SSE2
+// (the generic tier on x86-64: 4 lanes, 16 xmm registers, no FMA); on AArch64 Advanced SIMD
+// (the neon tier: 4 lanes, 32 vector registers, FMA). One branch of the vector layer (and of
+// the few ISA-specific helpers: exp2_neg, widening / narrowing, transposes, mask tiles) per
+// ISA; everything else is shared.
+// Included by kernels/isa_avx512.cpp, isa_avx2.cpp, (x86-64 only) isa_generic.cpp and
+// isa_neon.cpp after block_attention.inl, inside their ATTNFAST_KERNEL_NS; the intrinsics
+// below compile only under those files' flags (the generic tier's: the x86-64 baseline, SSE2
+// and nothing newer; neon's: the AArch64 baseline, which includes Advanced SIMD).
 // float64, and the generic tier on other architectures, keep the auto-vectorised templates.
 //
 // Layout: query rows live in vector lanes. One block holds Bq = kQueryVecs * W query rows:
@@ -15,16 +19,19 @@
 // per tile and any D, Dv works without padding:
 //   S micro-kernel:  kRows keys x kQueryVecs query vectors of accumulators, looping over d:
 //                    acc[t][v] += k[key t][d] * qt[d][v-th vector]
+//                    (NEON: four d per 4-float K load, through vfmaq_laneq_f32)
 //   PV micro-kernel: kRows output columns x kQueryVecs query vectors, looping over keys j:
 //                    acc[t][v] += v[j][col t] * pt[j][v-th vector]
 // Rounding and summation order depend only on the tile sizes (functions of D, Dv and the
 // cache sizes), never on the thread count.
 //
 // No std:: templates here (see block_attention.inl).
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#elif defined(__SSE2__)
 #include <immintrin.h>
-
-#if !defined(__SSE2__)
-#error "simd_prefill.inl needs at least SSE2"
+#else
+#error "simd_prefill.inl needs SSE2 (x86-64) or AArch64 NEON"
 #endif
 #if defined(__AVX2__) && !defined(__FMA__)
 #error "simd_prefill.inl's AVX2 branch needs -mfma too"
@@ -43,7 +50,60 @@ namespace {
 namespace simd {
 
 // ---------------------------------------------------------------- vector layer
-#if defined(__AVX512F__)
+#if defined(__aarch64__)  // Advanced SIMD: 4 lanes, 32 registers, FMA
+using Vec = float32x4_t;
+using Mask = uint32x4_t;  // all-ones / all-zeros lanes
+constexpr int W = 4;
+// 20 accumulators of 32 registers. S: + the kRows K vectors of four d (vfmaq_laneq_f32 takes
+// each key value from a lane: no broadcast) + the Q vectors in flight; PV: + kQueryVecs P
+// vectors + one ld1r broadcast of a V value. Not timed (no arm64 hardware here): chosen by
+// register count and checked for spills in the cross build (GCC 12, aarch64-linux-gnu-objdump
+// of isa_neon.cpp.o, loop bodies): 4 x 5 keeps PV free of spills and has one 16-byte spill
+// store + reload per 80 FMLAs in the S loop (its options variant: 5 stack accesses); 4 x 4
+// spills nothing but leaves 16 accumulators, at the limit of what a core with 4 FMA pipes of
+// latency 4 needs in flight, and makes PV re-read Pᵀ once more per 20 output columns; 4 x 6,
+// 5 x 4 spill 12-24 vectors per S iteration (6 x 4 did in the old NEON kernel too). With 4
+// query vectors each K / V value loaded feeds 4 FMAs, as on the other tiers.
+#ifndef ATTNFAST_NEON_QUERY_VECS  // (overridable only to inspect other shapes)
+#define ATTNFAST_NEON_QUERY_VECS 4
+#define ATTNFAST_NEON_ROWS 5
+#endif
+constexpr int kQueryVecs = ATTNFAST_NEON_QUERY_VECS;  // Bq = 16 rows
+constexpr int kRows = ATTNFAST_NEON_ROWS;
+
+inline Vec vzero() { return vdupq_n_f32(0.0f); }
+inline Vec vset(float x) { return vdupq_n_f32(x); }
+inline Vec vload(const float* p) { return vld1q_f32(p); }
+inline void vstore(float* p, Vec x) { vst1q_f32(p, x); }
+inline Vec vbcast(const float* p) { return vld1q_dup_f32(p); }  // ld1r
+inline Vec vfma(Vec a, Vec b, Vec c) { return vfmaq_f32(c, a, b); }
+inline Vec vadd(Vec a, Vec b) { return vaddq_f32(a, b); }
+inline Vec vsub(Vec a, Vec b) { return vsubq_f32(a, b); }
+inline Vec vmul(Vec a, Vec b) { return vmulq_f32(a, b); }
+// FMAX: NaN in either operand gives NaN (x86's max returns the second operand then); either
+// way a NaN score makes every probability of its row NaN.
+inline Vec vmax(Vec a, Vec b) { return vmaxq_f32(a, b); }
+inline Vec select(Mask m, Vec yes, Vec no) { return vbslq_f32(m, yes, no); }
+inline Mask key_visible(const int32_t* begin, const int32_t* end, int32_t key) {
+    const int32x4_t kv = vdupq_n_s32(key);
+    return vandq_u32(vcleq_s32(vld1q_s32(begin), kv), vcltq_s32(kv, vld1q_s32(end)));
+}
+inline Vec keep_or_neg_inf(Mask keep, Vec x) { return vbslq_f32(keep, x, vset(-__builtin_inff())); }
+inline Vec finite_or_zero(Vec m) { return vbslq_f32(vceqq_f32(m, vset(-__builtin_inff())), vzero(), m); }
+inline bool all_ones(Vec x) { return vminvq_u32(vceqq_f32(x, vset(1.0f))) == 0xFFFFFFFFu; }  // NaN: not
+inline Vec neg_inf_to_nan(Vec x) {
+    return vbslq_f32(vceqq_f32(x, vset(-__builtin_inff())), vset(__builtin_nanf("")), x);
+}
+inline Vec vdiv(Vec a, Vec b) { return vdivq_f32(a, b); }
+inline Vec vfnma(Vec a, Vec b, Vec c) { return vfmsq_f32(c, a, b); }  // c - a * b
+inline Vec vabs(Vec x) { return vabsq_f32(x); }
+inline Vec vcopysign(Vec mag, Vec sgn) { return vbslq_f32(vdupq_n_u32(0x80000000u), sgn, mag); }
+inline Mask less_than(Vec a, float x) { return vcltq_f32(a, vset(x)); }
+inline bool all_lanes(Mask m) { return vminvq_u32(m) == 0xFFFFFFFFu; }
+inline Vec keep_unless_sign(Vec x, Vec drop) {
+    return vbslq_f32(vreinterpretq_u32_s32(vshrq_n_s32(vreinterpretq_s32_f32(drop), 31)), drop, x);
+}
+#elif defined(__AVX512F__)
 using Vec = __m512;
 using Mask = __mmask16;
 constexpr int W = 16;           // float lanes
@@ -213,6 +273,13 @@ inline Vec exp2_neg(Vec x) {
     const Vec xc = _mm256_max_ps(vset(-127.0f), x);  // keeps 2^n's exponent field >= 0; NaN passes
     const Vec n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const Vec r = vsub(xc, n);
+#elif defined(__aarch64__)
+    const Mask keep = vmvnq_u32(vcltq_f32(x, vset(-126.0f)));  // (NaN: not less, so kept)
+    const Vec xc = vmaxq_f32(vset(-127.0f), x);  // FMAX: NaN stays NaN
+    // Round to nearest even into an integer: exact for xc in [-127, 0]; NaN gives 0 (and p,
+    // hence the result, is NaN then anyway).
+    const int32x4_t ni = vcvtnq_s32_f32(xc);
+    const Vec r = vsub(xc, vcvtq_f32_s32(ni));
 #else
     const Vec keep = _mm_cmpnlt_ps(x, vset(-126.0f));  // (unordered: true, so NaN is kept)
     const Vec xc = _mm_max_ps(vset(-127.0f), x);         // maxps returns x when x is NaN
@@ -232,6 +299,9 @@ inline Vec exp2_neg(Vec x) {
 #elif defined(__AVX2__)
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(keep, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+#elif defined(__aarch64__)
+    const int32x4_t bits = vshlq_n_s32(vaddq_s32(ni, vdupq_n_s32(127)), 23);
+    return vreinterpretq_f32_u32(vandq_u32(keep, vreinterpretq_u32_f32(vmulq_f32(p, vreinterpretq_f32_s32(bits)))));
 #else
     const __m128i bits = _mm_slli_epi32(_mm_add_epi32(ni, _mm_set1_epi32(127)), 23);
     return _mm_and_ps(keep, _mm_mul_ps(p, _mm_castsi128_ps(bits)));
@@ -456,7 +526,11 @@ struct PrefetchStream {
             const int64_t off = (line - k_lines) * 64;
             at = v_row + (off < v_bytes ? off : v_bytes - 1);
         }
+#if defined(__aarch64__)
+        __builtin_prefetch(at, 0, 2);  // PRFM PLDL2KEEP
+#else
         _mm_prefetch(at, _MM_HINT_T1);
+#endif
         if (++line == lines) {
             line = 0;
             k_row += k_stride;
@@ -476,6 +550,20 @@ inline int prefetch_next_tile(const Block& b, int64_t tile, int64_t next_keys, i
 }
 
 // ---------------------------------------------------------------- micro-kernels
+#if defined(__aarch64__)
+// acc[t][u] += qt[d + L][u-th vector] * k[key t][d + L], the key value taken from lane L of
+// kq[t] (FMLA by element: one 4-float K load serves four d).
+template <int R, int L>
+__attribute__((always_inline)) inline void fma_lane(Vec (&acc)[R][kQueryVecs], const Vec (&kq)[R], const float* q) {
+#pragma GCC unroll 4
+    for (int u = 0; u < kQueryVecs; ++u) {
+        const Vec qv = vload(q + u * W);
+#pragma GCC unroll 16
+        for (int t = 0; t < R; ++t) acc[t][u] = vfmaq_laneq_f32(acc[t][u], qv, kq[t], L);
+    }
+}
+#endif
+
 // Sᵀ rows [j0, j0 + R) of the tile starting at key `tile`: scores of R keys against all Bq
 // query lanes; the score options applied (kOptions, as `o` says); masked to -inf outside
 // each lane's range when `partial`; folds the row max.
@@ -490,7 +578,19 @@ void scores_rows(const Block& b, int64_t tile, int64_t j0, bool partial, const T
 #pragma GCC unroll 16
     for (int t = 0; t < R; ++t) krow[t] = b.k + (tile - b.kv_first + j0 + t) * b.k_stride;
     const float* q = b.qt;
-    for (int64_t d = 0; d < b.D; ++d, q += Bq) {
+    int64_t d = 0;
+#if defined(__aarch64__)
+    for (; d + 4 <= b.D; d += 4, q += 4 * Bq) {  // four d per K load, the key value from a lane
+        Vec kq[R];
+#pragma GCC unroll 16
+        for (int t = 0; t < R; ++t) kq[t] = vld1q_f32(krow[t] + d);
+        fma_lane<R, 0>(acc, kq, q);
+        fma_lane<R, 1>(acc, kq, q + Bq);
+        fma_lane<R, 2>(acc, kq, q + 2 * Bq);
+        fma_lane<R, 3>(acc, kq, q + 3 * Bq);
+    }
+#endif
+    for (; d < b.D; ++d, q += Bq) {
         Vec qv[kQueryVecs];
 #pragma GCC unroll 4
         for (int u = 0; u < kQueryVecs; ++u) qv[u] = vload(q + u * W);
@@ -690,6 +790,40 @@ inline void narrow_chunk(bf16_t* y, Chunk x) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(y),
                      _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
 }
+#elif defined(__aarch64__)
+using Chunk = float32x4_t;
+constexpr int kChunk = 4;
+inline Chunk chunk_set(float x) { return vdupq_n_f32(x); }
+inline Chunk chunk_mul(Chunk a, Chunk b) { return vmulq_f32(a, b); }
+inline Chunk chunk_load(const float* p) { return vld1q_f32(p); }
+inline void chunk_store(float* p, Chunk x) { vst1q_f32(p, x); }
+inline void chunk_storeu(float* p, Chunk x) { vst1q_f32(p, x); }
+inline uint16x4_t load4_halves(const void* x) { return vld1_u16(static_cast<const uint16_t*>(x)); }
+// As the AVX branch: bfloat16 by a 16-bit widening shift (ushll), float16 by fcvtl (exact,
+// subnormals included: FPCR.FZ16 is clear in the Linux and macOS defaults), int8 by two
+// sign-extending widenings (sxtl) and scvtf; exactly 4 elements read (no over-read).
+inline Chunk widen_chunk(const float* x) { return vld1q_f32(x); }
+inline Chunk widen_chunk(const bf16_t* x) { return vreinterpretq_f32_u32(vshll_n_u16(load4_halves(x), 16)); }
+inline Chunk widen_chunk(const f16_t* x) { return vcvt_f32_f16(vreinterpret_f16_u16(load4_halves(x))); }
+inline Chunk widen_chunk(const int8_t* x) {
+    int32_t w;
+    __builtin_memcpy(&w, x, 4);
+    const int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(w)));
+    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
+}
+inline void narrow_chunk(float* y, Chunk x) { vst1q_f32(y, x); }
+// fcvtn rounds to nearest even (the FPCR default) and quiets a NaN keeping its upper payload
+// bits, as storage_types.inl's narrow_f16.
+inline void narrow_chunk(f16_t* y, Chunk x) { vst1_u16(reinterpret_cast<uint16_t*>(y), vreinterpret_u16_f16(vcvt_f16_f32(x))); }
+inline void narrow_chunk(bf16_t* y, Chunk x) {  // storage_types.inl's narrow_bf16, 4 lanes
+    const uint32x4_t u = vreinterpretq_u32_f32(x);
+    const uint32x4_t hi = vshrq_n_u32(u, 16);
+    const uint32x4_t bias = vaddq_u32(vdupq_n_u32(0x7FFF), vandq_u32(hi, vdupq_n_u32(1)));
+    const uint32x4_t rounded = vshrq_n_u32(vaddq_u32(u, bias), 16);
+    const uint32x4_t nan = vcgtq_u32(vandq_u32(u, vdupq_n_u32(0x7FFFFFFF)), vdupq_n_u32(0x7F800000));
+    const uint32x4_t r = vbslq_u32(nan, vorrq_u32(hi, vdupq_n_u32(0x40)), rounded);
+    vst1_u16(reinterpret_cast<uint16_t*>(y), vmovn_u32(r));
+}
 #else  // SSE2
 using Chunk = __m128;
 constexpr int kChunk = 4;
@@ -799,6 +933,15 @@ inline void transpose_chunks(__m256* r) {
     r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
     r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
+#elif defined(__aarch64__)
+inline void transpose_chunks(float32x4_t* r) {
+    const float32x4x2_t a = vtrnq_f32(r[0], r[1]);  // a0 b0 a2 b2 | a1 b1 a3 b3
+    const float32x4x2_t c = vtrnq_f32(r[2], r[3]);  // c0 d0 c2 d2 | c1 d1 c3 d3
+    r[0] = vcombine_f32(vget_low_f32(a.val[0]), vget_low_f32(c.val[0]));
+    r[1] = vcombine_f32(vget_low_f32(a.val[1]), vget_low_f32(c.val[1]));
+    r[2] = vcombine_f32(vget_high_f32(a.val[0]), vget_high_f32(c.val[0]));
+    r[3] = vcombine_f32(vget_high_f32(a.val[1]), vget_high_f32(c.val[1]));
+}
 #else
 inline void transpose_chunks(__m128* r) { _MM_TRANSPOSE4_PS(r[0], r[1], r[2], r[3]); }
 #endif
@@ -907,6 +1050,18 @@ inline __m256 mask_chunk(const double* m) {
     const __m256 x = _mm256_set_m128(_mm256_cvtpd_ps(_mm256_loadu_pd(m + 4)), _mm256_cvtpd_ps(_mm256_loadu_pd(m)));
     return _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
 }
+#elif defined(__aarch64__)
+inline float32x4_t mask_chunk(const uint8_t* m) {
+    int32_t w;
+    __builtin_memcpy(&w, m, 4);
+    const uint32x4_t x = vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_s32(vdup_n_s32(w)))));
+    return vreinterpretq_f32_u32(vandq_u32(vceqzq_u32(x), vreinterpretq_u32_f32(vdupq_n_f32(-__builtin_inff()))));
+}
+inline float32x4_t mask_chunk(const float* m) { return vmulq_f32(vld1q_f32(m), vdupq_n_f32(1.4426950408889634f)); }
+inline float32x4_t mask_chunk(const double* m) {
+    const float32x4_t x = vcombine_f32(vcvt_f32_f64(vld1q_f64(m)), vcvt_f32_f64(vld1q_f64(m + 2)));
+    return vmulq_f32(x, vdupq_n_f32(1.4426950408889634f));
+}
 #else
 inline __m128 mask_chunk(const uint8_t* m) {
     const __m128i z = _mm_setzero_si128();
@@ -934,6 +1089,19 @@ struct MaskSummary {
     void add(float x) { add(_mm256_set1_ps(x)); }
     bool any_set() const { return _mm256_movemask_ps(set) != 0; }
     bool any_clear() const { return _mm256_movemask_ps(clear) != 0; }
+};
+#elif defined(__aarch64__)
+struct MaskSummary {
+    uint32x4_t set = vdupq_n_u32(0);
+    uint32x4_t clear = vdupq_n_u32(0);
+    void add(float32x4_t x) {
+        const uint32x4_t zero = vceqzq_f32(x);  // (NaN: not zero, so counted in set)
+        set = vorrq_u32(set, vmvnq_u32(zero));
+        clear = vorrq_u32(clear, zero);
+    }
+    void add(float x) { add(vdupq_n_f32(x)); }
+    bool any_set() const { return vmaxvq_u32(set) != 0; }
+    bool any_clear() const { return vmaxvq_u32(clear) != 0; }
 };
 #else
 struct MaskSummary {
