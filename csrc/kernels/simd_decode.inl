@@ -501,7 +501,7 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
         // passes are pipelined: short blocks, and each V run first prefetches as many of the
         // next block's K rows (the task's keys first, then the head's next keys, which a
         // following task of this thread reads), so memory streams while the FMAs run; the
-        // next K pass then finds its rows in L2. Measured on Zen 4 (RESULTS 13.7), at 32/8
+        // next K pass then finds its rows in L2. Measured on Zen 4 (RESULTS 14.1), at 32/8
         // heads: one core +18-43 % (float32, both x86 tiers), +48 % (bfloat16); two cores
         // +4-23 %; at 16/8 and 64/8 +5-28 % on one core, within noise on two. At one row
         // within noise, and with an int8 cache (a quarter of the bytes per key, so the
