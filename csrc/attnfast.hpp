@@ -111,7 +111,8 @@ bool take_interrupt() noexcept;
 
 // ---- benchmarks ----
 // Reads `bytes` bytes at `data` once on up to num_threads threads (a native read kernel for the
-// benchmarks' memory-bandwidth limit); returns an XOR of the words read.
+// benchmarks' memory-bandwidth limit, with the loads of the best tier this CPU runs, whatever
+// tier is forced); returns the XOR of its whole 8-byte words.
 uint64_t read_probe(const void* data, int64_t bytes, int num_threads);
 
 // ---- runtime facts ----

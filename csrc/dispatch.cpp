@@ -137,6 +137,15 @@ const KernelTable& active_kernels() {
     return initialise();
 }
 
+const KernelTable& best_kernels() {
+    static const KernelTable* const best = [] {
+        for (const Tier& t : kTiers)
+            if (t.cpu_runs()) return t.table();
+        return kernel_table_generic();  // not reached: generic always runs
+    }();
+    return *best;
+}
+
 const char* isa_selected() { return active_kernels().name; }
 
 const char* isa_lowp_instructions() { return active_kernels().lowp_instructions; }

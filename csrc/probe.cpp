@@ -1,11 +1,12 @@
 // A native memory-read kernel: the benchmarks' machine limit for bandwidth-bound decode
-// (attnfast._bench.measure_read_bandwidth takes the best of it and NumPy's kernels). Baseline
-// ISA on purpose: 16-byte loads already ask far more of one core than DRAM delivers.
+// (attnfast._bench.measure_read_bandwidth takes the best of it and NumPy's kernels). The loads
+// are the best tier's (kernels/read_fold.inl), whatever tier is forced: a machine limit.
 #include <cstddef>
 #include <cstdint>
 #include <vector>
 
 #include "attnfast.hpp"
+#include "kernels/kernel_table.hpp"
 #include "parallel.hpp"
 
 namespace attnfast {
@@ -16,25 +17,10 @@ uint64_t read_probe(const void* data, int64_t bytes, int num_threads) {
     constexpr int64_t kPiece = int64_t(4) << 20;
     const int64_t pieces = (bytes + kPiece - 1) / kPiece;
     std::vector<uint64_t> folded(static_cast<size_t>(pieces > 0 ? pieces : 1), 0);
+    uint64_t (*const fold)(const void*, int64_t) = best_kernels().read_fold;
     parallel::for_each_dynamic(pieces, num_threads, false, [&](int64_t piece, int) {
-        const char* begin = static_cast<const char*>(data) + piece * kPiece;
-        const int64_t n = (bytes - piece * kPiece < kPiece ? bytes - piece * kPiece : kPiece) / 8;
-        uint64_t acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // independent chains: loads, not adds, limit
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8)
-            for (int u = 0; u < 8; ++u) {
-                uint64_t word;
-                __builtin_memcpy(&word, begin + (i + u) * 8, 8);
-                acc[u] ^= word;
-            }
-        for (; i < n; ++i) {
-            uint64_t word;
-            __builtin_memcpy(&word, begin + i * 8, 8);
-            acc[0] ^= word;
-        }
-        uint64_t x = 0;
-        for (int u = 0; u < 8; ++u) x ^= acc[u];
-        folded[static_cast<size_t>(piece)] = x;
+        const int64_t n = bytes - piece * kPiece < kPiece ? bytes - piece * kPiece : kPiece;
+        folded[static_cast<size_t>(piece)] = fold(static_cast<const char*>(data) + piece * kPiece, n);
     });
     uint64_t x = 0;
     for (uint64_t f : folded) x ^= f;

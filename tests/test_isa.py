@@ -223,3 +223,16 @@ def test_full_scale_head(tier, rng, causal):
     # several KV super-tiles with the next tile prefetched.
     q, k, v = make_qkv(rng, 1, 1, 1, 4096, 4096, 128, 128)
     check_against_reference(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("offset", [0, 3])
+@pytest.mark.parametrize("nbytes", [0, 7, 8, 1001, (4 << 20) + 13, (9 << 20) + 5])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_read_kernel_folds_every_word(tier, rng, offset, nbytes, threads):
+    # The benchmarks' read kernel (the best tier's loads, whichever tier is forced) must touch
+    # every whole 8-byte word: its result is their XOR, computed here by NumPy.
+    raw = rng.integers(0, 256, nbytes + offset, dtype=np.uint8)
+    buf = raw[offset:]
+    words = np.frombuffer(buf[: nbytes // 8 * 8].tobytes(), dtype=np.uint64)
+    expected = int(np.bitwise_xor.reduce(words)) if words.size else 0
+    assert _ext.read_bytes(buf, threads) == expected

@@ -4,10 +4,13 @@
 // otherwise the shared template is used; likewise ATTNFAST_PREFILL_ANY / _PLAN_ANY for every
 // other float32-accumulated combination. Likewise a float32 decode chunk kernel in
 // ATTNFAST_DECODE_CHUNK_F32, and one for every other float32-accumulated dtype combination in
-// ATTNFAST_DECODE_CHUNK_ANY. ATTNFAST_F32_SINKS: its float32 kernels take sinks.
+// ATTNFAST_DECODE_CHUNK_ANY. ATTNFAST_F32_SINKS: its float32 kernels take sinks. Every tier
+// also gets the benchmarks' read kernel (read_fold.inl).
 #ifndef ATTNFAST_KERNEL_NS
 #error "define ATTNFAST_KERNEL_NS and include the kernel .inl files before export_table.inl"
 #endif
+#include "read_fold.inl"  // every tier's read kernel, with its own loads
+
 #ifndef ATTNFAST_PREFILL_F32
 #define ATTNFAST_PREFILL_F32 attend_block_f32
 #define ATTNFAST_PREFILL_PLAN_F32 plan_templates
@@ -43,6 +46,7 @@ const KernelTable kTable = {
     ATTNFAST_DECODE_CHUNK_F32, decode_chunk_f64,
     decode_merge_f32, decode_merge_f64,
     ATTNFAST_PREFILL_ANY, ATTNFAST_PREFILL_PLAN_ANY, ATTNFAST_DECODE_CHUNK_ANY, decode_merge_any,
+    read_fold,
 };
 
 }  // namespace

@@ -177,6 +177,9 @@ struct KernelTable {
     void (*decode_merge_any)(const AttentionParams&, int64_t batch, int64_t kv_head,
                               int64_t chunks, const float* acc, const float* m,
                               const float* l, float* workspace);
+    // The benchmarks' read kernel (read_fold.inl): XOR of the whole 8-byte words of
+    // data[0, bytes), with this tier's loads.
+    uint64_t (*read_fold)(const void* data, int64_t bytes);
 };
 
 // One per ISA file; each returns nullptr when that tier was not compiled in.
@@ -188,6 +191,9 @@ const KernelTable* kernel_table_neon();
 
 // The table in use (chosen once; see dispatch.cpp).
 const KernelTable& active_kernels();
+// The best tier this CPU runs, whatever ATTNFAST_ISA or isa_force chose: a machine limit
+// (read_probe) must not depend on the tier under test.
+const KernelTable& best_kernels();
 
 // Whether a float32 call needs the *_any entries: softcap, ALiBi and masks are not in the
 // float32 entries; sinks are where the tier says so (KernelTable::f32_sinks: they touch only

@@ -6,7 +6,7 @@
 // over a 16-bit or int8 cache and 16-bit q over an int8 cache (the float32-accumulated paths:
 // checked against the reference of the stored values, outputs to the rounding of q's dtype),
 // the score options (softcap, ALiBi, bool and additive masks, sinks), the NaN contract, and
-// that 1 and 3 threads give identical bits.
+// that 1 and 3 threads give identical bits; and the benchmarks' read kernel (read_probe).
 // Built with -DATTNFAST_BUILD_TESTS=ON, run by
 // ctest (under qemu-user for cross builds: tools/run_cpp_tests.sh).
 //
@@ -677,6 +677,34 @@ std::vector<std::string> split(const std::string& s) {
     return parts;
 }
 
+// The benchmarks' read kernel (read_probe, the best tier's loads): the XOR of the whole 8-byte
+// words of odd-sized, unaligned buffers of several 4 MiB pieces, for 1 and 3 threads, against
+// a plain loop. Returns the failures.
+long check_read_probe() {
+    std::vector<unsigned char> buffer((size_t(9) << 20) + 77);
+    uint64_t state = 88172645463325252ull;
+    for (unsigned char& b : buffer) {
+        state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+        b = static_cast<unsigned char>(state >> 56);
+    }
+    long failures = 0;
+    for (size_t offset : {size_t(0), size_t(1), size_t(13)})
+        for (size_t bytes : {size_t(0), size_t(7), size_t(8), size_t(300), size_t(4) << 20, buffer.size() - offset}) {
+            uint64_t expected = 0;
+            for (size_t w = 0; w + 8 <= bytes; w += 8) {
+                uint64_t word;
+                std::memcpy(&word, buffer.data() + offset + w, 8);
+                expected ^= word;
+            }
+            for (int threads : {1, 3})
+                if (attnfast::read_probe(buffer.data() + offset, static_cast<int64_t>(bytes), threads) != expected) {
+                    std::printf("FAIL: read_probe, %zu bytes at offset %zu, %d threads\n", bytes, offset, threads);
+                    ++failures;
+                }
+        }
+    return failures;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -713,6 +741,7 @@ int main(int argc, char** argv) {
         run_tier(tier, nan_only, total);
     }
     attnfast::isa_force("");
+    setup_failures += check_read_probe();
     total.failures += setup_failures;
     std::printf("SUMMARY: %zu tiers x %zu cases (%s): %ld problems checked, %ld failed", tiers.size(),
                 (nan_only ? 0 : g_cases.size()) + nan_cases().size(),
