@@ -124,3 +124,21 @@ def test_dtype_option_rejects_unknown(compare_peers):
     with pytest.raises(SystemExit):
         compare_peers.build_parser().parse_args(["--dtype", "float32,int4"])
     assert compare_peers.parse_dtype_list("bfloat16, float32,bfloat16") == ["bfloat16", "float32"]
+
+
+def test_limits_keep_each_sources_better_reading(compare_peers):
+    # Two measurements of one thread count: every source keeps its better reading, and the
+    # limit is the best source of the merged readings (not of either measurement alone).
+    first = {"read_kernels": {"numpy-sum": 20.0, "native-read": 30.0}, "gemm": {"numpy": 80.0},
+             "dtype_gemm": {"bfloat16": {"gemm": {"torch bfloat16": 50.0, "float32 numpy": 80.0}}}}
+    second = {"read_kernels": {"numpy-sum": 33.0, "native-read": 29.0}, "gemm": {"numpy": 100.0,
+                                                                                   "torch": 90.0},
+              "dtype_gemm": {"bfloat16": {"gemm": {"torch bfloat16": 40.0, "float32 numpy": 100.0}}}}
+    best = compare_peers.best_limits(first, second)
+    assert best["read_kernels"] == {"numpy-sum": 33.0, "native-read": 30.0}
+    assert (best["read_gbps"], best["read_kernel"]) == (33.0, "numpy-sum")
+    assert best["gemm"] == {"numpy": 100.0, "torch": 90.0}
+    assert (best["gemm_gflops"], best["gemm_source"]) == (100.0, "numpy")
+    bf16 = best["dtype_gemm"]["bfloat16"]
+    assert (bf16["gemm_gflops"], bf16["gemm_source"]) == (100.0, "float32 numpy")
+    assert bf16["gemm"]["torch bfloat16"] == 50.0
