@@ -1,10 +1,10 @@
 // The benchmarks' native memory-read kernel, one piece of it: the XOR of the whole 8-byte
 // words at data (any alignment), so the loads cannot be optimised away. Included by every
 // kernels/isa_*.cpp inside its ATTNFAST_KERNEL_NS (probe.cpp calls the best tier's). The load
-// width matters on one core: on AMD Zen 4, 32-byte loads read up to 10 % faster on one core
-// and 14 % on two than the 16-byte loads the baseline build makes of the plain loop, and
-// 64-byte ones 10-20 % slower than 32 (RESULTS 15.1). So 32-byte loads wherever AVX2 is there,
-// four independent chains so the loads, not the XORs, limit it.
+// width matters: on AMD Zen 4, 32-byte loads read up to 10 % faster on one core and 14 % on
+// two than the 16-byte loads the baseline build makes of the plain loop, and 64-byte ones are
+// no faster than 32-byte ones (up to 19 % slower; RESULTS 15.1). So 32-byte loads wherever AVX2
+// is there, four independent chains so the loads, not the XORs, limit it.
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
