@@ -531,8 +531,6 @@ def measure_limits(threads: int, bandwidth_bytes: int, gemm_n: int, use_torch: b
         times = ab.time_call(lambda: torch.mm(a, b, out=c), budget=0.0, min_repeats=3)
         gemm["torch"] = 2 * gemm_n ** 3 / min(times) / 1e9
     best = max(gemm, key=gemm.get) if gemm else None
-    limits = {"read_gbps": bw["gbps"], "read_kernel": bw["kernel"], "read_kernels": bw["kernels"],
-              "gemm_gflops": gemm[best] if best else None, "gemm_source": best, "gemm": gemm}
     # 16-bit GEMM limits: torch.mm on tensors of that dtype, or the float32 GEMM if faster
     # (a kernel can always widen tiles to float32, so no 16-bit row gets a lower bar).
     extra = {}
@@ -559,11 +557,25 @@ def measure_limits(threads: int, bandwidth_bytes: int, gemm_n: int, use_torch: b
                     break
         if best:
             cands[f"float32 {best}"] = gemm[best]
-        top = max(cands, key=cands.get) if cands else None
-        extra[name] = {"gemm_gflops": cands[top] if top else None, "gemm_source": top,
-                       "gemm": cands}
-    if extra:
-        limits["dtype_gemm"] = extra
+        extra[name] = cands
+    return limits_from(bw["kernels"], gemm, extra)
+
+
+def limits_from(read_kernels: dict, gemm: dict, dtype_gemm: dict) -> dict:
+    """One thread count's limits from each source's reading (GB/s by read kernel, GFLOP/s by
+    GEMM source, and per 16-bit dtype its GEMM candidates): each limit is its best source."""
+    def top(rates: dict):
+        name = max(rates, key=rates.get) if rates else None
+        return (rates[name] if name else None), name
+
+    limits = {"read_kernels": read_kernels, "gemm": gemm}
+    limits["read_gbps"], limits["read_kernel"] = top(read_kernels)
+    limits["gemm_gflops"], limits["gemm_source"] = top(gemm)
+    if dtype_gemm:
+        limits["dtype_gemm"] = {}
+        for name, cands in dtype_gemm.items():
+            rate, source = top(cands)
+            limits["dtype_gemm"][name] = {"gemm_gflops": rate, "gemm_source": source, "gemm": cands}
     return limits
 
 
@@ -574,20 +586,13 @@ def best_limits(first: dict, second: dict) -> dict:
     def best(a: dict, b: dict) -> dict:
         return {k: max(x for x in (a.get(k), b.get(k)) if x is not None) for k in {**a, **b}}
 
-    read = best(first["read_kernels"], second["read_kernels"])
-    gemm = best(first["gemm"], second["gemm"])
-    top_read = max(read, key=read.get)
-    top_gemm = max(gemm, key=gemm.get) if gemm else None
-    out = {"read_gbps": read[top_read], "read_kernel": top_read, "read_kernels": read,
-           "gemm_gflops": gemm[top_gemm] if top_gemm else None, "gemm_source": top_gemm, "gemm": gemm,
-           "measured": 2}
-    if "dtype_gemm" in first:
-        out["dtype_gemm"] = {}
-        for name, lim in first["dtype_gemm"].items():
-            cands = best(lim["gemm"], second.get("dtype_gemm", {}).get(name, {}).get("gemm", {}))
-            top = max(cands, key=cands.get) if cands else None
-            out["dtype_gemm"][name] = {"gemm_gflops": cands[top] if top else None,
-                                       "gemm_source": top, "gemm": cands}
+    dtypes = first.get("dtype_gemm", {})
+    second_dtypes = second.get("dtype_gemm", {})
+    out = limits_from(best(first["read_kernels"], second["read_kernels"]),
+                      best(first["gemm"], second["gemm"]),
+                      {name: best(lim["gemm"], second_dtypes.get(name, {}).get("gemm", {}))
+                       for name, lim in dtypes.items()})
+    out["measured"] = 2
     return out
 
 

@@ -90,15 +90,19 @@ const Tier* find_tier(const char* name) {
     return nullptr;
 }
 
+// The first (best) tier this CPU runs; generic, last, always does.
+const Tier& best_tier() {
+    for (const Tier& t : kTiers)
+        if (t.cpu_runs()) return t;
+    return kTiers[sizeof(kTiers) / sizeof(kTiers[0]) - 1];
+}
+
 // Selects by name ("" = best available); on failure keeps the current choice and sets g_error.
 bool select_locked(const char* name) {
     if (name == nullptr || *name == '\0') {
-        for (const Tier& t : kTiers)
-            if (t.cpu_runs()) {
-                g_active.store(t.table());
-                g_error.clear();
-                return true;
-            }
+        g_active.store(best_tier().table());
+        g_error.clear();
+        return true;
     }
     const Tier* t = find_tier(name);
     if (t == nullptr) {
@@ -138,11 +142,7 @@ const KernelTable& active_kernels() {
 }
 
 const KernelTable& best_kernels() {
-    static const KernelTable* const best = [] {
-        for (const Tier& t : kTiers)
-            if (t.cpu_runs()) return t.table();
-        return kernel_table_generic();  // not reached: generic always runs
-    }();
+    static const KernelTable* const best = best_tier().table();
     return *best;
 }
 
