@@ -4,7 +4,8 @@
     out = aft.attention(q, k, v, causal=True)             # torch.ops.attnfast.attention
     out = aft.attention_with_kvcache(q, kc, vc, lens, k_new, v_new)
 
-Each function here *is* a custom op (``torch.library.custom_op``) with a fake (meta)
+Tensor arguments may be passed by keyword or in the order of the signature (torch's custom
+ops take no keyword-only tensors); options are keyword-only. Each function here *is* a custom op (``torch.library.custom_op``) with a fake (meta)
 implementation giving the result's shape, dtype and strides, so ``torch.compile(...,
 fullgraph=True)`` traces a call as one node instead of breaking the graph at the NumPy code
 inside. Called eagerly, the op runs :func:`attnfast.attention` (and friends) on the tensors'
@@ -40,11 +41,11 @@ def _window(window):
 
 
 @torch.library.custom_op("attnfast::attention", mutates_args=())
-def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
-              scale: Optional[float] = None, window: Optional[list[int]] = None,
-              query_offset: Optional[int] = None, softcap: Optional[float] = None,
-              alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
-              mask: Optional[Tensor] = None, num_threads: Optional[int] = None) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None,
+              sinks: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None, *,
+              causal: bool = False, scale: Optional[float] = None,
+              window: Optional[list[int]] = None, query_offset: Optional[int] = None,
+              softcap: Optional[float] = None, num_threads: Optional[int] = None) -> Tensor:
     """:func:`attnfast.attention` as the custom op ``attnfast::attention``.
 
     Parameters
@@ -65,22 +66,21 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, *, causal=False, scale=None, window=None, query_offset=None,
-                    softcap=None, alibi_slopes=None, sinks=None, mask=None, num_threads=None):
+def _attention_fake(q, k, v, mask=None, sinks=None, alibi_slopes=None, **options):
     return q.new_empty(q.shape[:-1] + v.shape[-1:])
 
 
 @torch.library.custom_op("attnfast::attention_with_kvcache",
                          mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
 def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor,
-                           k_new: Optional[Tensor] = None, v_new: Optional[Tensor] = None, *,
-                           causal: bool = True, scale: Optional[float] = None,
-                           window: Optional[list[int]] = None, softcap: Optional[float] = None,
-                           alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
-                           mask: Optional[Tensor] = None, num_threads: Optional[int] = None,
-                           query_offset: Optional[int] = None, k_scale: Optional[Tensor] = None,
-                           v_scale: Optional[Tensor] = None,
-                           block_table: Optional[Tensor] = None) -> Tensor:
+                           k_new: Optional[Tensor] = None, v_new: Optional[Tensor] = None,
+                           k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None,
+                           block_table: Optional[Tensor] = None, mask: Optional[Tensor] = None,
+                           sinks: Optional[Tensor] = None,
+                           alibi_slopes: Optional[Tensor] = None, *, causal: bool = True,
+                           scale: Optional[float] = None, window: Optional[list[int]] = None,
+                           softcap: Optional[float] = None, num_threads: Optional[int] = None,
+                           query_offset: Optional[int] = None) -> Tensor:
     """:func:`attnfast.attention_with_kvcache` (the KV-cache decode step: write the new
     tokens, attend over the cache) as the custom op ``attnfast::attention_with_kvcache``.
 
@@ -107,6 +107,5 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
 
 
 @attention_with_kvcache.register_fake
-def _attention_with_kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None,
-                                 **options):
+def _attention_with_kvcache_fake(q, k_cache, v_cache, cache_seqlens, *tensors, **options):
     return q.new_empty(q.shape[:-1] + v_cache.shape[-1:])

@@ -33,6 +33,7 @@ Softcap (Gemma 2) and attention sinks (gpt-oss's s_aux) are passed to attnfast's
 from __future__ import annotations
 
 import attnfast as _af
+from attnfast.integrations import torch as _torch_ops  # the custom ops (imports torch)
 
 __all__ = ["register", "attention_forward", "attention_mask", "NAME"]
 
@@ -238,8 +239,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         window = (sliding_window - 1, 0) if causal and sliding_window else None
 
     if torch.compiler.is_compiling():   # one custom op: no Python of attnfast is traced
-        from attnfast.integrations.torch import attention
-        out = attention(query, key, value, causal=bool(causal), mask=attention_mask,
+        out = _torch_ops.attention(query, key, value, causal=bool(causal), mask=attention_mask,
                         window=None if window is None else list(window),
                         num_threads=_SETTINGS["num_threads"], **options)
         return out.transpose(1, 2).contiguous(), None
