@@ -32,7 +32,10 @@ Softcap (Gemma 2) and attention sinks (gpt-oss's s_aux) are passed to attnfast's
 """
 from __future__ import annotations
 
+import numpy as np
+
 import attnfast as _af
+from attnfast._interop import to_numpy, wrap_like
 from attnfast.integrations import torch as _torch_ops  # the custom ops (imports torch)
 
 __all__ = ["register", "attention_forward", "attention_mask", "NAME"]
@@ -244,26 +247,29 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                         num_threads=_SETTINGS["num_threads"], **options)
         return out.transpose(1, 2).contiguous(), None
 
-    B, H, Tq, _ = query.shape
-    Dv = value.shape[-1]
-    out = torch.empty(B, Tq, H, Dv, dtype=query.dtype)
-    out_h = out.transpose(1, 2)                       # (B, H, Tq, Dv) view of out
+    # Eager: NumPy views of the tensors (once per call), attnfast's NumPy fast path, and the
+    # output allocated by NumPy and shared with the returned tensor.
+    q, k, v = (to_numpy(t, name) for t, name in ((query, "query"), (key, "key"),
+                                                 (value, "value")))
+    B, H, Tq, _ = q.shape
+    out = np.empty((B, Tq, H, v.shape[-1]), q.dtype)
+    out_h = out.transpose(0, 2, 1, 3)                 # (B, H, Tq, Dv) view of out
     if attention_mask is None:
-        _call(query, key, value, out_h, causal=causal, window=window, **options)
-        return out, None
+        _call(q, k, v, out_h, causal=causal, window=window, **options)
+        return wrap_like(out, query), None
     plans = _plan(attention_mask)
     if plans == USE_MASK:
-        _call(query, key, value, out_h, mask=attention_mask, **options)
+        _call(q, k, v, out_h, mask=attention_mask, **options)
     elif len(set(plans)) == 1 and plans[0] is not None:
-        _run_plan(plans[0], query, key, value, out_h, options)
+        _run_plan(plans[0], q, k, v, out_h, options)
     else:
         for b, plan in enumerate(plans):
             if plan is None:
-                out[b].zero_()                        # no key visible: zeros, as attnfast does
+                out[b] = 0                            # no key visible: zeros, as attnfast does
             else:
                 sl = slice(b, b + 1)
-                _run_plan(plan, query[sl], key[sl], value[sl], out_h[sl], options)
-    return out, None
+                _run_plan(plan, q[sl], k[sl], v[sl], out_h[sl], options)
+    return wrap_like(out, query), None
 
 
 def _run_plan(plan, q, k, v, out, options):
