@@ -186,12 +186,132 @@ def test_requires_grad_is_a_clear_error(models):
         b(_ids(1, 4, 8))
 
 
-def test_padding_hole_raises_instead_of_computing_wrongly(models):
-    _, b = models
-    mask = torch.ones(1, 8, dtype=torch.long)
+def _spy_masks(monkeypatch):
+    """Record the mask= each attnfast call of the backend receives (None, or its shape)."""
+    seen = []
+    orig = aft._af.attention
+
+    def spy(*a, **k):
+        m = k.get("mask")
+        seen.append(None if m is None else tuple(m.shape))
+        return orig(*a, **k)
+
+    monkeypatch.setattr(aft._af, "attention", spy)
+    return seen
+
+
+def test_padding_hole_matches_sdpa(models, monkeypatch):
+    """A hole in a sequence's padding mask is not a key range: the mask goes to the kernels."""
+    a, b = models
+    mask = torch.ones(2, 8, dtype=torch.long)
     mask[0, 3] = 0
-    with torch.no_grad(), pytest.raises(NotImplementedError, match="non-contiguous"):
-        b(_ids(1, 8, 9), attention_mask=mask)
+    ids = _ids(2, 8, 9)
+    seen = _spy_masks(monkeypatch)
+    with torch.no_grad():
+        la = a(ids, attention_mask=mask).logits
+        lb = b(ids, attention_mask=mask).logits
+    assert seen == [(2, 1, 8, 8)] * 3       # (B, 1, Tq, Tk): broadcast over heads, not expanded
+    torch.testing.assert_close(lb, la, atol=1e-4, rtol=1e-4)
+
+
+def _packed_mask(lengths, total):
+    """(1, 1, T, T) bool: causal within each packed sequence, nothing across them."""
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    seq = torch.cat([seq, torch.full((total - len(seq),), -1)])
+    i = torch.arange(total)
+    keep = (seq[:, None] == seq[None, :]) & (i[None, :] <= i[:, None]) & (seq[:, None] >= 0)
+    return keep[None, None]
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive", "bias"])
+def test_custom_4d_packed_mask_matches_sdpa(models, monkeypatch, kind):
+    """Three sequences packed in one row with a custom 4-D mask (transformers hands it to the
+    attention function as it is): bool, additive (0 / dtype min), additive with a bias."""
+    a, b = models
+    keep = _packed_mask([5, 7, 4], 16)
+    if kind == "bool":
+        mask = keep
+    else:
+        mask = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+        if kind == "bias":
+            g = torch.Generator().manual_seed(3)
+            mask = mask + torch.rand(keep.shape, generator=g) * keep
+    ids = _ids(1, 16, 10)
+    pos = torch.cat([torch.arange(5), torch.arange(7), torch.arange(4)])[None]
+    seen = _spy_masks(monkeypatch)
+    with torch.no_grad():
+        la = a(ids, attention_mask=mask, position_ids=pos).logits
+        lb = b(ids, attention_mask=mask, position_ids=pos).logits
+    assert seen == [(1, 1, 16, 16)] * 3
+    torch.testing.assert_close(lb, la, atol=1e-4, rtol=1e-4)
+    # each packed sequence equals that sequence run alone
+    with torch.no_grad():
+        alone = b(ids[:, 5:12]).logits
+    if kind != "bias":
+        torch.testing.assert_close(lb[:, 5:12], alone, atol=1e-4, rtol=1e-4)
+
+
+def test_per_head_and_batch_masks_are_read_as_given():
+    """A (B, H, Tq, Tk) mask that differs between heads, straight into attention_forward,
+    against torch's sdpa in float64."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 6, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64)
+    mask = torch.rand(2, 4, 6, 9, generator=g) > 0.4
+    mask[..., 0] = True                      # every row sees a key
+    assert aft._plan(mask) == aft.USE_MASK
+
+    class M:
+        is_causal = False
+    out, _ = aft.attention_forward(M(), q, k, v, mask)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask)
+    torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-12, rtol=1e-12)
+
+
+def test_modernbert_local_global_matches_eager(monkeypatch):
+    """ModernBERT-style alternating local (bidirectional sliding window) / global layers, with
+    right padding: every layer's mask is used exactly (as a key range where it is one)."""
+    from transformers import ModernBertConfig, ModernBertModel
+    cfg = ModernBertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                           num_attention_heads=4, vocab_size=128, local_attention=8,
+                           global_attn_every_n_layers=2, pad_token_id=0, bos_token_id=1,
+                           eos_token_id=2, cls_token_id=1, sep_token_id=2,
+                           max_position_embeddings=128)
+    torch.manual_seed(11)
+    a = ModernBertModel(cfg).eval()
+    ids = _ids(2, 24, 12)
+    am = torch.ones(2, 24, dtype=torch.long)
+    am[1, 17:] = 0
+    a.set_attn_implementation("eager")
+    with torch.no_grad():
+        ref = a(ids, attention_mask=am).last_hidden_state
+    a.set_attn_implementation("attnfast")
+    _spy_masks(monkeypatch)
+    with torch.no_grad():
+        got = a(ids, attention_mask=am).last_hidden_state
+    keep = am.bool()
+    torch.testing.assert_close(got[keep], ref[keep], atol=1e-4, rtol=1e-4)
+
+
+def test_bert_with_padding_matches_sdpa():
+    from transformers import BertConfig, BertModel
+    cfg = BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, vocab_size=128, max_position_embeddings=64)
+    torch.manual_seed(13)
+    a = BertModel(cfg).eval()
+    ids = _ids(3, 14, 14)
+    am = torch.ones(3, 14, dtype=torch.long)
+    am[0, 9:] = 0
+    am[2, 3:] = 0
+    with torch.no_grad():
+        ref = a(ids, attention_mask=am).last_hidden_state
+        a.set_attn_implementation("attnfast")
+        got = a(ids, attention_mask=am).last_hidden_state
+    keep = am.bool()
+    assert float(ref[keep].abs().max()) > 0.1
+    torch.testing.assert_close(got[keep], ref[keep], atol=1e-4, rtol=1e-4)
 
 
 def test_plan_matches_mask_semantics():

@@ -24,6 +24,7 @@ __all__ = ["accepts_arrays", "to_numpy", "wrap_like", "is_torch"]
 
 
 _IS_TORCH: dict = {}
+_TORCH_BFLOAT16 = [None]   # torch.bfloat16, once a tensor type has been seen
 
 
 def is_torch(x) -> bool:
@@ -33,6 +34,8 @@ def is_torch(x) -> bool:
     if known is None:
         known = _IS_TORCH[t] = any(c.__module__.split(".", 1)[0] == "torch" and
                                    c.__name__ in ("Tensor", "Parameter") for c in t.__mro__)
+        if known:
+            _TORCH_BFLOAT16[0] = sys.modules["torch"].bfloat16
     return known
 
 
@@ -50,9 +53,10 @@ def to_numpy(x, name: str):
         return x
     if is_torch(x):
         import torch
-        # The common case first: x.numpy() itself refuses sparse tensors, conjugate or
-        # negative bits and dtypes NumPy lacks; the checks below then say which it was.
-        if x.is_cpu and not x.requires_grad and x.dtype != torch.bfloat16:
+        # The common case first: x.numpy() itself refuses tensors on another device, sparse
+        # tensors, conjugate or negative bits and dtypes NumPy lacks; the checks below then
+        # say which it was. (Under no_grad it takes a tensor that requires grad: not here.)
+        if not x.requires_grad and x.dtype != torch.bfloat16:
             try:
                 return x.numpy()
             except (TypeError, RuntimeError):
@@ -113,46 +117,50 @@ def accepts_arrays(fn):
     names = list(sig.parameters)
     skip_self = names[:1] == ["self"]
 
+    first = 1 if skip_self else 0
+    out_index = names.index("out") if "out" in names else None
+
+    def _out_arg(args):
+        return args[out_index] if out_index is not None and out_index < len(args) else None
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        # The common case, numpy arrays and plain options only: nothing to convert.
-        for a in (args[1:] if skip_self else args):
-            if a is not None and type(a) not in _PLAIN:
-                break
-        else:
-            for a in kwargs.values():
-                if a is not None and type(a) not in _PLAIN:
-                    break
-            else:
-                return fn(*args, **kwargs)
-        template = None
-        given_out = converted_out = None
-        new_args = list(args)
-        for i, a in enumerate(args):
-            if skip_self and i == 0:
+        # One pass: NumPy arrays, None and plain options stay as they are (the common case
+        # converts nothing and copies nothing); a torch tensor goes through x.numpy(), which
+        # itself refuses whatever needs care (grad, another device, bfloat16, conj / neg
+        # bits, sparse); to_numpy then converts or raises naming the argument.
+        new_args = None
+        template = given_out = converted_out = None
+        for i in range(first, len(args)):
+            a = args[i]
+            if type(a) in _PLAIN:
                 continue
-            if a is None or type(a) in _SCALARS:
-                continue
+            if new_args is None:
+                new_args = list(args)
             name = names[i] if i < len(names) else f"argument {i}"
             new_args[i], t = _convert(a, name)
-            template = template if template is not None else t
+            if template is None:
+                template = t
             if name == "out":
                 given_out, converted_out = a, new_args[i]
         for name, a in kwargs.items():
-            if a is None or type(a) in _SCALARS:
+            if type(a) in _PLAIN:
                 continue
             kwargs[name], t = _convert(a, name)
-            template = template if template is not None else t
+            if template is None:
+                template = t
             if name == "out":
                 given_out, converted_out = a, kwargs[name]
-        result = fn(*new_args, **kwargs)
+        result = fn(*(args if new_args is None else new_args), **kwargs)
         if template is None:
             return result
+        if given_out is None:   # a NumPy out= (not converted) comes back as itself too
+            given_out = converted_out = kwargs.get("out", _out_arg(args))
         # `out=` comes back as the object the caller passed (tensor or array), written in place
         if isinstance(result, tuple):
-            first = given_out if given_out is not None and result[0] is converted_out else None
+            first_out = given_out if given_out is not None and result[0] is converted_out else None
             wrapped = wrap_like(result, template)
-            return wrapped if first is None else (first,) + wrapped[1:]
+            return wrapped if first_out is None else (first_out,) + wrapped[1:]
         if given_out is not None and result is converted_out:
             return given_out
         return wrap_like(result, template)
@@ -161,21 +169,20 @@ def accepts_arrays(fn):
 
 
 _SCALARS = frozenset((bool, int, float, str))  # types _convert passes through as is
-_PLAIN = _SCALARS | {np.ndarray}
+_PLAIN = _SCALARS | {np.ndarray, type(None)}
 
 
 def _convert(a, name):
     """(converted argument, the first torch tensor in it or None)."""
-    if a is None or isinstance(a, (np.ndarray, bool, int, float, str)):
-        return a, None
     if is_torch(a):
-        torch = sys.modules["torch"]  # imported: a tensor exists
-        if a.is_cpu and not a.requires_grad and a.dtype != torch.bfloat16:
+        if not a.requires_grad and a.dtype is not _TORCH_BFLOAT16[0]:
             try:  # to_numpy's common case, inline (one call per tensor less)
                 return a.numpy(), a
             except (TypeError, RuntimeError):
                 pass
         return to_numpy(a, name), a
+    if a is None or isinstance(a, (np.ndarray, bool, int, float, str)):
+        return a, None
     if isinstance(a, (list, tuple)) and any(is_torch(x) or hasattr(x, "__dlpack__") for x in a):
         first = next((x for x in a if is_torch(x)), None)
         return type(a)(to_numpy(x, f"{name}[{i}]") for i, x in enumerate(a)), first

@@ -2,4 +2,6 @@
 
 - :mod:`attnfast.integrations.transformers`: the "attnfast" attention backend for Hugging Face
   transformers (``pip install "attnfast[transformers]"``).
+- :mod:`attnfast.integrations.torch`: attnfast's entry points as ``torch.library`` custom ops
+  (``torch.ops.attnfast.*``), for ``torch.compile``.
 """

@@ -9,16 +9,22 @@ attention function) and ``AttentionMaskInterface`` (the mask builder). Both are 
 custom attention function registered alone receives ``attention_mask=None`` and would
 silently ignore padding.
 
-How masks are made exact without a general ``mask=`` argument: the mask builder materialises
-transformers' own boolean mask (the sdpa one: causal, sliding window, padding, static-cache
-tail, bidirectional) once per forward pass, and derives from it, per sequence, a key range
-``[start, end)`` plus attnfast options (``causal``, ``window=(left, 0)``, ``query_offset``).
-It then rebuilds the mask those options mean and checks it equals transformers' mask exactly,
-element by element; a mask that is not of this form (padding holes in the middle of a
-sequence, packed sequences, per-head masks, non-causal windows) raises NotImplementedError
-rather than computing something else. Left padding becomes a per-sequence key range (one
-attnfast call per sequence; a batch whose sequences share the range is one call); the empty
-part of a static cache is never read; GQA runs natively (no repeated K/V).
+How masks are used: the mask builder materialises transformers' own mask (the sdpa one:
+causal, sliding window, padding, static-cache tail, bidirectional, local/global windows) once
+per forward pass and attaches attnfast's plan for it. Where the mask is, per sequence, a key
+range ``[start, end)`` with causal / sliding-window structure (derived, then rebuilt and
+checked element by element against transformers' mask), the plan is that range plus
+attnfast options (``causal``, ``window=(left, 0)``, ``query_offset``): left padding becomes a
+per-sequence key range (one attnfast call per sequence; a batch whose sequences share the
+range is one call) and the empty part of a static cache is never read. Any other mask (a
+padding hole, packed sequences, bidirectional sliding windows, per-head masks, an additive
+float mask with a bias, custom 4-D masks passed to the model) goes to the kernels as
+``attention(mask=)``: bool or additive, read through its broadcast strides (never expanded
+over heads). GQA runs natively (no repeated K/V).
+
+Under ``torch.compile`` the mask builder returns transformers' mask unanalysed and the
+attention runs as the custom op :func:`attnfast.integrations.torch.attention` with that mask
+(``fullgraph=True`` compiles: no graph break at attention).
 
 Raises: ValueError for tensors that require grad (run under ``torch.no_grad()`` /
 ``torch.inference_mode()``) or live on another device; NotImplementedError for dropout > 0.
@@ -29,6 +35,8 @@ from __future__ import annotations
 import numpy as np
 
 import attnfast as _af
+from attnfast._interop import to_numpy, wrap_like
+from attnfast.integrations import torch as _torch_ops  # the custom ops (imports torch)
 
 __all__ = ["register", "attention_forward", "attention_mask", "NAME"]
 
@@ -60,19 +68,21 @@ def register(name: str = NAME, *, num_threads: int | None = None) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The mask builder: transformers' boolean mask, plus attnfast's plan for it.
+# The mask builder: transformers' mask, plus attnfast's plan for it.
 
 def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
                    mask_function=None, attention_mask=None, **kwargs):
-    """transformers' sdpa boolean mask (batch, 1, q_length, kv_length), never skipped (None),
-    with attnfast's per-sequence plan attached (computed once per forward, used by every
-    layer): derived from the definition for unpadded causal / bidirectional masks, otherwise
-    analysed from the materialised mask and checked against it."""
+    """transformers' sdpa boolean mask (batch, 1, q_length, kv_length) with attnfast's plan
+    attached (computed once per forward, used by every layer): derived from the definition
+    for unpadded causal / bidirectional masks, otherwise analysed from the materialised mask.
+    Never skipped (None) in eager mode; under torch.compile it is transformers' sdpa mask as
+    is (None where sdpa would skip it), analysed by no Python code."""
     import torch
     from transformers.masking_utils import causal_mask_function, sdpa_mask
     mask_function = mask_function or causal_mask_function
-    fast = _plain_plan(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
-                       attention_mask)
+    compiling = torch.compiler.is_compiling()
+    fast = None if compiling else _plain_plan(batch_size, q_length, kv_length, q_offset,
+                                              kv_offset, mask_function, attention_mask)
     if fast is not None:
         # No padding, plain causal or bidirectional: the plan follows from the definitions of
         # those two mask functions (kv_idx <= q_idx; everything), with no analysis. The mask
@@ -92,9 +102,9 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     kwargs.pop("config", None)
     mask = sdpa_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
                      mask_function=mask_function,
-                     attention_mask=attention_mask, allow_is_causal_skip=False,
+                     attention_mask=attention_mask, allow_is_causal_skip=compiling,
                      allow_is_bidirectional_skip=False, **kwargs)
-    if mask is not None:
+    if mask is not None and not compiling:
         _plan(mask)
     return mask
 
@@ -122,27 +132,38 @@ def _plain_plan(batch_size, q_length, kv_length, q_offset, kv_offset, mask_funct
     return (plan,) * batch_size
 
 
+USE_MASK = "mask"   # the plan of a mask that is not key ranges: pass it as attention(mask=)
+
+
 def _plan(mask):
     """Per sequence: None (no query sees a key) or (start, end, causal, query_offset, left),
-    checked to reproduce ``mask`` exactly; cached on the mask tensor."""
+    checked to reproduce ``mask`` exactly; or :data:`USE_MASK` when the mask is not of that
+    form (it is then given to the kernels as it is). Cached on the mask tensor."""
     cached = getattr(mask, _PLAN, None)
     if cached is not None:
         return cached
+    plans = _key_ranges(mask)
+    try:
+        setattr(mask, _PLAN, plans)
+    except (AttributeError, TypeError):  # pragma: no cover - exotic tensor subclasses
+        pass
+    return plans
+
+
+def _key_ranges(mask):
+    """_plan's analysis (uncached)."""
     import torch
     m = mask
+    if m.ndim != 4:
+        return USE_MASK
     if m.dtype != torch.bool:   # additive float mask: 0 keeps, the dtype's minimum / -inf drops
         drop = m <= torch.finfo(m.dtype).min / 2
         if not torch.all((m == 0) | drop):
-            raise NotImplementedError("attnfast backend: an additive attention mask with values "
-                                      "other than 0 and -inf (a bias) is not supported yet")
+            return USE_MASK     # a bias
         m = ~drop
-    if m.ndim != 4:
-        raise NotImplementedError(f"attnfast backend: attention_mask must be 4-D, got shape "
-                                  f"{tuple(m.shape)}")
     if m.shape[1] != 1:
         if not torch.equal(m, m[:, :1].expand_as(m)):
-            raise NotImplementedError("attnfast backend: a mask that differs between heads is "
-                                      "not supported yet")
+            return USE_MASK     # differs between heads
         m = m[:, :1]
     m = m[:, 0]                                       # (B, Tq, Tk)
     B, Tq, Tk = m.shape
@@ -152,9 +173,7 @@ def _plan(mask):
     hi = torch.where(m, idx, -1).amax(-1)
     count = m.sum(-1)
     if not bool(torch.all(~any_ | (count == hi - lo + 1))):
-        raise NotImplementedError("attnfast backend: a query row sees a non-contiguous set of "
-                                  "keys (padding inside a sequence, or packed sequences); "
-                                  "this needs attnfast's mask= argument, not available yet")
+        return USE_MASK         # a row sees a non-contiguous set of keys (holes, packing)
     plans = []
     rows = torch.arange(Tq)
     for b in range(B):
@@ -173,7 +192,7 @@ def _plan(mask):
             shifted = r & (lo_b > 0)
             left = int((pos - lo_b)[shifted].max()) if bool(shifted.any()) else -1
             plan = (s, e, True, off, left)
-        # Rebuild the mask the plan means and require equality: exact or an error.
+        # Rebuild the mask the plan means and require equality: exact, or the mask itself.
         keys = torch.arange(e - s)
         _, _, causal, off, left = plan
         keep = torch.ones(Tq, e - s, dtype=torch.bool)
@@ -185,17 +204,9 @@ def _plan(mask):
         full = torch.zeros(Tq, Tk, dtype=torch.bool)
         full[:, s:e] = keep
         if not torch.equal(full, m[b]):
-            raise NotImplementedError(
-                "attnfast backend: this attention mask is not a key range with causal / sliding-"
-                "window structure per sequence (e.g. bidirectional sliding windows or "
-                "block masks); it needs attnfast's mask= argument, not available yet")
+            return USE_MASK     # e.g. bidirectional sliding windows, block masks
         plans.append(plan)
-    plans = tuple(plans)
-    try:
-        setattr(mask, _PLAN, plans)
-    except (AttributeError, TypeError):  # pragma: no cover - exotic tensor subclasses
-        pass
-    return plans
+    return tuple(plans)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,7 +216,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                       is_causal=None, softcap=None, sliding_window=None, s_aux=None, **kwargs):
     """transformers' attention-function contract: query (B, H, Tq, D), key/value (B, Hkv, Tk,
     D|Dv) (Hkv may divide H: GQA without repeating), ``attention_mask`` from
-    :func:`attention_mask` (or None); returns (attn_output (B, Tq, H, Dv), None)."""
+    :func:`attention_mask`, a custom 4-D mask (bool, or additive float) or None; returns
+    (attn_output (B, Tq, H, Dv), None)."""
     import torch
     if dropout:
         raise NotImplementedError(f"attnfast backend: attention dropout ({dropout}) is not "
@@ -222,29 +234,42 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         sinks = sinks.detach()   # a parameter; no gradient is being recorded
     options = dict(scale=scaling, softcap=softcap, sinks=sinks)
     options = {k: v for k, v in options.items() if v is not None}
-
-    B, H, Tq, _ = query.shape
-    Dv = value.shape[-1]
-    out = torch.empty(B, Tq, H, Dv, dtype=query.dtype)
-    out_h = out.transpose(1, 2)                       # (B, H, Tq, Dv) view of out
-
+    if attention_mask is not None and attention_mask.shape[-1] > key.shape[2]:
+        attention_mask = attention_mask[..., :key.shape[2]]   # as sdpa: the tail is unused
+    causal = window = None
     if attention_mask is None:   # no mask from transformers: the module's own structure
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         window = (sliding_window - 1, 0) if causal and sliding_window else None
-        _call(query, key, value, out_h, causal=causal, window=window, **options)
-        return out, None
 
+    if torch.compiler.is_compiling():   # one custom op: no Python of attnfast is traced
+        out = _torch_ops.attention(query, key, value, causal=bool(causal), mask=attention_mask,
+                        window=None if window is None else list(window),
+                        num_threads=_SETTINGS["num_threads"], **options)
+        return out.transpose(1, 2).contiguous(), None
+
+    # Eager: NumPy views of the tensors (once per call), attnfast's NumPy fast path, and the
+    # output allocated by NumPy and shared with the returned tensor.
+    q, k, v = (to_numpy(t, name) for t, name in ((query, "query"), (key, "key"),
+                                                 (value, "value")))
+    B, H, Tq, _ = q.shape
+    out = np.empty((B, Tq, H, v.shape[-1]), q.dtype)
+    out_h = out.transpose(0, 2, 1, 3)                 # (B, H, Tq, Dv) view of out
+    if attention_mask is None:
+        _call(q, k, v, out_h, causal=causal, window=window, **options)
+        return wrap_like(out, query), None
     plans = _plan(attention_mask)
-    if len(set(plans)) == 1 and plans[0] is not None:
-        _run_plan(plans[0], query, key, value, out_h, options)
+    if plans == USE_MASK:
+        _call(q, k, v, out_h, mask=attention_mask, **options)
+    elif len(set(plans)) == 1 and plans[0] is not None:
+        _run_plan(plans[0], q, k, v, out_h, options)
     else:
         for b, plan in enumerate(plans):
             if plan is None:
-                out[b].zero_()                        # no key visible: zeros, as attnfast does
+                out[b] = 0                            # no key visible: zeros, as attnfast does
             else:
                 sl = slice(b, b + 1)
-                _run_plan(plan, query[sl], key[sl], value[sl], out_h[sl], options)
-    return out, None
+                _run_plan(plan, q[sl], k[sl], v[sl], out_h[sl], options)
+    return wrap_like(out, query), None
 
 
 def _run_plan(plan, q, k, v, out, options):
