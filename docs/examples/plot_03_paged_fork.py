@@ -55,6 +55,7 @@ for (i, j), blk in np.ndenumerate(table):
     if blk >= 0:
         ax.text(j, i, str(blk), ha="center", va="center")
 ax.set_yticks([0, 1], ["sequence a", "sequence b (fork)"])
+ax.set_xticks(range(table.shape[1]))
 ax.set_xlabel("table entry (block of 16 tokens)")
 ax.set_title("block_table: pool blocks per sequence")
 plt.show()
