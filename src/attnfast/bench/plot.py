@@ -138,9 +138,9 @@ def _panel_grid(plt, groups, threads, title):
 
 
 def _draw_lines(report, kind, axes, groups, threads, group_of, x_of, y_of):
-    """One line per (engine, dtype) in every panel; returns the engines drawn."""
+    """One line per (engine, dtype) in every panel."""
     rows = [r for r in report.results if r["kind"] == kind and "median_s" in r and r.get("ok")]
-    engines = list(dict.fromkeys(r["engine"] for r in rows))
+    engines = report.engines  # the same colour for an engine in every plot
     dtypes = report.dtypes
     for i, n in enumerate(threads):
         for j, group in enumerate(groups):
@@ -156,7 +156,6 @@ def _draw_lines(report, kind, axes, groups, threads, group_of, x_of, y_of):
                                 **_engine_style(engine, dtype, engines, dtypes))
             _token_axis(ax)
             ax.grid(True, which="both", alpha=0.3)
-    return engines
 
 
 def decode_plot(report, path: str, title: str = ""):

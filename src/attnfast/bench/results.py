@@ -106,7 +106,8 @@ def render_section(kind: str, data: dict, plots=()) -> str:
             s = peer_summary(report, what, dtype)
             if s:
                 summary.append(f"{what} {dtype}: at least as fast as the fastest peer in {s[0]} "
-                               f"of {s[1]} cells ({s[2]:.2f}x-{s[3]:.2f}x its speed)")
+                               f"of {s[1]} cells (fastest peer's time / attnfast's "
+                               f"{s[2]:.2f}x-{s[3]:.2f}x)")
     if summary:
         out += ["", "attnfast against the peers, " + "; ".join(summary) + "."]
     out += ["", "### Machine limits, measured in this run", "", report.limits_table(markdown=True)]
