@@ -125,3 +125,18 @@ def test_linear_fit():
 def test_parse_lists():
     assert options.parse_int_list("1k, 4k,100", "x") == [1024, 4096, 100]
     assert options.parse_heads("32/8") == (32, 8) and options.parse_heads("8") == (8, 8)
+
+
+def test_progress_without_tqdm(monkeypatch, capsys):
+    """Without tqdm (the bench extra installs it) progress is one line per step on stderr."""
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import fails
+    progress = timing.Progress(2)
+    progress.step("first step")
+    progress.step("second step")
+    progress.finish()
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split("s  ", 1)[1] for line in lines] == ["first step", "second step", "done"]
+    quiet = timing.Progress(2, enabled=False)
+    quiet.step("x")
+    quiet.finish()
+    assert capsys.readouterr().err == ""

@@ -112,7 +112,8 @@ class PeerReport:
                 rows.append(head + [fmt_time(r["median_s"]),
                              f"{r['rate']:.1f} {'GFLOP/s' if r['kind'] == 'prefill' else 'GB/s'}",
                              f"{100 * r['rate'] / lim:.0f}%" if lim else "n/a",
-                             f"{r['max_abs_error']:.1e}" + ("" if r["ok"] else " FAIL")] + tail)
+                             (f"{r['max_abs_error']:.1e}" if r.get("max_abs_error") is not None else "n/a")
+                             + ("" if r["ok"] else " FAIL")] + tail)
             elif "skipped" in r:
                 rows.append(head + ["skipped", r["skipped"], "", ""] + tail)
             else:

@@ -131,8 +131,8 @@ class Progress:
     def finish(self) -> None:
         """Count every step as done and say so."""
         if self.bar is not None:
+            self.bar.set_description_str("done", refresh=False)
             self.bar.update(self.total - self.bar.n)
-            self.bar.set_description_str("done")
             self.bar.close()
         elif self.stream is not None:
             self.stream.write(f"{time.perf_counter() - self.start:7.1f}s  done\n")
