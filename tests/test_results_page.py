@@ -2,6 +2,7 @@
 synthetic run whose every number is known."""
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -111,3 +112,17 @@ def test_plots_written(tmp_path):
 def test_table_without_tabulate(monkeypatch):
     monkeypatch.setitem(sys.modules, "tabulate", None)  # import fails: the markdown fallback
     assert table(["a", "b"], [[1, "x"]]) == "| a | b |\n|---|---|\n| 1 | x |"
+
+
+def test_committed_page_is_generated_from_the_committed_runs():
+    """docs/results.md is what the generator makes of bench/results/*.json (never hand-edited,
+    never stale after a new run)."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "bench" / "results").is_dir():
+        pytest.skip("no bench/results beside the tests (installed wheel)")
+    runs = results.load_runs(str(root / "bench" / "results"))
+    assert "zen4-avx512bf16" in runs
+    plots = {kind: [results.plot_ref(kind, what, "images") for what in ("decode", "prefill")
+                    if (root / "docs" / "images" / f"{kind}-{what}.png").exists()]
+             for kind in runs}
+    assert (root / "docs" / "results.md").read_text() == results.render_page(runs, plots)

@@ -17,7 +17,8 @@ import sys
 
 from .peer_report import PeerReport
 
-__all__ = ["main", "render_page", "render_section", "peer_summary", "simd_flags"]
+__all__ = ["main", "render_page", "render_section", "load_runs", "plot_ref", "peer_summary",
+           "simd_flags"]
 
 INTRO = """\
 # Results
@@ -120,6 +121,16 @@ def render_section(kind: str, data: dict, plots=()) -> str:
     return "\n".join(out) + "\n"
 
 
+PLOT_TITLES = {"decode": "Per-token decode cost against context length",
+               "prefill": "Prefill GFLOP/s against sequence length"}
+
+
+def plot_ref(kind: str, what: str, image_dir: str) -> tuple[str, str]:
+    """(description, path relative to the page) of the ``what`` plot ("decode" or "prefill")
+    of a CPU kind, as :func:`render_section` takes them."""
+    return f"{PLOT_TITLES[what]}, {kind}", f"{image_dir}/{kind}-{what}.png"
+
+
 def render_page(runs: dict, plots=None) -> str:
     """The whole page: the introduction, then one section per CPU kind in ``runs`` order
     (``plots``: {kind: [(description, path)]}, see :func:`render_section`)."""
@@ -163,13 +174,10 @@ def main(argv=None) -> int:
         for kind, data in runs.items():
             report = PeerReport.from_json(data)
             title = f"attnfast and peers on {report.meta['cpu']} ({kind})"
-            for plot, what, alt in (
-                    (decode_plot, "decode", "Per-token decode cost against context length"),
-                    (prefill_plot, "prefill", "Prefill GFLOP/s against sequence length")):
-                name = f"{kind}-{what}.png"
-                written = plot(report, os.path.join(base, name), title)
+            for what, plot in (("decode", decode_plot), ("prefill", prefill_plot)):
+                written = plot(report, os.path.join(base, f"{kind}-{what}.png"), title)
                 if written:
-                    plots.setdefault(kind, []).append((f"{alt}, {kind}", f"{args.images}/{name}"))
+                    plots.setdefault(kind, []).append(plot_ref(kind, what, args.images))
                 else:
                     print(f"{what} plot of {kind} not written: {written.reason}", file=sys.stderr)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
