@@ -1,4 +1,4 @@
-"""One-core and two-core decode against the machine's read limit, in one process (issue 9).
+"""One-core and two-core decode against the machine's read limit, in one process.
 
     python bench/bench_decode_read.py                          # L = 16k and 64k, 8/8 and 32/8 heads
     python bench/bench_decode_read.py --lengths 65536 --threads 1 --repeats 15

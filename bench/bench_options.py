@@ -1,4 +1,4 @@
-"""Cost of each model option against plain causal prefill, in one process (issue 8).
+"""Cost of each model option against plain causal prefill, in one process.
 
     python bench/bench_options.py                       # T=4096, H=8, D=128, float32, 1 and 2 threads
     python bench/bench_options.py --threads 1 --tokens 2048

@@ -1,4 +1,4 @@
-"""Paged against contiguous KV-cache decode, in one process (issue 8).
+"""Paged against contiguous KV-cache decode, in one process.
 
     python bench/bench_paged.py                      # L=16k, 32/8 heads, D=128, float32 + bfloat16
     python bench/bench_paged.py --threads 1 --block-sizes 16,256 --dtypes float32

@@ -1,4 +1,4 @@
-"""Prefill speed of each storage dtype against float32, in one process (issue 7).
+"""Prefill speed of each storage dtype against float32, in one process.
 
     python bench/bench_prefill_dtypes.py                        # T=1024,4096, H=8, D=128, 1 and 2 threads
     ATTNFAST_ISA=avx2 python bench/bench_prefill_dtypes.py --tokens 2048 --threads 1

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import attnfast as af
-from attnfast._bench import _Threads, decode_bytes
+from attnfast.bench.costs import decode_bytes
+from attnfast.bench.timing import Threads
 from bench_common import bench_threads, max_abs_error
 
 D = 128
@@ -69,7 +70,7 @@ def test_decode_step(benchmark, L, h, hkv, threads):
         cache.truncate(L - 1)
 
     benchmark.group = f"decode KVCache.step H={h}/{hkv} D={D} float32"
-    with _Threads(threads):
+    with Threads(threads):
         benchmark.pedantic(cache.step, args=(q, k_new, v_new), setup=rollback,
                            rounds=ROUNDS, warmup_rounds=2)
         rollback()
@@ -89,7 +90,7 @@ def test_decode_attention_with_kvcache(benchmark, L, h, hkv, threads):
     seqlens = np.array([L], dtype=np.int64)
 
     benchmark.group = f"decode attention_with_kvcache H={h}/{hkv} D={D} float32"
-    with _Threads(threads):
+    with Threads(threads):
         out = benchmark.pedantic(af.attention_with_kvcache, args=(q, cache.k, cache.v, seqlens),
                                  rounds=ROUNDS, warmup_rounds=2)
     _record(benchmark, "attention_with_kvcache", L, h, hkv, threads)

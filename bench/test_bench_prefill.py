@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import attnfast as af
-from attnfast._bench import attention_flops
+from attnfast.bench.costs import attention_flops
 from bench_common import bench_threads, max_abs_error
 
 D = 128

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import attnfast as af
-from attnfast import _bench
+from attnfast.bench import costs, options, timing
 from reference import visible_mask
 
 
@@ -108,20 +108,35 @@ def test_bench_plot(tmp_path):
 @pytest.mark.parametrize("tq,tk", [(1, 1), (5, 5), (3, 7), (7, 3), (1, 9), (64, 64)])
 def test_visible_pairs_matches_reference_mask(tq, tk):
     for causal in (False, True):
-        assert _bench.visible_pairs(tq, tk, causal) == visible_mask(tq, tk, causal).sum()
-    assert _bench.attention_flops(2, 3, tq, tk, 4, 5, True) == \
+        assert costs.visible_pairs(tq, tk, causal) == visible_mask(tq, tk, causal).sum()
+    assert costs.attention_flops(2, 3, tq, tk, 4, 5, True) == \
         2 * 2 * 3 * (4 + 5) * visible_mask(tq, tk, True).sum()
 
 
 def test_linear_fit():
     xs = np.array([1024, 2048, 4096, 8192])
-    fit = _bench.linear_fit(xs, 3e-9 * xs + 2e-5)
+    fit = timing.linear_fit(xs, 3e-9 * xs + 2e-5)
     assert fit["slope"] == pytest.approx(3e-9) and fit["intercept"] == pytest.approx(2e-5)
     assert fit["r2"] == pytest.approx(1.0)
-    noisy = _bench.linear_fit(xs, [1.0, 3.0, 2.0, 2.5])
+    noisy = timing.linear_fit(xs, [1.0, 3.0, 2.0, 2.5])
     assert 0 <= noisy["r2"] < 0.9
 
 
 def test_parse_lists():
-    assert _bench.parse_int_list("1k, 4k,100", "x") == [1024, 4096, 100]
-    assert _bench.parse_heads("32/8") == (32, 8) and _bench.parse_heads("8") == (8, 8)
+    assert options.parse_int_list("1k, 4k,100", "x") == [1024, 4096, 100]
+    assert options.parse_heads("32/8") == (32, 8) and options.parse_heads("8") == (8, 8)
+
+
+def test_progress_without_tqdm(monkeypatch, capsys):
+    """Without tqdm (the bench extra installs it) progress is one line per step on stderr."""
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import fails
+    progress = timing.Progress(2)
+    progress.step("first step")
+    progress.step("second step")
+    progress.finish()
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split("s  ", 1)[1] for line in lines] == ["first step", "second step", "done"]
+    quiet = timing.Progress(2, enabled=False)
+    quiet.step("x")
+    quiet.finish()
+    assert capsys.readouterr().err == ""

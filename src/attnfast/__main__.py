@@ -34,8 +34,8 @@ def main(argv=None) -> int:
         show_config()
         return 0
     if command == "bench":
-        from . import _bench
-        return _bench.main(rest)
+        from .bench.cli import main as bench_main
+        return bench_main(rest)
     from . import _demo
     return _demo.run(rest)
 

@@ -61,11 +61,11 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
         ``i' = i + query_offset`` (causal and window are measured from there). The default,
         ``Tk - Tq``, aligns the last query with the last key (bottom-right); 0 aligns the
         first query with the first key (top-left: a prompt written into an empty, larger
-        cache). Any int with |value| <= 2**62.
+        cache). Any int with abs(value) <= 2**62.
     softcap : float > 0, optional
         Scores s become softcap * tanh(s / softcap) (Gemma 2), before ALiBi and the mask.
     alibi_slopes : float32 array (H,) or (B, H), optional
-        Adds -slope * |i' - j| to the score of query i and key j (i' as for causal).
+        Adds -slope * abs(i' - j) to the score of query i and key j (i' as for causal).
     sinks : float32 array (H,), optional
         One logit per query head that joins the softmax denominator and adds no value
         (gpt-oss); lse includes it, and a row seeing no key gets lse = sink.

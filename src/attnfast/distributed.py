@@ -230,7 +230,7 @@ class ShardedKVCache:
         Send the small requests of decoding through a Ray compiled graph (``ray.dag``,
         shared-memory channels set up once) instead of one ordinary actor call per shard:
         every call then reaches every shard (those with nothing to do return at once), and
-        the round trip costs about a third (bench/RESULTS.md). Large requests (a long
+        the round trip costs about a third (bench/HISTORY.md). Large requests (a long
         prompt's K/V) still take ordinary calls. On a failure the graph is dropped and the
         cache goes on with ordinary calls.
 
