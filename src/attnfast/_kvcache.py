@@ -139,7 +139,16 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
         ``ceil(n / block_size)`` entries, which must be ids in [0, num_blocks) (later entries
         are ignored, e.g. -1 padding). Sequences may share blocks they only read (a common
         prefix); results are bit-identical to a contiguous cache holding the same tokens.
-        :class:`attnfast.PagedKVCache` manages such a pool.
+        :class:`attnfast.PagedKVCache` manages such a pool. Sequences whose rows begin with
+        the same full blocks (at least 1024 keys, every key visible to all their query rows)
+        read those blocks once for all of them, merged by log-sum-exp: equal to float32
+        rounding, same bits for any thread count (README, Shared-prefix decoding).
+    tree_mask : bool array (Tq, Tq) or (B, Tq, Tq), optional, Tq <= 64
+        Token-tree verification: the last Tq keys of each sequence (with k_new, the t = Tq
+        new ones) are the tree; query i sees every earlier key and new token j iff
+        ``tree_mask[i, j]`` (the diagonal must be True). Replaces causal; with window, mask,
+        alibi_slopes, query_offset or causal=False it raises NotImplementedError. Computed as
+        the cached keys (unmasked) and the Tq new keys (with the Tq x Tq mask), merged exactly.
     causal : bool, default True
         Bottom-right aligned: query i of sequence b sees key j iff
         ``j <= i + (cache_seqlens[b] + t - Tq)``. Unlike flash-attn (whose default is False)
@@ -392,8 +401,9 @@ class KVCache:
 
         Causal by default, bottom-right aligned: query i of sequence b sees the keys
         ``j <= i + (lengths[b] - Tq)``, so the last query sees the whole sequence. Other
-        options as in :func:`attnfast.attention`. Returns out (n, H, Tq, v_head_dim), or
-        (out, lse) when return_lse.
+        options as in :func:`attnfast.attention`; ``tree_mask`` (Tq x Tq bool) as in
+        :func:`attnfast.attention_with_kvcache` (the last Tq cached tokens are the tree).
+        Returns out (n, H, Tq, v_head_dim), or (out, lse) when return_lse.
         """
         if (batch_index is None and softcap is None and alibi_slopes is None and sinks is None
                 and mask is None and return_lse is False and out is None and tree_mask is None):
@@ -414,7 +424,9 @@ class KVCache:
         """The decode step: :meth:`append` k_new, v_new, then :meth:`attend` q, in one call.
 
         With a prompt (t = Tq tokens) this is causal prefill; with one token, one decode
-        step. Everything is checked before the tokens are written.
+        step. With ``tree_mask`` the t = Tq new tokens are a token tree (speculative
+        verification; see :func:`attnfast.attention_with_kvcache`). Everything is checked
+        before the tokens are written.
         """
         if k_new is None or v_new is None:
             missing = " and ".join(n for n, a in (("k_new", k_new), ("v_new", v_new)) if a is None)

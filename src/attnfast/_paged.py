@@ -219,7 +219,10 @@ class PagedKVCache:
         one kernel call. Causal by default, bottom-right aligned per sequence; options as in
         :func:`attnfast.attention_with_kvcache`. A mask's last axis spans the call's key
         positions: ``max_blocks * block_size``, max_blocks being the most blocks any of the
-        sequences holds. Returns out (n, H, Tq, v_head_dim), or (out, lse)."""
+        sequences holds. Sequences sharing leading full blocks (forks) read them once
+        (shared-prefix decoding; README). ``tree_mask`` (Tq x Tq bool): the last Tq tokens of
+        each sequence are a token tree, as in :func:`attnfast.attention_with_kvcache`.
+        Returns out (n, H, Tq, v_head_dim), or (out, lse)."""
         return self._run(seq_ids, q, None, None, causal=causal, scale=scale, window=window,
                          softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
                          return_lse=return_lse, out=out, num_threads=num_threads,
