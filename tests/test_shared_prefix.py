@@ -245,3 +245,22 @@ def test_default_threshold_and_many_forks(rng):
     before = shared_calls()
     short.attend(short_ids, rand(rng, (2, 2, 1, 8)))
     assert shared_calls() == before  # below MIN_PREFIX_KEYS: unshared
+
+
+def test_out_argument_and_additive_mask(rng, small_prefix):
+    cache, ids = forked(rng, prompt=64, own=[5, 9, 20, 2])
+    width = cache.block_table(ids).shape[1] * BS
+    mask = np.zeros((1, 1, 1, width), np.float32)
+    mask[..., 64:] = rng.standard_normal(width - 64)  # additive, 0 over the prefix
+    q = rand(rng, (4, 4, 1, 16))
+    buf = np.full((4, 1, 4, 16), np.nan, np.float32)
+    out = buf.transpose(0, 2, 1, 3)  # a strided out, filled in place
+    before = shared_calls()
+    result, lse = cache.attend(ids, q, mask=mask, out=out, return_lse=True)
+    assert shared_calls() == before + 1 and result is out
+    for i, s in enumerate(ids):
+        k, v = stored_kv(cache, s)
+        ref, ref_lse, _ = reference_attention(q[i].astype(np.float64), k, v, causal=True,
+                                              mask=mask[0][..., :k.shape[1]])
+        np.testing.assert_allclose(out[i], ref, **TOLERANCE[F32])
+        np.testing.assert_allclose(lse[i], ref_lse, **TOLERANCE[F32])
