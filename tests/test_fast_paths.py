@@ -408,11 +408,12 @@ FULL = {"attention": dict(SCORE, mask=np.ones((1, 6), bool)),
                                        block_table=np.arange(B, dtype=np.int32)[:, None],
                                        out=np.zeros((B, H, 1, D), np.float32),
                                        k_scale=np.zeros((B, HKV, C), np.float32),
-                                       v_scale=np.zeros((B, HKV, C), np.float32)),
+                                       v_scale=np.zeros((B, HKV, C), np.float32),
+                                       tree_mask=np.ones((1, 1), bool)),
         "step": dict(SCORE, mask=np.ones((1, C), bool), batch_index=[0, 1],
-                     out=np.zeros((B, H, 1, D), np.float32)),
+                     out=np.zeros((B, H, 1, D), np.float32), tree_mask=np.ones((1, 1), bool)),
         "attend": dict(SCORE, mask=np.ones((1, C), bool), batch_index=[0, 1],
-                       out=np.zeros((B, H, 1, D), np.float32))}
+                       out=np.zeros((B, H, 1, D), np.float32), tree_mask=np.ones((1, 1), bool))}
 
 
 def _entry_points(rng):

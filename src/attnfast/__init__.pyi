@@ -79,7 +79,8 @@ def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray
                            return_lse: Literal[False] = ..., out: NDArray[Any] | None = ...,
                            num_threads: int | None = ..., query_offset: int | None = ..., k_scale: NDArray[np.float32] | None = ...,
                            v_scale: NDArray[np.float32] | None = ...,
-                           block_table: ArrayLike | None = ...) -> _Out: ...
+                           block_table: ArrayLike | None = ...,
+                           tree_mask: ArrayLike | None = ...) -> _Out: ...
 @overload
 def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray[Any],
                            cache_seqlens: int | ArrayLike, k_new: ArrayLike | None = ...,
@@ -90,7 +91,8 @@ def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray
                            return_lse: Literal[True], out: NDArray[Any] | None = ...,
                            num_threads: int | None = ..., query_offset: int | None = ..., k_scale: NDArray[np.float32] | None = ...,
                            v_scale: NDArray[np.float32] | None = ...,
-                           block_table: ArrayLike | None = ...) -> _OutLse: ...
+                           block_table: ArrayLike | None = ...,
+                           tree_mask: ArrayLike | None = ...) -> _OutLse: ...
 @overload
 def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray[Any],
                            cache_seqlens: int | ArrayLike, k_new: ArrayLike | None = None,
@@ -101,7 +103,8 @@ def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray
                            return_lse: bool = False, out: NDArray[Any] | None = None,
                            num_threads: int | None = None, query_offset: int | None = None, k_scale: NDArray[np.float32] | None = None,
                            v_scale: NDArray[np.float32] | None = None,
-                           block_table: ArrayLike | None = None) -> _Out | _OutLse: ...
+                           block_table: ArrayLike | None = None,
+                           tree_mask: ArrayLike | None = None) -> _Out | _OutLse: ...
 
 class KVCache:
     def __init__(self, batch: int, kv_heads: int, head_dim: int, capacity: int, *,
@@ -136,35 +139,40 @@ class KVCache:
                softcap: float | None = ..., alibi_slopes: ArrayLike | None = ...,
                sinks: ArrayLike | None = ..., mask: ArrayLike | None = ...,
                return_lse: Literal[False] = ..., out: NDArray[Any] | None = ...,
-               num_threads: int | None = ..., query_offset: int | None = ...) -> _Out: ...
+               num_threads: int | None = ..., query_offset: int | None = ...,
+               tree_mask: ArrayLike | None = ...) -> _Out: ...
     @overload
     def attend(self, q: ArrayLike, *, batch_index: int | ArrayLike | None = ...,
                causal: bool = ..., scale: float | None = ..., window: _Window = ...,
                softcap: float | None = ..., alibi_slopes: ArrayLike | None = ...,
                sinks: ArrayLike | None = ..., mask: ArrayLike | None = ...,
                return_lse: Literal[True], out: NDArray[Any] | None = ...,
-               num_threads: int | None = ..., query_offset: int | None = ...) -> _OutLse: ...
+               num_threads: int | None = ..., query_offset: int | None = ...,
+               tree_mask: ArrayLike | None = ...) -> _OutLse: ...
     @overload
     def attend(self, q: ArrayLike, *, batch_index: int | ArrayLike | None = None,
                causal: bool = True, scale: float | None = None, window: _Window = None,
                softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
                sinks: ArrayLike | None = None, mask: ArrayLike | None = None,
                return_lse: bool = False, out: NDArray[Any] | None = None,
-               num_threads: int | None = None, query_offset: int | None = None) -> _Out | _OutLse: ...
+               num_threads: int | None = None, query_offset: int | None = None,
+               tree_mask: ArrayLike | None = None) -> _Out | _OutLse: ...
     @overload
     def step(self, q: ArrayLike, k_new: ArrayLike, v_new: ArrayLike, *,
              batch_index: int | ArrayLike | None = ..., causal: bool = ...,
              scale: float | None = ..., window: _Window = ..., softcap: float | None = ...,
              alibi_slopes: ArrayLike | None = ..., sinks: ArrayLike | None = ...,
              mask: ArrayLike | None = ..., return_lse: Literal[False] = ...,
-             out: NDArray[Any] | None = ..., num_threads: int | None = ..., query_offset: int | None = ...) -> _Out: ...
+             out: NDArray[Any] | None = ..., num_threads: int | None = ..., query_offset: int | None = ...,
+             tree_mask: ArrayLike | None = ...) -> _Out: ...
     @overload
     def step(self, q: ArrayLike, k_new: ArrayLike, v_new: ArrayLike, *,
              batch_index: int | ArrayLike | None = ..., causal: bool = ...,
              scale: float | None = ..., window: _Window = ..., softcap: float | None = ...,
              alibi_slopes: ArrayLike | None = ..., sinks: ArrayLike | None = ...,
              mask: ArrayLike | None = ..., return_lse: Literal[True],
-             out: NDArray[Any] | None = ..., num_threads: int | None = ..., query_offset: int | None = ...) -> _OutLse: ...
+             out: NDArray[Any] | None = ..., num_threads: int | None = ..., query_offset: int | None = ...,
+             tree_mask: ArrayLike | None = ...) -> _OutLse: ...
     @overload
     def step(self, q: ArrayLike, k_new: ArrayLike, v_new: ArrayLike, *,
              batch_index: int | ArrayLike | None = None, causal: bool = True,
@@ -172,7 +180,8 @@ class KVCache:
              alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None,
              mask: ArrayLike | None = None, return_lse: bool = False,
              out: NDArray[Any] | None = None,
-             num_threads: int | None = None, query_offset: int | None = None) -> _Out | _OutLse: ...
+             num_threads: int | None = None, query_offset: int | None = None,
+             tree_mask: ArrayLike | None = None) -> _Out | _OutLse: ...
     def truncate(self, n: int | ArrayLike) -> None: ...
     def reset(self) -> None: ...
 
@@ -220,42 +229,48 @@ class PagedKVCache:
                alibi_slopes: ArrayLike | None = ..., sinks: ArrayLike | None = ...,
                mask: ArrayLike | None = ..., return_lse: Literal[False] = ...,
                out: NDArray[Any] | None = ..., num_threads: int | None = ...,
-               query_offset: int | None = ...) -> _Out: ...
+               query_offset: int | None = ...,
+               tree_mask: ArrayLike | None = ...) -> _Out: ...
     @overload
     def attend(self, seq_ids: _SeqIds, q: ArrayLike, *, causal: bool = ...,
                scale: float | None = ..., window: _Window = ..., softcap: float | None = ...,
                alibi_slopes: ArrayLike | None = ..., sinks: ArrayLike | None = ...,
                mask: ArrayLike | None = ..., return_lse: Literal[True],
                out: NDArray[Any] | None = ..., num_threads: int | None = ...,
-               query_offset: int | None = ...) -> _OutLse: ...
+               query_offset: int | None = ...,
+               tree_mask: ArrayLike | None = ...) -> _OutLse: ...
     @overload
     def attend(self, seq_ids: _SeqIds, q: ArrayLike, *, causal: bool = True,
                scale: float | None = None, window: _Window = None, softcap: float | None = None,
                alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None,
                mask: ArrayLike | None = None, return_lse: bool = False,
                out: NDArray[Any] | None = None, num_threads: int | None = None,
-               query_offset: int | None = None) -> _Out | _OutLse: ...
+               query_offset: int | None = None,
+               tree_mask: ArrayLike | None = None) -> _Out | _OutLse: ...
     @overload
     def step(self, seq_ids: _SeqIds, q: ArrayLike, k_new: ArrayLike, v_new: ArrayLike, *,
              causal: bool = ..., scale: float | None = ..., window: _Window = ...,
              softcap: float | None = ..., alibi_slopes: ArrayLike | None = ...,
              sinks: ArrayLike | None = ..., mask: ArrayLike | None = ...,
              return_lse: Literal[False] = ..., out: NDArray[Any] | None = ...,
-             num_threads: int | None = ..., query_offset: int | None = ...) -> _Out: ...
+             num_threads: int | None = ..., query_offset: int | None = ...,
+             tree_mask: ArrayLike | None = ...) -> _Out: ...
     @overload
     def step(self, seq_ids: _SeqIds, q: ArrayLike, k_new: ArrayLike, v_new: ArrayLike, *,
              causal: bool = ..., scale: float | None = ..., window: _Window = ...,
              softcap: float | None = ..., alibi_slopes: ArrayLike | None = ...,
              sinks: ArrayLike | None = ..., mask: ArrayLike | None = ...,
              return_lse: Literal[True], out: NDArray[Any] | None = ...,
-             num_threads: int | None = ..., query_offset: int | None = ...) -> _OutLse: ...
+             num_threads: int | None = ..., query_offset: int | None = ...,
+             tree_mask: ArrayLike | None = ...) -> _OutLse: ...
     @overload
     def step(self, seq_ids: _SeqIds, q: ArrayLike, k_new: ArrayLike, v_new: ArrayLike, *,
              causal: bool = True, scale: float | None = None, window: _Window = None,
              softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
              sinks: ArrayLike | None = None, mask: ArrayLike | None = None,
              return_lse: bool = False, out: NDArray[Any] | None = None,
-             num_threads: int | None = None, query_offset: int | None = None) -> _Out | _OutLse: ...
+             num_threads: int | None = None, query_offset: int | None = None,
+             tree_mask: ArrayLike | None = None) -> _Out | _OutLse: ...
 
 def get_num_threads() -> int: ...
 def set_num_threads(n: int | None) -> None: ...

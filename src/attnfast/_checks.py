@@ -998,3 +998,49 @@ def check_leading_sequences(seqs, batch, **arrays) -> None:
                     else f"batch_index selects {seqs.size}")
             raise ValueError(f"{name} has {n} sequence(s) on axis 0 (shape {np.shape(a)}), "
                              f"but {what}")
+
+
+MAX_TREE_TOKENS = 64  # tree_mask's Tq limit (issue 22): the new-key part stays small
+
+
+def check_tree_mask(tree_mask, call: "KVCacheCall") -> np.ndarray | None:
+    """tree_mask (Tq, Tq) or (B, Tq, Tq) bool, diagonal True (a new token sees itself), for a
+    checked cache call -> a (B, Tq, Tq) bool view, or None without a tree mask. The new
+    tokens are each sequence's last Tq keys (with k_new: the t = Tq appended ones); the
+    options that cannot be composed with it exactly raise NotImplementedError."""
+    if tree_mask is None:
+        return None
+    attn = call.attn
+    B, Tq = attn.batch, attn.seqlen_q
+    m = tree_mask if isinstance(tree_mask, np.ndarray) else np.asarray(tree_mask)
+    if m.dtype != np.bool_:
+        raise TypeError(f"tree_mask must be a bool array (True: new token i sees new token j), "
+                        f"got dtype {m.dtype}")
+    if m.shape not in ((Tq, Tq), (B, Tq, Tq)):
+        raise ValueError(f"tree_mask must have shape (Tq, Tq) = ({Tq}, {Tq}) or (B, Tq, Tq) = "
+                         f"({B}, {Tq}, {Tq}), got {_shape_str(m)}")
+    if not 1 <= Tq <= MAX_TREE_TOKENS:
+        raise ValueError(f"tree_mask takes 1 to {MAX_TREE_TOKENS} query tokens (Tq), got {Tq}")
+    m = np.broadcast_to(m, (B, Tq, Tq))
+    diagonal = m[:, np.arange(Tq), np.arange(Tq)]
+    if not diagonal.all():
+        b, i = (int(x) for x in np.argwhere(~diagonal)[0])
+        where = f"tree_mask[{i}, {i}]" if tree_mask.ndim == 2 else f"tree_mask[{b}, {i}, {i}]"
+        raise ValueError(f"tree_mask's diagonal must be True (each new token sees itself); "
+                         f"{where} is False")
+    unsupported = [name for name, used in (
+        ("causal=False", not attn.causal), ("window", attn.window != (-1, -1)),
+        ("mask", attn.options.mask is not None), ("alibi_slopes", attn.options.alibi is not None),
+        ("query_offset", attn.query_offset is not None)) if used]
+    if unsupported:
+        raise NotImplementedError(f"tree_mask cannot be combined with {', '.join(unsupported)} "
+                                  "(tree_mask alone says which keys each query sees)")
+    if call.new_tokens and call.new_tokens != Tq:
+        raise ValueError(f"with tree_mask the appended tokens are the tree: k_new must hold Tq = "
+                         f"{Tq} tokens, got {call.new_tokens}")
+    short = call.seqlens_after < Tq
+    if np.any(short):
+        b = int(np.argmax(short))
+        raise ValueError(f"with tree_mask every sequence must hold its Tq = {Tq} new tokens; "
+                         f"sequence {b} holds {int(call.seqlens_after[b])}")
+    return m

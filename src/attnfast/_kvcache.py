@@ -33,8 +33,11 @@ from ._checks import (
     check_paged_kvcache_attention,
     check_new_tokens,
     check_out,
+    check_tree_mask,
     check_truncate,
 )
+from ._shared_prefix import run_paged_kernels
+from ._tree import run_tree_kernels
 
 __all__ = ["KVCache", "attention_with_kvcache"]
 
@@ -94,7 +97,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
                            causal=True, scale=None, window=None, softcap=None,
                            alibi_slopes=None, sinks=None, mask=None, return_lse=False,
                            out=None, num_threads=None, query_offset=None, k_scale=None,
-                           v_scale=None, block_table=None):
+                           v_scale=None, block_table=None, tree_mask=None):
     """Attention of new queries over a KV cache held in caller-owned arrays.
 
     flash-attn's ``flash_attn_with_kvcache`` in PyTorch SDPA's layout. For each sequence b,
@@ -136,7 +139,16 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
         ``ceil(n / block_size)`` entries, which must be ids in [0, num_blocks) (later entries
         are ignored, e.g. -1 padding). Sequences may share blocks they only read (a common
         prefix); results are bit-identical to a contiguous cache holding the same tokens.
-        :class:`attnfast.PagedKVCache` manages such a pool.
+        :class:`attnfast.PagedKVCache` manages such a pool. Sequences whose rows begin with
+        the same full blocks (at least 1024 keys, every key visible to all their query rows)
+        read those blocks once for all of them, merged by log-sum-exp: equal to float32
+        rounding, same bits for any thread count (README, Shared-prefix decoding).
+    tree_mask : bool array (Tq, Tq) or (B, Tq, Tq), optional, Tq <= 64
+        Token-tree verification: the last Tq keys of each sequence (with k_new, the t = Tq
+        new ones) are the tree; query i sees every earlier key and new token j iff
+        ``tree_mask[i, j]`` (the diagonal must be True). Replaces causal; with window, mask,
+        alibi_slopes, query_offset or causal=False it raises NotImplementedError. Computed as
+        the cached keys (unmasked) and the Tq new keys (with the Tq x Tq mask), merged exactly.
     causal : bool, default True
         Bottom-right aligned: query i of sequence b sees key j iff
         ``j <= i + (cache_seqlens[b] + t - Tq)``. Unlike flash-attn (whose default is False)
@@ -165,7 +177,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     key = None
     if (softcap is None and alibi_slopes is None and sinks is None and mask is None
             and return_lse is False and out is None and k_scale is None and v_scale is None
-            and block_table is None):
+            and block_table is None and tree_mask is None):
         key = kvcache_key(q, k_cache, v_cache, seqlens_key(cache_seqlens), k_new, v_new,
                           causal, scale, window)
         plan = KVCACHE_PLANS.get(key) if key is not None else None
@@ -180,7 +192,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
                                 causal=causal, scale=scale, window=window, softcap=softcap,
                                 alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
                                 return_lse=return_lse, out=out, num_threads=num_threads,
-                                query_offset=query_offset, k_scale=k_scale, v_scale=v_scale)
+                                query_offset=query_offset, k_scale=k_scale, v_scale=v_scale,
+                                tree_mask=tree_mask)
     call = check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                    causal=causal, scale=scale, window=window,
                                    num_threads=num_threads, k_scale=k_scale, v_scale=v_scale,
@@ -190,11 +203,12 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
                          [("q", call.attn.q), ("k_cache", k_cache), ("v_cache", v_cache),
                           ("k_new", call.k_new), ("v_new", call.v_new),
                           ("k_scale", call.k_scale), ("v_scale", call.v_scale)])
+    tree = check_tree_mask(tree_mask, call)
     if call.new_tokens:
         _write_tokens(k_cache, v_cache, np.arange(call.attn.batch), call.starts,
                       call.k_new, call.v_new, call.k_scale, call.v_scale)
     parts = [(slice(None), k_cache, v_cache, call.seqlens_after, call.k_scale, call.v_scale)]
-    result = run_kernels(call.attn, user_out, return_lse, parts)
+    result = run_cache_kernels(call, user_out, return_lse, parts, tree)
     if key is not None:  # accepted: later calls of this layout take the fast path
         remember(KVCACHE_PLANS, key, kvcache_plan(q, k_cache, v_cache, call.k_new, scale, window))
     return result
@@ -233,8 +247,20 @@ def _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal
     return out
 
 
+def run_cache_kernels(call, user_out, return_lse, parts, tree=None):
+    """run_kernels for a checked cache call (KVCacheCall): composed from several calls for
+    a tree mask (attnfast._tree) or, over a paged pool, for sequences sharing leading blocks
+    (attnfast._shared_prefix); one call otherwise."""
+    if tree is not None:
+        return run_tree_kernels(call.attn, user_out, return_lse, parts, tree)
+    if call.block_table is not None and len(parts) == 1:
+        _, k_pool, v_pool, _, k_scale, v_scale, _ = parts[0]
+        return run_paged_kernels(call, user_out, return_lse, k_pool, v_pool, k_scale, v_scale)
+    return run_kernels(call.attn, user_out, return_lse, parts)
+
+
 def _paged_attention(q, k_pool, v_pool, cache_seqlens, k_new, v_new, block_table, *,
-                     return_lse, out, **options):
+                     return_lse, out, tree_mask=None, **options):
     """attention_with_kvcache with a block table (arguments as there, return_lse checked)."""
     call = check_paged_kvcache_attention(q, k_pool, v_pool, cache_seqlens, k_new, v_new,
                                          block_table, **options)
@@ -243,12 +269,13 @@ def _paged_attention(q, k_pool, v_pool, cache_seqlens, k_new, v_new, block_table
                           ("k_new", call.k_new), ("v_new", call.v_new),
                           ("k_scale", call.k_scale), ("v_scale", call.v_scale),
                           ("block_table", call.block_table)])
+    tree = check_tree_mask(tree_mask, call)
     if call.new_tokens:
         _write_paged_tokens(k_pool, v_pool, call.block_table, call.starts, call.k_new,
                             call.v_new, call.k_scale, call.v_scale)
     parts = [(slice(None), k_pool, v_pool, call.seqlens_after, call.k_scale, call.v_scale,
               call.block_table)]
-    return run_kernels(call.attn, user_out, return_lse, parts)
+    return run_cache_kernels(call, user_out, return_lse, parts, tree)
 
 
 class KVCache:
@@ -369,16 +396,17 @@ class KVCache:
     @accepts_arrays
     def attend(self, q, *, batch_index=None, causal=True, scale=None, window=None,
                softcap=None, alibi_slopes=None, sinks=None, mask=None, return_lse=False,
-               out=None, num_threads=None, query_offset=None):
+               out=None, num_threads=None, query_offset=None, tree_mask=None):
         """Attention of q (n, H, Tq, head_dim) over each sequence's cached tokens.
 
         Causal by default, bottom-right aligned: query i of sequence b sees the keys
         ``j <= i + (lengths[b] - Tq)``, so the last query sees the whole sequence. Other
-        options as in :func:`attnfast.attention`. Returns out (n, H, Tq, v_head_dim), or
-        (out, lse) when return_lse.
+        options as in :func:`attnfast.attention`; ``tree_mask`` (Tq x Tq bool) as in
+        :func:`attnfast.attention_with_kvcache` (the last Tq cached tokens are the tree).
+        Returns out (n, H, Tq, v_head_dim), or (out, lse) when return_lse.
         """
         if (batch_index is None and softcap is None and alibi_slopes is None and sinks is None
-                and mask is None and return_lse is False and out is None):
+                and mask is None and return_lse is False and out is None and tree_mask is None):
             result = self._run_fast(q, None, None, causal, scale, window, num_threads,
                                     query_offset)
             if result is not None:
@@ -386,23 +414,26 @@ class KVCache:
         return self._run(q, None, None, batch_index=batch_index, causal=causal, scale=scale,
                          window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                          sinks=sinks, mask=mask, return_lse=return_lse, out=out,
-                         num_threads=num_threads, query_offset=query_offset)
+                         num_threads=num_threads, query_offset=query_offset,
+                         tree_mask=tree_mask)
 
     @accepts_arrays
     def step(self, q, k_new, v_new, *, batch_index=None, causal=True, scale=None,
              window=None, softcap=None, alibi_slopes=None, sinks=None, mask=None,
-             return_lse=False, out=None, num_threads=None, query_offset=None):
+             return_lse=False, out=None, num_threads=None, query_offset=None, tree_mask=None):
         """The decode step: :meth:`append` k_new, v_new, then :meth:`attend` q, in one call.
 
         With a prompt (t = Tq tokens) this is causal prefill; with one token, one decode
-        step. Everything is checked before the tokens are written.
+        step. With ``tree_mask`` the t = Tq new tokens are a token tree (speculative
+        verification; see :func:`attnfast.attention_with_kvcache`). Everything is checked
+        before the tokens are written.
         """
         if k_new is None or v_new is None:
             missing = " and ".join(n for n, a in (("k_new", k_new), ("v_new", v_new)) if a is None)
             raise ValueError(f"step needs both k_new and v_new; {missing} is None (use attend() "
                              "to attend without appending)")
         if (batch_index is None and softcap is None and alibi_slopes is None and sinks is None
-                and mask is None and return_lse is False and out is None):
+                and mask is None and return_lse is False and out is None and tree_mask is None):
             result = self._run_fast(q, k_new, v_new, causal, scale, window, num_threads,
                                     query_offset)
             if result is not None:
@@ -410,7 +441,8 @@ class KVCache:
         return self._run(q, k_new, v_new, batch_index=batch_index, causal=causal, scale=scale,
                          window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                          sinks=sinks, mask=mask, return_lse=return_lse, out=out,
-                         num_threads=num_threads, query_offset=query_offset)
+                         num_threads=num_threads, query_offset=query_offset,
+                         tree_mask=tree_mask)
 
     @accepts_arrays
     def truncate(self, n) -> None:
@@ -446,12 +478,13 @@ class KVCache:
             return result
 
     def _fast_key(self, q, k_new, v_new, *, batch_index, causal, scale, window, softcap,
-                  alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset):
+                  alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset,
+                  tree_mask):
         """The plan key of an attend/step call (see attnfast._checks.kvcache_key), or None
         when it takes an option only the full path handles."""
         if (batch_index is not None or softcap is not None or alibi_slopes is not None
                 or sinks is not None or mask is not None or return_lse is not False
-                or out is not None):
+                or out is not None or tree_mask is not None):
             return None
         return kvcache_key(q, self._k, self._v, "KVCache.lengths", k_new, v_new, causal, scale,
                            window)
@@ -499,7 +532,8 @@ class KVCache:
             return out
 
     def _run_locked(self, q, k_new, v_new, *, batch_index, causal, scale, window, softcap,
-                    alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset):
+                    alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset,
+                    tree_mask):
         return_lse = check_flag(return_lse, "return_lse")
         seqs = check_batch_index(batch_index, self.batch)
         check_leading_sequences(seqs, self.batch, q=q, k_new=k_new, v_new=v_new)
@@ -526,6 +560,7 @@ class KVCache:
         user_out = check_out(out, call.attn.out_shape(), call.attn.dtype,
                              [("q", call.attn.q), ("cache.k", self._k), ("cache.v", self._v),
                               ("k_new", call.k_new), ("v_new", call.v_new)])
+        tree = check_tree_mask(tree_mask, call)
         if call.new_tokens:
             _write_tokens(self._k, self._v, seqs, call.starts, call.k_new, call.v_new,
                           self._k_scale, self._v_scale)
@@ -536,7 +571,7 @@ class KVCache:
                       self._k_scale[cache_rows] if int8 else None,
                       self._v_scale[cache_rows] if int8 else None)
                      for rows, cache_rows in self._views(seqs)]
-            return run_kernels(call.attn, user_out, return_lse, parts)
+            return run_cache_kernels(call, user_out, return_lse, parts, tree)
         except BaseException:  # KeyboardInterrupt: the step did not happen
             self._lengths[seqs] = call.starts
             raise

@@ -13,7 +13,6 @@ import threading
 
 import numpy as np
 
-from ._api import run_kernels
 from ._checks import (
     check_flag,
     check_free_blocks,
@@ -22,9 +21,10 @@ from ._checks import (
     check_paged_kvcache_attention,
     check_paged_spec,
     check_seq_ids,
+    check_tree_mask,
 )
 from ._interop import accepts_arrays
-from ._kvcache import _write_paged_tokens
+from ._kvcache import _write_paged_tokens, run_cache_kernels
 
 __all__ = ["PagedKVCache"]
 
@@ -214,21 +214,24 @@ class PagedKVCache:
     @accepts_arrays
     def attend(self, seq_ids, q, *, causal=True, scale=None, window=None, softcap=None,
                alibi_slopes=None, sinks=None, mask=None, return_lse=False, out=None,
-               num_threads=None, query_offset=None):
+               num_threads=None, query_offset=None, tree_mask=None):
         """Attention of q (n, H, Tq, head_dim) over each sequence's tokens, all sequences in
         one kernel call. Causal by default, bottom-right aligned per sequence; options as in
         :func:`attnfast.attention_with_kvcache`. A mask's last axis spans the call's key
         positions: ``max_blocks * block_size``, max_blocks being the most blocks any of the
-        sequences holds. Returns out (n, H, Tq, v_head_dim), or (out, lse)."""
+        sequences holds. Sequences sharing leading full blocks (forks) read them once
+        (shared-prefix decoding; README). ``tree_mask`` (Tq x Tq bool): the last Tq tokens of
+        each sequence are a token tree, as in :func:`attnfast.attention_with_kvcache`.
+        Returns out (n, H, Tq, v_head_dim), or (out, lse)."""
         return self._run(seq_ids, q, None, None, causal=causal, scale=scale, window=window,
                          softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
                          return_lse=return_lse, out=out, num_threads=num_threads,
-                         query_offset=query_offset)
+                         query_offset=query_offset, tree_mask=tree_mask)
 
     @accepts_arrays
     def step(self, seq_ids, q, k_new, v_new, *, causal=True, scale=None, window=None,
              softcap=None, alibi_slopes=None, sinks=None, mask=None, return_lse=False,
-             out=None, num_threads=None, query_offset=None):
+             out=None, num_threads=None, query_offset=None, tree_mask=None):
         """The decode step: :meth:`append` k_new, v_new, then :meth:`attend` q, in one call
         (one kernel call for all the sequences). Everything, the free blocks included, is
         checked before anything is written."""
@@ -239,7 +242,7 @@ class PagedKVCache:
         return self._run(seq_ids, q, k_new, v_new, causal=causal, scale=scale, window=window,
                          softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
                          return_lse=return_lse, out=out, num_threads=num_threads,
-                         query_offset=query_offset)
+                         query_offset=query_offset, tree_mask=tree_mask)
 
     # ---- internals ----
     def _release(self, blk: int) -> None:
@@ -320,7 +323,7 @@ class PagedKVCache:
         with self._lock:
             return self._run_locked(seq_ids, q, k_new, v_new, **kwargs)
 
-    def _run_locked(self, seq_ids, q, k_new, v_new, *, return_lse, out, **options):
+    def _run_locked(self, seq_ids, q, k_new, v_new, *, return_lse, out, tree_mask, **options):
         return_lse = check_flag(return_lse, "return_lse")
         ids, single = check_seq_ids(seq_ids, self._seqs)
         squeeze = single and np.ndim(q) == 3  # one bare id, 3-D q: 3-D results
@@ -338,6 +341,7 @@ class PagedKVCache:
                              call.attn.out_shape(), call.attn.dtype,
                              [("q", call.attn.q), ("cache.k", self._k), ("cache.v", self._v),
                               ("k_new", call.k_new), ("v_new", call.v_new)])
+        tree = check_tree_mask(tree_mask, call)
         self._commit(ids, plan)  # the blocks of `table`, now taken
         if call.new_tokens:
             _write_paged_tokens(self._k, self._v, call.block_table, call.starts, call.k_new,
@@ -347,7 +351,7 @@ class PagedKVCache:
         try:
             parts = [(slice(None), self._k, self._v, call.seqlens_after, self._k_scale,
                       self._v_scale, call.block_table)]
-            result = run_kernels(call.attn, user_out, return_lse, parts)
+            result = run_cache_kernels(call, user_out, return_lse, parts, tree)
         except BaseException:  # KeyboardInterrupt: the tokens were not appended
             for s, n in zip(ids, call.starts.tolist()):
                 self._seqs[s].length = n
