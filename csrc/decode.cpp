@@ -87,9 +87,7 @@ void run_decode(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMerge
 void decode_forward(const AttentionParams& p) {
     const KernelTable& kernels = active_kernels();
     if (p.dtype == DType::kF64) run_decode<double>(p, kernels.decode_chunk_f64, kernels.decode_merge_f64);
-    else if (p.dtype == DType::kF32 && p.kv_dtype == DType::kF32 && !needs_templates(p, kernels.f32_sinks))
-        run_decode<float>(p, kernels.decode_chunk_f32, kernels.decode_merge_f32);
-    else run_decode<float>(p, kernels.decode_chunk_any, kernels.decode_merge_any);
+    else run_decode<float>(p, kernels.decode_chunk, kernels.decode_merge);
 }
 
 }  // namespace attnfast

@@ -191,23 +191,14 @@ void attention_forward(const AttentionParams& p) {
         return;
     }
     const KernelTable& kernels = active_kernels();
-    if (p.dtype == DType::kF32 && p.kv_dtype == DType::kF32 && !needs_templates(p, kernels.f32_sinks)) {
-        if (p.block_table) {  // see GatheredCache
-            const GatheredCache gathered(p);
-            run_blocks<float>(gathered.params, kernels.attend_block_f32, kernels.plan_f32(gathered.params));
-            return;
-        }
-        run_blocks<float>(p, kernels.attend_block_f32, kernels.plan_f32(p));
-    } else if (p.dtype != DType::kF64) {  // 16-bit, int8 or score options
-        if (p.block_table) {  // see GatheredCache
-            const GatheredCache gathered(p);
-            run_blocks<float>(gathered.params, kernels.attend_block_any, kernels.plan_any(gathered.params));
-            return;
-        }
-        run_blocks<float>(p, kernels.attend_block_any, kernels.plan_any(p));
-    } else {
+    if (p.dtype == DType::kF64) {
         const PrefillPlan plan{kBlockRows, block_workspace_elems(p)};
         run_blocks<double>(p, kernels.attend_block_f64, plan);
+    } else if (p.block_table) {  // see GatheredCache
+        const GatheredCache gathered(p);
+        run_blocks<float>(gathered.params, kernels.attend_block, kernels.plan_block(gathered.params));
+    } else {
+        run_blocks<float>(p, kernels.attend_block, kernels.plan_block(p));
     }
 }
 

@@ -184,7 +184,7 @@ inline bool covers(const AttentionParams& p) {
            p.head_dim_v % 32 == 0 && p.softcap == 0.0 && !p.alibi_slopes && !p.mask;
 }
 
-// KernelTable::decode_chunk_any of this tier.
+// KernelTable::decode_chunk of this tier.
 void decode_chunk(const AttentionParams& p, const DecodeTask& task, float* ws, float* acc,
                   float* m, float* l) {
     if (!covers(p)) return simd_decode::decode_chunk_converting(p, task, ws, acc, m, l);

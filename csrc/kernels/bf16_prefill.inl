@@ -254,7 +254,7 @@ inline bool covers(const AttentionParams& p) {
            p.softcap == 0.0 && !p.alibi_slopes && !p.mask;
 }
 
-// KernelTable::attend_block_any and plan_any of this tier: this kernel where it covers the
+// KernelTable::attend_block and plan_block of this tier: this kernel where it covers the
 // call, else the tier's widening path (ATTNFAST_BF16_FALLBACK_PREFILL / _PLAN).
 void attend_block_any(const AttentionParams& p, const BlockTask& task, float* workspace) {
     if (covers(p)) simd::run_task<Bf16Kernel>(p, task, workspace);

@@ -613,13 +613,7 @@ void chunk_for(const AttentionParams& p, const DecodeTask& task, float* workspac
     else chunk<WidenPath<0, TQ, T>>(p, task, workspace, acc, m, l);
 }
 
-void decode_chunk_f32(const AttentionParams& p, const DecodeTask& task, float* workspace,
-                      float* acc, float* m, float* l) {
-    if (!covers(p)) decode_chunk<float, float>(p, task, workspace, acc, m, l);
-    else chunk_for<float, float>(p, task, workspace, acc, m, l);
-}
-
-// Every float32-accumulated dtype combination (KernelTable::decode_chunk_any): this kernel
+// Every float32-accumulated dtype combination (KernelTable::decode_chunk): this kernel
 // where it covers the call, else the converting template.
 void decode_chunk_converting(const AttentionParams& p, const DecodeTask& task, float* ws,
                              float* acc, float* m, float* l) {
