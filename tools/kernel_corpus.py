@@ -204,15 +204,48 @@ def cases():
     return c
 
 
-def run_all(tiers):
+class _KernelTally:
+    """Counts, per tier, the kernel calls by (path, kernel) as the core's own planner names
+    them (attnfast.explain's), so a report shows every kernel the corpus reached. Absent
+    from builds without _ext.plan_attention: then nothing is counted."""
+
+    def __init__(self):
+        self.counts = {}
+        self.tier = None
+        self._run = _ext.run_attention
+
+    def __enter__(self):
+        if hasattr(_ext, "plan_attention"):
+            def run_attention(q, k, v, out, lse, *, interruptible=False, **kwargs):
+                plan = _ext.plan_attention(q, k, v, **kwargs)
+                key = (plan["path"], plan["kernel"], plan["kv_source"])
+                tally = self.counts.setdefault(self.tier, {})
+                tally[key] = tally.get(key, 0) + 1
+                return self._run(q, k, v, out, lse, interruptible=interruptible, **kwargs)
+            _ext.run_attention = run_attention
+        return self
+
+    def __exit__(self, *exc):
+        _ext.run_attention = self._run
+
+    def report(self, tier):
+        tally = self.counts.get(tier)
+        if tally:
+            print("             kernel calls: " + ", ".join(
+                f"{path} {kernel} {source} x{n}" for (path, kernel, source), n in sorted(tally.items())))
+
+
+def run_all(tiers, tally):
     """{f"{tier}|{case}|{i}": output bytes as uint8} for every tier and case."""
     result = {}
-    for tier in tiers:
-        _ext.force_isa(tier)  # (ValueError when this CPU cannot run it)
-        for name, run in cases():
-            for i, arr in enumerate(run()):
-                result[f"{tier}|{name}|{i}"] = np.frombuffer(
-                    np.ascontiguousarray(arr).tobytes(), np.uint8)
+    with tally:
+        for tier in tiers:
+            _ext.force_isa(tier)  # (ValueError when this CPU cannot run it)
+            tally.tier = tier
+            for name, run in cases():
+                for i, arr in enumerate(run()):
+                    result[f"{tier}|{name}|{i}"] = np.frombuffer(
+                        np.ascontiguousarray(arr).tobytes(), np.uint8)
     _ext.force_isa("")
     return result
 
@@ -227,11 +260,14 @@ def main(argv=None) -> int:
     tiers = (args.tiers.split(",") if args.tiers else _ext.runtime_info()["isa_available"])
     print(f"attnfast from {os.path.dirname(attnfast.__file__)}; tiers: {', '.join(tiers)}; "
           f"{len(cases())} cases per tier")
-    now = run_all(tiers)
+    tally = _KernelTally()
+    now = run_all(tiers, tally)
     if args.action == "record":
         os.makedirs(os.path.dirname(args.file) or ".", exist_ok=True)
         np.savez_compressed(args.file, **now)
         print(f"recorded {len(now)} outputs to {args.file}")
+        for tier in tiers:
+            tally.report(tier)
         return 0
     with np.load(args.file) as saved:
         before = {key: saved[key] for key in saved.files}
@@ -248,6 +284,7 @@ def main(argv=None) -> int:
               f"({len(keys)} arrays) bit-identical: {status}")
         for name in bad + missing:
             print(f"             differs: {name}")
+        tally.report(tier)
         failed += len(bad) + len(missing)
     return 1 if failed else 0
 

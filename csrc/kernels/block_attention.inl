@@ -402,6 +402,11 @@ void attend_block_f64(const AttentionParams& p, const BlockTask& t, double* ws) 
     return plan;
 }
 
+// The prefill of tiers without a hand-written one (KernelTable::prefill_kernel).
+[[maybe_unused]] PrefillKernel template_prefill(const AttentionParams&) {
+    return {"template_prefill", attend_block_any, plan_templates};
+}
+
 }  // namespace
 }  // namespace ATTNFAST_KERNEL_NS
 }  // namespace attnfast

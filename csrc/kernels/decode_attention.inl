@@ -498,6 +498,11 @@ void decode_chunk_any(const AttentionParams& p, const DecodeTask& t, float* ws, 
         else decode_chunk<float, int8_t, float>(p, t, ws, acc, m, l);
     }
 }
+// The decode of tiers without a hand-written one, and of the calls theirs does not cover
+// (KernelTable::decode_kernel).
+[[maybe_unused]] DecodeKernel template_decode(const AttentionParams&) {
+    return {"template_decode", decode_chunk_any};
+}
 void decode_merge_any(const AttentionParams& p, int64_t b, int64_t g, int64_t chunks,
                        const float* acc, const float* m, const float* l, float* ws) {
     if (p.dtype == DType::kBF16) decode_merge<bf16_t, float>(p, b, g, chunks, acc, m, l, ws);

@@ -8,9 +8,8 @@
 #include "decode_attention.inl"
 #include "simd_prefill.inl"
 #include "simd_decode.inl"
-#define ATTNFAST_PREFILL simd::attend_block  // every dtype and score option
-#define ATTNFAST_PREFILL_PLAN simd::plan_all_dtypes
-#define ATTNFAST_DECODE_CHUNK simd_decode::decode_chunk_converting
+#define ATTNFAST_PREFILL_KERNEL simd::prefill_kernel
+#define ATTNFAST_DECODE_KERNEL simd_decode::decode_kernel
 #define ATTNFAST_LOWP_INSTRUCTIONS \
     "bfloat16 (16-bit shift), float16 (F16C vcvtph2ps) and int8 (vpmovsxbd) widened to float32: in " \
     "registers as decode loads them, into a float32 copy of each K/V super-tile in prefill; float32 FMA"

@@ -11,8 +11,7 @@
 #include "decode_attention.inl"
 #if defined(__SSE2__)
 #include "simd_prefill.inl"
-#define ATTNFAST_PREFILL simd::attend_block  // every dtype and score option
-#define ATTNFAST_PREFILL_PLAN simd::plan_all_dtypes
+#define ATTNFAST_PREFILL_KERNEL simd::prefill_kernel
 #define ATTNFAST_LOWP_INSTRUCTIONS \
     "bfloat16 (16-bit shift), float16 (SSE2 integer rebias; no F16C) and int8 (SSE2 unpack) " \
     "widened to float32 into a float32 copy of each K/V super-tile in prefill; in plain C++ in " \

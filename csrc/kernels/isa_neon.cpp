@@ -14,8 +14,7 @@
 #include "block_attention.inl"
 #include "decode_attention.inl"
 #include "simd_prefill.inl"
-#define ATTNFAST_PREFILL simd::attend_block  // every dtype and score option
-#define ATTNFAST_PREFILL_PLAN simd::plan_all_dtypes
+#define ATTNFAST_PREFILL_KERNEL simd::prefill_kernel
 #define ATTNFAST_LOWP_INSTRUCTIONS \
     "bfloat16 (16-bit shift), float16 (NEON fcvtl) and int8 (NEON sxtl) widened to float32 into a " \
     "float32 copy of each K/V super-tile in prefill; in plain C++ in decode; float32 FMA"

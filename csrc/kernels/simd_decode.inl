@@ -613,11 +613,9 @@ void chunk_for(const AttentionParams& p, const DecodeTask& task, float* workspac
     else chunk<WidenPath<0, TQ, T>>(p, task, workspace, acc, m, l);
 }
 
-// Every float32-accumulated dtype combination (KernelTable::decode_chunk): this kernel
-// where it covers the call, else the converting template.
-void decode_chunk_converting(const AttentionParams& p, const DecodeTask& task, float* ws,
-                             float* acc, float* m, float* l) {
-    if (!covers(p)) return decode_chunk_any(p, task, ws, acc, m, l);
+// Every float32-accumulated dtype combination, for a call this kernel covers.
+void chunk_any(const AttentionParams& p, const DecodeTask& task, float* ws, float* acc,
+               float* m, float* l) {
     const DType q = p.dtype, kv = p.kv_dtype;
     if (kv == DType::kBF16) {
         if (q == DType::kBF16) chunk_for<bf16_t, bf16_t>(p, task, ws, acc, m, l);
@@ -632,6 +630,12 @@ void decode_chunk_converting(const AttentionParams& p, const DecodeTask& task, f
         else if (q == DType::kF16) chunk_for<f16_t, int8_t>(p, task, ws, acc, m, l);
         else chunk_for<float, int8_t>(p, task, ws, acc, m, l);
     }
+}
+
+// KernelTable::decode_kernel: this kernel where it covers the call, else the template.
+DecodeKernel decode_kernel(const AttentionParams& p) {
+    if (!covers(p)) return template_decode(p);
+    return {"simd_decode", chunk_any};
 }
 
 }  // namespace simd_decode

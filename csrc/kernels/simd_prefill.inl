@@ -1360,6 +1360,11 @@ void attend_block(const AttentionParams& p, const BlockTask& task, float* worksp
     }
 }
 
+// KernelTable::prefill_kernel: this kernel takes every call.
+PrefillKernel prefill_kernel(const AttentionParams&) {
+    return {"simd_prefill", attend_block, plan_all_dtypes};
+}
+
 }  // namespace simd
 }  // namespace
 }  // namespace ATTNFAST_KERNEL_NS
