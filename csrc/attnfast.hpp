@@ -102,6 +102,23 @@ AttentionParams default_params();
 // (the Python layer checks first, so this is a guard, not the user-facing check).
 void attention_forward(const AttentionParams& params);
 
+// What attention_forward would do for a params struct, computing nothing (attnfast.explain).
+struct CallPlan {
+    const char* tier;     // the kernel tier in use (isa_selected())
+    bool decode;          // the decode path (Tq <= kDecodeMaxQueryRows), else prefill
+    // The micro-kernel: "simd_prefill", "bf16_prefill", "simd_decode", "bf16_decode" (the
+    // hand-written ones), "template_prefill", "template_decode", or "template_f64" (float64).
+    const char* kernel;
+    bool paged;           // reads a paged KV cache (block_table)
+    int64_t chunk_keys;   // decode: keys per chunk of the split-KV (0 for prefill)
+    int64_t chunks;       // decode: most chunks any (batch entry, kv head) is split into
+    int64_t tasks;        // work items the threads share: query blocks, or decode chunks
+    int threads;          // threads the call runs on while no other call runs (0: no work)
+};
+// Checks `params` as attention_forward does (throws std::invalid_argument) and returns what
+// it would run, from the same code: the drivers' own kernel choice and work split.
+CallPlan plan_attention(const AttentionParams& params);
+
 // ---- interrupts (Ctrl-C) ----
 // Asks running interruptible calls to stop: they skip the work items not yet started and
 // return with out/lse unspecified. Lock-free: may be called from a signal handler.

@@ -22,18 +22,21 @@ template <class A>
 using DecodeMergeFn = void (*)(const AttentionParams&, int64_t, int64_t, int64_t, const A*,
                                const A*, const A*, A*);
 
-template <class A>
-void run_decode(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMergeFn<A> merge_fn) {
-    const int64_t rows = decode_rows(p);
-    const int64_t heads_kv = p.kv_heads;
-    if (p.batch == 0 || rows == 0) return;
-    const int64_t chunk = decode_chunk_keys(p);
-
-    // Tasks in slot order: batch, then kv head, then chunk. Only chunks holding keys some
-    // row may see are listed; a (batch, kv head) with none still gets its merge (zeros).
+// The tasks of a decode call in slot order (batch, then kv head, then chunk), and where each
+// batch entry's slots start and how many chunks each of its kv heads has. Only chunks
+// holding keys some row may see are listed; a (batch, kv head) with none still gets its
+// merge (zeros).
+struct DecodeSplit {
+    int64_t chunk_keys;
     std::vector<DecodeTask> tasks;
-    std::vector<int64_t> slot_base(static_cast<size_t>(p.batch));
-    std::vector<int64_t> chunk_count(static_cast<size_t>(p.batch));
+    std::vector<int64_t> slot_base, chunk_count;  // per batch entry
+};
+
+DecodeSplit split_decode(const AttentionParams& p) {
+    DecodeSplit split;
+    const int64_t chunk = split.chunk_keys = decode_chunk_keys(p);
+    split.slot_base.resize(static_cast<size_t>(p.batch));
+    split.chunk_count.resize(static_cast<size_t>(p.batch));
     for (int64_t b = 0; b < p.batch; ++b) {
         const int64_t seqlen_k = batch_seqlen_k(p, b);
         // Visible ranges only move right as rows go down: the union is first.begin..last.end.
@@ -41,9 +44,9 @@ void run_decode(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMerge
         const int64_t end = visible_keys(p, p.seqlen_q - 1, seqlen_k).end;
         const int64_t c_first = begin / chunk;
         const int64_t c_end = end > begin ? (end + chunk - 1) / chunk : c_first;
-        slot_base[b] = static_cast<int64_t>(tasks.size());
-        chunk_count[b] = c_end - c_first;
-        for (int64_t g = 0; g < heads_kv; ++g)
+        split.slot_base[b] = static_cast<int64_t>(split.tasks.size());
+        split.chunk_count[b] = c_end - c_first;
+        for (int64_t g = 0; g < p.kv_heads; ++g)
             for (int64_t c = c_first; c < c_end; ++c) {
                 DecodeTask t;
                 t.batch = b;
@@ -51,12 +54,29 @@ void run_decode(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMerge
                 t.key_begin = c * chunk > begin ? c * chunk : begin;
                 t.key_end = (c + 1) * chunk < end ? (c + 1) * chunk : end;
                 t.seqlen_k = seqlen_k;
-                tasks.push_back(t);
+                split.tasks.push_back(t);
             }
     }
+    return split;
+}
+
+// Work items of the larger pass: chunks, or merges (one per (batch, kv head)).
+int64_t decode_work(const AttentionParams& p, const DecodeSplit& split) {
+    const int64_t slots = static_cast<int64_t>(split.tasks.size());
+    const int64_t merges = p.batch * p.kv_heads;
+    return slots > merges ? slots : merges;
+}
+
+template <class A>
+void run_decode(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMergeFn<A> merge_fn) {
+    const int64_t rows = decode_rows(p);
+    const int64_t heads_kv = p.kv_heads;
+    if (p.batch == 0 || rows == 0) return;
+    const DecodeSplit split = split_decode(p);
+    const std::vector<DecodeTask>& tasks = split.tasks;
     const int64_t slots = static_cast<int64_t>(tasks.size());
     const int64_t merges = p.batch * heads_kv;
-    const int64_t most = slots > merges ? slots : merges;
+    const int64_t most = decode_work(p, split);
     const int threads = p.num_threads < most ? p.num_threads : static_cast<int>(most);
 
     // Partial results, one slot per task: unnormalised accumulator (rows x Dv), max, sum.
@@ -75,21 +95,43 @@ void run_decode(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMerge
     });
     parallel::for_each_dynamic(merges, threads, p.interruptible, [&](int64_t index, int thread_id) {
         const int64_t b = index / heads_kv, g = index % heads_kv;
-        const int64_t base = slot_base[b] + g * chunk_count[b];
-        merge_fn(p, b, g, chunk_count[b], acc.get() + base * rows * p.head_dim_v,
+        const int64_t base = split.slot_base[b] + g * split.chunk_count[b];
+        merge_fn(p, b, g, split.chunk_count[b], acc.get() + base * rows * p.head_dim_v,
                  row_max + base * rows, row_sum + base * rows,
                  workspace.get() + ws_elems * thread_id);
     });
+}
+
+// The decode chunk kernel of a call: float64 the template's; else the tier's choice.
+DecodeKernel choose_decode(const KernelTable& kernels, const AttentionParams& p) {
+    if (p.dtype == DType::kF64) return {"template_f64", nullptr};
+    return kernels.decode_kernel(p);
 }
 
 }  // namespace
 
 void decode_forward(const AttentionParams& p) {
     const KernelTable& kernels = active_kernels();
-    if (p.dtype == DType::kF64) run_decode<double>(p, kernels.decode_chunk_f64, kernels.decode_merge_f64);
-    else if (p.dtype == DType::kF32 && p.kv_dtype == DType::kF32 && !needs_templates(p, kernels.f32_sinks))
-        run_decode<float>(p, kernels.decode_chunk_f32, kernels.decode_merge_f32);
-    else run_decode<float>(p, kernels.decode_chunk_any, kernels.decode_merge_any);
+    const DecodeKernel kernel = choose_decode(kernels, p);
+    if (kernel.chunk) run_decode<float>(p, kernel.chunk, kernels.decode_merge);
+    else run_decode<double>(p, kernels.decode_chunk_f64, kernels.decode_merge_f64);
+}
+
+CallPlan plan_decode(const AttentionParams& p) {
+    const KernelTable& kernels = active_kernels();
+    CallPlan plan{};
+    plan.tier = kernels.name;
+    plan.decode = true;
+    plan.kernel = choose_decode(kernels, p).name;
+    plan.paged = p.block_table != nullptr;
+    plan.chunk_keys = decode_chunk_keys(p);
+    if (p.batch == 0 || decode_rows(p) == 0) return plan;  // (run_decode does nothing)
+    const DecodeSplit split = split_decode(p);
+    for (int64_t b = 0; b < p.batch; ++b)
+        if (split.chunk_count[b] > plan.chunks) plan.chunks = split.chunk_count[b];
+    plan.tasks = static_cast<int64_t>(split.tasks.size());
+    plan.threads = parallel::threads_alone(decode_work(p, split), p.num_threads);
+    return plan;
 }
 
 }  // namespace attnfast

@@ -76,6 +76,17 @@ private:
     int granted_ = 1;
 };
 
+// Threads for_each_dynamic(count, wanted, ...) runs on while no other region runs.
+inline int threads_alone(int64_t count, int wanted) {
+    if (count <= 0) return 0;
+    int threads = wanted < count ? wanted : static_cast<int>(count);
+#ifdef _OPENMP
+    if (omp_in_parallel()) return 1;
+#endif
+    if (threads > processors()) threads = processors();
+    return threads < 1 ? 1 : threads;
+}
+
 // Runs body(index, thread_id) for index in [0, count) on up to `threads` threads, handing
 // out indices one at a time in increasing order (so callers put the costliest work first).
 // thread_id < min(threads, count). Which thread runs an index never changes a result, so

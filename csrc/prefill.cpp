@@ -33,6 +33,8 @@ void require(bool ok, const char* what) {
     if (!ok) throw std::invalid_argument(std::string("attnfast::attention_forward: ") + what);
 }
 
+}  // namespace
+
 void check_params(const AttentionParams& p) {
     require(p.batch >= 0 && p.heads >= 0 && p.seqlen_q >= 0 && p.seqlen_k >= 0, "negative size");
     require(p.head_dim >= 1 && p.head_dim_v >= 1, "head_dim and head_dim_v must be >= 1");
@@ -72,6 +74,14 @@ void check_params(const AttentionParams& p) {
     }
 }
 
+namespace {
+
+// The tasks of a prefill: (batch, group of heads_per_task heads, block of block_rows rows).
+int64_t prefill_tasks(const AttentionParams& p, const PrefillPlan& plan) {
+    const int64_t blocks_per_head = (p.seqlen_q + plan.block_rows - 1) / plan.block_rows;
+    return p.batch * (p.heads / plan.heads_per_task) * blocks_per_head;
+}
+
 template <class A>
 void run_blocks(const AttentionParams& p,
                 void (*attend)(const AttentionParams&, const BlockTask&, A*), const PrefillPlan& plan) {
@@ -79,7 +89,7 @@ void run_blocks(const AttentionParams& p,
     const int64_t heads_per_task = plan.heads_per_task;
     const int64_t blocks_per_head = (p.seqlen_q + block_rows - 1) / block_rows;
     const int64_t head_groups = p.batch * (p.heads / heads_per_task);
-    const int64_t tasks = head_groups * blocks_per_head;
+    const int64_t tasks = prefill_tasks(p, plan);
     if (tasks == 0) return;
     const int threads = p.num_threads < tasks ? p.num_threads : static_cast<int>(tasks);
 
@@ -122,15 +132,40 @@ void run_blocks(const AttentionParams& p,
 // for the hand-written prefill kernels (simd_prefill.inl, bf16_prefill.inl),
 // which read one strided run of rows: they then compute exactly the bits of a contiguous cache.
 // Costs one copy of the keys the batch reads (O(Tk * D), small next to the O(Tq * Tk * D)
-// prefill); the templates read the pool through the table instead.
+// prefill). Every float32-accumulated prefill reads one (gathers); float64 reads the pool
+// through the table.
+bool gathers(const AttentionParams& p) { return p.block_table && p.dtype != DType::kF64; }
+
+// `p` over its gathered copy (GatheredCache), without the copy's pointers: as long as its
+// longest batch entry, rows packed.
+AttentionParams gathered_layout(const AttentionParams& p) {
+    int64_t keys = 0;
+    for (int64_t b = 0; b < p.batch; ++b) keys = batch_seqlen_k(p, b) > keys ? batch_seqlen_k(p, b) : keys;
+    AttentionParams g = p;
+    g.block_table = nullptr;
+    g.seqlen_k = keys;
+    g.k_row_stride = p.head_dim;
+    g.k_head_stride = keys * p.head_dim;
+    g.k_batch_stride = p.kv_heads * keys * p.head_dim;
+    g.v_row_stride = p.head_dim_v;
+    g.v_head_stride = keys * p.head_dim_v;
+    g.v_batch_stride = p.kv_heads * keys * p.head_dim_v;
+    if (p.k_scale) {
+        g.k_scale_row_stride = g.v_scale_row_stride = 1;
+        g.k_scale_head_stride = g.v_scale_head_stride = keys;
+        g.k_scale_batch_stride = g.v_scale_batch_stride = p.kv_heads * keys;
+    }
+    return g;
+}
+
+// The gathered copy itself, and `params` over it.
 struct GatheredCache {
     std::unique_ptr<char[]> k, v;
     std::unique_ptr<float[]> k_scale, v_scale;  // int8 caches: their row scales, gathered too
     AttentionParams params;
 
-    explicit GatheredCache(const AttentionParams& p) : params(p) {
-        int64_t keys = 0;  // the longest batch entry: the gathered arrays' length
-        for (int64_t b = 0; b < p.batch; ++b) keys = batch_seqlen_k(p, b) > keys ? batch_seqlen_k(p, b) : keys;
+    explicit GatheredCache(const AttentionParams& p) : params(gathered_layout(p)) {
+        const int64_t keys = params.seqlen_k;
         const int64_t elem = kv_element_bytes(p);
         const int64_t rows = p.batch * p.kv_heads * keys;
         k.reset(new char[static_cast<size_t>(rows * p.head_dim * elem > 0 ? rows * p.head_dim * elem : 1)]);
@@ -162,53 +197,70 @@ struct GatheredCache {
                 }
             }
         });
-        params.block_table = nullptr;
         params.k = k.get();
         params.v = v.get();
-        params.seqlen_k = keys;
-        params.k_row_stride = p.head_dim;
-        params.k_head_stride = keys * p.head_dim;
-        params.k_batch_stride = p.kv_heads * keys * p.head_dim;
-        params.v_row_stride = p.head_dim_v;
-        params.v_head_stride = keys * p.head_dim_v;
-        params.v_batch_stride = p.kv_heads * keys * p.head_dim_v;
         if (p.k_scale) {
             params.k_scale = k_scale.get();
             params.v_scale = v_scale.get();
-            params.k_scale_row_stride = params.v_scale_row_stride = 1;
-            params.k_scale_head_stride = params.v_scale_head_stride = keys;
-            params.k_scale_batch_stride = params.v_scale_batch_stride = p.kv_heads * keys;
         }
     }
 };
+
+// The prefill kernel of a call, given the params it reads (gathered, if gathers()), and its
+// plan. attention_forward runs it; plan_prefill describes it.
+struct PrefillChoice {
+    const char* name;
+    void (*attend_f32)(const AttentionParams&, const BlockTask&, float*);  // or, for float64:
+    void (*attend_f64)(const AttentionParams&, const BlockTask&, double*);
+    PrefillPlan plan;
+};
+
+PrefillChoice choose_prefill(const KernelTable& kernels, const AttentionParams& p) {
+    if (p.dtype == DType::kF64)
+        return {"template_f64", nullptr, kernels.attend_block_f64, {kBlockRows, block_workspace_elems(p)}};
+    const PrefillKernel kernel = kernels.prefill_kernel(p);
+    return {kernel.name, kernel.attend_block, nullptr, kernel.plan(p)};
+}
+
+void run_prefill(const AttentionParams& p, const PrefillChoice& choice) {
+    if (choice.attend_f64) run_blocks<double>(p, choice.attend_f64, choice.plan);
+    else run_blocks<float>(p, choice.attend_f32, choice.plan);
+}
 
 }  // namespace
 
 void attention_forward(const AttentionParams& p) {
     check_params(p);
-    if (p.seqlen_q <= kDecodeMaxQueryRows) {
+    if (takes_decode_path(p)) {
         decode_forward(p);
         return;
     }
     const KernelTable& kernels = active_kernels();
-    if (p.dtype == DType::kF32 && p.kv_dtype == DType::kF32 && !needs_templates(p, kernels.f32_sinks)) {
-        if (p.block_table) {  // see GatheredCache
-            const GatheredCache gathered(p);
-            run_blocks<float>(gathered.params, kernels.attend_block_f32, kernels.plan_f32(gathered.params));
-            return;
-        }
-        run_blocks<float>(p, kernels.attend_block_f32, kernels.plan_f32(p));
-    } else if (p.dtype != DType::kF64) {  // 16-bit, int8 or score options
-        if (p.block_table) {  // see GatheredCache
-            const GatheredCache gathered(p);
-            run_blocks<float>(gathered.params, kernels.attend_block_any, kernels.plan_any(gathered.params));
-            return;
-        }
-        run_blocks<float>(p, kernels.attend_block_any, kernels.plan_any(p));
+    if (gathers(p)) {
+        const GatheredCache gathered(p);
+        run_prefill(gathered.params, choose_prefill(kernels, gathered.params));
     } else {
-        const PrefillPlan plan{kBlockRows, block_workspace_elems(p)};
-        run_blocks<double>(p, kernels.attend_block_f64, plan);
+        run_prefill(p, choose_prefill(kernels, p));
     }
+}
+
+CallPlan plan_prefill(const AttentionParams& p) {
+    const KernelTable& kernels = active_kernels();
+    const AttentionParams read = gathers(p) ? gathered_layout(p) : p;
+    const PrefillChoice choice = choose_prefill(kernels, read);
+    CallPlan plan{};
+    plan.tier = kernels.name;
+    plan.decode = false;
+    plan.kernel = choice.name;
+    plan.paged = p.block_table != nullptr;
+    plan.tasks = prefill_tasks(read, choice.plan);
+    plan.threads = parallel::threads_alone(plan.tasks, p.num_threads);
+    return plan;
+}
+
+CallPlan plan_attention(const AttentionParams& p) {
+    check_params(p);
+    return takes_decode_path(p) ? plan_decode(p) : plan_prefill(p);
 }
 
 void request_interrupt() noexcept { parallel::interrupt_flag().store(1); }

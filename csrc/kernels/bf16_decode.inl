@@ -184,13 +184,19 @@ inline bool covers(const AttentionParams& p) {
            p.head_dim_v % 32 == 0 && p.softcap == 0.0 && !p.alibi_slopes && !p.mask;
 }
 
-// KernelTable::decode_chunk_any of this tier.
-void decode_chunk(const AttentionParams& p, const DecodeTask& task, float* ws, float* acc,
-                  float* m, float* l) {
-    if (!covers(p)) return simd_decode::decode_chunk_converting(p, task, ws, acc, m, l);
+// One chunk, for a call covers() takes.
+void chunk(const AttentionParams& p, const DecodeTask& task, float* ws, float* acc, float* m,
+           float* l) {
     if (p.head_dim == 128) simd_decode::chunk<Bf16Path<4>>(p, task, ws, acc, m, l);
     else if (p.head_dim == 64) simd_decode::chunk<Bf16Path<2>>(p, task, ws, acc, m, l);
     else simd_decode::chunk<Bf16Path<0>>(p, task, ws, acc, m, l);
+}
+
+// KernelTable::decode_kernel of this tier: this kernel where it covers the call, else the
+// widening one's choice.
+DecodeKernel decode_kernel(const AttentionParams& p) {
+    if (!covers(p)) return simd_decode::decode_kernel(p);
+    return {"bf16_decode", chunk};
 }
 
 }  // namespace bf16_decode

@@ -15,8 +15,8 @@
 //                    are packed once per tile into pairs (v[j][e], v[j+1][e]):
 //                    acc[e][v] += pt2[j/2][v] . vpair[j/2][e].
 // An odd D and the score options softcap / ALiBi / mask take the tier's widening kernel
-// (simd_prefill.inl); sinks are applied by the shared finish. A paged pool arrives gathered
-// (prefill.cpp's GatheredCache).
+// (simd_prefill.inl: see prefill_kernel); sinks are applied by the shared finish. A paged
+// pool arrives gathered (prefill.cpp's GatheredCache).
 #if !defined(__AVX512BF16__)
 #error "bf16_prefill.inl needs AVX512_BF16"
 #endif
@@ -254,14 +254,15 @@ inline bool covers(const AttentionParams& p) {
            p.softcap == 0.0 && !p.alibi_slopes && !p.mask;
 }
 
-// KernelTable::attend_block_any and plan_any of this tier: this kernel where it covers the
-// call, else the tier's widening path (ATTNFAST_BF16_FALLBACK_PREFILL / _PLAN).
-void attend_block_any(const AttentionParams& p, const BlockTask& task, float* workspace) {
-    if (covers(p)) simd::run_task<Bf16Kernel>(p, task, workspace);
-    else ATTNFAST_BF16_FALLBACK_PREFILL(p, task, workspace);
+void attend_block(const AttentionParams& p, const BlockTask& task, float* workspace) {
+    simd::run_task<Bf16Kernel>(p, task, workspace);
 }
-PrefillPlan plan_any(const AttentionParams& p) {
-    return covers(p) ? plan(p) : ATTNFAST_BF16_FALLBACK_PLAN(p);
+
+// KernelTable::prefill_kernel of this tier: this kernel where it covers the call, else the
+// widening one (simd_prefill.inl).
+PrefillKernel prefill_kernel(const AttentionParams& p) {
+    if (!covers(p)) return simd::prefill_kernel(p);
+    return {"bf16_prefill", attend_block, plan};
 }
 
 }  // namespace bf16_prefill

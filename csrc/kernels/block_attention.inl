@@ -372,16 +372,12 @@ void attend_block(const AttentionParams& p, const BlockTask& task, A* workspace)
     }
 }
 
-[[maybe_unused]] void attend_block_f32(const AttentionParams& p, const BlockTask& t, float* ws) {
-    attend_block<float, float, float>(p, t, ws);
-}
 void attend_block_f64(const AttentionParams& p, const BlockTask& t, double* ws) {
     attend_block<double, double, double>(p, t, ws);
 }
-// Every float32-accumulated combination (checked by attention_forward): 16-bit q/k/v,
-// float32 q over a 16-bit cache, float32 / 16-bit q over an int8 cache, and float32 with
-// score options.
-void attend_block_any(const AttentionParams& p, const BlockTask& t, float* ws) {
+// Every float32-accumulated combination (checked by attention_forward): float32, 16-bit
+// q/k/v, float32 q over a 16-bit cache, float32 / 16-bit q over an int8 cache.
+[[maybe_unused]] void attend_block_any(const AttentionParams& p, const BlockTask& t, float* ws) {
     const DType q = p.dtype, kv = p.kv_dtype;
     if (kv == DType::kBF16) {
         if (q == DType::kBF16) attend_block<bf16_t, bf16_t, float>(p, t, ws);
@@ -389,7 +385,7 @@ void attend_block_any(const AttentionParams& p, const BlockTask& t, float* ws) {
     } else if (kv == DType::kF16) {
         if (q == DType::kF16) attend_block<f16_t, f16_t, float>(p, t, ws);
         else attend_block<float, f16_t, float>(p, t, ws);
-    } else if (kv == DType::kF32) {  // float32 with score options
+    } else if (kv == DType::kF32) {
         attend_block<float, float, float>(p, t, ws);
     } else {  // kI8
         if (q == DType::kBF16) attend_block<bf16_t, int8_t, float>(p, t, ws);
@@ -398,13 +394,17 @@ void attend_block_any(const AttentionParams& p, const BlockTask& t, float* ws) {
     }
 }
 
-// The plan of these templates: attend_block_any's on every tier that has no kernel of its
-// own for the call, and the float32 one of tiers without a SIMD float32 kernel.
+// attend_block_any's plan (the prefill of tiers without a hand-written one).
 [[maybe_unused]] PrefillPlan plan_templates(const AttentionParams& p) {
     PrefillPlan plan;
     plan.block_rows = kBlockRows;
     plan.workspace_elems = block_workspace_elems(p);
     return plan;
+}
+
+// The prefill of tiers without a hand-written one (KernelTable::prefill_kernel).
+[[maybe_unused]] PrefillKernel template_prefill(const AttentionParams&) {
+    return {"template_prefill", attend_block_any, plan_templates};
 }
 
 }  // namespace

@@ -476,10 +476,6 @@ void decode_merge(const AttentionParams& p, int64_t batch, int64_t kv_head, int6
     }
 }
 
-void decode_chunk_f32(const AttentionParams& p, const DecodeTask& t, float* ws, float* acc,
-                      float* m, float* l) {
-    decode_chunk<float, float, float>(p, t, ws, acc, m, l);
-}
 void decode_chunk_f64(const AttentionParams& p, const DecodeTask& t, double* ws, double* acc,
                       double* m, double* l) {
     decode_chunk<double, double, double>(p, t, ws, acc, m, l);
@@ -494,7 +490,7 @@ void decode_chunk_any(const AttentionParams& p, const DecodeTask& t, float* ws, 
     } else if (kv == DType::kF16) {
         if (q == DType::kF16) decode_chunk<f16_t, f16_t, float>(p, t, ws, acc, m, l);
         else decode_chunk<float, f16_t, float>(p, t, ws, acc, m, l);
-    } else if (kv == DType::kF32) {  // float32 with score options
+    } else if (kv == DType::kF32) {
         decode_chunk<float, float, float>(p, t, ws, acc, m, l);
     } else {  // kI8
         if (q == DType::kBF16) decode_chunk<bf16_t, int8_t, float>(p, t, ws, acc, m, l);
@@ -502,15 +498,16 @@ void decode_chunk_any(const AttentionParams& p, const DecodeTask& t, float* ws, 
         else decode_chunk<float, int8_t, float>(p, t, ws, acc, m, l);
     }
 }
+// The decode of tiers without a hand-written one, and of the calls theirs does not cover
+// (KernelTable::decode_kernel).
+[[maybe_unused]] DecodeKernel template_decode(const AttentionParams&) {
+    return {"template_decode", decode_chunk_any};
+}
 void decode_merge_any(const AttentionParams& p, int64_t b, int64_t g, int64_t chunks,
                        const float* acc, const float* m, const float* l, float* ws) {
     if (p.dtype == DType::kBF16) decode_merge<bf16_t, float>(p, b, g, chunks, acc, m, l, ws);
     else if (p.dtype == DType::kF16) decode_merge<f16_t, float>(p, b, g, chunks, acc, m, l, ws);
     else decode_merge<float, float>(p, b, g, chunks, acc, m, l, ws);
-}
-void decode_merge_f32(const AttentionParams& p, int64_t b, int64_t g, int64_t chunks,
-                      const float* acc, const float* m, const float* l, float* ws) {
-    decode_merge<float, float>(p, b, g, chunks, acc, m, l, ws);
 }
 void decode_merge_f64(const AttentionParams& p, int64_t b, int64_t g, int64_t chunks,
                       const double* acc, const double* m, const double* l, double* ws) {

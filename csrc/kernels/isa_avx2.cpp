@@ -8,13 +8,8 @@
 #include "decode_attention.inl"
 #include "simd_prefill.inl"
 #include "simd_decode.inl"
-#define ATTNFAST_PREFILL_F32 simd::attend_block
-#define ATTNFAST_PREFILL_PLAN_F32 simd::plan_all_dtypes
-#define ATTNFAST_DECODE_CHUNK_F32 simd_decode::decode_chunk_f32
-#define ATTNFAST_DECODE_CHUNK_ANY simd_decode::decode_chunk_converting  // 16-bit and int8 K/V
-#define ATTNFAST_F32_SINKS true  // simd_prefill.inl finish_sub_block; decode merges in the template
-#define ATTNFAST_PREFILL_ANY simd::attend_block  // 16-bit / int8 and every score option
-#define ATTNFAST_PREFILL_PLAN_ANY simd::plan_all_dtypes
+#define ATTNFAST_PREFILL_KERNEL simd::prefill_kernel
+#define ATTNFAST_DECODE_KERNEL simd_decode::decode_kernel
 #define ATTNFAST_LOWP_INSTRUCTIONS \
     "bfloat16 (16-bit shift), float16 (F16C vcvtph2ps) and int8 (vpmovsxbd) widened to float32: in " \
     "registers as decode loads them, into a float32 copy of each K/V super-tile in prefill; float32 FMA"

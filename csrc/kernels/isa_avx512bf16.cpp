@@ -11,16 +11,9 @@
 #include "simd_prefill.inl"
 #include "simd_decode.inl"
 #include "bf16_decode.inl"
-#define ATTNFAST_BF16_FALLBACK_PREFILL simd::attend_block  // every other dtype and option
-#define ATTNFAST_BF16_FALLBACK_PLAN simd::plan_all_dtypes
 #include "bf16_prefill.inl"
-#define ATTNFAST_PREFILL_ANY bf16_prefill::attend_block_any  // vdpbf16ps for bfloat16 q, k, v
-#define ATTNFAST_PREFILL_PLAN_ANY bf16_prefill::plan_any
-#define ATTNFAST_PREFILL_F32 simd::attend_block
-#define ATTNFAST_PREFILL_PLAN_F32 simd::plan_all_dtypes
-#define ATTNFAST_DECODE_CHUNK_F32 simd_decode::decode_chunk_f32
-#define ATTNFAST_DECODE_CHUNK_ANY bf16_decode::decode_chunk  // vdpbf16ps for bfloat16 q and K/V
-#define ATTNFAST_F32_SINKS true  // simd_prefill.inl finish_sub_block; decode merges in the template
+#define ATTNFAST_PREFILL_KERNEL bf16_prefill::prefill_kernel  // vdpbf16ps for bfloat16 q, k, v
+#define ATTNFAST_DECODE_KERNEL bf16_decode::decode_kernel    // vdpbf16ps for bfloat16 q and K/V
 #define ATTNFAST_LOWP_INSTRUCTIONS \
     "bfloat16 q with bfloat16 K/V: vdpbf16ps (prefill and decode); other 16-bit and int8 values " \
     "widened to float32 as in avx512 (F16C vcvtph2ps, vpmovsxbd); float32 FMA"

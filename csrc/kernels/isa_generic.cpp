@@ -11,16 +11,12 @@
 #include "decode_attention.inl"
 #if defined(__SSE2__)
 #include "simd_prefill.inl"
-#define ATTNFAST_PREFILL_F32 simd::attend_block
-#define ATTNFAST_PREFILL_PLAN_F32 simd::plan_all_dtypes
-#define ATTNFAST_PREFILL_ANY simd::attend_block  // 16-bit / int8 and every score option
-#define ATTNFAST_PREFILL_PLAN_ANY simd::plan_all_dtypes
+#define ATTNFAST_PREFILL_KERNEL simd::prefill_kernel
 #define ATTNFAST_LOWP_INSTRUCTIONS \
     "bfloat16 (16-bit shift), float16 (SSE2 integer rebias; no F16C) and int8 (SSE2 unpack) " \
     "widened to float32 into a float32 copy of each K/V super-tile in prefill; in plain C++ in " \
     "decode; float32 multiply then add (no FMA)"
 #endif
-#define ATTNFAST_F32_SINKS true  // simd_prefill.inl finish_sub_block / the templates themselves
 #include "export_table.inl"
 
 const attnfast::KernelTable* attnfast::kernel_table_generic() { return &isa_generic::kTable; }

@@ -47,6 +47,9 @@ const CacheSizes& cache_sizes();
 // Queries of at most this many rows take the decode path: bandwidth-bound, all H/Hkv query
 // heads of one KV head together, KV split into fixed chunks merged by (out, lse).
 constexpr int64_t kDecodeMaxQueryRows = 16;
+static inline bool takes_decode_path(const AttentionParams& p) {
+    return p.seqlen_q <= kDecodeMaxQueryRows;
+}
 // Query rows (heads x positions) one pass over a block of keys serves; more rows re-read
 // the block from cache (L2), not from memory.
 constexpr int64_t kDecodeGroupRows = 32;
@@ -127,56 +130,60 @@ static inline int64_t decode_workspace_elems(const AttentionParams& p) {
     return task > merge ? task : merge;
 }
 
-// How a tier splits a float32 prefill: query rows and heads per BlockTask, and scratch
-// floats per thread. A function of the problem's shape and the cache sizes, never of the
-// thread count (so every thread count computes the same bits).
+// How a tier splits a float32-accumulated prefill (PrefillKernel::plan): query rows and heads
+// per BlockTask, and scratch floats per thread. A function of the problem's shape and the
+// cache sizes, never of the thread count (so every thread count computes the same bits).
 struct PrefillPlan {
     int64_t block_rows;
     int64_t workspace_elems;
     int64_t heads_per_task = 1;  // divides heads / kv_heads
 };
 
+// The float32-accumulated prefill kernel that runs a call, as KernelTable::prefill_kernel
+// picks it: its name (attnfast.explain reports it), its task entry point and its plan.
+struct PrefillKernel {
+    const char* name;  // "simd_prefill", "bf16_prefill" or "template_prefill"
+    // Attend one block of query rows over all the keys it may see; writes its out/lse rows.
+    void (*attend_block)(const AttentionParams&, const BlockTask&, float* workspace);
+    PrefillPlan (*plan)(const AttentionParams&);  // its block rows and workspace
+};
+
+// Likewise the float32-accumulated decode chunk kernel (KernelTable::decode_kernel).
+struct DecodeKernel {
+    const char* name;  // "simd_decode", "bf16_decode" or "template_decode"
+    // Decode, step 1: one chunk for all rows of a (batch, kv head). Writes the chunk's
+    // unnormalised accumulator acc (rows x Dv), row max m and row sum l (rows each);
+    // a row that sees no key of the chunk gets m = -inf, l = 0, acc = 0.
+    void (*chunk)(const AttentionParams&, const DecodeTask&, float* workspace, float* acc,
+                  float* m, float* l);
+};
+
 struct KernelTable {
     const char* name;
     // What the 16-bit and int8 paths of this tier run on, for show_config().
     const char* lowp_instructions;
-    // Whether attend_block_f32 and decode_chunk_f32 take sinks (the other score options
-    // go to the *_any entries).
-    bool f32_sinks;
-    // Attend one block of query rows over all the keys it may see; writes its out/lse rows.
-    void (*attend_block_f32)(const AttentionParams&, const BlockTask&, float* workspace);
+    // The prefill kernel for a call accumulating in float32: every dtype combination but
+    // float64 (float32; float16 / bfloat16 q, k, v; float32 q over a 16-bit or int8 cache;
+    // 16-bit q over an int8 cache) and every score option (softcap, ALiBi, mask, sinks). The
+    // tier's hand-written kernel where it covers the call (widening as it loads; vdpbf16ps on
+    // avx512bf16), else the converting templates. The drivers call it once per call, and
+    // plan_attention (attnfast.explain) calls the same function, so the two cannot disagree.
+    PrefillKernel (*prefill_kernel)(const AttentionParams&);
+    // float64 prefill (the templates; always kBlockRows and block_workspace_elems).
     void (*attend_block_f64)(const AttentionParams&, const BlockTask&, double* workspace);
-    // Block rows and workspace for attend_block_f32 (attend_block_f64 always uses
-    // kBlockRows and block_workspace_elems).
-    PrefillPlan (*plan_f32)(const AttentionParams&);
-    // Decode, step 1: one chunk for all rows of a (batch, kv head). Writes the chunk's
-    // unnormalised accumulator acc (rows x Dv), row max m and row sum l (rows each);
-    // a row that sees no key of the chunk gets m = -inf, l = 0, acc = 0.
-    void (*decode_chunk_f32)(const AttentionParams&, const DecodeTask&, float* workspace,
-                             float* acc, float* m, float* l);
+    // The decode chunk kernel for a call accumulating in float32, chosen as prefill_kernel.
+    DecodeKernel (*decode_kernel)(const AttentionParams&);
     void (*decode_chunk_f64)(const AttentionParams&, const DecodeTask&, double* workspace,
                              double* acc, double* m, double* l);
     // Decode, step 2: merge the `chunks` partial results of a (batch, kv head), laid out one
-    // after the other as written by step 1, in chunk order; writes its out and lse rows.
-    void (*decode_merge_f32)(const AttentionParams&, int64_t batch, int64_t kv_head,
-                             int64_t chunks, const float* acc, const float* m,
-                             const float* l, float* workspace);
+    // after the other as written by step 1, in chunk order; applies sinks; writes its out
+    // and lse rows.
+    void (*decode_merge)(const AttentionParams&, int64_t batch, int64_t kv_head,
+                         int64_t chunks, const float* acc, const float* m,
+                         const float* l, float* workspace);
     void (*decode_merge_f64)(const AttentionParams&, int64_t batch, int64_t kv_head,
                              int64_t chunks, const double* acc, const double* m,
                              const double* l, double* workspace);
-    // Every dtype combination but float64 (float16 / bfloat16 q, k, v; float32 q over a
-    // 16-bit or int8 cache; 16-bit q over an int8 cache; float32) and every score option
-    // (softcap, ALiBi, mask, sinks), all accumulating in float32: the same contracts as the
-    // float32 entries, dispatching on p.dtype and p.kv_dtype. The tier's hand-written
-    // kernels where it has them (widening as they load; vdpbf16ps on avx512bf16), else the
-    // converting templates.
-    void (*attend_block_any)(const AttentionParams&, const BlockTask&, float* workspace);
-    PrefillPlan (*plan_any)(const AttentionParams&);  // its block rows and workspace
-    void (*decode_chunk_any)(const AttentionParams&, const DecodeTask&, float* workspace,
-                              float* acc, float* m, float* l);
-    void (*decode_merge_any)(const AttentionParams&, int64_t batch, int64_t kv_head,
-                              int64_t chunks, const float* acc, const float* m,
-                              const float* l, float* workspace);
     // The benchmarks' read kernel (read_fold.inl): XOR of the whole 8-byte words of
     // data[0, bytes), with this tier's loads.
     uint64_t (*read_fold)(const void* data, int64_t bytes);
@@ -194,13 +201,6 @@ const KernelTable& active_kernels();
 // The best tier this CPU runs, whatever ATTNFAST_ISA or isa_force chose: a machine limit
 // (read_probe) must not depend on the tier under test.
 const KernelTable& best_kernels();
-
-// Whether a float32 call needs the *_any entries: softcap, ALiBi and masks are not in the
-// float32 entries; sinks are where the tier says so (KernelTable::f32_sinks: they touch only
-// the prefill's finish and the shared decode merge).
-static inline bool needs_templates(const AttentionParams& p, bool f32_kernels_take_sinks) {
-    return p.softcap != 0.0 || p.alibi_slopes || p.mask || (p.sinks && !f32_kernels_take_sinks);
-}
 
 // Key position of query row `row`, i' (see AttentionParams::has_query_offset).
 static inline int64_t aligned_row(const AttentionParams& p, int64_t row, int64_t seqlen_k) {

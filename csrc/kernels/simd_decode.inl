@@ -1,11 +1,11 @@
 // Hand-written decode kernel for the x86 SIMD tiers (AVX-512: W = 16 lanes; AVX2+FMA: W = 8),
 // float32 arithmetic over K/V stored as float32, bfloat16, float16 or int8 (one float32
 // scale per row), q as float32 or 16 bits. Included by kernels/isa_avx512.cpp,
-// isa_avx512bf16.cpp and isa_avx2.cpp after decode_attention.inl and simd_prefill.inl (whose
-// exp2_neg it uses),
-// inside their ATTNFAST_KERNEL_NS. Shapes it does not cover (D or Dv not a multiple of W)
-// and the generic tier keep the shared template decode_chunk<TQ, TKV, float>; the score
-// options softcap / ALiBi / mask are applied to each row's block of scores (RowScoreOptions).
+// isa_avx512bf16.cpp and isa_avx2.cpp after decode_attention.inl (its template is the
+// fallback); exp2_neg, tanh_vec and a few operations come from the SIMD layer (csrc/simd/).
+// Shapes it does not cover (D or Dv not a multiple of W) and the generic tier keep the
+// shared template decode_chunk<TQ, TKV, float>; the score options softcap / ALiBi / mask are
+// applied to each row's block of scores (RowScoreOptions).
 //
 // 16-bit and int8 K/V are widened to float32 in registers as each vector is loaded (F16C's
 // vcvtph2ps, a 16-bit shift for bfloat16, vpmovsxbd + vcvtdq2ps for int8), never copied into
@@ -36,6 +36,7 @@
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
+#include "../simd/simd.hpp"
 
 namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {
@@ -613,17 +614,9 @@ void chunk_for(const AttentionParams& p, const DecodeTask& task, float* workspac
     else chunk<WidenPath<0, TQ, T>>(p, task, workspace, acc, m, l);
 }
 
-void decode_chunk_f32(const AttentionParams& p, const DecodeTask& task, float* workspace,
-                      float* acc, float* m, float* l) {
-    if (!covers(p)) decode_chunk<float, float>(p, task, workspace, acc, m, l);
-    else chunk_for<float, float>(p, task, workspace, acc, m, l);
-}
-
-// Every float32-accumulated dtype combination (KernelTable::decode_chunk_any): this kernel
-// where it covers the call, else the converting template.
-void decode_chunk_converting(const AttentionParams& p, const DecodeTask& task, float* ws,
-                             float* acc, float* m, float* l) {
-    if (!covers(p)) return decode_chunk_any(p, task, ws, acc, m, l);
+// Every float32-accumulated dtype combination, for a call this kernel covers.
+void chunk_any(const AttentionParams& p, const DecodeTask& task, float* ws, float* acc,
+               float* m, float* l) {
     const DType q = p.dtype, kv = p.kv_dtype;
     if (kv == DType::kBF16) {
         if (q == DType::kBF16) chunk_for<bf16_t, bf16_t>(p, task, ws, acc, m, l);
@@ -638,6 +631,12 @@ void decode_chunk_converting(const AttentionParams& p, const DecodeTask& task, f
         else if (q == DType::kF16) chunk_for<f16_t, int8_t>(p, task, ws, acc, m, l);
         else chunk_for<float, int8_t>(p, task, ws, acc, m, l);
     }
+}
+
+// KernelTable::decode_kernel: this kernel where it covers the call, else the template.
+DecodeKernel decode_kernel(const AttentionParams& p) {
+    if (!covers(p)) return template_decode(p);
+    return {"simd_decode", chunk_any};
 }
 
 }  // namespace simd_decode

@@ -1,8 +1,9 @@
 // Hand-written float32 prefill kernel for the SIMD tiers: on x86 AVX-512, AVX2+FMA, and SSE2
 // (the generic tier on x86-64: 4 lanes, 16 xmm registers, no FMA); on AArch64 Advanced SIMD
-// (the neon tier: 4 lanes, 32 vector registers, FMA). One branch of the vector layer (and of
-// the few ISA-specific helpers: exp2_neg, widening / narrowing, transposes, mask tiles) per
-// ISA; everything else is shared.
+// (the neon tier: 4 lanes, 32 vector registers, FMA). Written on the SIMD layer (csrc/simd/:
+// Vec, vfma, exp2_neg, ...); one branch per ISA of the micro-tile shape and of the few
+// ISA-specific helpers left here (widening / narrowing, transposes, mask tiles); everything
+// else is shared.
 // Included by kernels/isa_avx512.cpp, isa_avx2.cpp, (x86-64 only) isa_generic.cpp and
 // isa_neon.cpp after block_attention.inl, inside their ATTNFAST_KERNEL_NS; the intrinsics
 // below compile only under those files' flags (the generic tier's: the x86-64 baseline, SSE2
@@ -26,16 +27,6 @@
 // cache sizes), never on the thread count.
 //
 // No std:: templates here (see block_attention.inl).
-#if defined(__aarch64__)
-#include <arm_neon.h>
-#elif defined(__SSE2__)
-#include <immintrin.h>
-#else
-#error "simd_prefill.inl needs SSE2 (x86-64) or AArch64 NEON"
-#endif
-#if defined(__AVX2__) && !defined(__FMA__)
-#error "simd_prefill.inl's AVX2 branch needs -mfma too"
-#endif
 
 // GCC 12 warns about the deliberately undefined pass-through operand inside
 // _mm512_max_ps (_mm512_undefined_ps); a false positive.
@@ -43,17 +34,18 @@
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
+#include "../simd/simd.hpp"
 
 namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {
 namespace {
 namespace simd {
 
-// ---------------------------------------------------------------- vector layer
-#if defined(__aarch64__)  // Advanced SIMD: 4 lanes, 32 registers, FMA
-using Vec = float32x4_t;
-using Mask = uint32x4_t;  // all-ones / all-zeros lanes
-constexpr int W = 4;
+// ---------------------------------------------------------------- micro-tile shape
+// The vector layer (Vec, W, vload, vfma, exp2_neg, ...) is csrc/simd/; per ISA, the query
+// vectors per block (Bq = kQueryVecs * W rows) and the keys or output columns per
+// micro-tile (kRows):
+#if defined(__aarch64__)
 // 20 accumulators of 32 registers. S: + the kRows K vectors of four d (vfmaq_laneq_f32 takes
 // each key value from a lane: no broadcast) + the Q vectors in flight; PV: + kQueryVecs P
 // vectors + one ld1r broadcast of a V value. Not timed (no arm64 hardware here): chosen by
@@ -70,94 +62,10 @@ constexpr int W = 4;
 #endif
 constexpr int kQueryVecs = ATTNFAST_NEON_QUERY_VECS;  // Bq = 16 rows
 constexpr int kRows = ATTNFAST_NEON_ROWS;
-
-inline Vec vzero() { return vdupq_n_f32(0.0f); }
-inline Vec vset(float x) { return vdupq_n_f32(x); }
-inline Vec vload(const float* p) { return vld1q_f32(p); }
-inline void vstore(float* p, Vec x) { vst1q_f32(p, x); }
-inline Vec vbcast(const float* p) { return vld1q_dup_f32(p); }  // ld1r
-inline Vec vfma(Vec a, Vec b, Vec c) { return vfmaq_f32(c, a, b); }
-inline Vec vadd(Vec a, Vec b) { return vaddq_f32(a, b); }
-inline Vec vsub(Vec a, Vec b) { return vsubq_f32(a, b); }
-inline Vec vmul(Vec a, Vec b) { return vmulq_f32(a, b); }
-// FMAX: NaN in either operand gives NaN (x86's max returns the second operand then); either
-// way a NaN score makes every probability of its row NaN.
-inline Vec vmax(Vec a, Vec b) { return vmaxq_f32(a, b); }
-inline Vec select(Mask m, Vec yes, Vec no) { return vbslq_f32(m, yes, no); }
-inline Mask key_visible(const int32_t* begin, const int32_t* end, int32_t key) {
-    const int32x4_t kv = vdupq_n_s32(key);
-    return vandq_u32(vcleq_s32(vld1q_s32(begin), kv), vcltq_s32(kv, vld1q_s32(end)));
-}
-inline Vec keep_or_neg_inf(Mask keep, Vec x) { return vbslq_f32(keep, x, vset(-__builtin_inff())); }
-inline Vec finite_or_zero(Vec m) { return vbslq_f32(vceqq_f32(m, vset(-__builtin_inff())), vzero(), m); }
-inline bool all_ones(Vec x) { return vminvq_u32(vceqq_f32(x, vset(1.0f))) == 0xFFFFFFFFu; }  // NaN: not
-inline Vec neg_inf_to_nan(Vec x) {
-    return vbslq_f32(vceqq_f32(x, vset(-__builtin_inff())), vset(__builtin_nanf("")), x);
-}
-inline Vec vdiv(Vec a, Vec b) { return vdivq_f32(a, b); }
-inline Vec vfnma(Vec a, Vec b, Vec c) { return vfmsq_f32(c, a, b); }  // c - a * b
-inline Vec vabs(Vec x) { return vabsq_f32(x); }
-inline Vec vcopysign(Vec mag, Vec sgn) { return vbslq_f32(vdupq_n_u32(0x80000000u), sgn, mag); }
-inline Mask less_than(Vec a, float x) { return vcltq_f32(a, vset(x)); }
-inline bool all_lanes(Mask m) { return vminvq_u32(m) == 0xFFFFFFFFu; }
-inline Vec keep_unless_sign(Vec x, Vec drop) {
-    return vbslq_f32(vreinterpretq_u32_s32(vshrq_n_s32(vreinterpretq_s32_f32(drop), 31)), drop, x);
-}
 #elif defined(__AVX512F__)
-using Vec = __m512;
-using Mask = __mmask16;
-constexpr int W = 16;           // float lanes
 constexpr int kQueryVecs = 2;   // query vectors per block: Bq = 32 rows
 constexpr int kRows = 12;       // keys (S) or output columns (PV) per micro-tile: 24 accumulators
-
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vset(float x) { return _mm512_set1_ps(x); }
-inline Vec vload(const float* p) { return _mm512_load_ps(p); }
-inline void vstore(float* p, Vec x) { _mm512_store_ps(p, x); }
-inline Vec vbcast(const float* p) { return _mm512_set1_ps(*p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
-inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
-// Lanes whose [begin, end) key range (relative to the tile) contains `key`.
-inline Mask key_visible(const int32_t* begin, const int32_t* end, int32_t key) {
-    const __m512i kv = _mm512_set1_epi32(key);
-    return _mm512_cmp_epi32_mask(_mm512_load_si512(begin), kv, _MM_CMPINT_LE) &
-           _mm512_cmp_epi32_mask(kv, _mm512_load_si512(end), _MM_CMPINT_LT);
-}
-inline Vec keep_or_neg_inf(Mask keep, Vec x) {
-    return _mm512_mask_blend_ps(keep, vset(-__builtin_inff()), x);
-}
-// m == -inf ? 0 : m. The shift for a lane that has seen no key yet, so exp2(-inf - shift) = 0.
-inline Vec finite_or_zero(Vec m) {
-    const Mask ninf = _mm512_cmp_ps_mask(m, vset(-__builtin_inff()), _CMP_EQ_OQ);
-    return _mm512_mask_blend_ps(ninf, m, vzero());
-}
-inline bool all_ones(Vec x) { return _mm512_cmp_ps_mask(x, vset(1.0f), _CMP_NEQ_UQ) == 0; }
-// A raw score of -inf (an infinite input) -> NaN, so the row's out and lse say so.
-inline Vec neg_inf_to_nan(Vec x) {
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, vset(-__builtin_inff()), _CMP_EQ_OQ), x,
-                                vset(__builtin_nanf("")));
-}
-inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
-inline Vec vfnma(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
-inline Vec vabs(Vec x) { return _mm512_abs_ps(x); }
-inline Vec vcopysign(Vec mag, Vec sgn) {  // mag >= 0 (or NaN) with the sign bit of sgn
-    return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(mag), _mm512_castps_si512(sgn),
-                                                         _mm512_set1_epi32(INT32_MIN), 0xF8));  // a | (b & c)
-}
-inline Mask less_than(Vec a, float x) { return _mm512_cmp_ps_mask(a, vset(x), _CMP_LT_OQ); }
-inline bool all_lanes(Mask m) { return m == Mask(0xFFFF); }
-inline Vec select(Mask m, Vec yes, Vec no) { return _mm512_mask_blend_ps(m, no, yes); }
-// x where the sign bit of `drop` is clear, else drop (a mask tile's 0 / -inf entries).
-inline Vec keep_unless_sign(Vec x, Vec drop) {
-    return _mm512_mask_blend_ps(_mm512_movepi32_mask(_mm512_castps_si512(drop)), x, drop);
-}
-#elif defined(__AVX2__)  // AVX2 + FMA
-using Vec = __m256;
-using Mask = __m256;
-constexpr int W = 8;
+#elif defined(__AVX2__)
 // 12 accumulators + 4 query vectors = 16 ymm registers (the key / V value is broadcast
 // from memory as an FMA operand). Measured on a Sapphire Rapids core held to AVX2 against
 // the AVX-512 tier's shape 2 x 6 (Bq = 16): +10-50% (per-round medians, noisy shared
@@ -165,44 +73,7 @@ constexpr int W = 8;
 // FMAs instead of 2.
 constexpr int kQueryVecs = 4;   // Bq = 32 rows
 constexpr int kRows = 3;
-
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vset(float x) { return _mm256_set1_ps(x); }
-inline Vec vload(const float* p) { return _mm256_load_ps(p); }
-inline void vstore(float* p, Vec x) { _mm256_store_ps(p, x); }
-inline Vec vbcast(const float* p) { return _mm256_broadcast_ss(p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
-inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
-inline Mask key_visible(const int32_t* begin, const int32_t* end, int32_t key) {
-    const __m256i kv = _mm256_set1_epi32(key);
-    const __m256i b = _mm256_load_si256(reinterpret_cast<const __m256i*>(begin));
-    const __m256i e = _mm256_load_si256(reinterpret_cast<const __m256i*>(end));
-    // begin <= key && key < end  <=>  !(begin > key) && (end > key)
-    return _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(b, kv), _mm256_cmpgt_epi32(e, kv)));
-}
-inline Vec keep_or_neg_inf(Mask keep, Vec x) { return _mm256_blendv_ps(vset(-__builtin_inff()), x, keep); }
-inline Vec finite_or_zero(Vec m) {
-    return _mm256_andnot_ps(_mm256_cmp_ps(m, vset(-__builtin_inff()), _CMP_EQ_OQ), m);
-}
-inline bool all_ones(Vec x) { return _mm256_movemask_ps(_mm256_cmp_ps(x, vset(1.0f), _CMP_NEQ_UQ)) == 0; }
-inline Vec neg_inf_to_nan(Vec x) {
-    return _mm256_blendv_ps(x, vset(__builtin_nanf("")), _mm256_cmp_ps(x, vset(-__builtin_inff()), _CMP_EQ_OQ));
-}
-inline Vec vdiv(Vec a, Vec b) { return _mm256_div_ps(a, b); }
-inline Vec vfnma(Vec a, Vec b, Vec c) { return _mm256_fnmadd_ps(a, b, c); }
-inline Vec vabs(Vec x) { return _mm256_andnot_ps(vset(-0.0f), x); }
-inline Vec vcopysign(Vec mag, Vec sgn) { return _mm256_or_ps(mag, _mm256_and_ps(sgn, vset(-0.0f))); }
-inline Mask less_than(Vec a, float x) { return _mm256_cmp_ps(a, vset(x), _CMP_LT_OQ); }
-inline bool all_lanes(Mask m) { return _mm256_movemask_ps(m) == 0xFF; }
-inline Vec select(Mask m, Vec yes, Vec no) { return _mm256_blendv_ps(no, yes, m); }
-inline Vec keep_unless_sign(Vec x, Vec drop) { return _mm256_blendv_ps(x, drop, drop); }
-#else  // SSE2 only (the generic tier on x86-64): no blendv, no round, no FMA
-using Vec = __m128;
-using Mask = __m128;  // all-ones / all-zeros lanes
-constexpr int W = 4;
+#else  // SSE2
 // 12 accumulators; without FMA each product needs a temporary (two-operand SSE), and the
 // broadcast K / V value a register, so of the 4 query vectors GCC keeps 2 in registers and
 // reads 2 as memory operands (loads are not the limit: the FP pipes are, with one shuffle
@@ -217,122 +88,9 @@ constexpr int W = 4;
 #endif
 constexpr int kQueryVecs = ATTNFAST_SSE2_QUERY_VECS;  // Bq = 16 rows
 constexpr int kRows = ATTNFAST_SSE2_ROWS;
-
-inline Vec vzero() { return _mm_setzero_ps(); }
-inline Vec vset(float x) { return _mm_set1_ps(x); }
-inline Vec vload(const float* p) { return _mm_load_ps(p); }
-inline void vstore(float* p, Vec x) { _mm_store_ps(p, x); }
-inline Vec vbcast(const float* p) { return _mm_load1_ps(p); }  // movss + shufps
-// No FMA on this tier: a multiply, then an add (two roundings; the float32 tolerances of the
-// tests hold either way). Two-operand SSE needs a copy of one factor per product; register
-// moves are free on current x86 cores (eliminated at rename), but it is one more register.
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm_add_ps(_mm_mul_ps(a, b), c); }
-inline Vec vadd(Vec a, Vec b) { return _mm_add_ps(a, b); }
-inline Vec vsub(Vec a, Vec b) { return _mm_sub_ps(a, b); }
-inline Vec vmul(Vec a, Vec b) { return _mm_mul_ps(a, b); }
-inline Vec vmax(Vec a, Vec b) { return _mm_max_ps(a, b); }
-inline Vec select(Mask m, Vec yes, Vec no) { return _mm_or_ps(_mm_and_ps(m, yes), _mm_andnot_ps(m, no)); }
-inline Mask key_visible(const int32_t* begin, const int32_t* end, int32_t key) {
-    const __m128i kv = _mm_set1_epi32(key);
-    const __m128i b = _mm_load_si128(reinterpret_cast<const __m128i*>(begin));
-    const __m128i e = _mm_load_si128(reinterpret_cast<const __m128i*>(end));
-    return _mm_castsi128_ps(_mm_andnot_si128(_mm_cmpgt_epi32(b, kv), _mm_cmpgt_epi32(e, kv)));
-}
-inline Vec keep_or_neg_inf(Mask keep, Vec x) { return select(keep, x, vset(-__builtin_inff())); }
-inline Vec finite_or_zero(Vec m) { return _mm_andnot_ps(_mm_cmpeq_ps(m, vset(-__builtin_inff())), m); }
-inline bool all_ones(Vec x) { return _mm_movemask_ps(_mm_cmpneq_ps(x, vset(1.0f))) == 0; }  // NaN: not
-inline Vec neg_inf_to_nan(Vec x) {  // -inf | quiet-NaN bits is a NaN; other lanes OR in 0
-    return _mm_or_ps(x, _mm_and_ps(_mm_cmpeq_ps(x, vset(-__builtin_inff())), vset(__builtin_nanf(""))));
-}
-inline Vec vdiv(Vec a, Vec b) { return _mm_div_ps(a, b); }
-inline Vec vfnma(Vec a, Vec b, Vec c) { return _mm_sub_ps(c, _mm_mul_ps(a, b)); }
-inline Vec vabs(Vec x) { return _mm_andnot_ps(vset(-0.0f), x); }
-inline Vec vcopysign(Vec mag, Vec sgn) { return _mm_or_ps(mag, _mm_and_ps(sgn, vset(-0.0f))); }
-inline Mask less_than(Vec a, float x) { return _mm_cmplt_ps(a, vset(x)); }
-inline bool all_lanes(Mask m) { return _mm_movemask_ps(m) == 0xF; }
-inline Vec keep_unless_sign(Vec x, Vec drop) {
-    return select(_mm_castsi128_ps(_mm_srai_epi32(_mm_castps_si128(drop), 31)), drop, x);
-}
 #endif
 
 constexpr int64_t Bq = kQueryVecs * W;
-
-// 2^x for x <= 0, as 2^n * p(r), n = round(x), r = x - n in [-1/2, 1/2] (exact), p a degree-6
-// minimax polynomial for 2^r (relative error 1.9e-9; <= 0.94 ulp after float32 Horner
-// rounding). x < -126 (including -inf) gives exactly 0: underflow is flushed, never denormal.
-// NaN stays NaN.
-inline Vec exp2_neg(Vec x) {
-    constexpr float c1 = 6.931471825e-01f, c2 = 2.402264625e-01f, c3 = 5.550328642e-02f,
-                    c4 = 9.618489072e-03f, c5 = 1.339993090e-03f, c6 = 1.534581243e-04f;
-#if defined(__AVX512F__)
-    const Mask keep = _mm512_cmp_ps_mask(x, vset(-126.0f), _CMP_NLT_UQ);
-    const Vec n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const Vec r = vsub(x, n);
-#elif defined(__AVX2__)
-    const Vec keep = _mm256_cmp_ps(x, vset(-126.0f), _CMP_NLT_UQ);
-    const Vec xc = _mm256_max_ps(vset(-127.0f), x);  // keeps 2^n's exponent field >= 0; NaN passes
-    const Vec n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const Vec r = vsub(xc, n);
-#elif defined(__aarch64__)
-    const Mask keep = vmvnq_u32(vcltq_f32(x, vset(-126.0f)));  // (NaN: not less, so kept)
-    const Vec xc = vmaxq_f32(vset(-127.0f), x);  // FMAX: NaN stays NaN
-    // Round to nearest even into an integer: exact for xc in [-127, 0]; NaN gives 0 (and p,
-    // hence the result, is NaN then anyway).
-    const int32x4_t ni = vcvtnq_s32_f32(xc);
-    const Vec r = vsub(xc, vcvtq_f32_s32(ni));
-#else
-    const Vec keep = _mm_cmpnlt_ps(x, vset(-126.0f));  // (unordered: true, so NaN is kept)
-    const Vec xc = _mm_max_ps(vset(-127.0f), x);         // maxps returns x when x is NaN
-    // cvtps2dq rounds to nearest even in the default MXCSR mode (no roundps before SSE4.1);
-    // xc is in [-127, 0] here, so it never overflows; NaN gives INT_MIN and r stays NaN.
-    const __m128i ni = _mm_cvtps_epi32(xc);
-    const Vec r = vsub(xc, _mm_cvtepi32_ps(ni));
-#endif
-    Vec p = vfma(vset(c6), r, vset(c5));
-    p = vfma(p, r, vset(c4));
-    p = vfma(p, r, vset(c3));
-    p = vfma(p, r, vset(c2));
-    p = vfma(p, r, vset(c1));
-    p = vfma(p, r, vset(1.0f));
-#if defined(__AVX512F__)
-    return _mm512_maskz_scalef_ps(keep, p, n);
-#elif defined(__AVX2__)
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(keep, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
-#elif defined(__aarch64__)
-    const int32x4_t bits = vshlq_n_s32(vaddq_s32(ni, vdupq_n_s32(127)), 23);
-    return vreinterpretq_f32_u32(vandq_u32(keep, vreinterpretq_u32_f32(vmulq_f32(p, vreinterpretq_f32_s32(bits)))));
-#else
-    const __m128i bits = _mm_slli_epi32(_mm_add_epi32(ni, _mm_set1_epi32(127)), 23);
-    return _mm_and_ps(keep, _mm_mul_ps(p, _mm_castsi128_ps(bits)));
-#endif
-}
-
-// tanh, <= 1.58 ulp against the float64 tanh over every float32 input (checked
-// exhaustively on both tiers when written; tests/test_options.py samples it through lse).
-// |x| < 0.875: x + x^3 P(x^2), P a degree-5 minimax fit of the relative error (1.1e-8);
-// otherwise 1 - 2e / (1 + e) with e = exp(-2|x|) from exp2_neg (no cancellation: the
-// quotient is < 0.28 there). Past |x| = 9 the result rounds to exactly +-1; NaN stays NaN. Only a vector with some lane past 0.875 pays for the exponential and the
-// division (softcapped scores are mostly well inside it).
-inline Vec tanh_vec(Vec x) {
-    constexpr float t1 = -3.333324194e-01f, t2 = 1.333097517e-01f, t3 = -5.376160145e-02f,
-                    t4 = 2.101710252e-02f, t5 = -7.003248669e-03f, t6 = 1.370988553e-03f;
-    const Vec a = vabs(x);
-    const Vec u = vmul(a, a);
-    Vec p = vfma(vset(t6), u, vset(t5));
-    p = vfma(p, u, vset(t4));
-    p = vfma(p, u, vset(t3));
-    p = vfma(p, u, vset(t2));
-    p = vfma(p, u, vset(t1));
-    Vec r = vfma(vmul(a, u), p, a);
-    const Mask small = less_than(a, 0.875f);
-    if (!all_lanes(small)) {
-        const Vec e = exp2_neg(vmul(a, vset(-2.0f * 1.4426950408889634f)));
-        const Vec big = vsub(vset(1.0f), vdiv(vadd(e, e), vadd(vset(1.0f), e)));
-        r = select(small, r, big);
-    }
-    return vcopysign(r, x);
-}
 
 // ---------------------------------------------------------------- block state
 // The score options of a task (AttentionParams order), in the kernel's base-2 units: the
@@ -1358,6 +1116,11 @@ void attend_block(const AttentionParams& p, const BlockTask& task, float* worksp
         else if (q == DType::kF16) run_task<WidenKernel<f16_t, int8_t>>(p, task, workspace);
         else run_task<WidenKernel<float, int8_t>>(p, task, workspace);
     }
+}
+
+// KernelTable::prefill_kernel: this kernel takes every call.
+PrefillKernel prefill_kernel(const AttentionParams&) {
+    return {"simd_prefill", attend_block, plan_all_dtypes};
 }
 
 }  // namespace simd

@@ -11,6 +11,7 @@ from ._api import attention, attention_weights, merge_attention_states
 from ._varlen import attention_varlen
 from ._kvcache import KVCache, attention_with_kvcache
 from ._paged import PagedKVCache
+from ._explain import explain
 
 _check_forced_isa()
 del _check_forced_isa
@@ -23,6 +24,7 @@ __all__ = [
     "KVCache",
     "attention_with_kvcache",
     "PagedKVCache",
+    "explain",
     "get_num_threads",
     "set_num_threads",
     "show_config",

@@ -275,3 +275,13 @@ class PagedKVCache:
 def get_num_threads() -> int: ...
 def set_num_threads(n: int | None) -> None: ...
 def show_config() -> dict[str, Any]: ...
+
+def explain(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+            cache_seqlens: int | ArrayLike | None = None, k_new: ArrayLike | None = None,
+            v_new: ArrayLike | None = None, k_scale: NDArray[np.float32] | None = None,
+            v_scale: NDArray[np.float32] | None = None, block_table: ArrayLike | None = None,
+            causal: bool | None = None, scale: float | None = None, window: _Window = None,
+            softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+            sinks: ArrayLike | None = None, mask: ArrayLike | None = None,
+            return_lse: bool = False, out: NDArray[Any] | None = None,
+            num_threads: int | None = None, query_offset: int | None = None) -> dict[str, Any]: ...

@@ -150,22 +150,29 @@ def run_kernels(call, user_out, return_lse, parts=None):
     # or a handler of the caller's own must not cut a computation short.
     interruptible = kernels_interruptible()
     for part in parts or [(slice(None), call.k, call.v, None)]:
-        rows, k, v, seqlens = part[:4]
-        k_scale, v_scale = part[4:6] if len(part) > 4 else (None, None)
-        block_table = part[6] if len(part) > 6 else None
-        options = call.options.rows(rows)
-        _ext.run_attention(
-            call.q[rows], kernel_ready(k), kernel_ready(v), result4[rows],
-            None if lse3 is None else lse3[rows],
-            causal=call.causal, scale=call.scale, window_left=call.window[0],
-            window_right=call.window[1], num_threads=call.num_threads,
-            seqlens_k=None if seqlens is None else np.ascontiguousarray(seqlens, dtype=np.int64),
-            interruptible=interruptible, k_scale=k_scale, v_scale=v_scale,
-            query_offset=call.query_offset, softcap=options.softcap, alibi=options.alibi,
-            sinks=options.sinks, mask=options.mask, block_table=block_table)
+        args, kwargs = kernel_call(call, part)
+        rows = part[0]
+        _ext.run_attention(*args, result4[rows], None if lse3 is None else lse3[rows],
+                           interruptible=interruptible, **kwargs)
     if result4 is not target4:
         np.copyto(target4, result4)
     return (target, lse) if return_lse else target
+
+
+def kernel_call(call, part):
+    """The arguments of _ext.run_attention (and of _ext.plan_attention) for one part of a
+    checked call (see run_kernels), but out, lse and interruptible: ((q, k, v), keywords)."""
+    rows, k, v, seqlens = part[:4]
+    k_scale, v_scale = part[4:6] if len(part) > 4 else (None, None)
+    block_table = part[6] if len(part) > 6 else None
+    options = call.options.rows(rows)
+    return (call.q[rows], kernel_ready(k), kernel_ready(v)), dict(
+        causal=call.causal, scale=call.scale, window_left=call.window[0],
+        window_right=call.window[1], num_threads=call.num_threads,
+        seqlens_k=None if seqlens is None else np.ascontiguousarray(seqlens, dtype=np.int64),
+        k_scale=k_scale, v_scale=v_scale, query_offset=call.query_offset,
+        softcap=options.softcap, alibi=options.alibi, sinks=options.sinks, mask=options.mask,
+        block_table=block_table)
 
 
 def kernels_interruptible() -> bool:

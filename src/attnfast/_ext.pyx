@@ -68,6 +68,16 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
     cbool take_interrupt() noexcept nogil
     int processor_count() noexcept nogil
     void attention_forward(const AttentionParams&) except + nogil
+    cdef struct CallPlan:
+        const char* tier
+        cbool decode
+        const char* kernel
+        cbool paged
+        int64_t chunk_keys
+        int64_t chunks
+        int64_t tasks
+        int threads
+    CallPlan plan_attention_core "attnfast::plan_attention"(const AttentionParams&) except + nogil
     cbool openmp_enabled() noexcept nogil
     int openmp_max_threads() noexcept nogil
     const char* openmp_runtime_name() noexcept nogil
@@ -149,33 +159,12 @@ cdef DType _dtype_code(cnp.ndarray a) except *:
     raise TypeError(f"attnfast._ext: unsupported dtype {a.dtype}")
 
 
-def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
-                      lse, *, bint causal, double scale, int64_t window_left,
-                      int64_t window_right, int num_threads, seqlens_k=None,
-                      bint interruptible=False, k_scale=None, v_scale=None,
-                      query_offset=None, double softcap=0.0, alibi=None, sinks=None,
-                      mask=None, block_table=None):
-    """Run the streaming attention kernel; q, k, v, out are 4-D, lse 3-D or None.
-
-    softcap (0 = off), alibi (float32 (B, H), heads contiguous), sinks (float32 (H,),
-    contiguous), mask (4-D (B, H, Tq, Tk) bool / float32 / float64 view, any strides):
-    the score options, checked by attnfast._checks.ScoreOptions.
-    k_scale, v_scale: with an int8 k/v, float32 (B, Hkv, Tk) row scales (strides in whole
-    elements; checked by attnfast._checks).
-    interruptible: call from the main thread only, under Python's default SIGINT handler;
-    Ctrl-C then stops the kernels early (out and lse unspecified) and raises
-    KeyboardInterrupt.
-
-    seqlens_k: None, or a C-contiguous int64 array (B,) of keys valid per batch entry, each
-    in [0, k.shape[2]] (checked by attnfast._checks; the core re-checks as a guard).
-
-    block_table: None, or an int64 (B, max_blocks) array with a contiguous last axis: a paged
-    cache. k, v are then pools (num_blocks, Hkv, block_size, D|Dv), k_scale / v_scale
-    (num_blocks, Hkv, block_size), and the keys span max_blocks * block_size positions
-    (seqlens_k[b] of them valid; checked by attnfast._checks, the core re-checks the ids).
-    """
-    cdef AttentionParams p = default_params()
-    cdef cnp.ndarray lse_arr
+cdef int _fill_params(AttentionParams* p, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out, lse,
+                      bint causal, double scale, int64_t window_left, int64_t window_right,
+                      int num_threads, seqlens_k, k_scale, v_scale, query_offset,
+                      double softcap, alibi, sinks, mask, block_table) except -1:
+    """Fills `p` from run_attention's arguments (out may be None: plan_attention)."""
+    cdef cnp.ndarray out_arr, lse_arr
     cdef cnp.ndarray seqlens_arr
     cdef cnp.ndarray ks_arr, vs_arr
     cdef cnp.ndarray alibi_arr, sinks_arr, mask_arr, table_arr
@@ -183,11 +172,14 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
     p.q = cnp.PyArray_DATA(q)
     p.k = cnp.PyArray_DATA(k)
     p.v = cnp.PyArray_DATA(v)
-    p.out = cnp.PyArray_DATA(out)
     p.q_batch_stride, p.q_head_stride, p.q_row_stride = _stride(q, 0), _stride(q, 1), _stride(q, 2)
     p.k_batch_stride, p.k_head_stride, p.k_row_stride = _stride(k, 0), _stride(k, 1), _stride(k, 2)
     p.v_batch_stride, p.v_head_stride, p.v_row_stride = _stride(v, 0), _stride(v, 1), _stride(v, 2)
-    p.out_batch_stride, p.out_head_stride, p.out_row_stride = _stride(out, 0), _stride(out, 1), _stride(out, 2)
+    if out is not None:
+        out_arr = out
+        p.out = cnp.PyArray_DATA(out_arr)
+        p.out_batch_stride, p.out_head_stride, p.out_row_stride = (
+            _stride(out_arr, 0), _stride(out_arr, 1), _stride(out_arr, 2))
     if lse is not None:
         lse_arr = lse
         p.lse = cnp.PyArray_DATA(lse_arr)
@@ -273,11 +265,69 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
                 or seqlens_arr.shape[0] != p.batch or not seqlens_arr.flags.c_contiguous):
             raise TypeError("attnfast._ext: seqlens_k must be a contiguous int64 array (B,)")
         p.seqlens_k = <const int64_t*> cnp.PyArray_DATA(seqlens_arr)
+    return 0
+
+
+def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
+                      lse, *, bint causal, double scale, int64_t window_left,
+                      int64_t window_right, int num_threads, seqlens_k=None,
+                      bint interruptible=False, k_scale=None, v_scale=None,
+                      query_offset=None, double softcap=0.0, alibi=None, sinks=None,
+                      mask=None, block_table=None):
+    """Run the streaming attention kernel; q, k, v, out are 4-D, lse 3-D or None.
+
+    softcap (0 = off), alibi (float32 (B, H), heads contiguous), sinks (float32 (H,),
+    contiguous), mask (4-D (B, H, Tq, Tk) bool / float32 / float64 view, any strides):
+    the score options, checked by attnfast._checks.ScoreOptions.
+    k_scale, v_scale: with an int8 k/v, float32 (B, Hkv, Tk) row scales (strides in whole
+    elements; checked by attnfast._checks).
+    interruptible: call from the main thread only, under Python's default SIGINT handler;
+    Ctrl-C then stops the kernels early (out and lse unspecified) and raises
+    KeyboardInterrupt.
+
+    seqlens_k: None, or a C-contiguous int64 array (B,) of keys valid per batch entry, each
+    in [0, k.shape[2]] (checked by attnfast._checks; the core re-checks as a guard).
+
+    block_table: None, or an int64 (B, max_blocks) array with a contiguous last axis: a paged
+    cache. k, v are then pools (num_blocks, Hkv, block_size, D|Dv), k_scale / v_scale
+    (num_blocks, Hkv, block_size), and the keys span max_blocks * block_size positions
+    (seqlens_k[b] of them valid; checked by attnfast._checks, the core re-checks the ids).
+    """
+    cdef AttentionParams p = default_params()
+    _fill_params(&p, q, k, v, out, lse, causal, scale, window_left, window_right, num_threads,
+                 seqlens_k, k_scale, v_scale, query_offset, softcap, alibi, sinks, mask,
+                 block_table)
     if interruptible:
         _run_interruptible(&p)
     else:
         with nogil:
             attention_forward(p)
+
+
+def plan_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, *, bint causal, double scale,
+                   int64_t window_left, int64_t window_right, int num_threads, seqlens_k=None,
+                   k_scale=None, v_scale=None, query_offset=None, double softcap=0.0,
+                   alibi=None, sinks=None, mask=None, block_table=None):
+    """What run_attention would run for these arguments (its own, less out, lse and
+    interruptible), as a dict (attnfast.explain), from the core's plan_attention."""
+    cdef AttentionParams p = default_params()
+    cdef CallPlan plan
+    _fill_params(&p, q, k, v, None, None, causal, scale, window_left, window_right, num_threads,
+                 seqlens_k, k_scale, v_scale, query_offset, softcap, alibi, sinks, mask,
+                 block_table)
+    plan = plan_attention_core(p)
+    split = None
+    if plan.decode:
+        split = {"chunk_keys": plan.chunk_keys, "chunks": plan.chunks, "tasks": plan.tasks}
+    return {
+        "tier": plan.tier.decode(),
+        "path": "decode" if plan.decode else "prefill",
+        "kernel": plan.kernel.decode(),
+        "kv_source": "paged" if plan.paged else "contiguous",
+        "split": split,
+        "tasks": plan.tasks,
+        "threads": plan.threads,
+    }
 
 
 def runtime_info():

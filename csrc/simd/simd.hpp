@@ -1,0 +1,38 @@
+// The SIMD layer: one vocabulary of float32 vector operations, with one header per ISA
+// (neon.hpp, avx512.hpp, avx2.hpp, sse2.hpp) chosen by the flags this translation unit is
+// compiled with, and the math built on it (math.hpp). Included only by the kernel files of a
+// tier (kernels/isa_*.cpp and the .inl files they include): everything lives in that tier's
+// namespace (ATTNFAST_KERNEL_NS, anonymous), so no function compiled with one tier's flags
+// can be linked into another's, or into the baseline drivers.
+//
+// The contract, the same on every ISA:
+//   Vec, Mask, W         a vector of W float32 lanes; a per-lane predicate
+//   vzero vset vbcast    constants and broadcasts
+//   vload vstore         whole vectors at W-float-aligned addresses
+//   vadd vsub vmul vdiv  one rounding each
+//   vfma vfnma           a * b + c, c - a * b: one rounding (sse2: two, multiply then add)
+//   vmax                 max; with a NaN operand: NaN on neon (FMAX), the second operand on
+//                        x86 (maxps), so the operand order is part of each caller's contract
+//   vabs vcopysign select less_than all_lanes all_ones
+//   key_visible keep_or_neg_inf finite_or_zero neg_inf_to_nan keep_unless_sign
+//                        the predicates and blends of the online softmax
+//   exp2_neg tanh_vec    (math.hpp)
+// Every operation rounds as its instruction does: results depend on the ISA (the header),
+// never on the thread count.
+#pragma once
+#ifndef ATTNFAST_KERNEL_NS
+#error "include csrc/simd/simd.hpp from a kernel translation unit (kernels/isa_*.cpp)"
+#endif
+
+#if defined(__aarch64__)
+#include "neon.hpp"
+#elif defined(__AVX512F__)
+#include "avx512.hpp"
+#elif defined(__AVX2__)
+#include "avx2.hpp"
+#elif defined(__SSE2__)
+#include "sse2.hpp"
+#else
+#error "the SIMD layer needs SSE2 (x86-64) or AArch64 NEON"
+#endif
+#include "math.hpp"

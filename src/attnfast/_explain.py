@@ -1,0 +1,96 @@
+"""attnfast.explain: which kernel a call would run, and how its work would be split."""
+from __future__ import annotations
+
+from . import _ext
+from ._api import kernel_call
+from ._checks import check_attention, check_kvcache_attention, check_paged_kvcache_attention
+
+__all__ = ["explain"]
+
+
+def explain(q, k, v, *, cache_seqlens=None, k_new=None, v_new=None, k_scale=None,
+            v_scale=None, block_table=None, causal=None, scale=None, window=None,
+            softcap=None, alibi_slopes=None, sinks=None, mask=None, return_lse=False,
+            out=None, num_threads=None, query_offset=None):
+    """What the kernels would do for a call, computing nothing.
+
+    ``explain(q, k, v, **options)`` describes ``attention(q, k, v, **options)``; with
+    ``cache_seqlens`` it describes ``attention_with_kvcache(q, k, v, cache_seqlens, ...)``
+    instead (``k``, ``v`` are then the caches, or with ``block_table`` the paged pools).
+    The arguments are checked exactly as those functions check them (and raise the same
+    errors); nothing is computed and nothing is written (``k_new`` / ``v_new`` only count as
+    new tokens). The answer comes from the C++ planning code the drivers themselves use to
+    pick a kernel, on the tier in use now (``ATTNFAST_ISA`` forces one).
+
+    Parameters
+    ----------
+    q, k, v
+        As in :func:`attnfast.attention`, or, with ``cache_seqlens``, the caches of
+        :func:`attnfast.attention_with_kvcache`.
+    cache_seqlens, k_new, v_new, k_scale, v_scale, block_table : optional
+        As in :func:`attnfast.attention_with_kvcache`; ``cache_seqlens`` selects it (the
+        others need it).
+    causal : bool, optional
+        Defaults to the described function's default: False for ``attention``, True over a
+        KV cache.
+    scale, window, softcap, alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset
+        As in the described function (``return_lse`` and ``out`` do not change the plan).
+
+    Returns
+    -------
+    dict with keys
+
+    ``tier`` : str
+        The kernel tier (``attnfast.show_config()``'s ISA), e.g. ``"avx512"``.
+    ``path`` : str
+        ``"prefill"`` (more than 16 query rows) or ``"decode"``.
+    ``kernel`` : str
+        The micro-kernel: ``"simd_prefill"``, ``"bf16_prefill"``, ``"simd_decode"``,
+        ``"bf16_decode"`` (the hand-written ones), ``"template_prefill"``,
+        ``"template_decode"`` (the portable templates) or ``"template_f64"`` (float64).
+    ``kv_source`` : str
+        ``"contiguous"`` or ``"paged"``.
+    ``split`` : dict or None
+        Decode only: ``chunk_keys`` (keys per chunk; fixed by the shapes and the L2 size,
+        never by the thread count), ``chunks`` (most chunks any (batch entry, KV head) is
+        split into) and ``tasks`` (chunks over all of them); None for prefill.
+    ``tasks`` : int
+        Work items the threads share (prefill: query blocks; decode: chunks, or merges
+        when there are more of those).
+    ``threads`` : int
+        Threads the call would run on when no other call is running.
+
+    Examples
+    --------
+    >>> import numpy as np, attnfast
+    >>> q = np.zeros((1, 8, 1, 128), np.float32)
+    >>> k = v = np.zeros((1, 2, 4096, 128), np.float32)
+    >>> plan = attnfast.explain(q, k, v, num_threads=1)
+    >>> plan["path"], plan["split"]["chunk_keys"] > 0
+    ('decode', True)
+    """
+    if cache_seqlens is None:
+        for name, value in (("k_new", k_new), ("v_new", v_new), ("k_scale", k_scale),
+                            ("v_scale", v_scale), ("block_table", block_table)):
+            if value is not None:
+                raise TypeError(f"{name} describes a KV-cache call: pass cache_seqlens too")
+        call = check_attention(q, k, v, causal=False if causal is None else causal,
+                               scale=scale, window=window, num_threads=num_threads,
+                               query_offset=query_offset, softcap=softcap,
+                               alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
+        part = (slice(None), call.k, call.v, None)
+    else:
+        options = dict(causal=True if causal is None else causal, scale=scale, window=window,
+                       num_threads=num_threads, k_scale=k_scale, v_scale=v_scale,
+                       query_offset=query_offset, softcap=softcap, alibi_slopes=alibi_slopes,
+                       sinks=sinks, mask=mask)
+        if block_table is None:
+            cache = check_kvcache_attention(q, k, v, cache_seqlens, k_new, v_new, **options)
+        else:
+            cache = check_paged_kvcache_attention(q, k, v, cache_seqlens, k_new, v_new,
+                                                  block_table, **options)
+        call = cache.attn
+        part = (slice(None), k, v, cache.seqlens_after, cache.k_scale, cache.v_scale,
+                cache.block_table)
+    args, kwargs = kernel_call(call, part)
+    return _ext.plan_attention(*args, **kwargs)

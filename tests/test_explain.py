@@ -1,0 +1,188 @@
+"""attnfast.explain: the kernel and work split a call would get, on each tier this CPU runs.
+
+The fast kernels must be the ones chosen for the shapes and dtypes the project cares about
+(float32 and 16-bit on the SIMD tiers, bfloat16 on avx512bf16, decode for short queries),
+and the plan must be what the drivers do: its split is checked against the chunk rule of
+csrc/kernels/kernel_table.hpp, and a call explain() describes as a multi-chunk decode is
+checked against the float64 reference (so the merge it implies really ran).
+"""
+import subprocess
+
+import numpy as np
+import pytest
+
+import attnfast as af
+from attnfast import _ext
+from attnfast._checks import BFLOAT16
+from attnfast._kvcache import quantize_int8
+from reference import TOLERANCE, reference_attention
+
+TIERS = _ext.runtime_info()["isa_available"]
+X86_SIMD = {"avx2", "avx512", "avx512bf16"}
+SIMD_PREFILL = X86_SIMD | {"neon", "generic"}  # generic: SSE2 on x86-64 only (below)
+KEYS = {"tier", "path", "kernel", "kv_source", "split", "tasks", "threads"}
+
+
+@pytest.fixture(params=TIERS)
+def tier(request):
+    _ext.force_isa(request.param)
+    yield request.param
+    _ext.force_isa("")
+
+
+def _arrays(b, h, hkv, tq, tk, d, dv=None, dtype=np.float32, kv_dtype=None):
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    z = np.zeros
+    return (z((b, h, tq, d), dtype), z((b, hkv, tk, d), kv_dtype),
+            z((b, hkv, tk, d if dv is None else dv), kv_dtype))
+
+
+def _generic_has_simd_prefill():
+    import platform
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _prefill_kernel(tier, dtype):
+    if dtype == np.float64:
+        return "template_f64"
+    if tier == "avx512bf16" and dtype == BFLOAT16:
+        return "bf16_prefill"
+    if tier in X86_SIMD or tier == "neon" or (tier == "generic" and _generic_has_simd_prefill()):
+        return "simd_prefill"
+    return "template_prefill"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BFLOAT16, np.float64],
+                         ids=["f32", "f16", "bf16", "f64"])
+def test_prefill_kernel_per_tier(tier, dtype):
+    q, k, v = _arrays(2, 8, 2, 200, 300, 128, dtype=dtype)
+    plan = af.explain(q, k, v, causal=True, num_threads=2)
+    assert set(plan) == KEYS
+    assert plan["tier"] == tier
+    assert plan["path"] == "prefill" and plan["split"] is None
+    assert plan["kv_source"] == "contiguous"
+    assert plan["kernel"] == _prefill_kernel(tier, dtype)
+    assert plan["tasks"] >= 1 and 1 <= plan["threads"] <= min(2, plan["tasks"])
+
+
+def _decode_kernel(tier, q_dtype, kv_dtype, d):
+    if q_dtype == np.float64:
+        return "template_f64"
+    if tier == "avx512bf16" and q_dtype == BFLOAT16 and kv_dtype == BFLOAT16 and d % 32 == 0:
+        return "bf16_decode"
+    lanes = {"avx2": 8, "avx512": 16, "avx512bf16": 16}.get(tier)
+    if lanes and d % lanes == 0:
+        return "simd_decode"
+    return "template_decode"
+
+
+@pytest.mark.parametrize("q_dtype,kv_dtype", [
+    (np.float32, np.float32), (BFLOAT16, BFLOAT16), (np.float16, np.float16),
+    (np.float32, BFLOAT16), (np.float64, np.float64)], ids=["f32", "bf16", "f16", "f32q_bf16kv", "f64"])
+@pytest.mark.parametrize("d", [128, 40, 37])
+def test_decode_kernel_per_tier(tier, q_dtype, kv_dtype, d):
+    q, k, v = _arrays(1, 8, 2, 1, 1000, d, dtype=q_dtype, kv_dtype=kv_dtype)
+    plan = af.explain(q, k, v)
+    assert plan["path"] == "decode"
+    assert plan["kernel"] == _decode_kernel(tier, q_dtype, kv_dtype, d)
+
+
+def _chunk_keys(d, dv, elem_bytes):
+    """kernel_table.hpp's decode_chunk_keys for an L2 of at least 1 MiB (the bound it is
+    clamped to; a smaller L2 skips the test)."""
+    keys = 4096
+    while keys > 64 and keys * (d + dv) * elem_bytes > 1024 * 1024:
+        keys //= 2
+    return keys
+
+
+def _l2_bytes():
+    """The L2 size the core reads (sysconf), via getconf; 0 when it does not say."""
+    try:
+        out = subprocess.run(["getconf", "LEVEL2_CACHE_SIZE"], capture_output=True, text=True)
+        return int(out.stdout.strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+@pytest.mark.skipif(_l2_bytes() < 1 << 20, reason="the chunk rule below assumes an L2 >= 1 MiB")
+def test_decode_split_follows_the_chunk_rule():
+    for tq, d, dtype, elem in [(1, 128, np.float32, 4), (16, 64, BFLOAT16, 2), (4, 128, np.float64, 8)]:
+        tk = 10_000
+        q, k, v = _arrays(3, 8, 2, tq, tk, d, dtype=dtype)
+        plan = af.explain(q, k, v, num_threads=2)
+        chunk = _chunk_keys(d, d, elem)
+        assert plan["path"] == "decode"
+        assert plan["split"] == {"chunk_keys": chunk, "chunks": -(-tk // chunk),
+                                 "tasks": 3 * 2 * -(-tk // chunk)}
+        assert plan["tasks"] == plan["split"]["tasks"]
+    # a window sees only the last keys: only the chunks holding them are tasks
+    q, k, v = _arrays(1, 4, 4, 1, 10_000, 128)
+    plan = af.explain(q, k, v, causal=True, window=(100, 0))
+    assert plan["split"]["chunks"] == 1 and plan["split"]["tasks"] == 4
+    # 17 query rows are a prefill
+    q, k, v = _arrays(1, 4, 4, 17, 10_000, 128)
+    assert af.explain(q, k, v)["path"] == "prefill"
+
+
+def test_a_multi_chunk_decode_matches_the_reference(rng):
+    q = rng.standard_normal((1, 4, 2, 64)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 9000, 64)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 9000, 64)).astype(np.float32)
+    plan = af.explain(q, k, v, causal=True)
+    assert plan["split"]["chunks"] >= 2  # the merge runs
+    out, lse = af.attention(q, k, v, causal=True, return_lse=True)
+    ref_out, ref_lse, _ = reference_attention(q, k, v, causal=True)
+    np.testing.assert_allclose(out, ref_out, **TOLERANCE[np.dtype(np.float32)])
+    np.testing.assert_allclose(lse, ref_lse, **TOLERANCE[np.dtype(np.float32)])
+
+
+def test_kv_cache_calls(tier):
+    b, hkv, cap, d = 2, 2, 512, 128
+    q = np.zeros((b, 8, 1, d), np.float32)
+    kc = np.zeros((b, hkv, cap, d), np.float32)
+    plan = af.explain(q, kc, kc.copy(), cache_seqlens=[100, 300])
+    assert plan["path"] == "decode" and plan["kv_source"] == "contiguous"
+    assert plan["split"]["chunks"] == 1  # 300 keys fit one chunk
+    # int8 cache
+    k8, ks = quantize_int8(np.ones((b, hkv, cap, d), np.float32))
+    plan = af.explain(q, k8, k8.copy(), cache_seqlens=[5, 6], k_scale=ks, v_scale=ks.copy())
+    assert plan["kernel"] == _decode_kernel(tier, np.float32, np.int8, d)
+    # paged pool, a prompt of 40 tokens: a prefill over the pool
+    pool = np.zeros((8, hkv, 64, d), np.float32)
+    table = np.array([[0, 1], [2, 3]])
+    q40 = np.zeros((b, 8, 40, d), np.float32)
+    plan = af.explain(q40, pool, pool.copy(), cache_seqlens=[10, 20], block_table=table,
+                      k_new=np.ones((b, hkv, 40, d), np.float32),
+                      v_new=np.ones((b, hkv, 40, d), np.float32))
+    assert plan["path"] == "prefill" and plan["kv_source"] == "paged"
+    assert plan["kernel"] == _prefill_kernel(tier, np.float32)
+    assert not pool.any()  # nothing written
+
+
+def test_forcing_a_tier_changes_the_answer():
+    if len(TIERS) < 2:
+        pytest.skip("one tier on this CPU")
+    q, k, v = _arrays(1, 8, 2, 1, 4096, 128)
+    seen = {}
+    try:
+        for name in TIERS:
+            _ext.force_isa(name)
+            seen[name] = af.explain(q, k, v)
+    finally:
+        _ext.force_isa("")
+    assert {p["tier"] for p in seen.values()} == set(TIERS)
+    if "generic" in seen and TIERS[0] in X86_SIMD:
+        assert seen["generic"]["kernel"] == "template_decode"
+        assert seen[TIERS[0]]["kernel"] == "simd_decode"
+
+
+def test_the_checks_are_attentions():
+    q, k, v = _arrays(1, 8, 3, 4, 10, 16)  # 8 heads over 3 kv heads
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        af.explain(q, k, v)
+    q, k, v = _arrays(1, 4, 4, 4, 10, 16)
+    with pytest.raises(TypeError, match="cache_seqlens"):
+        af.explain(q, k, v, block_table=np.zeros((1, 1), np.int64))
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        af.explain(q, k, v, cache_seqlens=[11])
