@@ -217,7 +217,7 @@ def _float32_vector(x, name: str, shapes: tuple, shape_text: str) -> np.ndarray:
         raise TypeError(f"{name} must be float32, got dtype {x.dtype}")
     if x.shape not in shapes:
         raise ValueError(f"{name} must have shape {shape_text}, got {_shape_str(x)}")
-    return np.ascontiguousarray(x)
+    return kernel_ready(x)
 
 
 def check_score_options(softcap, alibi_slopes, sinks, mask, *, batch, heads, seqlen_q,
@@ -1020,7 +1020,8 @@ def check_paged_spec(num_blocks, block_size, kv_heads, head_dim, dtype, v_head_d
 def check_seq_ids(seq_ids, known) -> tuple[list[int], bool]:
     """seq_ids: one id or a non-empty sequence of distinct ids, each in `known` ->
     (list of ids, whether one bare id was given)."""
-    single = not isinstance(seq_ids, (list, tuple, np.ndarray)) or np.ndim(seq_ids) == 0
+    single = (not isinstance(seq_ids, (list, tuple, np.ndarray))
+              or (isinstance(seq_ids, np.ndarray) and seq_ids.ndim == 0))
     if single:  # an int, a NumPy integer or a 0-d integer array: one id
         ids = [seq_ids[()] if isinstance(seq_ids, np.ndarray) else seq_ids]
     else:

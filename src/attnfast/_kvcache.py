@@ -193,7 +193,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     for float64). A query that sees no key (e.g. an empty cache) gives zeros and lse = -inf.
 
     Every argument is checked before anything is written: a rejected call leaves the caches
-    and ``out`` untouched.
+    and ``out`` untouched, and a call that raises after writing (Ctrl-C in the kernels, say)
+    puts back every byte of the caches and scales it overwrote. float32 values beyond a
+    16-bit cache's range are stored as +-inf, without a warning.
     """
     key = None
     if (softcap is None and alibi_slopes is None and sinks is None and mask is None
@@ -331,7 +333,8 @@ class KVCache:
     kernels still use every core for each call). Writing to ``k``/``v`` directly bypasses it.
 
     Ctrl-C: a ``step`` interrupted while attending raises KeyboardInterrupt and leaves the
-    cache as it was before the call (``lengths`` restored).
+    cache as it was before the call: ``lengths`` and every byte of ``k``, ``v`` and the
+    scales (so does any call that raises, whatever it raises).
     """
 
     def __init__(self, batch, kv_heads, head_dim, capacity, *, dtype=np.float32,
@@ -532,8 +535,8 @@ class KVCache:
             k, v, lengths = self._k, self._v, self._lengths
             starts = lengths.tolist()
             if t and (max(starts) + t > capacity or not k.flags.writeable
-                      or not v.flags.writeable or np.may_share_memory(q, k)
-                      or any(np.may_share_memory(a, c) for a in (k_new, v_new) for c in (k, v))):
+                      or not v.flags.writeable
+                      or any(np.may_share_memory(a, c) for a in (q, k_new, v_new) for c in (k, v))):
                 return None  # the full path decides (and raises) exactly
             left, right = (-1, -1) if window == (-1, -1) else bound_window(
                 window, seqlen_q, capacity, query_offset)

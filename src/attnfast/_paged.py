@@ -68,7 +68,9 @@ class PagedKVCache:
 
     Every method checks all its arguments, and that the pool has the blocks it needs,
     before it changes anything: a rejected call (ValueError "out of blocks ..." included)
-    leaves the pools, the sequences and ``num_free_blocks`` exactly as they were.
+    leaves the pools, the sequences and ``num_free_blocks`` exactly as they were. So does a
+    call that raises once it has started changing them (Ctrl-C in the kernels, MemoryError):
+    the blocks it took, the bytes it wrote and the lengths all go back.
 
     Thread safety: each method holds the cache's lock for its whole call (as KVCache).
     """
