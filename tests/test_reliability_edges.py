@@ -354,6 +354,17 @@ def test_every_written_array_is_apart_from_the_others_and_from_what_is_read(rng,
     assert [a.tobytes() for a in (kc, vc, ks, vs)] == state
 
 
+@pytest.mark.parametrize("option", ["mask", "alibi_slopes", "sinks"])
+def test_out_apart_from_the_option_arrays_attention_reads(rng, option):
+    q, k, v = normal(rng, 1, 2, 4, 8), normal(rng, 1, 2, 4, 8), normal(rng, 1, 2, 4, 8)
+    out = np.zeros((1, 2, 4, 8), np.float32)
+    arrays = dict(mask=out[0, 0, :, :4], alibi_slopes=out[0, 0, 0, :2], sinks=out[0, 0, 0, :2])
+    before = out.tobytes()
+    with pytest.raises(ValueError, match=f"out overlaps the memory of {option}"):
+        af.attention(q, k, v, out=out, **{option: arrays[option]})
+    assert out.tobytes() == before
+
+
 # ============================================================ 4. messages
 
 def test_a_huge_softcap_is_a_value_error_naming_it(rng):

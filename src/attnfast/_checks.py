@@ -183,6 +183,10 @@ class ScoreOptions:
         return bool(self.softcap) or self.alibi is not None or self.sinks is not None \
             or self.mask is not None
 
+    def arrays(self) -> list:
+        """(name as the caller spells it, array) of the option arrays the kernels read."""
+        return [("mask", self.mask), ("alibi_slopes", self.alibi), ("sinks", self.sinks)]
+
     def rows(self, rows) -> "ScoreOptions":
         """The options of the batch entries `rows` (a slice of axis 0)."""
         return ScoreOptions(self.softcap, None if self.alibi is None else self.alibi[rows],
@@ -691,11 +695,9 @@ def _kvcache_call(q, k_cache, v_cache, sizes, dtype, cache_names, starts, k_new,
         num_threads=resolve_threads(num_threads))
     if t:  # the new tokens are written into the caches (and scales): all apart, and apart
         sn = ("k_scale", "v_scale") if scale_names is None else scale_names  # from what is read
-        opts = attn.options
         check_apart([(kn, k_cache), (vn, v_cache), (sn[0], k_scale), (sn[1], v_scale)],
-                    [("q", q), ("k_new", k_new), ("v_new", v_new), ("mask", opts.mask),
-                     ("alibi_slopes", opts.alibi), ("sinks", opts.sinks),
-                     ("block_table", block_table)])
+                    [("q", q), ("k_new", k_new), ("v_new", v_new), ("block_table", block_table)]
+                    + attn.options.arrays())
     return KVCacheCall(attn=attn, k_cache=k_cache, v_cache=v_cache, starts=starts,
                        k_new=k_new, v_new=v_new, new_tokens=t, k_scale=k_scale,
                        v_scale=v_scale, block_table=block_table)

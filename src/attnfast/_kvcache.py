@@ -240,11 +240,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
 def _read_and_written(call) -> list:
     """Every array of a checked KV-cache call other than `out` (the caches and scales it
     reads or writes, and what it reads): `out` must overlap none of them."""
-    opts = call.attn.options
     return [("q", call.attn.q), ("k_cache", call.k_cache), ("v_cache", call.v_cache),
             ("k_new", call.k_new), ("v_new", call.v_new), ("k_scale", call.k_scale),
-            ("v_scale", call.v_scale), ("mask", opts.mask), ("alibi_slopes", opts.alibi),
-            ("sinks", opts.sinks), ("block_table", call.block_table)]
+            ("v_scale", call.v_scale), ("block_table", call.block_table)] + call.attn.options.arrays()
 
 
 def _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal,
