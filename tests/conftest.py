@@ -10,3 +10,16 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/reference.py
 @pytest.fixture
 def rng():
     return np.random.default_rng(12345)
+
+
+@pytest.fixture(params=["default", "ignored"], ids=["parent-default-sigint", "parent-ignores-sigint"])
+def parent_sigint(request):
+    """This process's SIGINT disposition as a parent may leave it: Python's default handler,
+    or ignored (pytest started from a background job of a non-interactive shell; children
+    inherit an ignored SIGINT). Tests of Ctrl-C set the disposition they mean to test
+    themselves, and must pass under both."""
+    import signal
+    handler = signal.default_int_handler if request.param == "default" else signal.SIG_IGN
+    previous = signal.signal(signal.SIGINT, handler)
+    yield request.param
+    signal.signal(signal.SIGINT, previous)

@@ -319,7 +319,8 @@ class _Interrupted:
         return self.real(*args, **kwargs)
 
 
-def test_ctrl_c_in_a_fast_step_restores_the_lengths(rng, monkeypatch):
+def test_ctrl_c_in_a_fast_step_restores_the_lengths(rng, monkeypatch, parent_sigint):
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the disposition tested here
     cache = cache_with(rng)
     q, kn, vn = normal(rng, B, H, 1, D), normal(rng, B, HKV, 1, D), normal(rng, B, HKV, 1, D)
     cache.step(q, kn, vn)                   # stores the plan
@@ -336,7 +337,9 @@ def test_ctrl_c_in_a_fast_step_restores_the_lengths(rng, monkeypatch):
     assert cache.lengths.tolist() == [n + 1 for n in lengths]
 
 
-def test_fast_paths_are_interruptible_only_under_the_default_handler(rng, monkeypatch):
+def test_fast_paths_are_interruptible_only_under_the_default_handler(rng, monkeypatch,
+                                                                   parent_sigint):
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the disposition tested first
     cache = cache_with(rng)
     q, kn, vn = normal(rng, B, H, 1, D), normal(rng, B, HKV, 1, D), normal(rng, B, HKV, 1, D)
     kc, vc = normal(rng, B, HKV, C, D), normal(rng, B, HKV, C, D)

@@ -502,3 +502,26 @@ def test_paged_cache_repr_and_members():
     assert "num_blocks=4" in repr(cache) and "4 free block(s)" in repr(cache)
     assert (cache.num_blocks, cache.block_size, cache.kv_heads, cache.head_dim, cache.v_head_dim) == (4, 2, 1, 8, 8)
     assert cache.k.shape == (4, 1, 2, 8) and cache.k_scale is None
+
+
+def test_truncate_returns_unshared_blocks_and_keeps_a_forks_tokens(rng):
+    cache = af.PagedKVCache(8, 4, 1, 8)
+    a = cache.add_sequence()
+    k, v = rand(rng, (1, 10, 8)), rand(rng, (1, 10, 8))
+    cache.append(a, k, v)                       # blocks: 4 + 4 + 2 tokens
+    b = cache.fork(a)
+    cache.truncate(a, 5)                        # a keeps 2 blocks, both shared with b
+    assert cache.length(a) == 5 and len(cache.blocks(a)) == 2
+    assert cache.num_free_blocks == 5           # b still holds the third block
+    k2, v2 = rand(rng, (1, 3, 8)), rand(rng, (1, 3, 8))
+    cache.append(a, k2, v2)                     # copy-on-write of the shared second block
+    q = rand(rng, (1, 1, 8))
+    for sid, (ks, vs) in ((a, (np.concatenate([k[:, :5], k2], 1), np.concatenate([v[:, :5], v2], 1))),
+                          (b, (k, v))):
+        ref = reference_attention(q, ks, vs)[0]
+        np.testing.assert_allclose(cache.attend(sid, q), ref, **TOLERANCE[np.dtype(np.float32)])
+    cache.free(b)
+    cache.truncate(a, 0)
+    assert cache.blocks(a) == () and cache.num_free_blocks == 8
+    with pytest.raises(ValueError, match=r"cannot truncate sequence 0 to 1: it holds only 0"):
+        cache.truncate(a, 1)

@@ -7,7 +7,9 @@ Profiles (ATTNFAST_HYPOTHESIS_PROFILE):
   build/hypothesis-db and replayed first). Its tests are marked slow, so they run
   only when asked for:
       ATTNFAST_HYPOTHESIS_PROFILE=long python -m pytest -m slow tests/test_properties.py
-  (ATTNFAST_HYPOTHESIS_MAX_EXAMPLES=n sets the examples per test for a shorter soak.)
+  (ATTNFAST_HYPOTHESIS_MAX_EXAMPLES=n sets the examples per test for a shorter soak;
+  ATTNFAST_HYPOTHESIS_COUNT_FILE=path makes the state machines append their running count
+  of finished examples to path every 100, for a soak that is stopped before it ends.)
 """
 import os
 
@@ -19,8 +21,10 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
+import ml_dtypes
+
 import attnfast as af
-from attnfast import _ext
+from attnfast import _ext, _kvcache, _paged
 from reference import (TOLERANCE, nan_leak_allowed, reference_attention, reference_nonfinite_rows,
                        visible_mask)
 
@@ -41,7 +45,7 @@ if LONG:
 
 
 # ATTNFAST_HYPOTHESIS_MAX_EXAMPLES overrides the long profile's count per test (e.g. for a
-# shorter soak run); the default gives 6 x 15k + 2 x 10k + 15k state-machine runs >= 10^5.
+# shorter soak run); the default gives 6 x 15k + 2 x 10k + 2 x 15k state-machine runs >= 10^5.
 LONG_EXAMPLES = int(os.environ.get("ATTNFAST_HYPOTHESIS_MAX_EXAMPLES", "0")) or None
 
 
@@ -312,25 +316,148 @@ def test_attention_with_kvcache_matches_reference(data, dtype, B, Hkv, group, D,
         assert_close(lse[b][fin], rl[fin], dtype, f"lse of sequence {b}")
 
 
-# ------------------------------------------------------------------ KVCache as a state machine
+# ------------------------------------------------------------------ caches as state machines
 
-class KVCacheMachine(RuleBasedStateMachine):
+CACHE_DTYPES = DTYPES + [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.int8)]
+
+
+def stored(x, cache_dtype):
+    """float64 values of what a cache of `cache_dtype` holds for x (the last axis a row):
+    rounded to a 16-bit dtype, or int8 as documented (scale = max|x| / 127 per row in
+    float32, values round(x / scale))."""
+    if cache_dtype != np.int8:
+        return x.astype(cache_dtype).astype(np.float64)
+    x = x.astype(np.float32)
+    scale = (np.max(np.abs(x), axis=-1) / np.float32(127)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1))
+    values = np.clip(np.rint(x / safe[..., None]), -127, 127)
+    return values.astype(np.float64) * scale[..., None].astype(np.float64)
+
+
+def held(values, scales):
+    """float64 values of cache rows (with their int8 scales, or None)."""
+    out = values.astype(np.float64)
+    return out if scales is None else out * scales[..., None].astype(np.float64)
+
+
+def cache_tolerance(out_dtype, q_dtype, cache_dtype):
+    """(out tolerance, lse tolerance) against the float64 reference over the values the
+    cache holds: outputs are rounded to out's dtype; all arithmetic is float32 or better
+    (bfloat16 q, k, v may round P to bfloat16 on the avx512bf16 tier)."""
+    if out_dtype == np.float64:
+        return TOLERANCE[out_dtype], TOLERANCE[out_dtype]
+    lse_tol = dict(rtol=1e-4, atol=1e-4)
+    if out_dtype == np.float16:
+        return dict(rtol=4e-3, atol=4e-3), lse_tol
+    if out_dtype == ml_dtypes.bfloat16:
+        return dict(rtol=3e-2, atol=3e-2), lse_tol
+    if cache_dtype != np.float32:  # float32 q over a 16-bit or int8 cache
+        return dict(rtol=1e-4, atol=1e-4), lse_tol
+    return TOLERANCE[out_dtype], lse_tol
+
+
+class _Raises:
+    """Stands in for a function and raises `error` on its `after`-th call (1 = the first):
+    a KeyboardInterrupt or MemoryError in the middle of a call."""
+
+    def __init__(self, real, error, after=1):
+        self.real, self.error, self.after, self.calls = real, error, after, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls >= self.after:
+            raise self.error("attnfast property test")
+        return self.real(*args, **kwargs)
+
+
+class _patched:
+    """Replace obj.name by a _Raises for the block (hypothesis rules cannot use monkeypatch)."""
+
+    def __init__(self, obj, name, error, after=1):
+        self.obj, self.name = obj, name
+        self.fake = _Raises(getattr(obj, name), error, after)
+
+    def __enter__(self):
+        fake = self.fake
+
+        def stand_in(*args, **kwargs):  # a function: bound like the method it replaces
+            return fake(*args, **kwargs)
+        setattr(self.obj, self.name, stand_in)
+        return fake
+
+    def __exit__(self, *exc):
+        setattr(self.obj, self.name, self.fake.real)
+
+
+# Where a mutating call can be cut short: in the kernels (Ctrl-C), or at any one of its
+# writes into the cache (every write goes through Undo.write).
+INTERRUPTS = st.tuples(st.sampled_from(["kernels", "write"]),
+                       st.sampled_from([KeyboardInterrupt, MemoryError]), st.integers(1, 6))
+
+
+def _interrupt(where, error, after):
+    if where == "kernels":
+        return _patched(_ext, "run_attention", error)
+    return _patched(_kvcache.Undo, "write", error, after)
+
+
+_COUNT_FILE = os.environ.get("ATTNFAST_HYPOTHESIS_COUNT_FILE")
+_FINISHED = {}
+
+
+class _CacheMachine(RuleBasedStateMachine):
+    """What the KVCache and PagedKVCache machines share: dtypes of the arrays they draw and
+    the reference check of an attention result."""
+
+    def teardown(self):
+        if _COUNT_FILE:
+            name = type(self).__name__
+            _FINISHED[name] = _FINISHED.get(name, 0) + 1
+            if _FINISHED[name] % 100 == 0:
+                with open(_COUNT_FILE, "a") as f:
+                    f.write(f"{name} {_FINISHED[name]} runs (incl. shrinking)\n")
+
+    def _draw_dtypes(self, data, dtype):
+        self.dtype = dtype
+        if dtype == np.int8:
+            self.in_dtype = self.q_dtype = np.dtype(np.float32)
+        elif dtype in (np.float16, ml_dtypes.bfloat16):
+            self.in_dtype = data.draw(st.sampled_from([dtype, np.dtype(np.float32)]), label="k_new dtype")
+            self.q_dtype = data.draw(st.sampled_from([dtype, np.dtype(np.float32)]), label="q dtype")
+        else:
+            self.in_dtype = self.q_dtype = dtype
+
+    def _normal(self, *shape, dtype=None):
+        return self.rng.standard_normal(shape).astype(dtype or self.in_dtype)
+
+    def _q(self, *shape):
+        return self._normal(*shape, dtype=self.q_dtype)
+
+    def _check_one(self, q, out, lse, k, v, causal, window, what):
+        tol, lse_tol = cache_tolerance(out.dtype, self.q_dtype, self.dtype)
+        ro, rl, _ = reference_attention(q.astype(np.float64), k, v, causal=causal, window=window)
+        np.testing.assert_allclose(out.astype(np.float64), ro, err_msg=f"out of {what}", **tol)
+        assert np.array_equal(np.isneginf(lse), np.isneginf(rl))
+        fin = np.isfinite(rl)
+        np.testing.assert_allclose(lse[fin], rl[fin], err_msg=f"lse of {what}", **lse_tol)
+
+
+class KVCacheMachine(_CacheMachine):
     """Random sequences of append / step / attend / truncate / reset (with batch_index
-    subsets and over-capacity attempts) against a pure-NumPy model cache + the reference."""
+    subsets, over-capacity attempts, rejected arguments and calls interrupted in the kernels
+    or at any write) against a list-of-arrays model + the reference, for every cache dtype."""
 
-    @initialize(dtype=st.sampled_from(DTYPES), B=st.integers(1, 3), Hkv=st.integers(1, 2),
-                group=st.integers(1, 3), D=st.integers(1, 12), Dv=st.integers(1, 12),
-                capacity=st.integers(1, 40), seed=st.integers(0, 2**32 - 1))
-    def setup(self, dtype, B, Hkv, group, D, Dv, capacity, seed):
-        self.dtype, self.B, self.Hkv, self.H = dtype, B, Hkv, Hkv * group
+    @initialize(data=st.data(), dtype=st.sampled_from(CACHE_DTYPES), B=st.integers(1, 3),
+                Hkv=st.integers(1, 2), group=st.integers(1, 3), D=st.integers(1, 12),
+                Dv=st.integers(1, 12), capacity=st.integers(1, 40), seed=st.integers(0, 2**32 - 1))
+    def setup(self, data, dtype, B, Hkv, group, D, Dv, capacity, seed):
+        self._draw_dtypes(data, dtype)
+        self.B, self.Hkv, self.H = B, Hkv, Hkv * group
         self.D, self.Dv, self.C = D, Dv, capacity
         self.rng = np.random.default_rng(seed)
         self.cache = af.KVCache(B, Hkv, D, capacity, dtype=dtype, v_head_dim=Dv)
-        self.model_k = [np.zeros((Hkv, 0, D)) for _ in range(B)]   # float64 copies
+        self.model_k = [np.zeros((Hkv, 0, D)) for _ in range(B)]   # float64, as stored
         self.model_v = [np.zeros((Hkv, 0, Dv)) for _ in range(B)]
-
-    def _normal(self, *shape):
-        return self.rng.standard_normal(shape).astype(self.dtype)
 
     def _seqs(self, data):
         kind = data.draw(st.sampled_from(["all", "int", "subset"]), label="batch_index kind")
@@ -345,29 +472,28 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def _snapshot(self):
         c = self.cache
-        return c.k.tobytes(), c.v.tobytes(), c.lengths.tobytes()
+        return [a.tobytes() for a in (c.k, c.v, c.lengths, c.k_scale, c.v_scale) if a is not None]
 
     def _fits(self, seqs, t):
         return all(self.model_k[b].shape[1] + t <= self.C for b in seqs)
 
     def _append_model(self, seqs, k_new, v_new):
         for i, b in enumerate(seqs):
-            self.model_k[b] = np.concatenate([self.model_k[b], k_new[i].astype(np.float64)], axis=1)
-            self.model_v[b] = np.concatenate([self.model_v[b], v_new[i].astype(np.float64)], axis=1)
+            self.model_k[b] = np.concatenate([self.model_k[b], stored(k_new[i], self.dtype)], axis=1)
+            self.model_v[b] = np.concatenate([self.model_v[b], stored(v_new[i], self.dtype)], axis=1)
 
     def _check_attention(self, seqs, q, out, lse, causal, window):
         for i, b in enumerate(seqs):
-            ro, rl, _ = reference_attention(q[i], self.model_k[b], self.model_v[b],
-                                            causal=causal, window=window)
-            assert_close(out[i], ro, self.dtype, f"out of sequence {b}")
-            assert np.array_equal(np.isneginf(lse[i]), np.isneginf(rl))
-            fin = np.isfinite(rl)
-            assert_close(lse[i][fin], rl[fin], self.dtype, f"lse of sequence {b}")
+            self._check_one(q[i], out[i], lse[i], self.model_k[b], self.model_v[b], causal,
+                            window, f"sequence {b}")
+
+    def _tokens(self, n, t):
+        return self._normal(n, self.Hkv, t, self.D), self._normal(n, self.Hkv, t, self.Dv)
 
     @rule(data=st.data(), t=st.integers(1, 6))
     def append(self, data, t):
         index, seqs = self._seqs(data)
-        k_new, v_new = self._normal(len(seqs), self.Hkv, t, self.D), self._normal(len(seqs), self.Hkv, t, self.Dv)
+        k_new, v_new = self._tokens(len(seqs), t)
         if not self._fits(seqs, t):
             snap = self._snapshot()
             with pytest.raises(ValueError, match="capacity"):
@@ -382,8 +508,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     def step(self, data, t, causal, threads):
         index, seqs = self._seqs(data)
         window = data.draw(st.one_of(st.none(), st.tuples(st.integers(-1, 5), st.integers(-1, 5))))
-        q = self._normal(len(seqs), self.H, t, self.D)
-        k_new, v_new = self._normal(len(seqs), self.Hkv, t, self.D), self._normal(len(seqs), self.Hkv, t, self.Dv)
+        q = self._q(len(seqs), self.H, t, self.D)
+        k_new, v_new = self._tokens(len(seqs), t)
         if not self._fits(seqs, t):
             snap = self._snapshot()
             with pytest.raises(ValueError, match="capacity"):
@@ -395,11 +521,53 @@ class KVCacheMachine(RuleBasedStateMachine):
         self._append_model(seqs, k_new, v_new)
         self._check_attention(seqs, q, out, lse, causal, window)
 
+    @rule(data=st.data(), t=st.integers(1, 3), how=INTERRUPTS, kind=st.sampled_from(
+        ["step", "fast step", "append"]))
+    def interrupted(self, data, t, how, kind):
+        """A call cut short (Ctrl-C or MemoryError, in the kernels or at a write) changes
+        nothing; "fast step" takes the fast path's plan (a good call of the layout first)."""
+        index, seqs = self._seqs(data)
+        if kind == "fast step":
+            index, seqs = None, list(range(self.B))
+        if not self._fits(seqs, 2 * t):
+            return
+        q = self._q(len(seqs), self.H, t, self.D)
+        k_new, v_new = self._tokens(len(seqs), t)
+        if kind == "fast step":
+            self.cache.step(q, k_new, v_new)
+            self._append_model(seqs, k_new, v_new)
+        where, error, after = how
+        where = "write" if kind == "append" else where  # append runs no kernel
+        snap = self._snapshot()
+        with _interrupt(where, error, min(after, 2 * len(seqs))), pytest.raises(error):
+            if kind == "append":
+                self.cache.append(k_new, v_new, batch_index=index)
+            else:
+                self.cache.step(q, k_new, v_new, batch_index=index)
+        assert self._snapshot() == snap
+
+    @rule(data=st.data(), case=st.sampled_from(["v_new head dim", "q dtype", "q head dim"]))
+    def rejected(self, data, case):
+        """A call with a bad argument raises and changes nothing."""
+        index, seqs = self._seqs(data)
+        q = self._q(len(seqs), self.H, 1, self.D)
+        k_new, v_new = self._tokens(len(seqs), 1)
+        if case == "v_new head dim":
+            v_new = self._normal(len(seqs), self.Hkv, 1, self.Dv + 1)
+        elif case == "q dtype":
+            q = q.astype(np.int32)
+        else:
+            q = self._q(len(seqs), self.H, 1, self.D + 1)
+        snap = self._snapshot()
+        with pytest.raises((ValueError, TypeError)):
+            self.cache.step(q, k_new, v_new, batch_index=index)
+        assert self._snapshot() == snap
+
     @rule(data=st.data(), tq=st.one_of(st.integers(1, 16), st.integers(17, 24)),
           causal=st.booleans())
     def attend(self, data, tq, causal):
         index, seqs = self._seqs(data)
-        q = self._normal(len(seqs), self.H, tq, self.D)
+        q = self._q(len(seqs), self.H, tq, self.D)
         snap = self._snapshot()
         out, lse = self.cache.attend(q, batch_index=index, causal=causal, return_lse=True)
         assert self._snapshot() == snap
@@ -440,10 +608,225 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert c.lengths.tolist() == [m.shape[1] for m in self.model_k]
         for b in range(self.B):
             L = self.model_k[b].shape[1]
-            assert np.array_equal(c.k[b, :, :L], self.model_k[b].astype(self.dtype))
-            assert np.array_equal(c.v[b, :, :L], self.model_v[b].astype(self.dtype))
+            ks = None if c.k_scale is None else c.k_scale[b, :, :L]
+            vs = None if c.v_scale is None else c.v_scale[b, :, :L]
+            assert np.array_equal(held(c.k[b, :, :L], ks), self.model_k[b])
+            assert np.array_equal(held(c.v[b, :, :L], vs), self.model_v[b])
 
 
 KVCacheMachine.TestCase.settings = settings(
     max_examples=(LONG_EXAMPLES or 15_000) if LONG else 60, stateful_step_count=25 if LONG else 15)
 test_kvcache_state_machine = KVCacheMachine.TestCase
+
+
+class PagedKVCacheMachine(_CacheMachine):
+    """Random programs of add / fork / free / append / step / attend / truncate on a
+    PagedKVCache (small pools: running out of blocks is common; forks share blocks, so
+    copy-on-write is exercised), with raised and interrupted calls, checked token by token
+    against a list-of-arrays model (every sequence's tokens read back through its blocks),
+    the block accounting, and the reference."""
+
+    @initialize(data=st.data(), dtype=st.sampled_from(CACHE_DTYPES), blocks=st.integers(1, 16),
+                block_size=st.integers(1, 5), Hkv=st.integers(1, 2), group=st.integers(1, 2),
+                D=st.integers(1, 8), Dv=st.integers(1, 8), seed=st.integers(0, 2**32 - 1))
+    def setup(self, data, dtype, blocks, block_size, Hkv, group, D, Dv, seed):
+        self._draw_dtypes(data, dtype)
+        self.Hkv, self.H, self.D, self.Dv, self.bs = Hkv, Hkv * group, D, Dv, block_size
+        self.rng = np.random.default_rng(seed)
+        self.cache = af.PagedKVCache(blocks, block_size, Hkv, D, dtype=dtype, v_head_dim=Dv)
+        self.model = {}  # seq id -> (k (Hkv, L, D), v (Hkv, L, Dv)), float64 as stored
+        self.add()  # every rule is enabled from the start
+
+    def _snapshot(self):
+        c = self.cache
+        pools = [a.tobytes() for a in (c.k, c.v, c.k_scale, c.v_scale) if a is not None]
+        return (pools, list(c._free), c._refs.tobytes(), c._next_id,
+                [(s, c.blocks(s), c.length(s)) for s in c.sequences])
+
+    def _ids(self, data, single_ok=True):
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1, unique=True),
+                        label="seq_ids")
+        if single_ok and len(ids) == 1 and data.draw(st.booleans(), label="bare id"):
+            return ids[0], ids
+        return ids, ids
+
+    def _needed(self, ids, t):
+        """New blocks appending t tokens to `ids` takes, from the block lists and counts."""
+        c, refs, need = self.cache, {}, 0
+        for s in ids:
+            length, blocks = c.length(s), c.blocks(s)
+            if length % self.bs:
+                last = blocks[length // self.bs]
+                left = refs.get(last, int(c._refs[last]))
+                if left > 1:
+                    need += 1
+                    refs[last] = left - 1
+            need += -(-(length + t) // self.bs) - len(blocks)
+        return need
+
+    def _tokens(self, n, t):
+        return self._normal(n, self.Hkv, t, self.D), self._normal(n, self.Hkv, t, self.Dv)
+
+    def _lifted(self, seq_arg, *arrays):
+        return [a[0] if not isinstance(seq_arg, list) else a for a in arrays]
+
+    @rule()
+    def add(self):
+        sid = self.cache.add_sequence()
+        assert sid not in self.model
+        self.model[sid] = (np.zeros((self.Hkv, 0, self.D)), np.zeros((self.Hkv, 0, self.Dv)))
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def fork(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.model)))
+        new = self.cache.fork(sid)
+        self.model[new] = self.model[sid]
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def free(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.model)))
+        self.cache.free(sid)
+        del self.model[sid]
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def truncate(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.model)))
+        k, v = self.model[sid]
+        n = data.draw(st.integers(0, k.shape[1] + 1), label="n")
+        if n > k.shape[1]:
+            snap = self._snapshot()
+            with pytest.raises(ValueError, match="truncate only shortens"):
+                self.cache.truncate(sid, n)
+            assert self._snapshot() == snap
+            return
+        self.cache.truncate(sid, n)
+        self.model[sid] = (k[:, :n], v[:, :n])
+
+    def _append_model(self, ids, k_new, v_new):
+        for i, s in enumerate(ids):
+            k, v = self.model[s]
+            self.model[s] = (np.concatenate([k, stored(k_new[i], self.dtype)], axis=1),
+                             np.concatenate([v, stored(v_new[i], self.dtype)], axis=1))
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), t=st.integers(1, 6), with_attention=st.booleans(), causal=st.booleans())
+    def append_or_step(self, data, t, with_attention, causal):
+        arg, ids = self._ids(data)
+        k_new, v_new = self._tokens(len(ids), t)
+        q = self._q(len(ids), self.H, t, self.D)
+        call = ((lambda: self.cache.step(arg, *self._lifted(arg, q, k_new, v_new), causal=causal,
+                                         return_lse=True))
+                if with_attention else (lambda: self.cache.append(arg, *self._lifted(arg, k_new, v_new))))
+        if self._needed(ids, t) > self.cache.num_free_blocks:
+            snap = self._snapshot()
+            with pytest.raises(ValueError, match="out of blocks"):
+                call()
+            assert self._snapshot() == snap
+            return
+        result = call()
+        self._append_model(ids, k_new, v_new)
+        if with_attention:
+            out, lse = result if isinstance(arg, list) else (result[0][None], result[1][None])
+            for i, s in enumerate(ids):
+                self._check_one(q[i], out[i], lse[i], *self.model[s], causal, None, f"sequence {s}")
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), tq=st.integers(1, 6), causal=st.booleans())
+    def attend(self, data, tq, causal):
+        arg, ids = self._ids(data)
+        q = self._q(len(ids), self.H, tq, self.D)
+        snap = self._snapshot()
+        out, lse = self.cache.attend(arg, *self._lifted(arg, q), causal=causal, return_lse=True)
+        assert self._snapshot() == snap
+        if not isinstance(arg, list):
+            out, lse = out[None], lse[None]
+        for i, s in enumerate(ids):
+            self._check_one(q[i], out[i], lse[i], *self.model[s], causal, None, f"sequence {s}")
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), t=st.integers(1, 6), how=INTERRUPTS,
+          kind=st.sampled_from(["step", "append", "fork", "free", "truncate"]))
+    def interrupted(self, data, t, how, kind):
+        """A call cut short (in the kernels or at any write), or raising at its reference
+        counting, changes nothing: blocks, counts, free list, lengths and pool bytes."""
+        arg, ids = self._ids(data, single_ok=False)
+        snap = self._snapshot()
+        where, error, after = how
+        if kind in ("fork", "free", "truncate"):
+            # no kernels, no token writes: fail in the block accounting instead, after the
+            # reference counts changed (fork: at the new sequence's record; free, truncate:
+            # at the after-th block released)
+            blocks = len(self.cache.blocks(ids[0]))
+            if kind == "fork":
+                target = _patched(_paged, "_Sequence", error)
+            elif blocks == 0:
+                return
+            else:
+                target = _patched(self.cache, "_release", error, min(after, blocks))
+            with target, pytest.raises(error):
+                if kind == "fork":
+                    self.cache.fork(ids[0])
+                elif kind == "free":
+                    self.cache.free(ids[0])
+                else:
+                    self.cache.truncate(ids[0], 0)
+            self.cache.__dict__.pop("_release", None)
+            assert self._snapshot() == snap
+            return
+        if self._needed(ids, t) > self.cache.num_free_blocks:
+            return
+        k_new, v_new = self._tokens(len(ids), t)
+        q = self._q(len(ids), self.H, t, self.D)
+        where = "write" if kind == "append" else where  # append runs no kernel
+        with _interrupt(where, error, min(after, 2 * len(ids))), pytest.raises(error):
+            if kind == "append":
+                self.cache.append(ids, k_new, v_new)
+            else:
+                self.cache.step(ids, q, k_new, v_new)
+        assert self._snapshot() == snap
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), case=st.sampled_from(["v_new head dim", "q head dim", "unknown id"]))
+    def rejected(self, data, case):
+        arg, ids = self._ids(data, single_ok=False)
+        q = self._q(len(ids), self.H, 1, self.D)
+        k_new, v_new = self._tokens(len(ids), 1)
+        if case == "v_new head dim":
+            v_new = self._normal(len(ids), self.Hkv, 1, self.Dv + 1)
+        elif case == "q head dim":
+            q = self._q(len(ids), self.H, 1, self.D + 1)
+        else:
+            ids = ids + [max(self.model) + 100]
+        snap = self._snapshot()
+        with pytest.raises((ValueError, TypeError)):
+            self.cache.step(ids, q, k_new, v_new)
+        assert self._snapshot() == snap
+
+    @invariant()
+    def pool_holds_the_model(self):
+        c = self.cache
+        if not hasattr(self, "model"):
+            return
+        assert sorted(c.sequences) == sorted(self.model)
+        holders = np.zeros(c.num_blocks, np.int64)
+        for s, (k, v) in self.model.items():
+            L, blocks = k.shape[1], c.blocks(s)
+            assert c.length(s) == L and len(blocks) == -(-L // self.bs)
+            holders[list(blocks)] += 1
+            pos = np.arange(L)
+            rows = (np.array(blocks, np.int64)[pos // self.bs], slice(None), pos % self.bs)
+            ks = None if c.k_scale is None else c.k_scale[rows].T
+            vs = None if c.v_scale is None else c.v_scale[rows].T
+            # token by token: (L, Hkv, D) read through the blocks, as (Hkv, L, D)
+            assert np.array_equal(held(np.swapaxes(c.k[rows], 0, 1), ks), k), f"keys of {s}"
+            assert np.array_equal(held(np.swapaxes(c.v[rows], 0, 1), vs), v), f"values of {s}"
+        assert np.array_equal(c._refs, holders), "reference counts"
+        assert sorted(c._free) == np.flatnonzero(holders == 0).tolist(), "free list"
+
+
+PagedKVCacheMachine.TestCase.settings = settings(
+    max_examples=(LONG_EXAMPLES or 15_000) if LONG else 40, stateful_step_count=25 if LONG else 15)
+test_paged_kvcache_state_machine = PagedKVCacheMachine.TestCase

@@ -330,7 +330,9 @@ def test_concurrent_truncate_reset_and_step_keep_the_cache_consistent(rng):
 # ============================================================ 5. Ctrl-C
 
 _LONG_CALL = """
-import sys, time, numpy as np, attnfast as af
+import signal, sys, time, numpy as np, attnfast as af
+# Python's default handler, whatever the parent left (an ignored SIGINT is inherited)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 q = np.random.default_rng(0).random((1, 8, 16384, 64), dtype=np.float32)
 {setup}
 print("READY", flush=True)
@@ -368,14 +370,14 @@ def _interrupt(setup, call, after="None", budget=2.5):
             proc.wait()
 
 
-def test_ctrl_c_stops_a_long_prefill_within_two_seconds():
+def test_ctrl_c_stops_a_long_prefill_within_two_seconds(parent_sigint):
     elapsed, rc, out, err = _interrupt("", "af.attention(q, q, q)")
     assert "FINISHED" not in out, "the prefill is not long enough for this test"
     assert elapsed is not None, "still computing 2.5 s after SIGINT (the signal waits for the call)"
     assert "KeyboardInterrupt" in err and rc != 0
 
 
-def test_ctrl_c_during_kvcache_step_restores_the_lengths():
+def test_ctrl_c_during_kvcache_step_restores_the_lengths(parent_sigint):
     setup = ("cache = af.KVCache(1, 8, 64, 16384 + 8)\n"
              "cache.append(q[:, :, :8], q[:, :, :8])\n"
              "before = cache.lengths.tolist()")

@@ -99,7 +99,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
                            num_threads=num_threads, query_offset=query_offset, softcap=softcap,
                            alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
     user_out = check_out(out, call.out_shape(), call.dtype,
-                         [("q", call.q), ("k", call.k), ("v", call.v)])
+                         [("q", call.q), ("k", call.k), ("v", call.v)] + call.options.arrays())
     result = run_kernels(call, user_out, return_lse)
     if key is not None:  # accepted: later calls of this layout take the fast path
         remember(ATTENTION_PLANS, key, attention_plan(call, q, k, v, out, window))

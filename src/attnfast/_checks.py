@@ -54,15 +54,23 @@ def check_query_kv_dtypes(q_dtype: np.dtype, kv_dtype: np.dtype, kv_names: str) 
                     "a float32, float16 or bfloat16 q an int8 cache")
 
 
-def kernel_ready(arr: np.ndarray) -> np.ndarray:
-    """`arr`, or a copy of it, whose last axis is contiguous and whose strides the kernels
-    can express in elements. Other axes keep their strides (transposed views cost nothing)."""
+def whole_elements(arr: np.ndarray) -> np.ndarray:
+    """`arr` as it is when every stride is a whole number of its elements and it is aligned,
+    else one contiguous copy: the kernels count strides in elements, and every array they
+    read (q, k, v, mask, scales, slopes, sinks, block tables, lengths) passes through here,
+    so none is ever read with a truncated stride (a field of a structured array, say)."""
     item = arr.itemsize
-    last_ok = arr.shape[-1] <= 1 or arr.strides[-1] == item
-    strides_ok = all(s % item == 0 for s in arr.strides)
-    if last_ok and strides_ok and arr.flags.aligned:
+    if arr.flags.aligned and all(s % item == 0 for s in arr.strides):
         return arr
     return np.ascontiguousarray(arr)
+
+
+def kernel_ready(arr: np.ndarray) -> np.ndarray:
+    """whole_elements(arr), with a contiguous last axis as well (a copy otherwise). Other
+    axes keep their strides (transposed views cost nothing)."""
+    if arr.shape[-1] > 1 and arr.strides[-1] != arr.itemsize:
+        return np.ascontiguousarray(arr)
+    return whole_elements(arr)
 
 
 def to_4d(arr: np.ndarray) -> np.ndarray:
@@ -175,6 +183,10 @@ class ScoreOptions:
         return bool(self.softcap) or self.alibi is not None or self.sinks is not None \
             or self.mask is not None
 
+    def arrays(self) -> list:
+        """(name as the caller spells it, array) of the option arrays the kernels read."""
+        return [("mask", self.mask), ("alibi_slopes", self.alibi), ("sinks", self.sinks)]
+
     def rows(self, rows) -> "ScoreOptions":
         """The options of the batch entries `rows` (a slice of axis 0)."""
         return ScoreOptions(self.softcap, None if self.alibi is None else self.alibi[rows],
@@ -190,7 +202,10 @@ def check_softcap(softcap, dtype: np.dtype) -> float:
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.integer, np.floating)):
         raise TypeError(f"softcap must be a real number > 0 or None, got {type(softcap).__name__} "
                         f"{softcap!r}")
-    c = float(softcap)
+    try:
+        c = float(softcap)
+    except OverflowError:  # an int beyond any float: named below like any other
+        c = math.inf
     info = np.finfo(_compute_dtype(dtype))
     if not (math.isfinite(c) and float(info.tiny) <= c <= float(info.max)):
         raise ValueError(f"softcap must be finite and > 0 in {info.dtype}, got {softcap!r}")
@@ -206,7 +221,7 @@ def _float32_vector(x, name: str, shapes: tuple, shape_text: str) -> np.ndarray:
         raise TypeError(f"{name} must be float32, got dtype {x.dtype}")
     if x.shape not in shapes:
         raise ValueError(f"{name} must have shape {shape_text}, got {_shape_str(x)}")
-    return np.ascontiguousarray(x)
+    return kernel_ready(x)
 
 
 def check_score_options(softcap, alibi_slopes, sinks, mask, *, batch, heads, seqlen_q,
@@ -236,6 +251,7 @@ def check_score_options(softcap, alibi_slopes, sinks, mask, *, batch, heads, seq
         else:
             raise TypeError(f"mask must be bool (True = keep) or additive float32 (or q's dtype "
                             f"{dtype}), got dtype {m.dtype}")
+        m = whole_elements(m)
         full = (batch, heads, seqlen_q, seqlen_k)[4 - rank:]
         try:
             view = np.broadcast_to(m, full)
@@ -353,10 +369,25 @@ def check_out(out, shape: tuple, dtype: np.dtype, inputs) -> np.ndarray | None:
         raise TypeError(f"out must have dtype {dtype} (that of q), got {out.dtype}")
     if not out.flags.writeable:
         raise ValueError("out is read-only")
-    for name, a in inputs:
-        if a is not None and _overlap(out, a):
-            raise ValueError(f"out overlaps the memory of {name}; pass a separate array")
+    check_apart([("out", out)], inputs)
     return out
+
+
+def check_apart(written, read=()) -> None:
+    """No two arrays of `written` (name, array) share memory, and none shares memory with
+    an array of `read`: checked before a call writes anything, so no write can change what
+    the call reads or what another of its writes put there. None entries are skipped."""
+    written = [(n, a) for n, a in written if a is not None]
+    read = [(n, a) for n, a in read if a is not None]
+    for i, (name, a) in enumerate(written):
+        for other, b in written[i + 1:]:
+            if _overlap(a, b):
+                raise ValueError(f"{name} and {other} share memory; both are written by this "
+                                 "call: pass separate arrays")
+        for other, b in read:
+            if _overlap(a, b):
+                raise ValueError(f"{name} overlaps the memory of {other}; {name} is written "
+                                 f"by this call and {other} read: pass a separate array")
 
 
 def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
@@ -395,6 +426,17 @@ def check_cu_seqlens(cu, name: str, total: int, max_seqlen) -> np.ndarray:
     return arr
 
 
+def check_varlen_slopes(alibi_slopes, batch: int, heads: int) -> list:
+    """attention_varlen's alibi_slopes, (H,) or (batch, H), checked whole (as the caller
+    passed it) -> the slopes of each of the `batch` sequences: None, or float32 (H,)."""
+    if alibi_slopes is None:
+        return [None] * batch
+    a = _float32_vector(alibi_slopes, "alibi_slopes", ((heads,), (batch, heads)),
+                        f"(H,) = ({heads},) or (batch, H) = ({batch}, {heads}) for {batch} "
+                        f"sequence(s) of {heads} query head(s)")
+    return [a] * batch if a.ndim == 1 else list(a)
+
+
 # ---- KV cache: attention_with_kvcache and KVCache (attnfast._kvcache) ----
 
 def _exact_dtype(arr: np.ndarray, name: str) -> np.dtype:
@@ -429,8 +471,9 @@ def check_cache_scales(k_scale, v_scale, cache_dtype: np.dtype, shape: tuple, wr
                              f"{_shape_str(a)}")
         if writes and not a.flags.writeable:
             raise ValueError(f"{name} is read-only, but the new tokens' scales must be written into it")
-        if any(st % 4 for st in a.strides):
-            raise ValueError(f"{name} must have strides that are whole float32 elements")
+        if whole_elements(a) is not a:  # written in place: a copy would lose the writes
+            raise ValueError(f"{name} must be aligned with strides that are whole float32 "
+                             f"elements (it is written in place), got strides {a.strides}")
     return k_scale, v_scale
 
 
@@ -455,6 +498,26 @@ def check_cache_spec(batch, kv_heads, head_dim, capacity, dtype, v_head_dim):
     return B, Hkv, D, C, dt, Dv
 
 
+def _integer_array(value, name: str, expected: str) -> np.ndarray:
+    """`value` (an int or integers) as an integer ndarray, its dtype kept so range checks
+    see the values exactly as given. Python ints beyond int64 / uint64 (which NumPy would
+    hold as objects) are reported with their value and position."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be {expected}, got bool {value!r}")
+    arr = np.asarray(value)
+    if arr.dtype == object and arr.size and all(
+            isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+            for x in arr.flat):
+        pos, big = next((i, int(x)) for i, x in enumerate(arr.flat)
+                        if not -2**63 <= int(x) < 2**63)
+        where = name if arr.ndim == 0 else f"{name}[{', '.join(map(str, np.unravel_index(pos, arr.shape)))}]"
+        raise ValueError(f"{where} = {big} is outside the int64 range [-2**63, 2**63)")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} with dtype "
+                        f"{arr.dtype}")
+    return arr
+
+
 def check_batch_index(batch_index, batch: int) -> np.ndarray:
     """batch_index (None = every sequence, an int, or a 1-D array of distinct ints in
     [0, batch)) -> int64 array of sequence indices."""
@@ -462,13 +525,10 @@ def check_batch_index(batch_index, batch: int) -> np.ndarray:
         return np.arange(batch, dtype=np.int64)
     if isinstance(batch_index, (bool, np.bool_)):
         raise TypeError(f"batch_index must be an int or an array of ints, got bool {batch_index!r}")
-    arr = np.asarray(batch_index)
-    if arr.size == 0:
+    if np.size(batch_index) == 0:
         raise ValueError(f"batch_index must select at least one sequence; got an empty "
-                         f"{type(batch_index).__name__} (shape {arr.shape})")
-    if arr.dtype.kind not in "iu":
-        raise TypeError(f"batch_index must be an int or an array of ints, got "
-                        f"{type(batch_index).__name__} with dtype {arr.dtype}")
+                         f"{type(batch_index).__name__} (shape {np.shape(batch_index)})")
+    arr = _integer_array(batch_index, "batch_index", "an int or an array of ints")
     if arr.ndim > 1:
         raise ValueError(f"batch_index must be an int or a 1-D array, got shape {arr.shape}")
     arr = arr.reshape(-1)
@@ -484,12 +544,7 @@ def check_batch_index(batch_index, batch: int) -> np.ndarray:
 def _ints_per_sequence(value, name: str, shape: tuple) -> np.ndarray:
     """An int (the same for every sequence) or integers of `shape` -> an integer array of
     `shape` (dtype kept, so range checks see the values exactly as given)."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an int or an integer array, got bool {value!r}")
-    arr = np.asarray(value)
-    if arr.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be an int or an integer array, got "
-                        f"{type(value).__name__} with dtype {arr.dtype}")
+    arr = _integer_array(value, name, "an int or an integer array")
     if arr.ndim == 0:
         arr = np.full(shape, arr, dtype=arr.dtype)
     if arr.shape != shape:
@@ -618,7 +673,8 @@ class KVCacheCall:
 
 def _kvcache_call(q, k_cache, v_cache, sizes, dtype, cache_names, starts, k_new, v_new, t,
                   k_scale, v_scale, *, causal, scale, window, query_offset, softcap,
-                  alibi_slopes, sinks, mask, num_threads, block_table=None) -> KVCacheCall:
+                  alibi_slopes, sinks, mask, num_threads, block_table=None,
+                  scale_names=None) -> KVCacheCall:
     """The checks check_kvcache_attention and check_paged_kvcache_attention share once their
     caches, tokens and lengths are checked: caches writable (and apart) when tokens are
     written, then the attention options. sizes: (B, H, Hkv, Tq, capacity, D, Dv)."""
@@ -628,8 +684,6 @@ def _kvcache_call(q, k_cache, v_cache, sizes, dtype, cache_names, starts, k_new,
         for name, a in ((kn, k_cache), (vn, v_cache)):
             if not a.flags.writeable:
                 raise ValueError(f"{name} is read-only, but k_new/v_new must be written into it")
-        if _overlap(k_cache, v_cache):
-            raise ValueError(f"{kn} and {vn} share memory; new tokens cannot be written into both")
     attn = AttentionCall(
         q=kernel_ready(q), k=k_cache, v=v_cache, rank=4, batch=B, heads=H, kv_heads=Hkv,
         seqlen_q=Tq, seqlen_k=C, head_dim=D, head_dim_v=Dv, dtype=q.dtype, kv_dtype=dtype,
@@ -639,6 +693,11 @@ def _kvcache_call(q, k_cache, v_cache, sizes, dtype, cache_names, starts, k_new,
         options=check_score_options(softcap, alibi_slopes, sinks, mask, batch=B, heads=H,
                                     seqlen_q=Tq, seqlen_k=C, rank=4, dtype=q.dtype),
         num_threads=resolve_threads(num_threads))
+    if t:  # the new tokens are written into the caches (and scales): all apart, and apart
+        sn = ("k_scale", "v_scale") if scale_names is None else scale_names  # from what is read
+        check_apart([(kn, k_cache), (vn, v_cache), (sn[0], k_scale), (sn[1], v_scale)],
+                    [("q", q), ("k_new", k_new), ("v_new", v_new), ("block_table", block_table)]
+                    + attn.options.arrays())
     return KVCacheCall(attn=attn, k_cache=k_cache, v_cache=v_cache, starts=starts,
                        k_new=k_new, v_new=v_new, new_tokens=t, k_scale=k_scale,
                        v_scale=v_scale, block_table=block_table)
@@ -676,18 +735,19 @@ def check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, *,
                          starts, k_new, v_new, t, k_scale, v_scale, causal=causal, scale=scale,
                          window=window, query_offset=query_offset, softcap=softcap,
                          alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
-                         num_threads=num_threads)
+                         num_threads=num_threads, scale_names=scale_names)
 
 
-def check_truncate(n, lengths: np.ndarray) -> np.ndarray:
-    """truncate(n): n an int or one int per sequence, 0 <= n <= current length."""
+def check_truncate(n, lengths: np.ndarray, seq_ids=None) -> np.ndarray:
+    """truncate(n): n an int or one int per sequence, 0 <= n <= current length. seq_ids:
+    the sequences' ids for the message (default: their indices)."""
     arr = _ints_per_sequence(n, "n", lengths.shape)
     if arr.size and arr.min() < 0:
         raise ValueError(f"n must be >= 0, got {arr.min()}")
     if arr.size and np.any(arr > lengths):
         b = int(np.argmax(arr > lengths))
-        raise ValueError(f"cannot truncate sequence {b} to {arr[b]}: it holds only {lengths[b]} "
-                         "token(s) (truncate only shortens)")
+        raise ValueError(f"cannot truncate sequence {b if seq_ids is None else seq_ids[b]} to "
+                         f"{arr[b]}: it holds only {lengths[b]} token(s) (truncate only shortens)")
     return arr.astype(np.int64)
 
 
@@ -833,9 +893,9 @@ def check_block_table(block_table, batch: int, name: str = "block_table") -> np.
     if arr.shape[0] != batch:
         raise ValueError(f"{name} must have one row per sequence: shape ({batch}, max_blocks), "
                          f"got {arr.shape}")
-    if arr.dtype != np.int64 or not arr.dtype.isnative or (arr.shape[1] > 1 and arr.strides[1] != 8):
-        arr = np.ascontiguousarray(arr, dtype=np.int64)
-    return arr
+    if arr.dtype != np.int64 or not arr.dtype.isnative:
+        arr = arr.astype(np.int64)
+    return kernel_ready(arr)
 
 
 def check_paged_pools(k_cache, v_cache, *, names=("k_cache", "v_cache")):
@@ -943,7 +1003,8 @@ def check_paged_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_n
                          starts, k_new, v_new, t, k_scale, v_scale, causal=causal, scale=scale,
                          window=window, query_offset=query_offset, softcap=softcap,
                          alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
-                         num_threads=num_threads, block_table=table)
+                         num_threads=num_threads, block_table=table,
+                         scale_names=scale_names)
 
 
 def check_paged_spec(num_blocks, block_size, kv_heads, head_dim, dtype, v_head_dim):
@@ -961,9 +1022,12 @@ def check_paged_spec(num_blocks, block_size, kv_heads, head_dim, dtype, v_head_d
 def check_seq_ids(seq_ids, known) -> tuple[list[int], bool]:
     """seq_ids: one id or a non-empty sequence of distinct ids, each in `known` ->
     (list of ids, whether one bare id was given)."""
-    single = not isinstance(seq_ids, (list, tuple, np.ndarray))
-    ids = [seq_ids] if single else list(np.asarray(seq_ids).reshape(-1).tolist()
-                                        if isinstance(seq_ids, np.ndarray) else seq_ids)
+    single = (not isinstance(seq_ids, (list, tuple, np.ndarray))
+              or (isinstance(seq_ids, np.ndarray) and seq_ids.ndim == 0))
+    if single:  # an int, a NumPy integer or a 0-d integer array: one id
+        ids = [seq_ids[()] if isinstance(seq_ids, np.ndarray) else seq_ids]
+    else:
+        ids = list(seq_ids.reshape(-1).tolist() if isinstance(seq_ids, np.ndarray) else seq_ids)
     if not ids:
         raise ValueError("seq_ids must name at least one sequence; got an empty sequence")
     out = []

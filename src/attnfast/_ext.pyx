@@ -133,9 +133,15 @@ cdef void _run_interruptible(AttentionParams* p) except *:
         raise KeyboardInterrupt("attnfast: interrupted")
 
 
-cdef inline int64_t _stride(cnp.ndarray a, int axis) noexcept:
-    """Stride of `axis` in elements (the checks guarantee it divides evenly)."""
-    return cnp.PyArray_STRIDES(a)[axis] // cnp.PyArray_ITEMSIZE(a)
+cdef inline int64_t _stride(cnp.ndarray a, int axis) except? -1:
+    """Stride of `axis` in elements. attnfast._checks hands over whole-element strides only
+    (whole_elements); anything else is refused here rather than truncated."""
+    cdef int64_t byte_stride = cnp.PyArray_STRIDES(a)[axis]
+    cdef int64_t item = cnp.PyArray_ITEMSIZE(a)
+    if byte_stride % item:
+        raise TypeError(f"attnfast._ext: a stride of {byte_stride} bytes is not a whole number "
+                        f"of {item}-byte elements")
+    return byte_stride // item
 
 
 import ml_dtypes

@@ -57,39 +57,72 @@ def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(values, -127, 127).astype(np.int8), scale
 
 
-def _write_tokens(k_cache, v_cache, seqs, starts, k_new, v_new, k_scale=None, v_scale=None) -> None:
+class Undo:
+    """The bytes a mutating call is about to overwrite, saved before each write, so that a
+    call which then raises anything (KeyboardInterrupt, MemoryError, ...) puts them back and
+    leaves every cache and scale array byte-identical: the call did not happen."""
+    __slots__ = ("_saved",)
+
+    def __init__(self):
+        self._saved = []
+
+    def write(self, array: np.ndarray, index, values) -> None:
+        """array[index] = values, keeping what was there."""
+        self._saved.append((array, index, array[index].copy()))
+        array[index] = values
+
+    def restore(self) -> None:
+        while self._saved:
+            array, index, old = self._saved.pop()
+            array[index] = old
+
+
+def _stored_form(k_new, v_new, cache_dtype, int8: bool):
+    """k_new, v_new as the cache stores them, converted before anything is written:
+    (k, v, k row scales, v row scales), the scales None unless int8. Values beyond a 16-bit
+    dtype's range become +-inf, as the cast gives, with no overflow warning (README,
+    reliability rules): a warning turned into an error must not stop a write half-way."""
+    if int8:
+        (k_new, k_rows), (v_new, v_rows) = quantize_int8(k_new), quantize_int8(v_new)
+        return k_new, v_new, k_rows, v_rows
+    if k_new.dtype != cache_dtype or v_new.dtype != cache_dtype:
+        with np.errstate(over="ignore", invalid="ignore"):
+            k_new, v_new = k_new.astype(cache_dtype), v_new.astype(cache_dtype)
+    return k_new, v_new, None, None
+
+
+def _write_tokens(k_cache, v_cache, seqs, starts, k_new, v_new, k_scale, v_scale,
+                  undo: Undo) -> None:
     """k_cache[seqs[i], :, starts[i]:starts[i] + t] = k_new[i], and the same for v (rounded
-    to a 16-bit cache's dtype, or quantised with its row scales into an int8 cache)."""
+    to a 16-bit cache's dtype, or quantised with its row scales into an int8 cache);
+    what it overwrites goes to `undo`. seqs, starts: lists of ints."""
     t = k_new.shape[2]
-    if k_scale is not None:  # int8
-        k_new, k_rows = quantize_int8(k_new)
-        v_new, v_rows = quantize_int8(v_new)
-    for i, (b, s) in enumerate(zip(seqs.tolist(), starts.tolist())):
-        k_cache[b, :, s:s + t] = k_new[i]
-        v_cache[b, :, s:s + t] = v_new[i]
+    k_new, v_new, k_rows, v_rows = _stored_form(k_new, v_new, k_cache.dtype, k_scale is not None)
+    for i, (b, s) in enumerate(zip(seqs, starts)):
+        rows = (b, slice(None), slice(s, s + t))
+        undo.write(k_cache, rows, k_new[i])
+        undo.write(v_cache, rows, v_new[i])
         if k_scale is not None:
-            k_scale[b, :, s:s + t] = k_rows[i]
-            v_scale[b, :, s:s + t] = v_rows[i]
+            undo.write(k_scale, rows, k_rows[i])
+            undo.write(v_scale, rows, v_rows[i])
 
 
-def _write_paged_tokens(k_pool, v_pool, table, starts, k_new, v_new, k_scale=None,
-                        v_scale=None) -> None:
+def _write_paged_tokens(k_pool, v_pool, table, starts, k_new, v_new, k_scale, v_scale,
+                        undo: Undo) -> None:
     """The paged form of _write_tokens: token starts[i] + u of sequence i goes to row
     (starts[i] + u) % block_size of block table[i, (starts[i] + u) // block_size]."""
     t = k_new.shape[2]
     bs = k_pool.shape[2]
-    if k_scale is not None:  # int8
-        k_new, k_rows = quantize_int8(k_new)
-        v_new, v_rows = quantize_int8(v_new)
+    k_new, v_new, k_rows, v_rows = _stored_form(k_new, v_new, k_pool.dtype, k_scale is not None)
     for i, s in enumerate(starts.tolist()):
         pos = np.arange(s, s + t)
-        blocks, rows = table[i, pos // bs], pos % bs
+        rows = (table[i, pos // bs], slice(None), pos % bs)
         # advanced indices on axes 0 and 2 put the token axis first: (t, Hkv, D)
-        k_pool[blocks, :, rows] = np.swapaxes(k_new[i], 0, 1)
-        v_pool[blocks, :, rows] = np.swapaxes(v_new[i], 0, 1)
+        undo.write(k_pool, rows, np.swapaxes(k_new[i], 0, 1))
+        undo.write(v_pool, rows, np.swapaxes(v_new[i], 0, 1))
         if k_scale is not None:
-            k_scale[blocks, :, rows] = k_rows[i].T
-            v_scale[blocks, :, rows] = v_rows[i].T
+            undo.write(k_scale, rows, k_rows[i].T)
+            undo.write(v_scale, rows, v_rows[i].T)
 
 
 @accepts_arrays
@@ -172,7 +205,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     for float64). A query that sees no key (e.g. an empty cache) gives zeros and lse = -inf.
 
     Every argument is checked before anything is written: a rejected call leaves the caches
-    and ``out`` untouched.
+    and ``out`` untouched, and a call that raises after writing (Ctrl-C in the kernels, say)
+    puts back every byte of the caches and scales it overwrote. float32 values beyond a
+    16-bit cache's range are stored as +-inf, without a warning.
     """
     key = None
     if (softcap is None and alibi_slopes is None and sinks is None and mask is None
@@ -199,19 +234,29 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
                                    num_threads=num_threads, k_scale=k_scale, v_scale=v_scale,
                                    query_offset=query_offset, softcap=softcap,
                                    alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
-    user_out = check_out(out, call.attn.out_shape(), call.attn.dtype,
-                         [("q", call.attn.q), ("k_cache", k_cache), ("v_cache", v_cache),
-                          ("k_new", call.k_new), ("v_new", call.v_new),
-                          ("k_scale", call.k_scale), ("v_scale", call.v_scale)])
+    user_out = check_out(out, call.attn.out_shape(), call.attn.dtype, _read_and_written(call))
     tree = check_tree_mask(tree_mask, call)
-    if call.new_tokens:
-        _write_tokens(k_cache, v_cache, np.arange(call.attn.batch), call.starts,
-                      call.k_new, call.v_new, call.k_scale, call.v_scale)
-    parts = [(slice(None), k_cache, v_cache, call.seqlens_after, call.k_scale, call.v_scale)]
-    result = run_cache_kernels(call, user_out, return_lse, parts, tree)
+    undo = Undo()
+    try:
+        if call.new_tokens:
+            _write_tokens(k_cache, v_cache, range(call.attn.batch), call.starts.tolist(),
+                          call.k_new, call.v_new, call.k_scale, call.v_scale, undo)
+        parts = [(slice(None), k_cache, v_cache, call.seqlens_after, call.k_scale, call.v_scale)]
+        result = run_cache_kernels(call, user_out, return_lse, parts, tree)
+    except BaseException:  # the call did not happen: the caches as they were
+        undo.restore()
+        raise
     if key is not None:  # accepted: later calls of this layout take the fast path
         remember(KVCACHE_PLANS, key, kvcache_plan(q, k_cache, v_cache, call.k_new, scale, window))
     return result
+
+
+def _read_and_written(call) -> list:
+    """Every array of a checked KV-cache call other than `out` (the caches and scales it
+    reads or writes, and what it reads): `out` must overlap none of them."""
+    return [("q", call.attn.q), ("k_cache", call.k_cache), ("v_cache", call.v_cache),
+            ("k_new", call.k_new), ("v_new", call.v_new), ("k_scale", call.k_scale),
+            ("v_scale", call.v_scale), ("block_table", call.block_table)] + call.attn.options.arrays()
 
 
 def _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal,
@@ -229,21 +274,27 @@ def _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal
               else cache_seqlens.tolist())
     if starts and (min(starts) < 0 or max(starts) > capacity - t):
         return None
-    if t:
-        if (not k_cache.flags.writeable or not v_cache.flags.writeable
-                or np.may_share_memory(k_cache, v_cache)):
-            return None
-        for b, s in enumerate(starts):
-            k_cache[b, :, s:s + t] = k_new[b]
-            v_cache[b, :, s:s + t] = v_new[b]
+    if t and (not k_cache.flags.writeable or not v_cache.flags.writeable
+              or any(np.may_share_memory(a, b) for a, b in (
+                  (k_cache, v_cache), (q, k_cache), (q, v_cache), (k_new, k_cache),
+                  (k_new, v_cache), (v_new, k_cache), (v_new, v_cache)))):
+        return None  # check_apart decides (and raises) exactly
     seqlens = np.array([s + t for s in starts] if t else starts, dtype=np.int64)
     left, right = (-1, -1) if window == (-1, -1) else bound_window(
         window, seqlen_q, capacity, query_offset)
     out = np.empty(out_shape, dtype)
-    _ext.run_attention(q, k_cache, v_cache, out, None, causal=causal, scale=scale,
-                       window_left=left, window_right=right, num_threads=threads,
-                       seqlens_k=seqlens, interruptible=kernels_interruptible(),
-                       query_offset=query_offset)
+    undo = Undo()
+    try:
+        if t:
+            _write_tokens(k_cache, v_cache, range(len(starts)), starts, k_new, v_new, None,
+                          None, undo)
+        _ext.run_attention(q, k_cache, v_cache, out, None, causal=causal, scale=scale,
+                           window_left=left, window_right=right, num_threads=threads,
+                           seqlens_k=seqlens, interruptible=kernels_interruptible(),
+                           query_offset=query_offset)
+    except BaseException:  # the call did not happen: the caches as they were
+        undo.restore()
+        raise
     return out
 
 
@@ -264,18 +315,19 @@ def _paged_attention(q, k_pool, v_pool, cache_seqlens, k_new, v_new, block_table
     """attention_with_kvcache with a block table (arguments as there, return_lse checked)."""
     call = check_paged_kvcache_attention(q, k_pool, v_pool, cache_seqlens, k_new, v_new,
                                          block_table, **options)
-    user_out = check_out(out, call.attn.out_shape(), call.attn.dtype,
-                         [("q", call.attn.q), ("k_cache", k_pool), ("v_cache", v_pool),
-                          ("k_new", call.k_new), ("v_new", call.v_new),
-                          ("k_scale", call.k_scale), ("v_scale", call.v_scale),
-                          ("block_table", call.block_table)])
+    user_out = check_out(out, call.attn.out_shape(), call.attn.dtype, _read_and_written(call))
     tree = check_tree_mask(tree_mask, call)
-    if call.new_tokens:
-        _write_paged_tokens(k_pool, v_pool, call.block_table, call.starts, call.k_new,
-                            call.v_new, call.k_scale, call.v_scale)
-    parts = [(slice(None), k_pool, v_pool, call.seqlens_after, call.k_scale, call.v_scale,
-              call.block_table)]
-    return run_cache_kernels(call, user_out, return_lse, parts, tree)
+    undo = Undo()
+    try:
+        if call.new_tokens:
+            _write_paged_tokens(k_pool, v_pool, call.block_table, call.starts, call.k_new,
+                                call.v_new, call.k_scale, call.v_scale, undo)
+        parts = [(slice(None), k_pool, v_pool, call.seqlens_after, call.k_scale, call.v_scale,
+                  call.block_table)]
+        return run_cache_kernels(call, user_out, return_lse, parts, tree)
+    except BaseException:  # the call did not happen: the pools as they were
+        undo.restore()
+        raise
 
 
 class KVCache:
@@ -306,7 +358,8 @@ class KVCache:
     kernels still use every core for each call). Writing to ``k``/``v`` directly bypasses it.
 
     Ctrl-C: a ``step`` interrupted while attending raises KeyboardInterrupt and leaves the
-    cache as it was before the call (``lengths`` restored).
+    cache as it was before the call: ``lengths`` and every byte of ``k``, ``v`` and the
+    scales (so does any call that raises, whatever it raises).
     """
 
     def __init__(self, batch, kv_heads, head_dim, capacity, *, dtype=np.float32,
@@ -389,8 +442,13 @@ class KVCache:
         for name, a in (("cache.k", self._k), ("cache.v", self._v)):
             if not a.flags.writeable:
                 raise ValueError(f"{name} is read-only, but k_new/v_new must be written into it")
-        _write_tokens(self._k, self._v, seqs, self._lengths[seqs], k_new, v_new,
-                      self._k_scale, self._v_scale)
+        undo = Undo()
+        try:
+            _write_tokens(self._k, self._v, seqs.tolist(), self._lengths[seqs].tolist(), k_new,
+                          v_new, self._k_scale, self._v_scale, undo)
+        except BaseException:  # the call did not happen: the cache as it was
+            undo.restore()
+            raise
         self._lengths[seqs] += t
 
     @accepts_arrays
@@ -507,16 +565,18 @@ class KVCache:
                 return None
             k, v, lengths = self._k, self._v, self._lengths
             starts = lengths.tolist()
-            if t:
-                if max(starts) + t > capacity or not k.flags.writeable or not v.flags.writeable:
-                    return None
-                for b, s in enumerate(starts):
-                    k[b, :, s:s + t] = k_new[b]
-                    v[b, :, s:s + t] = v_new[b]
+            if t and (max(starts) + t > capacity or not k.flags.writeable
+                      or not v.flags.writeable
+                      or any(np.may_share_memory(a, c) for a in (q, k_new, v_new) for c in (k, v))):
+                return None  # the full path decides (and raises) exactly
             left, right = (-1, -1) if window == (-1, -1) else bound_window(
                 window, seqlen_q, capacity, query_offset)
             out = np.empty(out_shape, dtype)
+            undo = Undo()
             try:
+                if t:
+                    _write_tokens(k, v, range(len(starts)), starts, k_new, v_new, None, None,
+                                  undo)
                 if t:  # one sequence: an item store costs a tenth of a ufunc
                     if len(starts) == 1:
                         lengths[0] = starts[0] + t
@@ -527,6 +587,7 @@ class KVCache:
                                    seqlens_k=lengths, interruptible=kernels_interruptible(),
                                    query_offset=query_offset)
             except BaseException:  # KeyboardInterrupt: the step did not happen
+                undo.restore()
                 lengths[:] = starts
                 raise
             return out
@@ -546,25 +607,29 @@ class KVCache:
                                                 (0,) + self._k.strides[1:])
         v_sel = np.lib.stride_tricks.as_strided(self._v, (n,) + self._v.shape[1:],
                                                 (0,) + self._v.strides[1:])
-        s_sel = None
-        if self._k_scale is not None:  # the scales' stand-in, as k_sel
-            s_sel = np.lib.stride_tricks.as_strided(self._k_scale, (n,) + self._k_scale.shape[1:],
-                                                    (0,) + self._k_scale.strides[1:])
+        ks_sel = vs_sel = None
+        if self._k_scale is not None:  # the scales' stand-ins, as k_sel
+            ks_sel, vs_sel = (np.lib.stride_tricks.as_strided(a, (n,) + a.shape[1:],
+                                                              (0,) + a.strides[1:])
+                              for a in (self._k_scale, self._v_scale))
         call = check_kvcache_attention(q, k_sel, v_sel, self._lengths[seqs], k_new, v_new,
                                        causal=causal, scale=scale, window=window,
-                                       num_threads=num_threads, k_scale=s_sel, v_scale=s_sel,
+                                       num_threads=num_threads, k_scale=ks_sel, v_scale=vs_sel,
                                        query_offset=query_offset, softcap=softcap,
                                        alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
                                        cache_names=("cache.k", "cache.v"),
                                        scale_names=("cache.k_scale", "cache.v_scale"))
         user_out = check_out(out, call.attn.out_shape(), call.attn.dtype,
-                             [("q", call.attn.q), ("cache.k", self._k), ("cache.v", self._v),
-                              ("k_new", call.k_new), ("v_new", call.v_new)])
+                             _read_and_written(call) + [
+                                 ("cache.k", self._k), ("cache.v", self._v),
+                                 ("cache.k_scale", self._k_scale),
+                                 ("cache.v_scale", self._v_scale)])
         tree = check_tree_mask(tree_mask, call)
-        if call.new_tokens:
-            _write_tokens(self._k, self._v, seqs, call.starts, call.k_new, call.v_new,
-                          self._k_scale, self._v_scale)
+        undo = Undo()
         try:
+            if call.new_tokens:
+                _write_tokens(self._k, self._v, seqs.tolist(), call.starts.tolist(), call.k_new,
+                              call.v_new, self._k_scale, self._v_scale, undo)
             self._lengths[seqs] = call.seqlens_after
             int8 = self._k_scale is not None
             parts = [(rows, self._k[cache_rows], self._v[cache_rows], self._lengths[cache_rows],
@@ -573,5 +638,6 @@ class KVCache:
                      for rows, cache_rows in self._views(seqs)]
             return run_cache_kernels(call, user_out, return_lse, parts, tree)
         except BaseException:  # KeyboardInterrupt: the step did not happen
+            undo.restore()
             self._lengths[seqs] = call.starts
             raise

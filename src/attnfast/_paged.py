@@ -10,6 +10,7 @@ anything: running out of blocks raises and leaves the cache as it was.
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -22,9 +23,10 @@ from ._checks import (
     check_paged_spec,
     check_seq_ids,
     check_tree_mask,
+    check_truncate,
 )
 from ._interop import accepts_arrays
-from ._kvcache import _write_paged_tokens, run_cache_kernels
+from ._kvcache import Undo, _read_and_written, _write_paged_tokens, run_cache_kernels
 
 __all__ = ["PagedKVCache"]
 
@@ -66,7 +68,9 @@ class PagedKVCache:
 
     Every method checks all its arguments, and that the pool has the blocks it needs,
     before it changes anything: a rejected call (ValueError "out of blocks ..." included)
-    leaves the pools, the sequences and ``num_free_blocks`` exactly as they were.
+    leaves the pools, the sequences and ``num_free_blocks`` exactly as they were. So does a
+    call that raises once it has started changing them (Ctrl-C in the kernels, MemoryError):
+    the blocks it took, the bytes it wrote and the lengths all go back.
 
     Thread safety: each method holds the cache's lock for its whole call (as KVCache).
     """
@@ -160,7 +164,7 @@ class PagedKVCache:
     # ---- sequences ----
     def add_sequence(self) -> int:
         """A new, empty sequence (it takes no block until tokens are appended); its id."""
-        with self._lock:
+        with self._lock, self._transaction(()):
             sid = self._next_id
             self._next_id += 1
             self._seqs[sid] = _Sequence()
@@ -170,8 +174,9 @@ class PagedKVCache:
         """Forget a sequence; the blocks no other sequence holds return to the pool."""
         with self._lock:
             (sid,), _ = check_seq_ids([seq_id], self._seqs)
-            for blk in self._seqs.pop(sid).blocks:
-                self._release(blk)
+            with self._transaction([sid]):
+                for blk in self._seqs.pop(sid).blocks:
+                    self._release(blk)
 
     def fork(self, seq_id) -> int:
         """A new sequence holding the same tokens as `seq_id`, sharing its blocks (nothing is
@@ -179,13 +184,29 @@ class PagedKVCache:
         Returns the new id."""
         with self._lock:
             (sid,), _ = check_seq_ids([seq_id], self._seqs)
-            src = self._seqs[sid]
-            for blk in src.blocks:
-                self._refs[blk] += 1
-            new = self._next_id
-            self._next_id += 1
-            self._seqs[new] = _Sequence(src.blocks, src.length)
-            return new
+            with self._transaction([sid]):
+                src = self._seqs[sid]
+                for blk in src.blocks:
+                    self._refs[blk] += 1
+                new = self._next_id
+                self._next_id += 1
+                self._seqs[new] = _Sequence(src.blocks, src.length)
+                return new
+
+    def truncate(self, seq_id, n) -> None:
+        """Roll one sequence back to its first n tokens (0 <= n <= its length), e.g. to drop
+        rejected speculative tokens; the blocks it no longer needs return to the pool unless
+        another sequence holds them."""
+        with self._lock:
+            (sid,), _ = check_seq_ids([seq_id], self._seqs)
+            seq = self._seqs[sid]
+            (kept,) = check_truncate(n, np.array([seq.length]), [sid]).tolist()
+            with self._transaction([sid]):
+                used = -(-kept // self.block_size)
+                for blk in seq.blocks[used:]:
+                    self._release(blk)
+                del seq.blocks[used:]
+                seq.length = kept
 
     # ---- tokens and attention ----
     @accepts_arrays
@@ -204,12 +225,13 @@ class PagedKVCache:
                 raise ValueError("append needs both k_new and v_new; both are None")
             plan = self._plan(ids, t)
             starts = np.array([self._seqs[s].length for s in ids], dtype=np.int64)
-            self._commit(ids, plan)
-            table = self._table([self._seqs[s].blocks for s in ids])
-            _write_paged_tokens(self._k, self._v, table, starts, k_new, v_new,
-                                self._k_scale, self._v_scale)
-            for s in ids:
-                self._seqs[s].length += t
+            with self._transaction(ids) as undo:
+                self._commit(ids, plan, undo)
+                table = self._table([self._seqs[s].blocks for s in ids])
+                _write_paged_tokens(self._k, self._v, table, starts, k_new, v_new,
+                                    self._k_scale, self._v_scale, undo)
+                for s in ids:
+                    self._seqs[s].length += t
 
     @accepts_arrays
     def attend(self, seq_ids, q, *, causal=True, scale=None, window=None, softcap=None,
@@ -245,6 +267,24 @@ class PagedKVCache:
                          query_offset=query_offset, tree_mask=tree_mask)
 
     # ---- internals ----
+    @contextmanager
+    def _transaction(self, ids):
+        """The body of a mutating call on the sequences `ids`: if it raises anything at all
+        (KeyboardInterrupt, MemoryError, ...), the free list, reference counts, sequences,
+        their block lists and lengths, and the pool bytes written through the Undo it
+        yields are put back as they were before it."""
+        free, refs, next_id, seqs = list(self._free), self._refs.copy(), self._next_id, dict(self._seqs)
+        held = {sid: (list(self._seqs[sid].blocks), self._seqs[sid].length) for sid in ids}
+        undo = Undo()
+        try:
+            yield undo
+        except BaseException:
+            undo.restore()
+            self._free[:], self._refs[:], self._next_id, self._seqs = free, refs, next_id, seqs
+            for sid, (blocks, length) in held.items():
+                seqs[sid].blocks, seqs[sid].length = blocks, length
+            raise
+
     def _release(self, blk: int) -> None:
         self._refs[blk] -= 1
         if self._refs[blk] == 0:
@@ -288,8 +328,9 @@ class PagedKVCache:
             lists.append(blocks)
         return lists
 
-    def _commit(self, ids, plan) -> None:
-        """Take the planned blocks, copying shared partial blocks (copy-on-write)."""
+    def _commit(self, ids, plan, undo: Undo) -> None:
+        """Take the planned blocks, copying shared partial blocks (copy-on-write; the rows
+        copied over go to `undo`). Call within _transaction."""
         bs = self.block_size
         for sid, (copy, grow) in zip(ids, plan):
             seq = self._seqs[sid]
@@ -297,11 +338,9 @@ class PagedKVCache:
                 i = seq.length // bs
                 old, new = seq.blocks[i], self._free.pop()
                 rows = seq.length % bs
-                self._k[new, :, :rows] = self._k[old, :, :rows]
-                self._v[new, :, :rows] = self._v[old, :, :rows]
-                if self._k_scale is not None:
-                    self._k_scale[new, :, :rows] = self._k_scale[old, :, :rows]
-                    self._v_scale[new, :, :rows] = self._v_scale[old, :, :rows]
+                for pool in (self._k, self._v, self._k_scale, self._v_scale):
+                    if pool is not None:
+                        undo.write(pool, (new, slice(None), slice(0, rows)), pool[old, :, :rows])
                 self._refs[new] = 1
                 self._release(old)
                 seq.blocks[i] = new
@@ -338,24 +377,20 @@ class PagedKVCache:
             v_scale=self._v_scale, cache_names=("cache.k", "cache.v"), scale_names=s_names,
             **options)
         user_out = check_out(_lift(single, out) if out is not None and np.ndim(out) == 3 else out,
-                             call.attn.out_shape(), call.attn.dtype,
-                             [("q", call.attn.q), ("cache.k", self._k), ("cache.v", self._v),
-                              ("k_new", call.k_new), ("v_new", call.v_new)])
+                             call.attn.out_shape(), call.attn.dtype, _read_and_written(call))
         tree = check_tree_mask(tree_mask, call)
-        self._commit(ids, plan)  # the blocks of `table`, now taken
-        if call.new_tokens:
-            _write_paged_tokens(self._k, self._v, call.block_table, call.starts, call.k_new,
-                                call.v_new, self._k_scale, self._v_scale)
-        for s, n in zip(ids, call.seqlens_after.tolist()):
-            self._seqs[s].length = n
-        try:
+        # KeyboardInterrupt (or anything else) from here on: the blocks taken, the rows
+        # written and the lengths all go back, as if the call had not happened.
+        with self._transaction(ids) as undo:
+            self._commit(ids, plan, undo)  # the blocks of `table`, now taken
+            if call.new_tokens:
+                _write_paged_tokens(self._k, self._v, call.block_table, call.starts, call.k_new,
+                                    call.v_new, self._k_scale, self._v_scale, undo)
+            for s, n in zip(ids, call.seqlens_after.tolist()):
+                self._seqs[s].length = n
             parts = [(slice(None), self._k, self._v, call.seqlens_after, self._k_scale,
                       self._v_scale, call.block_table)]
             result = run_cache_kernels(call, user_out, return_lse, parts, tree)
-        except BaseException:  # KeyboardInterrupt: the tokens were not appended
-            for s, n in zip(ids, call.starts.tolist()):
-                self._seqs[s].length = n
-            raise
         if squeeze:
             return (result[0][0], result[1][0]) if return_lse else result[0]
         return result

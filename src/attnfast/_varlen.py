@@ -5,7 +5,8 @@ import numpy as np
 
 from ._api import attention
 from ._interop import accepts_arrays
-from ._checks import as_float_array, check_cu_seqlens, check_flag, check_out, _shape_str
+from ._checks import (as_float_array, check_cu_seqlens, check_flag, check_out, check_varlen_slopes,
+                      _shape_str)
 
 __all__ = ["attention_varlen"]
 
@@ -71,16 +72,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
                                   "has its own Tq x Tk); use causal/window, or attention() per "
                                   "sequence with its own mask")
     batch = cu_q.shape[0] - 1
-    slopes = [alibi_slopes] * batch  # (H,) for every sequence, or row b of (B, H)
-    if alibi_slopes is not None and np.ndim(alibi_slopes) == 2:
-        if np.shape(alibi_slopes)[0] != batch:
-            raise ValueError(f"alibi_slopes of shape {np.shape(alibi_slopes)} must be (H,) or "
-                             f"(batch, H) with batch = {batch} sequences")
-        slopes = list(alibi_slopes)
+    slopes = check_varlen_slopes(alibi_slopes, batch, heads)  # (H,) per sequence, or None
     options = dict(causal=causal, scale=scale, window=window, softcap=softcap, sinks=sinks,
                    num_threads=num_threads)
     probe = attention(head_major(q, 0, 0), head_major(k, 0, 0), head_major(v, 0, 0),
-                      alibi_slopes=slopes[0] if batch else alibi_slopes, **options)
+                      alibi_slopes=slopes[0] if batch else None, **options)
     total_q, heads, dim_v = q.shape[0], q.shape[1], v.shape[2]
     check_out(out, (total_q, heads, dim_v), probe.dtype, [("q", q), ("k", k), ("v", v)])
     result = out if out is not None else np.empty((total_q, heads, dim_v), probe.dtype)

@@ -279,7 +279,7 @@ class ShardedKVCache:
         # zero-stride stand-ins of the whole cache, for the argument checks (no memory)
         self._k_one = np.zeros(1, dt)
         self._v_one = np.zeros(1, dt)
-        self._s_one = np.zeros(1, np.float32)
+        self._s_one = np.zeros(2, np.float32)  # [0]: k_scale's stand-in, [1]: v_scale's
         # per shard, the local lengths its actor is known to hold (-1: unknown, sync next call)
         self._known = np.zeros((S, NL, B), np.int64)
         cls = _actor_class(ray)
@@ -405,8 +405,7 @@ class ShardedKVCache:
             self._open()
             layers = self._layers(layer, allow_all=True)
             new = [check_truncate(n, self._lengths[l]) for l in layers]
-            for l, lengths in zip(layers, new):
-                self._lengths[l] = lengths
+            self._lengths[layers] = np.stack(new)  # one store: all layers or none
 
     def reset(self) -> None:
         """Empty every sequence of every layer (the shards roll back on their next call)."""
@@ -464,7 +463,8 @@ class ShardedKVCache:
         st = np.lib.stride_tricks.as_strided
         k = st(self._k_one, shape + (self._head_dim,), (0, 0, 0, 0))
         v = st(self._v_one, shape + (self._v_head_dim,), (0, 0, 0, 0))
-        s = st(self._s_one, shape, (0, 0, 0)) if self._dtype == INT8 else None
+        s = ((st(self._s_one[:1], shape, (0, 0, 0)), st(self._s_one[1:], shape, (0, 0, 0)))
+             if self._dtype == INT8 else (None, None))
         return k, v, s
 
     def _run(self, q, k_new, v_new, *, layer, batch_index, causal, scale, window, softcap,
@@ -493,8 +493,8 @@ class ShardedKVCache:
                     check_cache_room(self._lengths[l], seqs, t, self.capacity)
                 call = check_kvcache_attention(
                     qs[li], k_sel, v_sel, self._lengths[l][seqs], ks[li], vs[li], causal=causal,
-                    scale=scale, window=window, num_threads=num_threads, k_scale=s_sel,
-                    v_scale=s_sel, query_offset=query_offset, softcap=softcap,
+                    scale=scale, window=window, num_threads=num_threads, k_scale=s_sel[0],
+                    v_scale=s_sel[1], query_offset=query_offset, softcap=softcap,
                     alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
                     cache_names=("cache.k", "cache.v"),
                     scale_names=("cache.k_scale", "cache.v_scale"))
