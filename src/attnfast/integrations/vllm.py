@@ -45,7 +45,7 @@ from .._interop import to_numpy
 from .._kvcache import attention_with_kvcache
 
 __all__ = ["ENV_VAR", "register", "register_plugin", "backend_class", "split_kv_cache",
-           "paged_attention"]
+           "paged_attention", "vllm_paged_attention"]
 
 #: Environment variable that makes the vLLM plugin select attnfast (``"1"``: on).
 ENV_VAR = "ATTNFAST_VLLM_BACKEND"
@@ -145,6 +145,35 @@ def paged_attention(query, k_pool, v_pool, output, query_start_loc, seq_lens, bl
         attention_with_kvcache(_head_major(q[rows]), k_pool, v_pool, lengths[b:b + 1],
                                block_table=table[b:b + 1], out=_head_major(out[rows]),
                                **options)
+    return output
+
+
+def vllm_paged_attention(query, kv_cache, output, query_start_loc, seq_lens, block_table, *,
+                         scale, sliding_window=-1, softcap=0.0, alibi_slopes=None,
+                         sinks=None):
+    """vLLM's own CPU kernel on the same batch, as its ``CPU_ATTN`` backend calls it.
+
+    The comparison for :func:`paged_attention` (tests, bench/bench_vllm.py): scheduler
+    metadata from ``cpu_attn_get_scheduler_metadata``, then ``cpu_attention_with_kv_cache``
+    on the halves of ``kv_cache``. Arguments as there, in vLLM's conventions (torch tensors;
+    ``sliding_window`` the window length or -1, ``softcap`` 0 for none); imports vLLM.
+    """
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    num_blocks, kv_heads, block_size, two_d = kv_cache.shape
+    isa = _get_attn_isa(query.dtype, block_size, two_d // 2)
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(seq_lens), num_heads=query.shape[1], num_kv_heads=kv_heads,
+        head_dim=two_d // 2, seq_lens=seq_lens, dtype=query.dtype,
+        query_start_loc=query_start_loc, causal=True, sliding_window_size=sliding_window,
+        isa=isa, enable_kv_split=True)
+    key_cache, value_cache = kv_cache.view(num_blocks, kv_heads, 2 * block_size, -1).chunk(2, 2)
+    ops.cpu_attention_with_kv_cache(
+        query=query, key_cache=key_cache, value_cache=value_cache, output=output,
+        query_start_loc=query_start_loc, seq_lens=seq_lens, scale=scale, causal=True,
+        alibi_slopes=alibi_slopes, sliding_window=sliding_window, block_table=block_table,
+        softcap=softcap, scheduler_metadata=metadata, s_aux=sinks)
     return output
 
 
