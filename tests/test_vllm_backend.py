@@ -63,12 +63,22 @@ def test_paged_attention_matches_vllm_kernel(vllm, dtype, option):
     # tokens, a decode after it: ragged, decodes not contiguous.
     query_lens = [1, 1, 21, 1, 1]
     seq_lens = [300, 5, 61, 129, 64]
-    kv_cache = torch.randn(num_blocks, kv_heads, block_size, 2 * d, generator=g).to(dt)
     blocks = torch.randperm(num_blocks, generator=g).tolist()
     need = [-(-n // block_size) for n in seq_lens]
     table = torch.zeros(len(seq_lens), max(need), dtype=torch.int32)
     for b, n in enumerate(need):
         table[b, :n] = torch.tensor([blocks.pop() for _ in range(n)])
+    # Every request's tokens, written by each backend's own cache writer into its own cache.
+    slots = torch.cat([table[b, torch.arange(n) // block_size] * block_size
+                       + torch.arange(n) % block_size for b, n in enumerate(seq_lens)])
+    slots = torch.cat([slots, torch.tensor([-1, -1])]).long()  # vLLM's padding slots
+    key = torch.randn(len(slots), kv_heads, d, generator=g).to(dt)
+    value = torch.randn(len(slots), kv_heads, d, generator=g).to(dt)
+    vllm_cache = torch.zeros(num_blocks, kv_heads, block_size, 2 * d, dtype=dt)
+    attnfast_cache = torch.zeros_like(vllm_cache)
+    afv.vllm_write_kv_cache(key, value, vllm_cache, slots)
+    k_pool, v_pool = afv.split_kv_cache(attnfast_cache)
+    afv.write_kv_cache(key, value, k_pool, v_pool, slots)
     qsl = torch.tensor(np.concatenate([[0], np.cumsum(query_lens)]), dtype=torch.int32)
     q = torch.randn(sum(query_lens), heads, d, generator=g).to(dt)
     scale = d ** -0.5
@@ -77,11 +87,10 @@ def test_paged_attention_matches_vllm_kernel(vllm, dtype, option):
     alibi = (torch.linspace(-0.3, -0.01, heads) if opts.get("alibi") else None)
     sinks = (torch.randn(heads, generator=g) if opts.get("sinks") else None)
     seq_t = torch.tensor(seq_lens, dtype=torch.int32)
-    ref = afv.vllm_paged_attention(q, kv_cache, torch.zeros_like(q), qsl, seq_t, table,
+    ref = afv.vllm_paged_attention(q, vllm_cache, torch.zeros_like(q), qsl, seq_t, table,
                                    scale=scale, sliding_window=window, softcap=softcap,
                                    alibi_slopes=alibi, sinks=sinks)
     out = torch.full_like(q, float("nan"))
-    k_pool, v_pool = afv.split_kv_cache(kv_cache)
     afv.paged_attention(q, k_pool, v_pool, out, qsl, seq_t, table, scale=scale,
                         window=None if window == -1 else (window - 1, 0),
                         softcap=softcap or None, alibi_slopes=alibi, sinks=sinks)

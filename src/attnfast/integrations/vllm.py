@@ -11,14 +11,17 @@ changes vLLM's behaviour by itself). In a process whose engine runs in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), calling :func:`register` before building the
 ``LLM`` does the same.
 
-The backend is a subclass of vLLM's ``CPUAttentionBackend``: vLLM's KV-cache shape,
-cache-writing kernel (``do_kv_cache_update``), metadata builder and block tables are used as
-they are; only the attention itself runs in attnfast, on vLLM's paged cache in place:
+The backend is a subclass of vLLM's ``CPUAttentionBackend``: vLLM's KV-cache shape
+``(num_blocks, Hkv, block_size, 2 * D)``, metadata builder, slot mapping and block tables are
+used as they are; the attention runs in attnfast, on that cache in place:
 
-- vLLM's cache of a layer is ``(num_blocks, Hkv, block_size, 2 * D)``; viewed as
-  ``(num_blocks, Hkv, 2 * block_size, D)``, its first ``block_size`` rows of each block are
-  the keys and the next ``block_size`` the values. Both halves are strided views in
-  attnfast's pool layout ``(num_blocks, Hkv, block_size, D)``: nothing is copied.
+- Cache layout. Viewed as ``(num_blocks, Hkv, 2 * block_size, D)``, the first ``block_size``
+  rows of each block are the keys and the next ``block_size`` the values; both halves are
+  strided views in attnfast's pool layout ``(num_blocks, Hkv, block_size, D)`` (nothing is
+  copied, :func:`split_kv_cache`). vLLM's own cache writer stores each block's keys
+  transposed (D x block_size, for its kernel's dot products), so a layer that attnfast
+  attends also has its cache written by attnfast (:func:`write_kv_cache`: token rows, as
+  the values already are): the cache's bytes are laid out for the kernel that reads them.
 - The batch is ragged (``query_start_loc``): every request with one query token (decode) is
   attended in one batched :func:`attnfast.attention_with_kvcache` call with vLLM's
   ``block_table``; each request with several (a prompt or a prompt chunk) in a call of its
@@ -28,9 +31,10 @@ they are; only the attention itself runs in attnfast, on vLLM's paged cache in p
   ``window=(w - 1, 0)``; logits soft-capping, attention sinks (gpt-oss) and ALiBi slopes are
   attnfast's ``softcap``, ``sinks`` and ``alibi_slopes``.
 
-Anything else falls back to vLLM's own kernel for that call: an fp8 KV cache, encoder and
-encoder-only attention, per-token (dynamic) causality, and non-causal decoder attention.
-float32, bfloat16 and float16 models (cache in the model's dtype) run in attnfast.
+Decoder attention with a cache in the model's dtype (float32, bfloat16, float16) runs in
+attnfast; layers of other kinds stay wholly vLLM's (cache writing and kernel): an fp8 KV
+cache, encoder, encoder-only and cross attention. A decoder call with per-token (dynamic)
+causality raises NotImplementedError (vLLM's kernel cannot read attnfast's layout).
 
 Importing this module does not import vLLM or torch; :func:`register` and the backend
 classes do (the classes are created on first use, see :func:`backend_class`).
@@ -45,7 +49,7 @@ from .._interop import to_numpy
 from .._kvcache import attention_with_kvcache
 
 __all__ = ["ENV_VAR", "register", "register_plugin", "backend_class", "split_kv_cache",
-           "paged_attention", "vllm_paged_attention"]
+           "write_kv_cache", "paged_attention", "vllm_write_kv_cache", "vllm_paged_attention"]
 
 #: Environment variable that makes the vLLM plugin select attnfast (``"1"``: on).
 ENV_VAR = "ATTNFAST_VLLM_BACKEND"
@@ -95,9 +99,34 @@ def split_kv_cache(kv_cache):
     return rows[:, :, :block_size], rows[:, :, block_size:]
 
 
+def write_kv_cache(key, value, k_pool, v_pool, slot_mapping):
+    """Write new tokens' keys and values into a paged pool, one token row each.
+
+    Parameters
+    ----------
+    key, value : tensors or arrays (num_tokens, Hkv, D)
+    k_pool, v_pool : arrays (num_blocks, Hkv, block_size, D), written in place
+        E.g. :func:`split_kv_cache`'s views of a vLLM cache.
+    slot_mapping : integer tensor or array (num_tokens,)
+        Token i goes to row ``slot % block_size`` of block ``slot // block_size``; a negative
+        slot (vLLM's padding) is skipped.
+    """
+    slots = np.asarray(to_numpy(slot_mapping, "slot_mapping"))
+    keys, values = to_numpy(key, "key"), to_numpy(value, "value")
+    tokens = slots.shape[0]
+    keep = slots >= 0
+    if not keep.all():
+        slots, keys, values = slots[keep], keys[:tokens][keep], values[:tokens][keep]
+    block_size = k_pool.shape[2]
+    blocks, rows = np.divmod(slots, block_size)
+    k_pool[blocks, :, rows] = keys[:slots.shape[0]]
+    v_pool[blocks, :, rows] = values[:slots.shape[0]]
+
+
 def paged_attention(query, k_pool, v_pool, output, query_start_loc, seq_lens, block_table, *,
-                    scale, window=None, softcap=None, alibi_slopes=None, sinks=None):
-    """Causal attention of a ragged vLLM batch over a paged cache that already holds its keys.
+                    scale, causal=True, window=None, softcap=None, alibi_slopes=None,
+                    sinks=None):
+    """Attention of a ragged vLLM batch over a paged cache that already holds its keys.
 
     Parameters
     ----------
@@ -111,11 +140,13 @@ def paged_attention(query, k_pool, v_pool, output, query_start_loc, seq_lens, bl
         Tokens of each request in the cache, its new ones included.
     block_table : integer tensor or array (num_reqs, max_blocks)
     scale : float
+    causal : bool, default True
+        False lets every query see all ``seq_lens[b]`` keys of its request.
     window, softcap, alibi_slopes, sinks
         As in :func:`attnfast.attention_with_kvcache` (window a (left, right) pair).
 
     Requests with one query token are attended in one batched call, the others one call
-    each; query i of request b sees key j iff ``j <= i + seq_lens[b] - query_len[b]``.
+    each; causal, query i of request b sees key j iff ``j <= i + seq_lens[b] - query_len[b]``.
     """
     q = to_numpy(query, "query")
     out = to_numpy(output, "output")
@@ -123,7 +154,7 @@ def paged_attention(query, k_pool, v_pool, output, query_start_loc, seq_lens, bl
     lengths = np.asarray(to_numpy(seq_lens, "seq_lens"))
     table = np.asarray(to_numpy(block_table, "block_table"))
     num_reqs = lengths.shape[0]
-    options = dict(causal=True, scale=scale, window=window, softcap=softcap,
+    options = dict(causal=causal, scale=scale, window=window, softcap=softcap,
                    alibi_slopes=to_numpy(alibi_slopes, "alibi_slopes"),
                    sinks=to_numpy(sinks, "sinks"))
     query_lens = np.diff(starts[:num_reqs + 1])
@@ -148,27 +179,51 @@ def paged_attention(query, k_pool, v_pool, output, query_start_loc, seq_lens, bl
     return output
 
 
+def vllm_write_kv_cache(key, value, kv_cache, slot_mapping):
+    """vLLM's own CPU cache writer (``cpu_attn_reshape_and_cache``), for comparisons.
+
+    Writes into ``kv_cache`` (num_blocks, Hkv, block_size, 2 * D) in the layout its kernel
+    (:func:`vllm_paged_attention`) reads; torch tensors; imports vLLM.
+    """
+    from vllm import _custom_ops as ops
+
+    num_blocks, kv_heads, block_size, two_d = kv_cache.shape
+    key_cache, value_cache = _vllm_halves(kv_cache)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                                   _vllm_isa(kv_cache.dtype, block_size, two_d // 2))
+
+
+def _vllm_isa(dtype, block_size, head_dim):
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    return _get_attn_isa(dtype, block_size, head_dim)
+
+
+def _vllm_halves(kv_cache):
+    num_blocks, kv_heads, block_size, _ = kv_cache.shape
+    return kv_cache.view(num_blocks, kv_heads, 2 * block_size, -1).chunk(2, 2)
+
+
 def vllm_paged_attention(query, kv_cache, output, query_start_loc, seq_lens, block_table, *,
                          scale, sliding_window=-1, softcap=0.0, alibi_slopes=None,
                          sinks=None):
     """vLLM's own CPU kernel on the same batch, as its ``CPU_ATTN`` backend calls it.
 
-    The comparison for :func:`paged_attention` (tests, bench/bench_vllm.py): scheduler
+    The comparison for :func:`paged_attention` (tests, bench/bench_vllm.py), on a cache
+    written by :func:`vllm_write_kv_cache`: scheduler
     metadata from ``cpu_attn_get_scheduler_metadata``, then ``cpu_attention_with_kv_cache``
     on the halves of ``kv_cache``. Arguments as there, in vLLM's conventions (torch tensors;
     ``sliding_window`` the window length or -1, ``softcap`` 0 for none); imports vLLM.
     """
     from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     num_blocks, kv_heads, block_size, two_d = kv_cache.shape
-    isa = _get_attn_isa(query.dtype, block_size, two_d // 2)
+    isa = _vllm_isa(query.dtype, block_size, two_d // 2)
     metadata = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=len(seq_lens), num_heads=query.shape[1], num_kv_heads=kv_heads,
         head_dim=two_d // 2, seq_lens=seq_lens, dtype=query.dtype,
         query_start_loc=query_start_loc, causal=True, sliding_window_size=sliding_window,
         isa=isa, enable_kv_split=True)
-    key_cache, value_cache = kv_cache.view(num_blocks, kv_heads, 2 * block_size, -1).chunk(2, 2)
+    key_cache, value_cache = _vllm_halves(kv_cache)
     ops.cpu_attention_with_kv_cache(
         query=query, key_cache=key_cache, value_cache=value_cache, output=output,
         query_start_loc=query_start_loc, seq_lens=seq_lens, scale=scale, causal=True,
@@ -211,23 +266,27 @@ def _define_classes() -> dict:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
     class AttnfastCPUBackendImpl(CPUAttentionBackendImpl):
-        """vLLM's CPU attention implementation with attnfast computing decoder attention.
+        """vLLM's CPU attention implementation with attnfast writing and reading the cache of
+        decoder layers (:func:`write_kv_cache`, :func:`paged_attention`); other layers are
+        vLLM's."""
 
-        Cache writing (``do_kv_cache_update``) is vLLM's; :meth:`forward` attends with
-        :func:`paged_attention` where attnfast covers the call, else with vLLM's kernel.
-        """
+        def _attnfast_owns_cache(self) -> bool:
+            return self.attn_type == AttentionType.DECODER and not self.is_fp8_kv_cache
 
-        def _attnfast_covers(self, attn_metadata) -> bool:
-            return (self.attn_type == AttentionType.DECODER and not self.is_fp8_kv_cache
-                    and attn_metadata.causal is True and attn_metadata.dynamic_causal is None)
+        def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+            if not self._attnfast_owns_cache():
+                return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+            write_kv_cache(key, value, *split_kv_cache(kv_cache), slot_mapping)
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                     output_scale=None, output_block_scale=None):
             if (attn_metadata is None or output_scale is not None
-                    or output_block_scale is not None
-                    or not self._attnfast_covers(attn_metadata)):
+                    or output_block_scale is not None or not self._attnfast_owns_cache()):
                 return super().forward(layer, query, key, value, kv_cache, attn_metadata,
                                        output, output_scale, output_block_scale)
+            if attn_metadata.dynamic_causal is not None:
+                raise NotImplementedError("attnfast's vLLM backend: per-token (dynamic) "
+                                          "causality is not supported")
             tokens = attn_metadata.num_actual_tokens
             k_pool, v_pool = split_kv_cache(kv_cache)
             if self.sinks is not None and self.sinks.dtype != torch.float32:
@@ -235,6 +294,7 @@ def _define_classes() -> dict:
             paged_attention(query[:tokens], k_pool, v_pool, output[:tokens],
                             attn_metadata.query_start_loc, attn_metadata.seq_lens,
                             attn_metadata.block_table, scale=self.scale,
+                            causal=bool(attn_metadata.causal),
                             window=None if self.sliding_window == -1
                             else (self.sliding_window - 1, 0),
                             softcap=self.logits_soft_cap or None,
