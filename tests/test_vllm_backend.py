@@ -98,12 +98,9 @@ def test_paged_attention_matches_vllm_kernel(vllm, dtype, option):
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
-LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-         "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512,
-         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-         "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
-         "torch_dtype": "float32", "hidden_act": "silu"}
+LLAMA = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=4096,
+             bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
 
 
 def _generate(model_dir, *flags):
@@ -118,7 +115,9 @@ def _generate(model_dir, *flags):
 
 
 def test_llm_generate_greedy_tokens_identical_to_vllm_backend(vllm, tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    sys.path.insert(0, HERE)
+    from vllm_generate import write_checkpoint
+    write_checkpoint(str(tmp_path), LLAMA)
     vllm_run = _generate(str(tmp_path))
     attnfast_run = _generate(str(tmp_path), "--attnfast")
     assert vllm_run["attnfast_calls"] == 0
