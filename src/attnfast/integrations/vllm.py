@@ -125,7 +125,7 @@ def write_kv_cache(key, value, k_pool, v_pool, slot_mapping):
 
 def paged_attention(query, k_pool, v_pool, output, query_start_loc, seq_lens, block_table, *,
                     scale, causal=True, window=None, softcap=None, alibi_slopes=None,
-                    sinks=None):
+                    sinks=None, num_threads=None):
     """Attention of a ragged vLLM batch over a paged cache that already holds its keys.
 
     Parameters
@@ -142,7 +142,7 @@ def paged_attention(query, k_pool, v_pool, output, query_start_loc, seq_lens, bl
     scale : float
     causal : bool, default True
         False lets every query see all ``seq_lens[b]`` keys of its request.
-    window, softcap, alibi_slopes, sinks
+    window, softcap, alibi_slopes, sinks, num_threads
         As in :func:`attnfast.attention_with_kvcache` (window a (left, right) pair).
 
     Requests with one query token are attended in one batched call, the others one call
@@ -156,7 +156,7 @@ def paged_attention(query, k_pool, v_pool, output, query_start_loc, seq_lens, bl
     num_reqs = lengths.shape[0]
     options = dict(causal=causal, scale=scale, window=window, softcap=softcap,
                    alibi_slopes=to_numpy(alibi_slopes, "alibi_slopes"),
-                   sinks=to_numpy(sinks, "sinks"))
+                   sinks=to_numpy(sinks, "sinks"), num_threads=num_threads)
     query_lens = np.diff(starts[:num_reqs + 1])
     if query_lens.size and query_lens.max() == 1 and starts[0] == 0:
         # All decode (the steady state): the batch is (B, H, 1, D) as a view, written in place.
