@@ -21,6 +21,7 @@
     "decode; float32 multiply then add (no FMA)"
 #endif
 #define ATTNFAST_F32_SINKS true  // simd_prefill.inl finish_sub_block / the templates themselves
+#include "backward.inl"  // the backward kernels, with this tier's flags
 #include "export_table.inl"
 
 const attnfast::KernelTable* attnfast::kernel_table_generic() { return &isa_generic::kTable; }

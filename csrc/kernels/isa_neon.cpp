@@ -22,6 +22,7 @@
     "bfloat16 (16-bit shift), float16 (NEON fcvtl) and int8 (NEON sxtl) widened to float32 into a " \
     "float32 copy of each K/V super-tile in prefill; in plain C++ in decode; float32 FMA"
 #define ATTNFAST_F32_SINKS true  // simd_prefill.inl finish_sub_block / the templates themselves
+#include "backward.inl"  // the backward kernels, with this tier's flags
 #include "export_table.inl"
 
 const attnfast::KernelTable* attnfast::kernel_table_neon() { return &isa_neon::kTable; }
