@@ -193,3 +193,54 @@ def test_errors_name_the_argument(rng):
         attnfast.attention_backward(dout.astype(np.float32), q.astype(np.float32),
                                     k.astype(np.float16), v.astype(np.float16),
                                     out.astype(np.float32), lse.astype(np.float32))
+
+
+def _example():
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parents[1] / "examples" / "train_attention.py"
+    spec = importlib.util.spec_from_file_location("train_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_one_head_trains_like_sdpa():
+    ex = _example()
+    a, s = ex.one_head("attnfast", 60), ex.one_head("sdpa", 60)
+    assert max(abs(x - y) for x, y in zip(a, s)) < 1e-5
+    assert a[-1] < 0.1 * a[0]
+
+
+@pytest.mark.slow
+def test_example_tiny_transformer_trains_like_sdpa():
+    ex = _example()
+    (la, acc_a), (ls, acc_s) = ex.tiny_transformer("attnfast", 300), ex.tiny_transformer("sdpa", 300)
+    assert max(abs(x - y) for x, y in zip(la, ls)) < 1e-3
+    assert acc_a > 0.9 and acc_s > 0.9
+
+
+def test_varlen_matches_per_sequence_reference(rng):
+    lens_q, lens_k = [7, 0, 30, 12], [9, 4, 30, 5]
+    cu_q, cu_k = np.cumsum([0] + lens_q), np.cumsum([0] + lens_k)
+    H, Hkv, D, Dv = 4, 2, 8, 12
+    q = rng.standard_normal((cu_q[-1], H, D))
+    k = rng.standard_normal((cu_k[-1], Hkv, D))
+    v = rng.standard_normal((cu_k[-1], Hkv, Dv))
+    dout = rng.standard_normal((cu_q[-1], H, Dv))
+    sinks = np.array([0.1, -0.5, 1.0, 0.0], np.float32)
+    out, lse = attnfast.attention_varlen(q, k, v, cu_q, cu_k, causal=True, sinks=sinks,
+                                         return_lse=True)
+    dq, dk, dv, dsinks = attnfast.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k,
+                                                            causal=True, sinks=sinks)
+    want_dsinks = np.zeros(H)
+    for b in range(4):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        hm = lambda x: x.transpose(1, 0, 2)[None]
+        _, rq, rk, rv, rs = reference_grads(hm(q[sq]), hm(k[sk]), hm(v[sk]), hm(dout[sq]),
+                                            causal=True, sinks=sinks)
+        np.testing.assert_allclose(dq[sq], rq[0].transpose(1, 0, 2), rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(dk[sk], rk[0].transpose(1, 0, 2), rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(dv[sk], rv[0].transpose(1, 0, 2), rtol=1e-9, atol=1e-12)
+        want_dsinks += 0 if rs is None else rs
+    np.testing.assert_allclose(dsinks, want_dsinks, rtol=1e-5, atol=1e-6)
