@@ -65,9 +65,9 @@ def test_attention_op_matches_sdpa_float64(kind):
 def test_opcheck_fake_implementations():
     """torch's own checks of a custom op: schema, fake (meta) implementation, dispatch."""
     q, k, v = _qkv(dtype=torch.float32)
-    torch.library.opcheck(aft.attention, (q, k, v), {"causal": True})
+    torch.library.opcheck(aft.attention_forward, (q, k, v), {"causal": True})
     mask = torch.ones(1, 1, 5, 9, dtype=torch.bool)
-    torch.library.opcheck(aft.attention, (q, k, v, mask), {"scale": 0.5})
+    torch.library.opcheck(aft.attention_forward, (q, k, v, mask), {"scale": 0.5})
     kc, vc = torch.zeros(2, 2, 12, 16), torch.zeros(2, 2, 12, 16)
     lens = torch.tensor([3, 4])
     torch.library.opcheck(aft.attention_with_kvcache, (q[:, :, :1], kc, vc, lens,
@@ -88,15 +88,64 @@ def test_errors_name_the_argument_and_write_nothing():
     assert not kc.any() and not vc.any()
 
 
-def test_gradients_are_refused_not_wrong():
+def test_gradients_match_sdpa():
     q, k, v = _qkv(Tq=9, dtype=torch.float32)
-    q.requires_grad_(True)
+    for t in (q, k, v):
+        t.requires_grad_(True)
     out = aft.attention(q, k, v, causal=True)
-    torch.testing.assert_close(out.detach(), _sdpa(q.detach(), k, v, is_causal=True),
-                               atol=1e-5, rtol=1e-5)
-    with pytest.raises(RuntimeError, match="no autograd formula"):
-        out.sum().backward()
-    assert q.grad is None
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    ref = _sdpa(q, k, v, is_causal=True)
+    want = torch.autograd.grad(ref, (q, k, v), g)
+    torch.testing.assert_close(out.detach(), ref.detach(), atol=1e-5, rtol=1e-5)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_gradcheck_float64_with_sinks_gqa_softcap():
+    torch.manual_seed(3)
+    q = torch.randn(1, 4, 7, 5, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 9, 5, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 9, 3, dtype=torch.float64, requires_grad=True)
+    sinks = torch.randn(4, dtype=torch.float32)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: aft.attention(q, k, v, None, sinks, causal=True, softcap=3.0),
+        (q, k, v))
+    # the sinks' gradient (float32 parameter): against float64 finite differences of the op
+    sinks.requires_grad_(True)
+    out = aft.attention(q.detach(), k.detach(), v.detach(), None, sinks, causal=True)
+    (dsinks,) = torch.autograd.grad(out.sum(), sinks)
+    eps = 1e-3
+    for h in range(4):
+        bump = torch.zeros(4)
+        bump[h] = eps
+        f = lambda s: aft.attention(q.detach(), k.detach(), v.detach(), None, s, causal=True).sum()
+        numeric = (f(sinks.detach() + bump) - f(sinks.detach() - bump)) / (2 * eps)
+        assert abs(float(dsinks[h]) - float(numeric)) < 1e-3 * max(1.0, abs(float(numeric)))
+
+
+def test_opcheck_backward_ops():
+    q, k, v = _qkv(Tq=9, dtype=torch.float32)
+    torch.library.opcheck(aft.attention_lse, (q, k, v), {"causal": True})
+    out, lse = aft.attention_lse(q, k, v, causal=True)
+    torch.library.opcheck(aft.attention_backward, (torch.randn_like(out), q, k, v, out, lse),
+                          {"causal": True})
+
+
+def test_compiled_training_step_matches_eager():
+    torch.manual_seed(5)
+    q0, k0, v0 = (torch.randn(1, 4, 33, 16) for _ in range(3))
+
+    def step(q, k, v):
+        return (aft.attention(q, k, v, causal=True) ** 2).sum()
+
+    grads = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        q, k, v = (t.clone().requires_grad_(True) for t in (q0, k0, v0))
+        fn(q, k, v).backward()
+        grads.append((q.grad, k.grad, v.grad))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_kvcache_op_writes_and_matches_numpy_api_compiled():

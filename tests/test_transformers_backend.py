@@ -180,10 +180,20 @@ def test_sinks_model_matches_eager():
         torch.testing.assert_close(model(ids).logits, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_requires_grad_is_a_clear_error(models):
-    _, b = models
-    with pytest.raises(ValueError, match="attnfast backend: query requires grad.*no_grad"):
-        b(_ids(1, 4, 8))
+def test_training_gradients_match_sdpa(models):
+    a, b = models
+    ids = _ids(2, 11, 8)
+    grads = []
+    for model in (a, b):
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
+                      if p.grad is not None})
+        model.zero_grad()
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 5
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=2e-5, rtol=1e-3,
+                                   msg=name)
 
 
 def _spy_masks(monkeypatch):

@@ -13,6 +13,7 @@
 #define ATTNFAST_LOWP_INSTRUCTIONS \
     "bfloat16 (16-bit shift), float16 (F16C vcvtph2ps) and int8 (vpmovsxbd) widened to float32: in " \
     "registers as decode loads them, into a float32 copy of each K/V super-tile in prefill; float32 FMA"
+#include "backward.inl"  // the backward kernels, with this tier's flags
 #include "export_table.inl"
 
 const attnfast::KernelTable* attnfast::kernel_table_avx512() { return &isa_avx512::kTable; }

@@ -17,6 +17,7 @@
     "widened to float32 into a float32 copy of each K/V super-tile in prefill; in plain C++ in " \
     "decode; float32 multiply then add (no FMA)"
 #endif
+#include "backward.inl"  // the backward kernels, with this tier's flags
 #include "export_table.inl"
 
 const attnfast::KernelTable* attnfast::kernel_table_generic() { return &isa_generic::kTable; }

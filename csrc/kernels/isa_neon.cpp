@@ -18,6 +18,7 @@
 #define ATTNFAST_LOWP_INSTRUCTIONS \
     "bfloat16 (16-bit shift), float16 (NEON fcvtl) and int8 (NEON sxtl) widened to float32 into a " \
     "float32 copy of each K/V super-tile in prefill; in plain C++ in decode; float32 FMA"
+#include "backward.inl"  // the backward kernels, with this tier's flags
 #include "export_table.inl"
 
 const attnfast::KernelTable* attnfast::kernel_table_neon() { return &isa_neon::kTable; }

@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 
 from ._runtime import get_num_threads, set_num_threads, show_config, _check_forced_isa
 from ._api import attention, attention_weights, merge_attention_states
+from ._backward import attention_backward, attention_varlen_backward
 from ._varlen import attention_varlen
 from ._kvcache import KVCache, attention_with_kvcache
 from ._paged import PagedKVCache
@@ -19,6 +20,8 @@ del _check_forced_isa
 __all__ = [
     "attention",
     "attention_weights",
+    "attention_backward",
+    "attention_varlen_backward",
     "attention_varlen",
     "merge_attention_states",
     "KVCache",

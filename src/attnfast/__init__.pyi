@@ -38,6 +38,24 @@ def attention_weights(q: ArrayLike, k: ArrayLike, *, causal: bool = False,
                       sinks: ArrayLike | None = None, mask: ArrayLike | None = None,
                       num_threads: int | None = None, query_offset: int | None = None) -> NDArray[Any]: ...
 
+def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
+                       out: ArrayLike, lse: ArrayLike, *, causal: bool = False,
+                       scale: float | None = None, window: _Window = None,
+                       softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+                       sinks: ArrayLike | None = None, mask: ArrayLike | None = None,
+                       num_threads: int | None = None,
+                       query_offset: int | None = None) -> tuple[NDArray[Any], ...]: ...
+
+def attention_varlen_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
+                              out: ArrayLike, lse: ArrayLike, cu_seqlens_q: ArrayLike,
+                              cu_seqlens_k: ArrayLike, *, max_seqlen_q: int | None = None,
+                              max_seqlen_k: int | None = None, causal: bool = False,
+                              scale: float | None = None, window: _Window = None,
+                              softcap: float | None = None,
+                              alibi_slopes: ArrayLike | None = None,
+                              sinks: ArrayLike | None = None,
+                              num_threads: int | None = None) -> tuple[NDArray[Any], ...]: ...
+
 def merge_attention_states(outs: Sequence[ArrayLike],
                            lses: Sequence[ArrayLike]) -> _OutLse: ...
 

@@ -90,6 +90,19 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
     uint64_t read_probe(const void* data, int64_t nbytes, int num_threads) noexcept nogil
 
 
+cdef extern from "backward.hpp" namespace "attnfast":
+    cdef struct BackwardParams:
+        AttentionParams attn
+        const void* dout
+        int64_t dout_batch_stride, dout_head_stride, dout_row_stride
+        const void* delta
+        void* dq
+        void* dk
+        void* dv
+
+    void attention_backward(const BackwardParams&) except + nogil
+
+
 cdef extern from "<signal.h>":
     enum: SIGINT
 
@@ -279,7 +292,7 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
                       int64_t window_right, int num_threads, seqlens_k=None,
                       bint interruptible=False, k_scale=None, v_scale=None,
                       query_offset=None, double softcap=0.0, alibi=None, sinks=None,
-                      mask=None, block_table=None):
+                      mask=None, block_table=None, backward=None):
     """Run the streaming attention kernel; q, k, v, out are 4-D, lse 3-D or None.
 
     softcap (0 = off), alibi (float32 (B, H), heads contiguous), sinks (float32 (H,),
@@ -298,12 +311,16 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
     cache. k, v are then pools (num_blocks, Hkv, block_size, D|Dv), k_scale / v_scale
     (num_blocks, Hkv, block_size), and the keys span max_blocks * block_size positions
     (seqlens_k[b] of them valid; checked by attnfast._checks, the core re-checks the ids).
+
+    backward: None, or (dout, delta, dq, dk, dv): run the backward instead (_run_backward).
     """
     cdef AttentionParams p = default_params()
     _fill_params(&p, q, k, v, out, lse, causal, scale, window_left, window_right, num_threads,
                  seqlens_k, k_scale, v_scale, query_offset, softcap, alibi, sinks, mask,
                  block_table)
-    if interruptible:
+    if backward is not None:
+        _run_backward(&p, backward[0], backward[1], backward[2], backward[3], backward[4])
+    elif interruptible:
         _run_interruptible(&p)
     else:
         with nogil:
@@ -334,6 +351,29 @@ def plan_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, *, bint causal, 
         "tasks": plan.tasks,
         "threads": plan.threads,
     }
+
+
+cdef _run_backward(AttentionParams* p, cnp.ndarray dout, cnp.ndarray delta, cnp.ndarray dq,
+                   cnp.ndarray dk, cnp.ndarray dv):
+    """attention_backward over the forward problem p (whose lse is set): dout 4-D like out,
+    last axis contiguous, of q's dtype; delta (B, H, Tq), dq, dk, dv contiguous, of the
+    accumulator type (float64 for float64 inputs, else float32), written in place."""
+    cdef BackwardParams bp
+    if p.lse == NULL:
+        raise TypeError("attnfast._ext: the backward needs the forward's lse")
+    for arr in (delta, dq, dk, dv):
+        if not arr.flags.c_contiguous:
+            raise TypeError("attnfast._ext: delta, dq, dk, dv must be C-contiguous")
+    bp.attn = p[0]
+    bp.dout = cnp.PyArray_DATA(dout)
+    bp.dout_batch_stride, bp.dout_head_stride, bp.dout_row_stride = (
+        _stride(dout, 0), _stride(dout, 1), _stride(dout, 2))
+    bp.delta = cnp.PyArray_DATA(delta)
+    bp.dq = cnp.PyArray_DATA(dq)
+    bp.dk = cnp.PyArray_DATA(dk)
+    bp.dv = cnp.PyArray_DATA(dv)
+    with nogil:
+        attention_backward(bp)
 
 
 def runtime_info():

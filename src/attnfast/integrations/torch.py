@@ -13,9 +13,14 @@ memory; arguments are checked exactly as there (TypeError / ValueError naming th
 nothing written on error). The plain functions :func:`attnfast.attention` etc. also take torch
 tensors and cost less per call (no dispatcher); use these ops where a graph is traced.
 
-Forward only: no backward is registered yet. Gradients through an op raise a RuntimeError
-when ``backward()`` reaches it (torch's "no autograd formula was registered"), never zero or
-wrong gradients.
+:func:`attention` is differentiable (q, k, v and sinks; masks and ALiBi slopes get no
+gradient): when gradients are being recorded it runs the op ``attnfast::attention_lse``,
+whose forward also returns the lse and whose backward (``torch.library.register_autograd``)
+is :func:`attnfast.attention_backward` as the op ``attnfast::attention_backward``; so it
+works under ``torch.autograd``, ``torch.autograd.gradcheck`` (float64) and ``torch.compile``.
+Otherwise it runs the forward-only op ``attnfast::attention``.
+:func:`attention_with_kvcache` is forward only (an inference step): gradients through it
+raise a RuntimeError (torch's "no autograd formula was registered").
 
 Importing this module imports torch (importing attnfast does not).
 """
@@ -25,7 +30,7 @@ import torch
 
 import attnfast as _af
 
-__all__ = ["attention", "attention_with_kvcache"]
+__all__ = ["attention", "attention_with_kvcache"]  # the ops: attention_forward, attention_lse, attention_backward
 
 Tensor = torch.Tensor
 
@@ -40,13 +45,12 @@ def _window(window):
     return None if window is None else tuple(window)
 
 
-@torch.library.custom_op("attnfast::attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None,
               sinks: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None, *,
               causal: bool = False, scale: Optional[float] = None,
               window: Optional[list[int]] = None, query_offset: Optional[int] = None,
               softcap: Optional[float] = None, num_threads: Optional[int] = None) -> Tensor:
-    """:func:`attnfast.attention` as the custom op ``attnfast::attention``.
+    """:func:`attnfast.attention` as a custom op, differentiable.
 
     Parameters
     ----------
@@ -57,17 +61,105 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None,
 
     Returns
     -------
-    Tensor (.., H, Tq, Dv), dtype of q (a new tensor).
+    Tensor (.., H, Tq, Dv), dtype of q (a new tensor). When gradients are recorded for q, k,
+    v or sinks, ``backward()`` computes them with :func:`attnfast.attention_backward`
+    (deterministic: the same bits for any thread count).
     """
+    options = dict(causal=causal, scale=scale, window=window, query_offset=query_offset,
+                   softcap=softcap, num_threads=num_threads)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
+        return attention_lse(q, k, v, mask, sinks, alibi_slopes, **options)[0]
+    return attention_forward(q, k, v, mask, sinks, alibi_slopes, **options)
+
+
+@torch.library.custom_op("attnfast::attention", mutates_args=())
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None,
+                      sinks: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None, *,
+                      causal: bool = False, scale: Optional[float] = None,
+                      window: Optional[list[int]] = None, query_offset: Optional[int] = None,
+                      softcap: Optional[float] = None, num_threads: Optional[int] = None) -> Tensor:
+    """The custom op ``attnfast::attention``: :func:`attention` with no gradient."""
     return _af.attention(plain(q), plain(k), plain(v), causal=causal, scale=scale,
                          window=_window(window), query_offset=query_offset, softcap=softcap,
                          alibi_slopes=plain(alibi_slopes), sinks=plain(sinks), mask=plain(mask),
                          num_threads=num_threads)
 
 
-@attention.register_fake
+@attention_forward.register_fake
 def _attention_fake(q, k, v, mask=None, sinks=None, alibi_slopes=None, **options):
     return q.new_empty(q.shape[:-1] + v.shape[-1:])
+
+
+@torch.library.custom_op("attnfast::attention_lse", mutates_args=())
+def attention_lse(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None,
+                  sinks: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None, *,
+                  causal: bool = False, scale: Optional[float] = None,
+                  window: Optional[list[int]] = None, query_offset: Optional[int] = None,
+                  softcap: Optional[float] = None,
+                  num_threads: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """The custom op ``attnfast::attention_lse``: (out, lse) of :func:`attnfast.attention`
+    (lse float32, float64 for float64 inputs), differentiable in q, k, v and sinks."""
+    return _af.attention(plain(q), plain(k), plain(v), causal=causal, scale=scale,
+                         window=_window(window), query_offset=query_offset, softcap=softcap,
+                         alibi_slopes=plain(alibi_slopes), sinks=plain(sinks), mask=plain(mask),
+                         num_threads=num_threads, return_lse=True)
+
+
+def _lse_dtype(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+@attention_lse.register_fake
+def _attention_lse_fake(q, k, v, mask=None, sinks=None, alibi_slopes=None, **options):
+    return (q.new_empty(q.shape[:-1] + v.shape[-1:]),
+            q.new_empty(q.shape[:-1], dtype=_lse_dtype(q)))
+
+
+@torch.library.custom_op("attnfast::attention_backward", mutates_args=())
+def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                       mask: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+                       alibi_slopes: Optional[Tensor] = None, *, causal: bool = False,
+                       scale: Optional[float] = None, window: Optional[list[int]] = None,
+                       query_offset: Optional[int] = None, softcap: Optional[float] = None,
+                       num_threads: Optional[int] = None
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The custom op ``attnfast::attention_backward``: :func:`attnfast.attention_backward`,
+    returning (dq, dk, dv, dsinks); dsinks is empty (0,) without sinks."""
+    grads = _af.attention_backward(
+        plain(dout).contiguous(), plain(q), plain(k), plain(v), plain(out), plain(lse),
+        causal=causal, scale=scale, window=_window(window), query_offset=query_offset,
+        softcap=softcap, alibi_slopes=plain(alibi_slopes), sinks=plain(sinks),
+        mask=plain(mask), num_threads=num_threads)
+    dsinks = grads[3] if sinks is not None else q.new_empty((0,), dtype=torch.float32)
+    return grads[0], grads[1], grads[2], dsinks
+
+
+@attention_backward.register_fake
+def _attention_backward_fake(dout, q, k, v, out, lse, mask=None, sinks=None, alibi_slopes=None,
+                             **options):
+    dsinks = q.new_empty(sinks.shape if sinks is not None else (0,), dtype=torch.float32)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks)
+
+
+_OPTIONS = ("causal", "scale", "window", "query_offset", "softcap", "num_threads")
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    q, k, v, mask, sinks, alibi_slopes = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], mask, sinks, alibi_slopes)
+    ctx.options = {name: keyword_only_inputs.get(name) for name in _OPTIONS}
+    ctx.options["causal"] = bool(ctx.options["causal"])
+    ctx.mark_non_differentiable(output[1])  # lse: no gradient flows back through it
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, mask, sinks, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv, dsinks = attention_backward(dout, q, k, v, out, lse, mask, sinks, alibi_slopes,
+                                            **ctx.options)
+    return dq, dk, dv, None, dsinks if sinks is not None else None, None
+
+
+attention_lse.register_autograd(_backward, setup_context=_setup_context)
 
 
 @torch.library.custom_op("attnfast::attention_with_kvcache",

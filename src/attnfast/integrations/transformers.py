@@ -26,8 +26,13 @@ Under ``torch.compile`` the mask builder returns transformers' mask unanalysed a
 attention runs as the custom op :func:`attnfast.integrations.torch.attention` with that mask
 (``fullgraph=True`` compiles: no graph break at attention).
 
-Raises: ValueError for tensors that require grad (run under ``torch.no_grad()`` /
-``torch.inference_mode()``) or live on another device; NotImplementedError for dropout > 0.
+Training: when gradients are recorded (query, key, value or the sinks require grad) the
+attention runs as the differentiable custom op :func:`attnfast.integrations.torch.attention`
+with transformers' mask, so ``loss.backward()`` gets attnfast's gradients (fine-tuning with
+``attn_implementation="attnfast"``).
+
+Raises: ValueError for tensors that live on another device; NotImplementedError for
+dropout > 0.
 Softcap (Gemma 2) and attention sinks (gpt-oss's s_aux) are passed to attnfast's options.
 """
 from __future__ import annotations
@@ -222,11 +227,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if dropout:
         raise NotImplementedError(f"attnfast backend: attention dropout ({dropout}) is not "
                                   "supported (attnfast is for inference: call model.eval())")
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if t.requires_grad:
-            raise ValueError(f"attnfast backend: {name} requires grad; attnfast computes no "
-                             "gradients: run the model under torch.no_grad() or "
-                             "torch.inference_mode()")
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, s_aux))
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError("attnfast backend: position_bias is not supported yet")
     sinks = s_aux
@@ -241,7 +243,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         window = (sliding_window - 1, 0) if causal and sliding_window else None
 
-    if torch.compiler.is_compiling():   # one custom op: no Python of attnfast is traced
+    # One custom op: no Python of attnfast is traced; with gradients, its backward is
+    # attnfast.attention_backward (the mask as transformers built it).
+    if torch.compiler.is_compiling() or needs_grad:
         out = _torch_ops.attention(query, key, value, causal=bool(causal), mask=attention_mask,
                         window=None if window is None else list(window),
                         num_threads=_SETTINGS["num_threads"], **options)
