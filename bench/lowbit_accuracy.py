@@ -157,7 +157,7 @@ def capture_minilm(texts: list[str], check: bool = True, batch_size: int = 32):
                         q, k, v = (np.ascontiguousarray(
                             a[b, :t].reshape(t, n_heads, d).transpose(1, 0, 2)) for a in qkv)
                         data[li].append((q, k, v))
-                        if check and b == 0:
+                        if check:
                             ref = lf.attention(q, k, v, d ** -0.5)
                             got = seen[(li, "out")].float().numpy()[b, :t]
                             got = got.reshape(t, n_heads, d).transpose(1, 0, 2)
