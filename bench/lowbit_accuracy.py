@@ -20,7 +20,8 @@ Three data sets, each giving queries, keys and values of many (layer, head) pair
 For each format (bench/lowbit_formats.py: float64 NumPy reference quantisers), the attention
 output over the dequantised K/V is compared with the float64 attention over the float32 K/V:
 ``mean`` = mean |dout| / mean |out| and ``max`` = max |dout| / mean |out|, pooled over all heads
-and sentences of a layer (``per_layer``) and over everything (``overall``). Where the installed
+and sentences of a layer (``per_layer``) and over everything (``overall``); ``worst_head`` =
+the largest mean |dout| / mean |out| of one head of one sentence (MiniLM) or trial (random). Where the installed
 attnfast has a format (``attnfast.KVCache(..., dtype=...)`` is tried; a TypeError means it has
 not), the same data go through its cache (append, then attend with causal=False) and its error
 is reported too, against the same float64 reference.
@@ -201,6 +202,7 @@ class Pool:
         self.abs_err = self.abs_out = 0.0
         self.count = 0
         self.max_err = 0.0
+        self.worst_head = 0.0
 
     def add(self, got, ref):
         diff = np.abs(np.asarray(got, np.float64) - ref)
@@ -208,17 +210,22 @@ class Pool:
         self.abs_out += float(np.abs(ref).sum())
         self.count += diff.size
         self.max_err = max(self.max_err, float(diff.max()))
+        # (heads, Tq, Dv): the worst head's own mean |dout| / mean |out|
+        per_head = diff.reshape(diff.shape[0], -1).sum(1) / np.abs(ref).reshape(
+            diff.shape[0], -1).sum(1)
+        self.worst_head = max(self.worst_head, float(per_head.max()))
 
     def merge(self, other):
         self.abs_err += other.abs_err
         self.abs_out += other.abs_out
         self.count += other.count
         self.max_err = max(self.max_err, other.max_err)
+        self.worst_head = max(self.worst_head, other.worst_head)
 
     def result(self):
         mean_out = self.abs_out / self.count
         return {"mean": self.abs_err / self.abs_out, "max": self.max_err / mean_out,
-                "mean_abs_out": mean_out, "max_abs_err": self.max_err}
+                "worst_head": self.worst_head, "mean_abs_out": mean_out, "max_abs_err": self.max_err}
 
 
 def attnfast_formats():
@@ -303,18 +310,20 @@ def markdown(report) -> str:
     lines = [f"Command: `{report['meta']['command']}`  ",
              f"CPU: {report['meta']['cpu']}; attnfast {report['meta']['attnfast']}; "
              f"{report['meta']['date']}", "",
-             "mean = mean |Δout| / mean |out|, max = max |Δout| / mean |out|, against the float64 "
-             "attention over float32 K/V; pooled over every layer, head and sentence (MiniLM) or "
-             "head and trial (random).", ""]
+             "mean = mean |Δout| / mean |out|, max = max |Δout| / mean |out| (the largest single "
+             "output element's error), against the float64 attention over float32 K/V, pooled "
+             "over every layer, head and sentence (MiniLM) or head and trial (random); worst head "
+             "= the largest mean |Δout| / mean |out| of one head of one sentence (or trial).", ""]
     tv = report["targets"]
-    lines += ["| format | MiniLM mean | MiniLM max | normal mean | normal max | outliers mean "
-              "| outliers max | target (normal / outliers) |",
-              "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines += ["| format | MiniLM mean | max | worst head | normal mean | max | worst head "
+              "| outliers mean | max | worst head | target (normal / outliers) |",
+              "|---|" + "---:|" * 9 + "---|"]
     for name in res["normal"]:
         cells = []
         for ds in ("minilm", "normal", "outliers"):
             r = res.get(ds, {}).get(name)
-            cells += ([pct(r["overall"]["mean"]), pct(r["overall"]["max"])] if r else ["-", "-"])
+            cells += ([pct(r["overall"][m]) for m in ("mean", "max", "worst_head")] if r
+                      else ["-"] * 3)
         t = tv.get(name)
         verdict = "-" if t is None else (
             f"≤ {pct(t['normal_target'])} {'met' if t['normal_met'] else 'MISSED'} / "

@@ -233,6 +233,9 @@ def test_error_pool_matches_direct_ratios(study):
     got = pool.result()
     assert got["mean"] == pytest.approx(diff.mean() / outs.mean(), rel=1e-12)
     assert got["max"] == pytest.approx(diff.max() / outs.mean(), rel=1e-12)
+    heads = [np.abs(g - r)[h].sum() / np.abs(r)[h].sum() for g, r in zip(gots, refs)
+             for h in range(3)]
+    assert got["worst_head"] == pytest.approx(max(heads), rel=1e-12)
 
 
 def test_sentences_are_varied_and_deterministic(study):
