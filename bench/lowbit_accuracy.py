@@ -1,6 +1,6 @@
 """Accuracy of low-bit KV-cache formats on a real model's keys and values and on random data.
 
-    python bench/lowbit_accuracy.py                       # 300 sentences, writes bench/results/
+    python bench/lowbit_accuracy.py          # 300 sentences: bench/results/lowbit/accuracy.{json,md}
     python bench/lowbit_accuracy.py --sentences 40 --trials 1 --json /tmp/a.json --md /tmp/a.md
 
 Three data sets, each giving queries, keys and values of many (layer, head) pairs:
@@ -356,8 +356,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-minilm", action="store_true")
     p.add_argument("--no-attnfast", action="store_true")
     p.add_argument("--no-check", action="store_true", help="skip the capture check")
-    p.add_argument("--json", default=os.path.join(HERE, "results", "lowbit-accuracy.json"))
-    p.add_argument("--md", default=os.path.join(HERE, "results", "lowbit-accuracy.md"))
+    p.add_argument("--json", default=os.path.join(HERE, "results", "lowbit", "accuracy.json"))
+    p.add_argument("--md", default=os.path.join(HERE, "results", "lowbit", "accuracy.md"))
     args = p.parse_args(argv)
     import attnfast as af
     from attnfast.bench import limits as lim
