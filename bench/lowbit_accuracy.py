@@ -308,8 +308,8 @@ def pct(x):
 def markdown(report) -> str:
     res = report["results"]
     lines = [f"Command: `{report['meta']['command']}`  ",
-             f"CPU: {report['meta']['cpu']}; attnfast {report['meta']['attnfast']}; "
-             f"{report['meta']['date']}", "",
+             f"CPU: {report['meta']['cpu']}; attnfast {report['meta']['attnfast']} from "
+             f"{report['meta'].get('attnfast_path')}; {report['meta']['date']}", "",
              "mean = mean |Δout| / mean |out|, max = max |Δout| / mean |out| (the largest single "
              "output element's error), against the float64 attention over float32 K/V, pooled "
              "over every layer, head and sentence (MiniLM) or head and trial (random); worst head "
@@ -369,6 +369,7 @@ def main(argv=None) -> int:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "cpu": lim.cpu_name(), "python": platform.python_version(),
             "attnfast": f"{af.__version__} ({af._runtime.config()['isa']})",
+            "attnfast_path": os.path.dirname(af.__file__),
             "attnfast_formats": list(af_dtypes), "attnfast_missing": af_missing,
             "attnfast_contract": {k: v for k, v in ATTNFAST_DTYPES.items()},
             "random": {"L": 2048, "D": 128, "queries": 16, "heads": args.heads,

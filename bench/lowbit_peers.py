@@ -84,6 +84,7 @@ def main(argv=None) -> int:
             "cpu": lim.cpu_name(), "cpus": lim.available_cpus(),
             "load_average_before": lim.load_average(),
             "attnfast": f"{af.__version__} ({af._runtime.config()['isa']})",
+            "attnfast_path": os.path.dirname(af.__file__),
             "versions": {e.name: e.version() for e in engines}, "skipped": skipped,
             "rounds": args.rounds}
     rng = np.random.default_rng(args.seed)
@@ -184,7 +185,8 @@ def summary(results):
 def markdown(report):
     m = report["meta"]
     lines = [f"Command: `{m['command']}` ({m['python']})  ",
-             f"CPU: {m['cpu']} ({m['cpus']} CPUs); attnfast {m['attnfast']}; load average "
+             f"CPU: {m['cpu']} ({m['cpus']} CPUs); attnfast {m['attnfast']} from "
+             f"{m.get('attnfast_path')}; load average "
              f"{m['load_average_before']} before, {m['load_average_after']} after; {m['date']}",
              "", "| case | threads | engine | storage | step ms | vs attnfast float32 | "
              "payload GB/s | err (mean) | fill s | note |", "|---|---:|---|---|---:|---:|---:|---:|---:|---|"]
