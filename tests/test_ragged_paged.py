@@ -178,3 +178,24 @@ def test_argument_errors_name_the_argument():
     with pytest.raises(ValueError, match="block"):
         af.attention_varlen(q, kp, vp, cu_q, seqused_k=used, block_table=bad, out=out)
     assert np.all(out == 3.0)  # a rejected call writes nothing
+
+
+def test_explain_varlen_reports_the_mix():
+    rng = np.random.default_rng(6)
+    q, kp, vp, cu_q, used, table, _, _ = ragged_batch(rng, [1, 70, 1, 0, 3], [300, 70, 45, 5, 200])
+    plan = af.explain_varlen(q, kp, vp, cu_q, seqused_k=used, block_table=table, causal=True,
+                             num_threads=2)
+    assert plan["path"] == "ragged" and plan["kv_source"] == "paged"
+    assert (plan["sequences"], plan["decode"], plan["prefill"]) == (4, 3, 1)
+    assert [p["path"] for p in plan["per_sequence"]] == ["decode", "prefill", "decode", "decode"]
+    assert sum(plan["kernels"].values()) == 4
+    for b, p in zip([0, 1, 2, 4], plan["per_sequence"]):
+        q0, q1 = cu_q[b], cu_q[b + 1]
+        own = af.explain(q[q0:q1].transpose(1, 0, 2)[None], kp, vp, cache_seqlens=used[b:b + 1],
+                         block_table=table[b:b + 1], causal=True, num_threads=2)
+        assert p["kernel"] == own["kernel"] and p["tasks"] == own["tasks"]
+    assert plan["tasks"] == sum(p["tasks"] for p in plan["per_sequence"])
+    with pytest.raises(NotImplementedError, match="block_table"):
+        af.explain_varlen(q, kp, vp, cu_q, cu_q)
+    with pytest.raises(ValueError, match="seqused_k"):
+        af.explain_varlen(q, kp, vp, cu_q, block_table=table)

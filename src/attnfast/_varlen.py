@@ -10,7 +10,7 @@ from ._checks import (as_float_array, check_block_table, check_cu_seqlens, check
                       check_paged_kvcache_attention, check_paged_pools, check_varlen_slopes,
                       _as_int, _ints_per_sequence, _shape_str)
 
-__all__ = ["attention_varlen"]
+__all__ = ["attention_varlen", "explain_varlen"]
 
 
 @accepts_arrays
@@ -133,10 +133,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, seqused_k=None
     return (result, lse) if return_lse else result
 
 
-def _paged_varlen(q, k_pool, v_pool, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, *,
-                  max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes,
-                  sinks, mask, return_lse, out, num_threads, k_scale, v_scale):
-    """attention_varlen with a block table: one kernel call over every sequence."""
+def _ragged_problems(q, k_pool, v_pool, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, *,
+                     max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes,
+                     sinks, mask, num_threads, k_scale, v_scale):
+    """attention_varlen's ragged batch over a paged pool, checked: (q, dim_v, table, problems,
+    dtype, lse dtype), problems one (q0, q1, call, kernel arguments) per sequence with
+    queries, the arguments its own attention_with_kvcache call would hand the kernels."""
     if block_table is None:
         raise NotImplementedError("seqused_k is taken with block_table (a paged cache) only; for "
                                   "packed keys pass cu_seqlens_k")
@@ -194,6 +196,16 @@ def _paged_varlen(q, k_pool, v_pool, cu_seqlens_q, cu_seqlens_k, seqused_k, bloc
             window=window, num_threads=num_threads, k_scale=k_scale, v_scale=v_scale,
             cache_names=("k", "v"))
         dtype, lse_dtype = probe.attn.dtype, probe.attn.lse_dtype
+    return q, dim_v, table, problems, dtype, lse_dtype
+
+
+def _paged_varlen(q, k_pool, v_pool, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, *,
+                  return_lse, out, k_scale, v_scale, **options):
+    """attention_varlen with a block table: one kernel call over every sequence."""
+    q, dim_v, table, problems, dtype, lse_dtype = _ragged_problems(
+        q, k_pool, v_pool, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, k_scale=k_scale,
+        v_scale=v_scale, **options)
+    heads = q.shape[1]
     shape = (q.shape[0], heads, dim_v)
     user_out = check_out(out, shape, dtype, [("q", q), ("k", k_pool), ("v", v_pool),
                                              ("block_table", table), ("k_scale", k_scale),
@@ -210,3 +222,58 @@ def _paged_varlen(q, k_pool, v_pool, cu_seqlens_q, cu_seqlens_k, seqused_k, bloc
     if target is not result:
         np.copyto(result, target)
     return (result, lse) if return_lse else result
+
+
+def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, seqused_k=None, block_table=None,
+                   max_seqlen_q=None, max_seqlen_k=None, causal=False, scale=None, window=None,
+                   softcap=None, alibi_slopes=None, sinks=None, mask=None, return_lse=False,
+                   out=None, num_threads=None, k_scale=None, v_scale=None):
+    """What :func:`attnfast.attention_varlen` would run for a ragged batch over a paged cache
+    (``block_table``), computing nothing: the mix of decode rows and prefill chunks.
+
+    The arguments are checked exactly as attention_varlen checks them (same errors); each
+    sequence's plan comes from the C++ planning code its kernels run by (as
+    :func:`attnfast.explain`). The packed-keys form (no ``block_table``) raises
+    NotImplementedError: it runs one :func:`attnfast.attention` call per sequence, which
+    :func:`attnfast.explain` describes.
+
+    Returns
+    -------
+    dict with keys ``tier``; ``path`` (``"ragged"``); ``kv_source`` (``"paged"``);
+    ``sequences`` (with queries); ``decode`` and ``prefill`` (how many of them take each
+    path); ``kernels`` (micro-kernel name -> sequences); ``tasks`` (work items of the one
+    schedule's first pass: prefill query blocks and decode chunks of every sequence);
+    ``threads`` (threads it runs on alone); ``per_sequence`` (each sequence's
+    :func:`attnfast.explain`-style dict, in batch order, sequences without queries left out).
+    """
+    check_flag(return_lse, "return_lse")
+    if block_table is None:
+        raise NotImplementedError("explain_varlen describes the ragged batch over a paged cache "
+                                  "(block_table=); packed varlen keys run attention() per "
+                                  "sequence: use attnfast.explain on one of them")
+    _, _, _, problems, _, _ = _ragged_problems(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, causal=causal, scale=scale, window=window, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks, mask=mask, num_threads=num_threads,
+        k_scale=k_scale, v_scale=v_scale)
+    plans = [_ext.plan_attention(*args, **kw) for _, _, _, (args, kw) in problems]
+    kernels = {}
+    for plan in plans:
+        kernels[plan["kernel"]] = kernels.get(plan["kernel"], 0) + 1
+    tasks = sum(p["tasks"] for p in plans)
+    # the second pass: one merge per KV head of each decode sequence
+    merges = sum(v.shape[1] for p, (_, _, _, ((_, _, v), _)) in zip(plans, problems) if p["split"])
+    most = max(tasks, merges)
+    threads = min(problems[0][3][1]["num_threads"], most, _ext.processors()) if most else 0
+    return {
+        "tier": _ext.runtime_info()["isa"],
+        "path": "ragged",
+        "kv_source": "paged",
+        "sequences": len(plans),
+        "decode": sum(p["path"] == "decode" for p in plans),
+        "prefill": sum(p["path"] == "prefill" for p in plans),
+        "kernels": kernels,
+        "tasks": tasks,
+        "threads": threads,
+        "per_sequence": plans,
+    }
