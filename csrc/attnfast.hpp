@@ -102,6 +102,14 @@ AttentionParams default_params();
 // (the Python layer checks first, so this is a guard, not the user-facing check).
 void attention_forward(const AttentionParams& params);
 
+// Several independent problems in one call (the sequences of a ragged serving step, say:
+// decode rows and prompt chunks over one paged pool, each its own params): one schedule
+// over the tasks of them all, prefill tasks first, then the decode chunks, balanced over
+// params[0].num_threads threads (params[0].interruptible applies to all). Each problem's
+// out and lse are bit-identical to attention_forward(params[i]). Checks every problem
+// before computing any (throws std::invalid_argument).
+void attention_forward_batch(const AttentionParams* params, int64_t count);
+
 // What attention_forward would do for a params struct, computing nothing (attnfast.explain).
 struct CallPlan {
     const char* tier;     // the kernel tier in use (isa_selected())

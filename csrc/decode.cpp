@@ -108,7 +108,61 @@ DecodeKernel choose_decode(const KernelTable& kernels, const AttentionParams& p)
     return kernels.decode_kernel(p);
 }
 
+// A decode problem as units of a shared schedule (attention_forward_batch): phase 0 its
+// chunks, phase 1 its merges, over partial-result slots it owns; run_decode's work.
+template <class A>
+class DecodeWork : public ProblemWork {
+public:
+    DecodeWork(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMergeFn<A> merge_fn)
+        : p_(p), chunk_fn_(chunk_fn), merge_fn_(merge_fn), rows_(decode_rows(p)) {
+        if (p.batch == 0 || rows_ == 0) return;
+        split_ = split_decode(p);
+        const size_t slots = split_.tasks.size() > 0 ? split_.tasks.size() : 1;
+        acc_.reset(new A[slots * rows_ * p.head_dim_v]);
+        max_sum_.reset(new A[slots * rows_ * 2]);
+        slots_ = static_cast<int64_t>(slots);
+    }
+    int64_t units(int phase) const override {
+        if (p_.batch == 0 || rows_ == 0) return 0;
+        return phase == 0 ? static_cast<int64_t>(split_.tasks.size()) : p_.batch * p_.kv_heads;
+    }
+    int64_t workspace_bytes() const override {
+        return decode_workspace_elems(p_) * static_cast<int64_t>(sizeof(A));
+    }
+    void run(int phase, int64_t unit, void* workspace) const override {
+        A* ws = static_cast<A*>(workspace);
+        A* row_max = max_sum_.get();
+        A* row_sum = max_sum_.get() + slots_ * rows_;
+        if (phase == 0) {
+            chunk_fn_(p_, split_.tasks[static_cast<size_t>(unit)], ws, acc_.get() + unit * rows_ * p_.head_dim_v,
+                      row_max + unit * rows_, row_sum + unit * rows_);
+            return;
+        }
+        const int64_t b = unit / p_.kv_heads, g = unit % p_.kv_heads;
+        const int64_t base = split_.slot_base[b] + g * split_.chunk_count[b];
+        merge_fn_(p_, b, g, split_.chunk_count[b], acc_.get() + base * rows_ * p_.head_dim_v,
+                  row_max + base * rows_, row_sum + base * rows_, ws);
+    }
+
+private:
+    AttentionParams p_;
+    DecodeChunkFn<A> chunk_fn_;
+    DecodeMergeFn<A> merge_fn_;
+    int64_t rows_;
+    DecodeSplit split_;
+    std::unique_ptr<A[]> acc_, max_sum_;
+    int64_t slots_ = 0;
+};
+
 }  // namespace
+
+std::unique_ptr<ProblemWork> make_decode_work(const AttentionParams& p) {
+    const KernelTable& kernels = active_kernels();
+    const DecodeKernel kernel = choose_decode(kernels, p);
+    if (kernel.chunk) return std::unique_ptr<ProblemWork>(new DecodeWork<float>(p, kernel.chunk, kernels.decode_merge));
+    return std::unique_ptr<ProblemWork>(
+        new DecodeWork<double>(p, kernels.decode_chunk_f64, kernels.decode_merge_f64));
+}
 
 void decode_forward(const AttentionParams& p) {
     const KernelTable& kernels = active_kernels();

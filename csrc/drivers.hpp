@@ -1,5 +1,8 @@
 // Internal: the drivers attention_forward picks between (not part of the public C++ API).
 #pragma once
+#include <cstdint>
+#include <memory>
+
 #include "attnfast.hpp"
 
 namespace attnfast {
@@ -14,5 +17,19 @@ void decode_forward(const AttentionParams& p);
 // plan_attention's answer for checked params, from the code each driver runs by.
 CallPlan plan_prefill(const AttentionParams& p);  // prefill.cpp
 CallPlan plan_decode(const AttentionParams& p);   // decode.cpp
+
+// One checked problem's work as units a shared schedule runs (attention_forward_batch):
+// the units of phase 0 in any order on any thread, then, once phase 0 of every problem is
+// done, those of phase 1. Each unit computes what the problem's own attention_forward
+// would (its task list and kernels), so the results are the same bits.
+class ProblemWork {
+public:
+    virtual ~ProblemWork() = default;
+    virtual int64_t units(int phase) const = 0;
+    virtual int64_t workspace_bytes() const = 0;  // one thread's scratch for any unit
+    virtual void run(int phase, int64_t unit, void* workspace) const = 0;
+};
+std::unique_ptr<ProblemWork> make_prefill_work(const AttentionParams& p);  // prefill.cpp
+std::unique_ptr<ProblemWork> make_decode_work(const AttentionParams& p);   // decode.cpp
 
 }  // namespace attnfast

@@ -3,8 +3,10 @@
 //
 // Prefill driver: splits the problem into (batch, head, query block) tasks and runs the
 // selected kernel tier over them on OpenMP threads.
-#include <cstring>
+#include <cstdint>
 #include <memory>
+#include <utility>
+#include <vector>
 #include <stdexcept>
 #include <string>
 
@@ -82,33 +84,35 @@ int64_t prefill_tasks(const AttentionParams& p, const PrefillPlan& plan) {
     return p.batch * (p.heads / plan.heads_per_task) * blocks_per_head;
 }
 
-template <class A>
-void run_blocks(const AttentionParams& p,
-                void (*attend)(const AttentionParams&, const BlockTask&, A*), const PrefillPlan& plan) {
+// Task `index` of a prefill (index < prefill_tasks). Tasks go out in order of decreasing
+// query block: under a causal mask the late blocks see the most keys, so the dynamic
+// schedule starts the costliest work first.
+BlockTask prefill_task(const AttentionParams& p, const PrefillPlan& plan, int64_t index) {
     const int64_t block_rows = plan.block_rows;
     const int64_t heads_per_task = plan.heads_per_task;
     const int64_t blocks_per_head = (p.seqlen_q + block_rows - 1) / block_rows;
     const int64_t head_groups = p.batch * (p.heads / heads_per_task);
+    const int64_t block = blocks_per_head - 1 - index / head_groups;
+    const int64_t group = index % head_groups;
+    BlockTask task;
+    task.batch = group / (p.heads / heads_per_task);
+    task.head = group % (p.heads / heads_per_task) * heads_per_task;
+    task.head_count = heads_per_task;
+    task.row_begin = block * block_rows;
+    task.row_end = task.row_begin + block_rows < p.seqlen_q ? task.row_begin + block_rows : p.seqlen_q;
+    return task;
+}
+
+template <class A>
+void run_blocks(const AttentionParams& p,
+                void (*attend)(const AttentionParams&, const BlockTask&, A*), const PrefillPlan& plan) {
     const int64_t tasks = prefill_tasks(p, plan);
     if (tasks == 0) return;
     const int threads = p.num_threads < tasks ? p.num_threads : static_cast<int>(tasks);
 
     const int64_t ws_elems = plan.workspace_elems;
     std::unique_ptr<A[]> workspace(new A[static_cast<size_t>(ws_elems * threads)]);
-
-    // Tasks go out in order of decreasing query block: under a causal mask the late blocks
-    // see the most keys, so the dynamic schedule starts the costliest work first.
-    auto task_at = [&](int64_t index) {
-        const int64_t block = blocks_per_head - 1 - index / head_groups;
-        const int64_t group = index % head_groups;
-        BlockTask task;
-        task.batch = group / (p.heads / heads_per_task);
-        task.head = group % (p.heads / heads_per_task) * heads_per_task;
-        task.head_count = heads_per_task;
-        task.row_begin = block * block_rows;
-        task.row_end = task.row_begin + block_rows < p.seqlen_q ? task.row_begin + block_rows : p.seqlen_q;
-        return task;
-    };
+    auto task_at = [&](int64_t index) { return prefill_task(p, plan, index); };
     // (q's elements are A, or 16 bits under a float32 accumulator)
     const int64_t q_elem = p.dtype == DType::kF16 || p.dtype == DType::kBF16 ? 2 : static_cast<int64_t>(sizeof(A));
     const int64_t q_row_bytes = p.head_dim * q_elem;
@@ -128,85 +132,22 @@ void run_blocks(const AttentionParams& p,
     });
 }
 
-// A paged cache's keys of one call gathered into contiguous (batch, kv head, key) arrays,
-// for the hand-written prefill kernels (simd_prefill.inl, bf16_prefill.inl),
-// which read one strided run of rows: they then compute exactly the bits of a contiguous cache.
-// Costs one copy of the keys the batch reads (O(Tk * D), small next to the O(Tq * Tk * D)
-// prefill). Every float32-accumulated prefill reads one (gathers); float64 reads the pool
-// through the table.
-bool gathers(const AttentionParams& p) { return p.block_table && p.dtype != DType::kF64; }
-
-// `p` over its gathered copy (GatheredCache), without the copy's pointers: as long as its
-// longest batch entry, rows packed.
-AttentionParams gathered_layout(const AttentionParams& p) {
+// `p` as the prefill kernels read it. A paged cache is read in place, tile by tile through
+// the block table (every kernel walks K and V through block_attention.inl's KeyRows; no
+// gathered copy): only seqlen_k changes, from the table's capacity to the longest batch
+// entry, the keys the call can read, from which the SIMD kernels size their tiles and task
+// plan (as when the pool was gathered into a contiguous copy that long: the same plan, the
+// same bits).
+AttentionParams prefill_read_params(const AttentionParams& p) {
+    if (!p.block_table) return p;
     int64_t keys = 0;
     for (int64_t b = 0; b < p.batch; ++b) keys = batch_seqlen_k(p, b) > keys ? batch_seqlen_k(p, b) : keys;
-    AttentionParams g = p;
-    g.block_table = nullptr;
-    g.seqlen_k = keys;
-    g.k_row_stride = p.head_dim;
-    g.k_head_stride = keys * p.head_dim;
-    g.k_batch_stride = p.kv_heads * keys * p.head_dim;
-    g.v_row_stride = p.head_dim_v;
-    g.v_head_stride = keys * p.head_dim_v;
-    g.v_batch_stride = p.kv_heads * keys * p.head_dim_v;
-    if (p.k_scale) {
-        g.k_scale_row_stride = g.v_scale_row_stride = 1;
-        g.k_scale_head_stride = g.v_scale_head_stride = keys;
-        g.k_scale_batch_stride = g.v_scale_batch_stride = p.kv_heads * keys;
-    }
-    return g;
+    AttentionParams read = p;
+    read.seqlen_k = keys;
+    return read;
 }
 
-// The gathered copy itself, and `params` over it.
-struct GatheredCache {
-    std::unique_ptr<char[]> k, v;
-    std::unique_ptr<float[]> k_scale, v_scale;  // int8 caches: their row scales, gathered too
-    AttentionParams params;
-
-    explicit GatheredCache(const AttentionParams& p) : params(gathered_layout(p)) {
-        const int64_t keys = params.seqlen_k;
-        const int64_t elem = kv_element_bytes(p);
-        const int64_t rows = p.batch * p.kv_heads * keys;
-        k.reset(new char[static_cast<size_t>(rows * p.head_dim * elem > 0 ? rows * p.head_dim * elem : 1)]);
-        v.reset(new char[static_cast<size_t>(rows * p.head_dim_v * elem > 0 ? rows * p.head_dim_v * elem : 1)]);
-        if (p.k_scale) {
-            k_scale.reset(new float[static_cast<size_t>(rows > 0 ? rows : 1)]);
-            v_scale.reset(new float[static_cast<size_t>(rows > 0 ? rows : 1)]);
-        }
-        const int64_t tasks = p.batch * p.kv_heads;
-        parallel::for_each_dynamic(tasks, p.num_threads < tasks ? p.num_threads : static_cast<int>(tasks),
-                                   false, [&](int64_t index, int) {
-            const int64_t b = index / p.kv_heads, g = index % p.kv_heads;
-            const int64_t* table = p.block_table + b * p.block_table_batch_stride;
-            for (int64_t j = 0; j < batch_seqlen_k(p, b); ++j) {
-                const int64_t block = table[j / p.block_size], row = j % p.block_size;
-                std::memcpy(k.get() + ((index * keys + j) * p.head_dim) * elem,
-                            static_cast<const char*>(p.k) +
-                                (block * p.k_batch_stride + g * p.k_head_stride + row * p.k_row_stride) * elem,
-                            static_cast<size_t>(p.head_dim * elem));
-                std::memcpy(v.get() + ((index * keys + j) * p.head_dim_v) * elem,
-                            static_cast<const char*>(p.v) +
-                                (block * p.v_batch_stride + g * p.v_head_stride + row * p.v_row_stride) * elem,
-                            static_cast<size_t>(p.head_dim_v * elem));
-                if (p.k_scale) {
-                    k_scale[index * keys + j] = p.k_scale[block * p.k_scale_batch_stride +
-                                                          g * p.k_scale_head_stride + row * p.k_scale_row_stride];
-                    v_scale[index * keys + j] = p.v_scale[block * p.v_scale_batch_stride +
-                                                          g * p.v_scale_head_stride + row * p.v_scale_row_stride];
-                }
-            }
-        });
-        params.k = k.get();
-        params.v = v.get();
-        if (p.k_scale) {
-            params.k_scale = k_scale.get();
-            params.v_scale = v_scale.get();
-        }
-    }
-};
-
-// The prefill kernel of a call, given the params it reads (gathered, if gathers()), and its
+// The prefill kernel of a call, given the params it reads (prefill_read_params), and its
 // plan. attention_forward runs it; plan_prefill describes it.
 struct PrefillChoice {
     const char* name;
@@ -227,7 +168,71 @@ void run_prefill(const AttentionParams& p, const PrefillChoice& choice) {
     else run_blocks<float>(p, choice.attend_f32, choice.plan);
 }
 
+// A prefill problem as units of a shared schedule (attention_forward_batch): its tasks, in
+// run_blocks' order, in phase 0.
+class PrefillWork : public ProblemWork {
+public:
+    explicit PrefillWork(const AttentionParams& p)
+        : read_(prefill_read_params(p)), choice_(choose_prefill(active_kernels(), read_)) {}
+    int64_t units(int phase) const override { return phase == 0 ? prefill_tasks(read_, choice_.plan) : 0; }
+    int64_t workspace_bytes() const override {
+        return choice_.plan.workspace_elems *
+               static_cast<int64_t>(choice_.attend_f64 ? sizeof(double) : sizeof(float));
+    }
+    void run(int, int64_t unit, void* workspace) const override {
+        const BlockTask task = prefill_task(read_, choice_.plan, unit);
+        if (choice_.attend_f64) choice_.attend_f64(read_, task, static_cast<double*>(workspace));
+        else choice_.attend_f32(read_, task, static_cast<float*>(workspace));
+    }
+
+private:
+    AttentionParams read_;
+    PrefillChoice choice_;
+};
+
 }  // namespace
+
+std::unique_ptr<ProblemWork> make_prefill_work(const AttentionParams& p) {
+    return std::unique_ptr<ProblemWork>(new PrefillWork(p));
+}
+
+void attention_forward_batch(const AttentionParams* problems, int64_t count) {
+    require(count >= 0 && (count == 0 || problems), "attention_forward_batch: no problems");
+    for (int64_t i = 0; i < count; ++i) check_params(problems[i]);
+    if (count == 0) return;
+    // Prefill tasks first (the longest units), then the decode chunks, which the dynamic
+    // schedule spreads over the threads as they free up; then every decode merge.
+    std::vector<std::unique_ptr<ProblemWork>> works;
+    std::vector<std::pair<int64_t, int64_t>> first, second;  // (problem, unit)
+    int64_t ws_bytes = 64;
+    for (int pass = 0; pass < 2; ++pass)
+        for (int64_t i = 0; i < count; ++i) {
+            if (takes_decode_path(problems[i]) != (pass == 1)) continue;
+            works.push_back(pass == 0 ? make_prefill_work(problems[i]) : make_decode_work(problems[i]));
+            const ProblemWork& w = *works.back();
+            const int64_t id = static_cast<int64_t>(works.size()) - 1;
+            for (int64_t u = 0; u < w.units(0); ++u) first.emplace_back(id, u);
+            for (int64_t u = 0; u < w.units(1); ++u) second.emplace_back(id, u);
+            if (w.workspace_bytes() > ws_bytes) ws_bytes = w.workspace_bytes();
+        }
+    const int64_t most = first.size() > second.size() ? static_cast<int64_t>(first.size())
+                                                      : static_cast<int64_t>(second.size());
+    if (most == 0) return;
+    const int threads = problems[0].num_threads < most ? problems[0].num_threads : static_cast<int>(most);
+    const bool interruptible = problems[0].interruptible;
+    ws_bytes = (ws_bytes + 63) / 64 * 64;  // each thread's scratch on its own lines
+    std::unique_ptr<char[]> scratch(new char[static_cast<size_t>(ws_bytes * threads + 64)]);
+    char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(scratch.get()) + 63) & ~uintptr_t(63));
+    const std::vector<std::pair<int64_t, int64_t>>* phases[2] = {&first, &second};
+    for (int phase = 0; phase < 2; ++phase) {
+        const auto& units = *phases[phase];
+        parallel::for_each_dynamic(static_cast<int64_t>(units.size()), threads, interruptible,
+                                   [&](int64_t index, int thread_id) {
+            const auto& unit = units[static_cast<size_t>(index)];
+            works[static_cast<size_t>(unit.first)]->run(phase, unit.second, base + ws_bytes * thread_id);
+        });
+    }
+}
 
 void attention_forward(const AttentionParams& p) {
     check_params(p);
@@ -235,18 +240,13 @@ void attention_forward(const AttentionParams& p) {
         decode_forward(p);
         return;
     }
-    const KernelTable& kernels = active_kernels();
-    if (gathers(p)) {
-        const GatheredCache gathered(p);
-        run_prefill(gathered.params, choose_prefill(kernels, gathered.params));
-    } else {
-        run_prefill(p, choose_prefill(kernels, p));
-    }
+    const AttentionParams read = prefill_read_params(p);
+    run_prefill(read, choose_prefill(active_kernels(), read));
 }
 
 CallPlan plan_prefill(const AttentionParams& p) {
     const KernelTable& kernels = active_kernels();
-    const AttentionParams read = gathers(p) ? gathered_layout(p) : p;
+    const AttentionParams read = prefill_read_params(p);
     const PrefillChoice choice = choose_prefill(kernels, read);
     CallPlan plan{};
     plan.tier = kernels.name;

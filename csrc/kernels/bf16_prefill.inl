@@ -16,7 +16,7 @@
 //                    acc[e][v] += pt2[j/2][v] . vpair[j/2][e].
 // An odd D and the score options softcap / ALiBi / mask take the tier's widening kernel
 // (simd_prefill.inl: see prefill_kernel); sinks are applied by the shared finish. A paged
-// pool arrives gathered (prefill.cpp's GatheredCache).
+// pool is read in place, row by row through the tile's row addresses (simd::find_tile_rows).
 #if !defined(__AVX512BF16__)
 #error "bf16_prefill.inl needs AVX512_BF16"
 #endif
@@ -67,8 +67,13 @@ void scores_rows(const simd::Block& b, int64_t tile, int64_t j0, bool partial, f
         for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = simd::vzero();
     const bf16_t* krow[R];
     const bf16_t* k = reinterpret_cast<const bf16_t*>(b.k);
+    if (b.k_rows) {
 #pragma GCC unroll 16
-    for (int t = 0; t < R; ++t) krow[t] = k + (tile + j0 + t) * b.k_stride;
+        for (int t = 0; t < R; ++t) krow[t] = reinterpret_cast<const bf16_t*>(b.k_rows[j0 + t]);
+    } else {
+#pragma GCC unroll 16
+        for (int t = 0; t < R; ++t) krow[t] = k + (tile + j0 + t) * b.k_stride;
+    }
     const uint32_t* q = reinterpret_cast<const uint32_t*>(b.qt);
     for (int64_t d = 0; d < b.D; d += 2, q += Bq) {
         __m512bh qv[kQueryVecs];
@@ -148,11 +153,12 @@ void pack_values(const simd::Block& b, const Scratch& sc, int64_t tile, int64_t 
                                             0x002A000A, 0x002B000B, 0x002C000C, 0x002D000D, 0x002E000E,
                                             0x002F000F);  // words i: (x[i], y[i]), i < 16
     const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));  // i in 16..31
-    const bf16_t* v = reinterpret_cast<const bf16_t*>(b.v) + tile * b.v_stride;
+    const bf16_t* v = b.v_rows ? nullptr : reinterpret_cast<const bf16_t*>(b.v) + tile * b.v_stride;
     const int64_t Dv = b.Dv;
     for (int64_t j = 0; j < keys; j += 2) {
-        const bf16_t* x = v + j * b.v_stride;
-        const bf16_t* y = j + 1 < keys ? x + b.v_stride : nullptr;
+        const bf16_t* x = b.v_rows ? reinterpret_cast<const bf16_t*>(b.v_rows[j]) : v + j * b.v_stride;
+        const bf16_t* y = j + 1 >= keys ? nullptr
+                          : b.v_rows ? reinterpret_cast<const bf16_t*>(b.v_rows[j + 1]) : x + b.v_stride;
         uint32_t* out = sc.v_pairs + (j / 2) * Dv;
         int64_t e = 0;
         for (; e + 32 <= Dv; e += 32) {
@@ -245,6 +251,7 @@ struct Bf16Kernel {
     void attend(const AttentionParams& p, const simd::Block& b, int64_t /*batch*/, int64_t tile, int64_t keys,
                 int64_t next_keys) const {
         const bool partial = simd::tile_ranges(p, b, tile, keys);
+        if (b.k_rows) simd::find_tile_rows(b, tile, keys);
         attend_tile(b, sc, tile, keys, next_keys, partial, scale2);
     }
 };

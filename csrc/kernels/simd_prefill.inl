@@ -129,6 +129,22 @@ struct Block {
                           // the caller's bfloat16 rows, cast; strides count elements)
     int64_t k_stride, v_stride;
     int64_t kv_first = 0;  // key index of row 0 of k and v
+    // A paged cache read in place (the rows are not widened into a copy): the pool's K and V
+    // rows (block_attention.inl's KeyRows, strides in bytes), and the current tile's row
+    // addresses, key tile + j at k_rows[j] / v_rows[j] (filled once per tile by
+    // find_tile_rows: the block table is read once per block, never once per key, and the
+    // micro-kernels read each row where it lies). k_rows nullptr: the rows are one strided
+    // run from k / v, at k_stride / v_stride (and v_stride also steps inside a block).
+    KeyRows<char> k_pages{}, v_pages{};
+    const float** k_rows = nullptr;
+    const float** v_rows = nullptr;
+    mutable int64_t first_run = 0;  // keys of the tile's first run (in its first block)
+
+    // End of the run of V rows starting at tile-relative key j0 (a run start), at most keys.
+    int64_t run_end(int64_t j0, int64_t keys) const {
+        const int64_t end = j0 == 0 ? first_run : j0 + v_pages.block_size;
+        return end < keys ? end : keys;
+    }
     int64_t head, row_begin, rows;
     int64_t seqlen_k;      // keys valid for this batch entry (batch_seqlen_k)
     KeyRange first, last;  // visible keys of the first and last row
@@ -168,6 +184,23 @@ inline bool tile_ranges(const AttentionParams& p, const Block& b, int64_t tile, 
     return partial;
 }
 
+// A paged cache read in place: the addresses of the K and V rows of keys [tile, tile +
+// keys) into b.k_rows / b.v_rows, and b.first_run (one table read per block of the tile).
+inline void find_tile_rows(const Block& b, int64_t tile, int64_t keys) {
+    const int64_t block_size = b.k_pages.block_size;
+    b.first_run = block_size - tile % block_size;
+    for (int64_t j0 = 0; j0 < keys;) {
+        const int64_t j1 = b.run_end(j0, keys);
+        const char* krow = b.k_pages.at(tile + j0);
+        const char* vrow = b.v_pages.at(tile + j0);
+        for (int64_t j = j0; j < j1; ++j, krow += b.k_pages.row_stride, vrow += b.v_pages.row_stride) {
+            b.k_rows[j] = reinterpret_cast<const float*>(krow);
+            b.v_rows[j] = reinterpret_cast<const float*>(vrow);
+        }
+        j0 = j1;
+    }
+}
+
 // Most sub-blocks one task holds: each K/V super-tile is read from L3 once per task and
 // reused from L2 by up to this many sub-blocks, whose states (Qᵀ, Oᵀ) also live in L2.
 constexpr int64_t kMaxSubBlocks = 4;
@@ -188,6 +221,7 @@ struct Tiling {
     bool prefetch;       // one head's K and V do not fit in half of L2
     int64_t sub_elems;   // floats of one sub-block's state
     int64_t shared_elems;
+    int64_t row_ptr_elems;  // floats of the tile's K and V row addresses (paged, read in place), else 0
     int64_t kv_copy_elems;  // floats of the widened super-tile (K and V not float32), else 0
 };
 // Most keys per tile (Bk); 48..96 measured alike on AVX2 (Sapphire Rapids, Bq = 32).
@@ -203,6 +237,9 @@ inline Tiling tiling(const AttentionParams& p, bool widened = false) {
     t.prefetch = p.seqlen_k * row_bytes > cache.l2 / 2;
     t.sub_elems = (p.head_dim + p.head_dim_v + 2) * Bq;
     t.shared_elems = t.Bk * Bq + 3 * Bq + round_up(t.Bk, 8) * Bq;
+    t.row_ptr_elems = p.block_table && !widened
+        ? 2 * t.Bk * static_cast<int64_t>(sizeof(const float*) / sizeof(float)) : 0;
+    t.shared_elems += t.row_ptr_elems;
     if (widened)  // the float32 copy, beside up to kMaxSubBlocksWidened states
         t.super_keys = round_down(clamp64((cache.l2 / 4) / row_bytes, t.Bk, 1 << 20), t.Bk);
     t.kv_copy_elems = widened ? t.super_keys * (p.head_dim + p.head_dim_v) : 0;
@@ -259,14 +296,28 @@ struct PrefetchStream {
     int64_t k_lines = 0, lines = 0;      // lines per row: K's, then V's
     int64_t line = 0;                    // next line of the current row
     int64_t rows_left = 0;
+    // A paged cache: the pool's rows, the key index of the current row and the end of its
+    // block's run (the next row is then looked up in the table); nullptr: one strided run.
+    const KeyRows<char>* k_pages = nullptr;
+    const KeyRows<char>* v_pages = nullptr;
+    int64_t row = 0, run_end = 0;
 
     PrefetchStream() = default;
     // elem_bytes: of one K / V element as b.k and b.v hold them (4, or 2 for bfloat16 rows).
     PrefetchStream(const Block& b, int64_t first_row, int64_t rows, int64_t elem_bytes) {
         k_stride = b.k_stride * elem_bytes;
         v_stride = b.v_stride * elem_bytes;
-        k_row = reinterpret_cast<const char*>(b.k) + (first_row - b.kv_first) * k_stride;
-        v_row = reinterpret_cast<const char*>(b.v) + (first_row - b.kv_first) * v_stride;
+        if (b.k_rows) {
+            k_pages = &b.k_pages;
+            v_pages = &b.v_pages;
+            row = first_row;
+            run_end = rows > 0 ? b.k_pages.run_end(first_row, first_row + rows) : first_row;
+            k_row = rows > 0 ? b.k_pages.at(first_row) : nullptr;
+            v_row = rows > 0 ? b.v_pages.at(first_row) : nullptr;
+        } else {
+            k_row = reinterpret_cast<const char*>(b.k) + (first_row - b.kv_first) * k_stride;
+            v_row = reinterpret_cast<const char*>(b.v) + (first_row - b.kv_first) * v_stride;
+        }
         k_bytes = b.D * elem_bytes;
         v_bytes = b.Dv * elem_bytes;
         k_lines = k_bytes / 64 + 1;  // + 1: a row need not start on a line
@@ -291,9 +342,17 @@ struct PrefetchStream {
 #endif
         if (++line == lines) {
             line = 0;
-            k_row += k_stride;
-            v_row += v_stride;
             --rows_left;
+            if (k_pages && ++row == run_end) {
+                if (rows_left > 0) {  // the next block (never looked up past the last row)
+                    k_row = k_pages->at(row);
+                    v_row = v_pages->at(row);
+                    run_end = k_pages->run_end(row, row + rows_left);
+                }
+            } else {
+                k_row += k_stride;
+                v_row += v_stride;
+            }
         }
     }
 };
@@ -333,8 +392,13 @@ void scores_rows(const Block& b, int64_t tile, int64_t j0, bool partial, const T
 #pragma GCC unroll 4
         for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = vzero();
     const float* krow[R];
+    if (b.k_rows) {
 #pragma GCC unroll 16
-    for (int t = 0; t < R; ++t) krow[t] = b.k + (tile - b.kv_first + j0 + t) * b.k_stride;
+        for (int t = 0; t < R; ++t) krow[t] = b.k_rows[j0 + t];
+    } else {
+#pragma GCC unroll 16
+        for (int t = 0; t < R; ++t) krow[t] = b.k + (tile - b.kv_first + j0 + t) * b.k_stride;
+    }
     const float* q = b.qt;
     int64_t d = 0;
 #if defined(__aarch64__)
@@ -404,19 +468,24 @@ void pv_rows(const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* 
 #pragma GCC unroll 4
             for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = vload(o + t * Bq + u * W);
     }
-    const float* vrow = b.v + (tile - b.kv_first) * b.v_stride + e0;
     const float* pt = b.st;
-    for (int64_t j = 0; j < keys; ++j, vrow += b.v_stride, pt += Bq) {
-        for (int i = 0; i < pf_steps; ++i) pf.step();
-        Vec pv[kQueryVecs];
+    // Runs of V rows at v_stride steps: the whole tile, or (paged) the keys of one block.
+    for (int64_t j0 = 0; j0 < keys;) {
+        const int64_t j1 = b.v_rows ? b.run_end(j0, keys) : keys;
+        const float* vrow = (b.v_rows ? b.v_rows[j0] : b.v + (tile - b.kv_first + j0) * b.v_stride) + e0;
+        for (int64_t j = j0; j < j1; ++j, vrow += b.v_stride, pt += Bq) {
+            for (int i = 0; i < pf_steps; ++i) pf.step();
+            Vec pv[kQueryVecs];
 #pragma GCC unroll 4
-        for (int u = 0; u < kQueryVecs; ++u) pv[u] = vload(pt + u * W);
+            for (int u = 0; u < kQueryVecs; ++u) pv[u] = vload(pt + u * W);
 #pragma GCC unroll 16
-        for (int t = 0; t < R; ++t) {
-            const Vec vb = vbcast(vrow + t);
+            for (int t = 0; t < R; ++t) {
+                const Vec vb = vbcast(vrow + t);
 #pragma GCC unroll 4
-            for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = vfma(vb, pv[u], acc[t][u]);
+                for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = vfma(vb, pv[u], acc[t][u]);
+            }
         }
+        j0 = j1;
     }
 #pragma GCC unroll 16
     for (int t = 0; t < R; ++t)
@@ -645,24 +714,28 @@ inline void narrow1(float* y, float x) { *y = x; }
 inline void narrow1(f16_t* y, float x) { *y = narrow_f16(x); }
 inline void narrow1(bf16_t* y, float x) { *y = narrow_bf16(x); }
 
-// Rows [first, first + rows) of one (batch, kv head)'s K or V, widened into dst (rows x
-// dim, contiguous) and, for an int8 cache, times each row's scale (one rounding, as the
-// templates do).
+// Rows [first, first + rows) of one (batch, kv head)'s K or V (one strided run, or a paged
+// pool's blocks read in place), widened into dst (rows x dim, contiguous) and, for an int8
+// cache, times each row's scale (one rounding, as the templates do).
 template <class T>
-void widen_rows(const T* src, int64_t stride, int64_t first, int64_t rows, int64_t dim,
+void widen_rows(const KeyRows<T>& src, int64_t first, int64_t rows, int64_t dim,
                 const RowScales& scale, float* dst) {
-    for (int64_t r = 0; r < rows; ++r, dst += dim) {
-        const T* x = src + (first + r) * stride;
-        const float sc = scale.at(first + r);
-        const Chunk scc = chunk_set(sc);
-        int64_t d = 0;
-        if (scale.scale) {
-            for (; d + kChunk <= dim; d += kChunk) chunk_storeu(dst + d, chunk_mul(widen_chunk(x + d), scc));
-            for (; d < dim; ++d) dst[d] = widen(x[d]) * sc;
-        } else {
-            for (; d + kChunk <= dim; d += kChunk) chunk_storeu(dst + d, widen_chunk(x + d));
-            for (; d < dim; ++d) dst[d] = widen(x[d]);
+    for (int64_t r0 = 0; r0 < rows;) {  // runs of rows within one block (paged)
+        const int64_t r1 = src.run_end(first + r0, first + rows) - first;
+        const T* x = src.at(first + r0);
+        for (int64_t r = r0; r < r1; ++r, x += src.row_stride, dst += dim) {
+            const float sc = scale.at(first + r);
+            const Chunk scc = chunk_set(sc);
+            int64_t d = 0;
+            if (scale.scale) {
+                for (; d + kChunk <= dim; d += kChunk) chunk_storeu(dst + d, chunk_mul(widen_chunk(x + d), scc));
+                for (; d < dim; ++d) dst[d] = widen(x[d]) * sc;
+            } else {
+                for (; d + kChunk <= dim; d += kChunk) chunk_storeu(dst + d, widen_chunk(x + d));
+                for (; d < dim; ++d) dst[d] = widen(x[d]);
+            }
         }
+        r0 = r1;
     }
 }
 
@@ -952,6 +1025,7 @@ void attend_sub_tile(const AttentionParams& p, const Block& b, int64_t batch, in
         for (int64_t i = 0; i < Bq; ++i) b.alibi_pos[i] = static_cast<float>(aligned0 - tile + i);
     }
     const bool partial = tile_ranges(p, b, tile, keys);
+    if (b.k_rows) find_tile_rows(b, tile, keys);
     attend_tile(b, tile, keys, next_keys, partial, o);
 }
 
@@ -1016,16 +1090,22 @@ void run_task(const AttentionParams& p, const BlockTask& task, float* workspace)
     int32_t* rel_end = rel_begin + Bq;
     float* alibi_pos = reinterpret_cast<float*>(rel_end + Bq);
     float* mt = alibi_pos + Bq;
+    const float** row_ptrs = reinterpret_cast<const float**>(mt + round_up(t.Bk, 8) * Bq);  // paged
     float* sub_base = base + t.shared_elems;
     float* kv_copy = sub_base + subs * t.sub_elems;  // super_keys x D, then super_keys x Dv
     const Kernel kernel(p, kv_copy + t.kv_copy_elems);
 
-    const TKV* k = static_cast<const TKV*>(p.k) + task.batch * p.k_batch_stride + kv_head * p.k_head_stride;
-    const TKV* v = static_cast<const TKV*>(p.v) + task.batch * p.v_batch_stride + kv_head * p.v_head_stride;
-    const RowScales k_scale = row_scales(p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride,
+    // The K and V rows (and int8 row scales) of (batch, kv head): one strided run, or a
+    // paged pool read in place through the block table (no gathered copy).
+    const KeyRows<TKV> k = key_rows<TKV>(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
+                                         task.batch, kv_head);
+    const KeyRows<TKV> v = key_rows<TKV>(p, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
+                                         task.batch, kv_head);
+    const RowScales k_scale = row_scales(p, p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride,
                                          p.k_scale_row_stride, task.batch, kv_head);
-    const RowScales v_scale = row_scales(p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride,
+    const RowScales v_scale = row_scales(p, p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride,
                                          p.v_scale_row_stride, task.batch, kv_head);
+    const bool paged_in_place = !kWidened && p.block_table;
 
     Block blocks[kMaxSubBlocksWidened];
     int64_t kv_begin = 0, kv_end = 0;
@@ -1048,9 +1128,20 @@ void run_task(const AttentionParams& p, const BlockTask& task, float* workspace)
             b.v = kv_copy + t.super_keys * b.D;
             b.k_stride = b.D;
             b.v_stride = b.Dv;
+        } else if (paged_in_place) {
+            constexpr int64_t e = sizeof(TKV);
+            b.k = b.v = nullptr;  // (rows through k_rows / v_rows)
+            b.k_pages = KeyRows<char>{reinterpret_cast<const char*>(k.base), k.row_stride * e, k.table,
+                                      k.block_stride * e, k.block_size};
+            b.v_pages = KeyRows<char>{reinterpret_cast<const char*>(v.base), v.row_stride * e, v.table,
+                                      v.block_stride * e, v.block_size};
+            b.k_rows = row_ptrs;
+            b.v_rows = row_ptrs + t.Bk;
+            b.k_stride = p.k_row_stride;
+            b.v_stride = p.v_row_stride;
         } else {
-            b.k = reinterpret_cast<const float*>(k);
-            b.v = reinterpret_cast<const float*>(v);
+            b.k = reinterpret_cast<const float*>(k.base);
+            b.v = reinterpret_cast<const float*>(v.base);
             b.k_stride = p.k_row_stride;
             b.v_stride = p.v_row_stride;
         }
@@ -1071,9 +1162,8 @@ void run_task(const AttentionParams& p, const BlockTask& task, float* workspace)
     for (int64_t super = kv_begin; super < kv_end; super += t.super_keys) {
         const int64_t super_end = super + t.super_keys < kv_end ? super + t.super_keys : kv_end;
         if constexpr (kWidened) {
-            widen_rows(k, p.k_row_stride, super, super_end - super, p.head_dim, k_scale, kv_copy);
-            widen_rows(v, p.v_row_stride, super, super_end - super, p.head_dim_v, v_scale,
-                       kv_copy + t.super_keys * p.head_dim);
+            widen_rows(k, super, super_end - super, p.head_dim, k_scale, kv_copy);
+            widen_rows(v, super, super_end - super, p.head_dim_v, v_scale, kv_copy + t.super_keys * p.head_dim);
             for (int64_t sidx = 0; sidx < subs; ++sidx) blocks[sidx].kv_first = super;
         }
         int64_t covered = super;  // keys of this super-tile some earlier sub-block has read

@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 from ._runtime import get_num_threads, set_num_threads, show_config, _check_forced_isa
 from ._api import attention, attention_weights, merge_attention_states
 from ._backward import attention_backward, attention_varlen_backward
-from ._varlen import attention_varlen
+from ._varlen import attention_varlen, explain_varlen
 from ._kvcache import KVCache, attention_with_kvcache
 from ._paged import PagedKVCache
 from ._explain import explain
@@ -28,6 +28,7 @@ __all__ = [
     "attention_with_kvcache",
     "PagedKVCache",
     "explain",
+    "explain_varlen",
     "get_num_threads",
     "set_num_threads",
     "show_config",

@@ -61,31 +61,37 @@ def merge_attention_states(outs: Sequence[ArrayLike],
 
 @overload
 def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
-                     cu_seqlens_k: ArrayLike, *, max_seqlen_q: int | None = ...,
+                     cu_seqlens_k: ArrayLike | None = ..., *, seqused_k: ArrayLike | None = ...,
+                     block_table: ArrayLike | None = ..., max_seqlen_q: int | None = ...,
                      max_seqlen_k: int | None = ..., causal: bool = ...,
                      scale: float | None = ..., window: _Window = ...,
                      softcap: float | None = ..., alibi_slopes: ArrayLike | None = ...,
                      sinks: ArrayLike | None = ..., mask: ArrayLike | None = ...,
                      return_lse: Literal[False] = ..., out: NDArray[Any] | None = ...,
-                     num_threads: int | None = ...) -> _Out: ...
+                     num_threads: int | None = ...,
+                     k_scale: ArrayLike | None = ..., v_scale: ArrayLike | None = ...) -> _Out: ...
 @overload
 def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
-                     cu_seqlens_k: ArrayLike, *, max_seqlen_q: int | None = ...,
+                     cu_seqlens_k: ArrayLike | None = ..., *, seqused_k: ArrayLike | None = ...,
+                     block_table: ArrayLike | None = ..., max_seqlen_q: int | None = ...,
                      max_seqlen_k: int | None = ..., causal: bool = ...,
                      scale: float | None = ..., window: _Window = ...,
                      softcap: float | None = ..., alibi_slopes: ArrayLike | None = ...,
                      sinks: ArrayLike | None = ..., mask: ArrayLike | None = ...,
                      return_lse: Literal[True], out: NDArray[Any] | None = ...,
-                     num_threads: int | None = ...) -> _OutLse: ...
+                     num_threads: int | None = ...,
+                     k_scale: ArrayLike | None = ..., v_scale: ArrayLike | None = ...) -> _OutLse: ...
 @overload
 def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
-                     cu_seqlens_k: ArrayLike, *, max_seqlen_q: int | None = None,
+                     cu_seqlens_k: ArrayLike | None = None, *, seqused_k: ArrayLike | None = None,
+                     block_table: ArrayLike | None = None, max_seqlen_q: int | None = None,
                      max_seqlen_k: int | None = None, causal: bool = False,
                      scale: float | None = None, window: _Window = None,
                      softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
                      sinks: ArrayLike | None = None, mask: ArrayLike | None = None,
                      return_lse: bool = False, out: NDArray[Any] | None = None,
-                     num_threads: int | None = None) -> _Out | _OutLse: ...
+                     num_threads: int | None = None, k_scale: ArrayLike | None = None,
+                     v_scale: ArrayLike | None = None) -> _Out | _OutLse: ...
 
 @overload
 def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray[Any],

@@ -8,6 +8,7 @@ only fills the params struct, releases the GIL and calls the kernels.
 from libc.stdint cimport int64_t, uint64_t
 from libc.string cimport memset
 from libcpp cimport bool as cbool
+from libcpp.vector cimport vector
 from posix.signal cimport sigaction, sigaction_t, sigemptyset
 cimport numpy as cnp
 
@@ -68,6 +69,7 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
     cbool take_interrupt() noexcept nogil
     int processor_count() noexcept nogil
     void attention_forward(const AttentionParams&) except + nogil
+    void attention_forward_batch(const AttentionParams* params, int64_t count) except + nogil
     cdef struct CallPlan:
         const char* tier
         cbool decode
@@ -325,6 +327,29 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
     else:
         with nogil:
             attention_forward(p)
+
+
+def run_attention_batch(list calls):
+    """Run several problems in one kernel call (attnfast.attention_varlen's ragged batch over
+    a paged pool: one problem per sequence), on one schedule over all their tasks.
+
+    calls: a list of (q, k, v, out, lse, keywords), each as one run_attention call (keywords:
+    run_attention's, less interruptible and backward; every problem takes the first one's
+    num_threads). Each problem's out / lse are bit-identical to its own run_attention call.
+    The arrays must stay alive for the call (the list holds them). Not interruptible.
+    """
+    cdef vector[AttentionParams] params
+    cdef Py_ssize_t i
+    params.resize(len(calls))
+    for i in range(len(calls)):
+        q, k, v, out, lse, kw = calls[i]
+        params[i] = default_params()
+        _fill_params(&params[i], q, k, v, out, lse, kw["causal"], kw["scale"], kw["window_left"],
+                     kw["window_right"], kw["num_threads"], kw.get("seqlens_k"), kw.get("k_scale"),
+                     kw.get("v_scale"), kw.get("query_offset"), kw.get("softcap", 0.0),
+                     kw.get("alibi"), kw.get("sinks"), kw.get("mask"), kw.get("block_table"))
+    with nogil:
+        attention_forward_batch(params.data(), <int64_t> params.size())
 
 
 def plan_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, *, bint causal, double scale,
