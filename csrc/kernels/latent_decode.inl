@@ -66,19 +66,19 @@ int64_t workspace_elems(const AttentionParams& p) {
     return task > merge ? task : merge;
 }
 
-// st[j * rp + r] = sum_d qb[d * NV * W + r] * k[j * ks + d] for the NV * W rows of the
-// query block qb (its rows' d-th elements contiguous) and keys j < nk (nk <= NK; missing
-// keys repeat the last row and are not stored). The sum over d runs in blocks of kDBlock,
-// each from zero and then added to st: a rounding error growing with kDBlock + D / kDBlock
-// terms rather than with D (D = 576).
+// st[j * rp + r] (+)= sum over d in [d0, d1) of qb[d * NV * W + r] * k[j * ks + d] for the
+// NV * W rows of the query block qb (its rows' d-th elements contiguous) and keys j < nk
+// (nk <= NK; missing keys repeat the last row and are not stored); d0 == 0 stores, later
+// blocks add. The callers run d in blocks of kDBlock over all the tile's keys: the block's
+// queries (kDBlock x NV * W floats, 8 KiB) stay in L1 across the key blocks, and the sum of
+// each score grows a rounding error with kDBlock + D / kDBlock terms rather than with D.
 constexpr int64_t kDBlock = 64;
 template <int NV, int NK>
 inline void score_block(const float* __restrict qb, int64_t rp, const float* __restrict k,
-                        int64_t ks, int64_t nk, int64_t D, float* __restrict st) {
+                        int64_t ks, int64_t nk, int64_t d0, int64_t d1, float* __restrict st) {
     const float* kp[NK];
     for (int j = 0; j < NK; ++j) kp[j] = k + (j < nk ? j : nk - 1) * ks;
-    for (int64_t d0 = 0; d0 < D; d0 += kDBlock) {
-        const int64_t d1 = d0 + kDBlock < D ? d0 + kDBlock : D;
+    {
         Vec acc[NK][NV];
 #pragma GCC unroll 16
         for (int j = 0; j < NK; ++j)
@@ -219,15 +219,19 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
         const int64_t nt = used_hi - t0 < kTileKeys ? used_hi - t0 : kTileKeys;
         // The tile's latent rows, as float32, in one sequential pass over the cache.
         for (int64_t j = 0; j < nt; ++j) widen_row(k.at(kb + t0 + j), D, kw + j * kws);
-        // Scores of every row against the tile's keys.
-        for (int64_t j0 = 0; j0 < nt; j0 += kNK) {
-            const int64_t nk = nt - j0 < kNK ? nt - j0 : kNK;
-            int64_t r = 0;
-            for (; r < full_rows; r += kNV * W)
-                score_block<kNV, kNK>(qt + r * D, rp, kw + j0 * kws, kws, nk, D, st + j0 * rp + r);
-            for (; r < rp; r += W)
-                score_block<1, kNK>(qt + r * D, rp, kw + j0 * kws, kws, nk, D, st + j0 * rp + r);
-        }
+        // Scores of every row against the tile's keys: per query block, d in blocks of
+        // kDBlock, each over all the keys.
+        for (int64_t r = 0; r < rp; r += r < full_rows ? kNV * W : W)
+            for (int64_t d0 = 0; d0 < D; d0 += kDBlock) {
+                const int64_t d1 = d0 + kDBlock < D ? d0 + kDBlock : D;
+                for (int64_t j0 = 0; j0 < nt; j0 += kNK) {
+                    const int64_t nk = nt - j0 < kNK ? nt - j0 : kNK;
+                    if (r < full_rows)
+                        score_block<kNV, kNK>(qt + r * D, rp, kw + j0 * kws, kws, nk, d0, d1, st + j0 * rp + r);
+                    else
+                        score_block<1, kNK>(qt + r * D, rp, kw + j0 * kws, kws, nk, d0, d1, st + j0 * rp + r);
+                }
+            }
         // Online softmax, W rows at a time.
         for (int64_t r = 0; r < rp; r += W) {
             Vec bmax = simd::vset(-__builtin_inff());
