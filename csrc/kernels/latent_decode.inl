@@ -6,10 +6,12 @@
 // kernel (a dot product per row and key) leaves most of the FMA units idle.
 //
 // This kernel runs the two products as small GEMMs with the query rows in the vector lanes:
-//   * the scaled queries are staged transposed, qt[d][r], so one vector holds W rows' d-th
-//     elements; the scores of a register block of (NV x W rows) x NK keys are NV x NK
-//     accumulators, each step one vector load per row vector and one broadcast per key
-//     element (the K row read straight from the cache; 16-bit rows widened once per tile);
+//   * the scaled queries are staged transposed by blocks of NV x W rows, so one vector holds
+//     W rows' d-th elements; each 64-key tile's latent rows are copied (16-bit: widened) to
+//     float32 in one sequential pass over the cache; the scores of a register block of
+//     (NV x W rows) x NK keys are NV x NK accumulators, each step one vector load per row
+//     vector and one broadcast per key element, d in blocks of kDBlock over all the tile's
+//     keys (the block's queries stay in L1);
 //   * the online softmax runs W rows at a time (lanes over rows: no horizontal reductions),
 //     the probabilities stay in the same [key][row] layout;
 //   * P.V is the same shape: accumulators over (NK value columns) x (NV x W rows), kept

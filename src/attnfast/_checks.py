@@ -391,12 +391,13 @@ def check_apart(written, read=()) -> None:
 
 
 def is_latent_view(k, v) -> bool:
-    """Whether v is a prefix view of k's last axis (``v = k[..., :Dv]``: the same memory
-    and strides, an MLA latent cache), which the kernels read once per row for both
-    products (kernel_table.hpp: kv_is_latent)."""
+    """Whether v is a strict prefix view of k's last axis (``v = k[..., :Dv]``, Dv < D: the
+    same memory and strides, an MLA latent cache), which the kernels read once per row for
+    both products (kernel_table.hpp: kv_is_latent). One array passed as both caches is not
+    one: new tokens would then be written twice over the same rows (check_apart refuses)."""
     return (isinstance(k, np.ndarray) and isinstance(v, np.ndarray) and k.dtype == v.dtype
             and k.ndim == v.ndim and k.shape[:-1] == v.shape[:-1]
-            and v.shape[-1] <= k.shape[-1] and k.strides[:-1] == v.strides[:-1]
+            and v.shape[-1] < k.shape[-1] and k.strides[:-1] == v.strides[:-1]
             and (v.shape[-1] <= 1 or v.strides[-1] == k.strides[-1])
             and k.__array_interface__["data"][0] == v.__array_interface__["data"][0])
 
