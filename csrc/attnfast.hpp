@@ -122,6 +122,12 @@ struct CallPlan {
     int64_t chunks;       // decode: most chunks any (batch entry, kv head) is split into
     int64_t tasks;        // work items the threads share: query blocks, or decode chunks
     int threads;          // threads the call runs on while no other call runs (0: no work)
+    // Decode: V is a prefix view of K (an MLA latent cache: kv_is_latent); the query rows
+    // one read of a KV row serves ((H / Hkv) * Tq); and the regime the kernel is shaped
+    // for, "bandwidth" or "compute" (nullptr for prefill: its query blocks are compute-shaped).
+    bool latent_kv;
+    int64_t rows_per_kv_read;
+    const char* regime;
 };
 // Checks `params` as attention_forward does (throws std::invalid_argument) and returns what
 // it would run, from the same code: the drivers' own kernel choice and work split.

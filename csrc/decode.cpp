@@ -32,9 +32,14 @@ struct DecodeSplit {
     std::vector<int64_t> slot_base, chunk_count;  // per batch entry
 };
 
-DecodeSplit split_decode(const AttentionParams& p) {
+// Keys per chunk of a call run by `kernel`: its own number, or decode_chunk_keys.
+int64_t chunk_keys_of(const AttentionParams& p, const DecodeKernel& kernel) {
+    return kernel.chunk_keys > 0 ? kernel.chunk_keys : decode_chunk_keys(p);
+}
+
+DecodeSplit split_decode(const AttentionParams& p, int64_t chunk_keys) {
     DecodeSplit split;
-    const int64_t chunk = split.chunk_keys = decode_chunk_keys(p);
+    const int64_t chunk = split.chunk_keys = chunk_keys;
     split.slot_base.resize(static_cast<size_t>(p.batch));
     split.chunk_count.resize(static_cast<size_t>(p.batch));
     for (int64_t b = 0; b < p.batch; ++b) {
@@ -68,11 +73,12 @@ int64_t decode_work(const AttentionParams& p, const DecodeSplit& split) {
 }
 
 template <class A>
-void run_decode(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMergeFn<A> merge_fn) {
+void run_decode(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMergeFn<A> merge_fn,
+                int64_t chunk_keys, int64_t ws_elems) {
     const int64_t rows = decode_rows(p);
     const int64_t heads_kv = p.kv_heads;
     if (p.batch == 0 || rows == 0) return;
-    const DecodeSplit split = split_decode(p);
+    const DecodeSplit split = split_decode(p, chunk_keys);
     const std::vector<DecodeTask>& tasks = split.tasks;
     const int64_t slots = static_cast<int64_t>(tasks.size());
     const int64_t merges = p.batch * heads_kv;
@@ -85,7 +91,6 @@ void run_decode(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMerge
     std::unique_ptr<A[]> max_sum(new A[slots_sz * rows * 2]);
     A* row_max = max_sum.get();
     A* row_sum = max_sum.get() + slots_sz * rows;
-    const int64_t ws_elems = decode_workspace_elems(p);
     std::unique_ptr<A[]> workspace(new A[static_cast<size_t>(ws_elems * threads)]);
 
     parallel::for_each_dynamic(slots, threads, p.interruptible, [&](int64_t slot, int thread_id) {
@@ -102,9 +107,13 @@ void run_decode(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMerge
     });
 }
 
-// The decode chunk kernel of a call: float64 the template's; else the tier's choice.
+// The decode chunk kernel of a call: float64 the template's; a latent cache read by many
+// query rows the tier's compute-shaped kernel, where it has one that takes the call; else
+// the tier's (bandwidth-shaped) choice.
 DecodeKernel choose_decode(const KernelTable& kernels, const AttentionParams& p) {
     if (p.dtype == DType::kF64) return {"template_f64", nullptr};
+    const DecodeKernel latent = kernels.latent_decode_kernel(p);
+    if (latent.chunk) return latent;
     return kernels.decode_kernel(p);
 }
 
@@ -167,8 +176,10 @@ std::unique_ptr<ProblemWork> make_decode_work(const AttentionParams& p) {
 void decode_forward(const AttentionParams& p) {
     const KernelTable& kernels = active_kernels();
     const DecodeKernel kernel = choose_decode(kernels, p);
-    if (kernel.chunk) run_decode<float>(p, kernel.chunk, kernels.decode_merge);
-    else run_decode<double>(p, kernels.decode_chunk_f64, kernels.decode_merge_f64);
+    const int64_t chunk_keys = chunk_keys_of(p, kernel);
+    const int64_t ws_elems = kernel.workspace_elems ? kernel.workspace_elems(p) : decode_workspace_elems(p);
+    if (kernel.chunk) run_decode<float>(p, kernel.chunk, kernels.decode_merge, chunk_keys, ws_elems);
+    else run_decode<double>(p, kernels.decode_chunk_f64, kernels.decode_merge_f64, chunk_keys, ws_elems);
 }
 
 CallPlan plan_decode(const AttentionParams& p) {
@@ -176,11 +187,17 @@ CallPlan plan_decode(const AttentionParams& p) {
     CallPlan plan{};
     plan.tier = kernels.name;
     plan.decode = true;
-    plan.kernel = choose_decode(kernels, p).name;
+    const DecodeKernel kernel = choose_decode(kernels, p);
+    plan.kernel = kernel.name;
     plan.paged = p.block_table != nullptr;
-    plan.chunk_keys = decode_chunk_keys(p);
+    plan.chunk_keys = chunk_keys_of(p, kernel);
+    plan.latent_kv = kv_is_latent(p);
+    plan.rows_per_kv_read = decode_rows(p);
+    // Compute-shaped when the kernel blocks the rows as a GEMM (a latent cache's many rows);
+    // the other decode kernels stream K/V once per step, shaped by memory bandwidth.
+    plan.regime = kernel.compute_shaped ? "compute" : "bandwidth";
     if (p.batch == 0 || decode_rows(p) == 0) return plan;  // (run_decode does nothing)
-    const DecodeSplit split = split_decode(p);
+    const DecodeSplit split = split_decode(p, plan.chunk_keys);
     for (int64_t b = 0; b < p.batch; ++b)
         if (split.chunk_count[b] > plan.chunks) plan.chunks = split.chunk_count[b];
     plan.tasks = static_cast<int64_t>(split.tasks.size());

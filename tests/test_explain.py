@@ -20,7 +20,8 @@ from reference import TOLERANCE, reference_attention
 TIERS = _ext.runtime_info()["isa_available"]
 X86_SIMD = {"avx2", "avx512", "avx512bf16"}
 SIMD_PREFILL = X86_SIMD | {"neon", "generic"}  # generic: SSE2 on x86-64 only (below)
-KEYS = {"tier", "path", "kernel", "kv_source", "split", "tasks", "threads"}
+KEYS = {"tier", "path", "kernel", "kv_source", "split", "tasks", "threads", "regime",
+        "latent_kv", "rows_per_kv_read"}
 
 
 @pytest.fixture(params=TIERS)
@@ -186,3 +187,23 @@ def test_the_checks_are_attentions():
         af.explain(q, k, v, block_table=np.zeros((1, 1), np.int64))
     with pytest.raises(ValueError, match="cache_seqlens"):
         af.explain(q, k, v, cache_seqlens=[11])
+
+
+def test_regime_per_tier_from_rows_per_kv_read(tier):
+    """The planner's regime: the latent kernel (compute-shaped) for an MLA latent cache with
+    many rows per KV read on the x86 SIMD tiers; bandwidth-shaped decode otherwise."""
+    q, k, _ = _arrays(1, 128, 1, 1, 4096, 576)
+    v = k[..., :512]
+    plan = af.explain(q, k, v)
+    assert plan["latent_kv"] is True and plan["rows_per_kv_read"] == 128
+    if tier in X86_SIMD:
+        assert plan["kernel"] == "latent_decode" and plan["regime"] == "compute"
+        assert plan["split"]["chunk_keys"] == 2048
+    else:
+        assert plan["regime"] == "bandwidth"
+    few = af.explain(q[:, :4], k, v)  # 4 rows per read: bandwidth-shaped
+    assert few["regime"] == "bandwidth" and few["rows_per_kv_read"] == 4
+    copy = af.explain(q, k, np.ascontiguousarray(v))  # V a separate array
+    assert copy["latent_kv"] is False and copy["regime"] == "bandwidth"
+    prefill = af.explain(np.zeros((1, 8, 64, 64), np.float32), *_arrays(1, 8, 8, 1, 64, 64)[1:])
+    assert prefill["regime"] == "compute" and prefill["rows_per_kv_read"] is None

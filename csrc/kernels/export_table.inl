@@ -15,6 +15,9 @@
 #ifndef ATTNFAST_DECODE_KERNEL
 #define ATTNFAST_DECODE_KERNEL template_decode
 #endif
+#ifndef ATTNFAST_LATENT_DECODE_KERNEL
+#define ATTNFAST_LATENT_DECODE_KERNEL no_latent_decode
+#endif
 
 namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {
@@ -24,6 +27,9 @@ namespace {
 #define ATTNFAST_LOWP_INSTRUCTIONS "16-bit and int8 values widened to float32 in plain C++"
 #endif
 
+// A tier without a latent kernel: its decode kernels run latent calls too (V read as an array).
+[[maybe_unused]] DecodeKernel no_latent_decode(const AttentionParams&) { return {nullptr, nullptr}; }
+
 const KernelTable kTable = {
     ATTNFAST_KERNEL_NAME,
     ATTNFAST_LOWP_INSTRUCTIONS,
@@ -31,6 +37,7 @@ const KernelTable kTable = {
     ATTNFAST_DECODE_KERNEL, decode_chunk_f64,
     decode_merge_any, decode_merge_f64,
     read_fold,
+    ATTNFAST_LATENT_DECODE_KERNEL,
 };
 
 }  // namespace

@@ -17,6 +17,8 @@
 #define ATTNFAST_LOWP_INSTRUCTIONS \
     "bfloat16 q with bfloat16 K/V: vdpbf16ps (prefill and decode); other 16-bit and int8 values " \
     "widened to float32 as in avx512 (F16C vcvtph2ps, vpmovsxbd); float32 FMA"
+#include "latent_decode.inl"
+#define ATTNFAST_LATENT_DECODE_KERNEL latent_decode::latent_decode_kernel  // MLA, many rows
 #include "backward.inl"  // the backward kernels, with this tier's flags
 #include "export_table.inl"
 

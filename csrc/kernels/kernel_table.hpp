@@ -156,7 +156,22 @@ struct DecodeKernel {
     // a row that sees no key of the chunk gets m = -inf, l = 0, acc = 0.
     void (*chunk)(const AttentionParams&, const DecodeTask&, float* workspace, float* acc,
                   float* m, float* l);
+    // Keys per chunk, when the kernel fixes its own (0: decode_chunk_keys), and scratch
+    // floats per thread, when it needs its own (nullptr: decode_workspace_elems).
+    int64_t chunk_keys = 0;
+    int64_t (*workspace_elems)(const AttentionParams&) = nullptr;
+    // Blocks the query rows as a small GEMM (bound by arithmetic), rather than streaming
+    // K/V once per step with a dot product per row (bound by memory): explain's "regime".
+    bool compute_shaped = false;
 };
+
+// An MLA latent cache: V is a prefix view of K's last axis (v = k[..., :Dv], the same
+// memory, the same strides), so one read of each latent row serves both products.
+static inline bool kv_is_latent(const AttentionParams& p) {
+    return p.v == p.k && p.head_dim_v <= p.head_dim && p.kv_dtype != DType::kI8 &&
+           p.v_batch_stride == p.k_batch_stride && p.v_head_stride == p.k_head_stride &&
+           p.v_row_stride == p.k_row_stride;
+}
 
 struct KernelTable {
     const char* name;
@@ -187,6 +202,10 @@ struct KernelTable {
     // The benchmarks' read kernel (read_fold.inl): XOR of the whole 8-byte words of
     // data[0, bytes), with this tier's loads.
     uint64_t (*read_fold)(const void* data, int64_t bytes);
+    // The compute-shaped decode kernel for a latent cache with many query rows per KV head
+    // (latent_decode.inl), or {nullptr} when it does not take the call (or the tier has
+    // none): decode.cpp then runs decode_kernel's choice.
+    DecodeKernel (*latent_decode_kernel)(const AttentionParams&);
 };
 
 // One per ISA file; each returns nullptr when that tier was not compiled in.

@@ -132,7 +132,8 @@ def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray
 
 class KVCache:
     def __init__(self, batch: int, kv_heads: int, head_dim: int, capacity: int, *,
-                 dtype: DTypeLike = np.float32, v_head_dim: int | None = None) -> None: ...
+                 dtype: DTypeLike = np.float32, v_head_dim: int | None = None,
+                 latent: bool = False) -> None: ...
     @property
     def k(self) -> NDArray[Any]: ...
     @property
@@ -155,7 +156,9 @@ class KVCache:
     def v_head_dim(self) -> int: ...
     @property
     def dtype(self) -> np.dtype[Any]: ...
-    def append(self, k_new: ArrayLike, v_new: ArrayLike, *,
+    @property
+    def latent(self) -> bool: ...
+    def append(self, k_new: ArrayLike, v_new: ArrayLike | None = None, *,
                batch_index: int | ArrayLike | None = None) -> None: ...
     @overload
     def attend(self, q: ArrayLike, *, batch_index: int | ArrayLike | None = ...,
@@ -182,7 +185,7 @@ class KVCache:
                num_threads: int | None = None, query_offset: int | None = None,
                tree_mask: ArrayLike | None = None) -> _Out | _OutLse: ...
     @overload
-    def step(self, q: ArrayLike, k_new: ArrayLike, v_new: ArrayLike, *,
+    def step(self, q: ArrayLike, k_new: ArrayLike, v_new: ArrayLike | None = ..., *,
              batch_index: int | ArrayLike | None = ..., causal: bool = ...,
              scale: float | None = ..., window: _Window = ..., softcap: float | None = ...,
              alibi_slopes: ArrayLike | None = ..., sinks: ArrayLike | None = ...,
@@ -190,7 +193,7 @@ class KVCache:
              out: NDArray[Any] | None = ..., num_threads: int | None = ..., query_offset: int | None = ...,
              tree_mask: ArrayLike | None = ...) -> _Out: ...
     @overload
-    def step(self, q: ArrayLike, k_new: ArrayLike, v_new: ArrayLike, *,
+    def step(self, q: ArrayLike, k_new: ArrayLike, v_new: ArrayLike | None = ..., *,
              batch_index: int | ArrayLike | None = ..., causal: bool = ...,
              scale: float | None = ..., window: _Window = ..., softcap: float | None = ...,
              alibi_slopes: ArrayLike | None = ..., sinks: ArrayLike | None = ...,
@@ -198,7 +201,7 @@ class KVCache:
              out: NDArray[Any] | None = ..., num_threads: int | None = ..., query_offset: int | None = ...,
              tree_mask: ArrayLike | None = ...) -> _OutLse: ...
     @overload
-    def step(self, q: ArrayLike, k_new: ArrayLike, v_new: ArrayLike, *,
+    def step(self, q: ArrayLike, k_new: ArrayLike, v_new: ArrayLike | None = None, *,
              batch_index: int | ArrayLike | None = None, causal: bool = True,
              scale: float | None = None, window: _Window = None, softcap: float | None = None,
              alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None,

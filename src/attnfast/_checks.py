@@ -390,6 +390,47 @@ def check_apart(written, read=()) -> None:
                                  f"by this call and {other} read: pass a separate array")
 
 
+def is_latent_view(k, v) -> bool:
+    """Whether v is a strict prefix view of k's last axis (``v = k[..., :Dv]``, Dv < D: the
+    same memory and strides, an MLA latent cache), which the kernels read once per row for
+    both products (kernel_table.hpp: kv_is_latent). One array passed as both caches is not
+    one: new tokens would then be written twice over the same rows (check_apart refuses)."""
+    return (isinstance(k, np.ndarray) and isinstance(v, np.ndarray) and k.dtype == v.dtype
+            and k.ndim == v.ndim and k.shape[:-1] == v.shape[:-1]
+            and v.shape[-1] < k.shape[-1] and k.strides[:-1] == v.strides[:-1]
+            and (v.shape[-1] <= 1 or v.strides[-1] == k.strides[-1])
+            and k.__array_interface__["data"][0] == v.__array_interface__["data"][0])
+
+
+def check_latent_spec(latent, head_dim: int, head_dim_v: int, dtype) -> bool:
+    """KVCache(latent=): a bool; a latent cache stores one row per token whose first
+    head_dim_v elements are the values, so head_dim_v <= head_dim, and not int8 (its K and V
+    rows would need scales of their own)."""
+    latent = check_flag(latent, "latent")
+    if latent and head_dim_v > head_dim:
+        raise ValueError(f"a latent cache's values are a prefix of its rows: v_head_dim must be "
+                         f"<= head_dim, got v_head_dim={head_dim_v}, head_dim={head_dim}")
+    if latent and dtype == INT8:
+        raise NotImplementedError("latent=True with dtype='int8' is not supported (one scale "
+                                  "per row cannot serve K and its V prefix); use float32, "
+                                  "float16 or bfloat16")
+    return latent
+
+
+def check_latent_tokens(k_new, v_new, head_dim_v: int) -> None:
+    """New tokens for a latent cache (v_cache a prefix view of k_cache): v_new must be
+    k_new[..., :Dv] (the same latent rows), since writing k_new writes v too."""
+    if is_latent_view(k_new, v_new):
+        return
+    prefix = k_new[..., :head_dim_v]
+    same = v_new.dtype == k_new.dtype and np.array_equal(
+        np.ascontiguousarray(v_new).view(np.uint8), np.ascontiguousarray(prefix).view(np.uint8))
+    if not same:
+        raise ValueError(f"v_cache is a prefix view of k_cache (an MLA latent cache: v = "
+                         f"k[..., :{head_dim_v}]), so v_new must equal k_new[..., :{head_dim_v}] "
+                         f"(pass that view); got other values")
+
+
 def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
     if not np.may_share_memory(a, b):
         return False
@@ -695,7 +736,11 @@ def _kvcache_call(q, k_cache, v_cache, sizes, dtype, cache_names, starts, k_new,
         num_threads=resolve_threads(num_threads))
     if t:  # the new tokens are written into the caches (and scales): all apart, and apart
         sn = ("k_scale", "v_scale") if scale_names is None else scale_names  # from what is read
-        check_apart([(kn, k_cache), (vn, v_cache), (sn[0], k_scale), (sn[1], v_scale)],
+        latent = is_latent_view(k_cache, v_cache)  # v_cache inside k_cache: k_new writes both
+        if latent:
+            check_latent_tokens(k_new, v_new, Dv)
+        check_apart([(kn, k_cache), (vn, None if latent else v_cache), (sn[0], k_scale),
+                     (sn[1], v_scale)],
                     [("q", q), ("k_new", k_new), ("v_new", v_new), ("block_table", block_table)]
                     + attn.options.arrays())
     return KVCacheCall(attn=attn, k_cache=k_cache, v_cache=v_cache, starts=starts,

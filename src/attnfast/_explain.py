@@ -59,6 +59,17 @@ def explain(q, k, v, *, cache_seqlens=None, k_new=None, v_new=None, k_scale=None
         when there are more of those).
     ``threads`` : int
         Threads the call would run on when no other call is running.
+    ``regime`` : str
+        ``"bandwidth"``: a decode kernel that streams K/V once per step with a dot product per
+        query row (bound by memory); ``"compute"``: the prefill kernels, and the
+        ``"latent_decode"`` kernel the planner picks for an MLA latent cache read by many
+        query rows (bound by arithmetic: the rows blocked as a small GEMM).
+    ``latent_kv`` : bool
+        ``v`` is a prefix view of ``k``'s last axis (``v = k[..., :Dv]``, the same memory):
+        each latent row is read once for both products.
+    ``rows_per_kv_read`` : int or None
+        Decode only: the query rows ((H / Hkv) x Tq) one read of a KV row serves, from which
+        the regime is chosen; None for prefill.
 
     Examples
     --------

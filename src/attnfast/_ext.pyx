@@ -79,6 +79,9 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
         int64_t chunks
         int64_t tasks
         int threads
+        cbool latent_kv
+        int64_t rows_per_kv_read
+        const char* regime
     CallPlan plan_attention_core "attnfast::plan_attention"(const AttentionParams&) except + nogil
     cbool openmp_enabled() noexcept nogil
     int openmp_max_threads() noexcept nogil
@@ -375,6 +378,9 @@ def plan_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, *, bint causal, 
         "split": split,
         "tasks": plan.tasks,
         "threads": plan.threads,
+        "regime": plan.regime.decode() if plan.regime != NULL else "compute",
+        "latent_kv": bool(plan.latent_kv),
+        "rows_per_kv_read": plan.rows_per_kv_read if plan.decode else None,
     }
 
 

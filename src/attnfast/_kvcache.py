@@ -30,6 +30,7 @@ from ._checks import (
     check_flag,
     check_leading_sequences,
     check_kvcache_attention,
+    check_latent_spec,
     check_paged_kvcache_attention,
     check_new_tokens,
     check_out,
@@ -363,11 +364,13 @@ class KVCache:
     """
 
     def __init__(self, batch, kv_heads, head_dim, capacity, *, dtype=np.float32,
-                 v_head_dim=None):
+                 v_head_dim=None, latent=False):
         B, Hkv, D, C, dt, Dv = check_cache_spec(batch, kv_heads, head_dim, capacity, dtype,
                                                 v_head_dim)
+        self._latent = check_latent_spec(latent, D, Dv, dt)
         self._k = np.zeros((B, Hkv, C, D), dtype=dt)
-        self._v = np.zeros((B, Hkv, C, Dv), dtype=dt)
+        # latent (MLA): one row per token; the values are its first Dv elements (a view)
+        self._v = self._k[..., :Dv] if self._latent else np.zeros((B, Hkv, C, Dv), dtype=dt)
         # int8 storage: one float32 dequantisation scale per (sequence, kv head, token)
         int8 = dt == np.int8
         self._k_scale = np.zeros((B, Hkv, C), np.float32) if int8 else None
@@ -404,6 +407,8 @@ class KVCache:
         view.flags.writeable = False
         return view
 
+    latent = property(lambda self: self._latent,
+                      doc="Whether v is a prefix view of k (an MLA latent cache: one row per token).")
     batch = property(lambda self: self._k.shape[0], doc="Number of sequences.")
     kv_heads = property(lambda self: self._k.shape[1], doc="KV heads (Hkv).")
     capacity = property(lambda self: self._k.shape[2], doc="Tokens each sequence can hold.")
@@ -415,18 +420,21 @@ class KVCache:
 
     def __repr__(self) -> str:
         return (f"KVCache(batch={self.batch}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, "
-                f"capacity={self.capacity}, dtype={self.dtype}, v_head_dim={self.v_head_dim}; "
+                f"capacity={self.capacity}, dtype={self.dtype}, v_head_dim={self.v_head_dim}"
+                f"{', latent=True' if self._latent else ''}; "
                 f"lengths={self._lengths.tolist() if self.batch <= 8 else '...'})")
 
     # ---- methods ----
     @accepts_arrays
-    def append(self, k_new, v_new, *, batch_index=None) -> None:
+    def append(self, k_new, v_new=None, *, batch_index=None) -> None:
         """Append t >= 1 tokens to every sequence (or to those of ``batch_index``).
 
         k_new: (n, kv_heads, t, head_dim), v_new: (n, kv_heads, t, v_head_dim), in the cache's
-        dtype, n = batch (or the number of sequences batch_index selects). Raises ValueError,
-        changing nothing, when a sequence has fewer than t free slots.
+        dtype, n = batch (or the number of sequences batch_index selects). A latent cache
+        takes the latent rows k_new only (v_new None: the values are their prefix). Raises
+        ValueError, changing nothing, when a sequence has fewer than t free slots.
         """
+        v_new = self._latent_values(k_new, v_new)
         with self._lock:
             self._append(k_new, v_new, batch_index)
 
@@ -476,7 +484,7 @@ class KVCache:
                          tree_mask=tree_mask)
 
     @accepts_arrays
-    def step(self, q, k_new, v_new, *, batch_index=None, causal=True, scale=None,
+    def step(self, q, k_new, v_new=None, *, batch_index=None, causal=True, scale=None,
              window=None, softcap=None, alibi_slopes=None, sinks=None, mask=None,
              return_lse=False, out=None, num_threads=None, query_offset=None, tree_mask=None):
         """The decode step: :meth:`append` k_new, v_new, then :meth:`attend` q, in one call.
@@ -484,8 +492,9 @@ class KVCache:
         With a prompt (t = Tq tokens) this is causal prefill; with one token, one decode
         step. With ``tree_mask`` the t = Tq new tokens are a token tree (speculative
         verification; see :func:`attnfast.attention_with_kvcache`). Everything is checked
-        before the tokens are written.
+        before the tokens are written. A latent cache takes k_new only (v_new None).
         """
+        v_new = self._latent_values(k_new, v_new)
         if k_new is None or v_new is None:
             missing = " and ".join(n for n, a in (("k_new", k_new), ("v_new", v_new)) if a is None)
             raise ValueError(f"step needs both k_new and v_new; {missing} is None (use attend() "
@@ -515,6 +524,19 @@ class KVCache:
             self._lengths[:] = 0
 
     # ---- internals ----
+    def _latent_values(self, k_new, v_new):
+        """The v_new of a call: as given; for a latent cache None becomes k_new's prefix
+        view (the same rows: written once), and anything else is refused."""
+        if not self._latent:
+            return v_new
+        if v_new is not None:
+            raise ValueError("this KVCache is latent (v is a prefix view of k): pass the latent "
+                             "rows as k_new only, v_new=None")
+        if k_new is None or np.ndim(k_new) != 4:
+            return None  # (the usual checks then name what is wrong with k_new)
+        k_new = np.asarray(k_new)
+        return k_new[..., :self.v_head_dim]
+
     def _views(self, seqs):
         """(rows of the selection, batch slice of the cache) for each kernel call: one call
         when the indices are evenly spaced (a strided view, no copy), else one per sequence."""

@@ -1,0 +1,317 @@
+// Compute-shaped decode for MLA latent caches (DeepSeek-V2/V3, Kimi K2): V is a prefix view
+// of K's last axis (v = k[..., :Dv], the same memory: kv_is_latent), and many query rows
+// (16-128 heads per KV head after weight absorption, times 1-4 query tokens) read each
+// latent row. There every key costs rows x (D + Dv) multiply-adds for D (+ nothing) bytes
+// read, so the step is bound by arithmetic, not memory, and the bandwidth-shaped decode
+// kernel (a dot product per row and key) leaves most of the FMA units idle.
+//
+// This kernel runs the two products as small GEMMs with the query rows in the vector lanes:
+//   * the scaled queries are staged transposed by blocks of NV x W rows, so one vector holds
+//     W rows' d-th elements; each 64-key tile's latent rows are copied (16-bit: widened) to
+//     float32 in one sequential pass over the cache; the scores of a register block of
+//     (NV x W rows) x NK keys are NV x NK accumulators, each step one vector load per row
+//     vector and one broadcast per key element, d in blocks of kDBlock over all the tile's
+//     keys (the block's queries stay in L1);
+//   * the online softmax runs W rows at a time (lanes over rows: no horizontal reductions),
+//     the probabilities stay in the same [key][row] layout;
+//   * P.V is the same shape: accumulators over (NK value columns) x (NV x W rows), kept
+//     transposed (acct[dv][r]) across the chunk, each step one vector of probabilities and
+//     one broadcast of a V element -- the V element being the K row's prefix, so each
+//     latent row is read from memory once for both products.
+// Same task and result contract as decode_chunk (decode_attention.inl): one chunk of keys of
+// one (batch, kv head), all its query rows; the shared merge finishes (sinks, lse, out).
+// The score options it takes: scale, causal, window, softcap (ALiBi and masks keep the
+// bandwidth-shaped kernels: latent_decode_kernel declines them). float32 arithmetic; K/V
+// float32, bfloat16 or float16 (widened exactly), q float32 or 16 bits (widened exactly).
+// Rounding depends only on the shapes (never the thread count).
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "latent_decode.inl needs AVX2+FMA or AVX-512F"
+#endif
+#include "../simd/simd.hpp"
+
+namespace attnfast {
+namespace ATTNFAST_KERNEL_NS {
+namespace {
+namespace latent_decode {
+
+using simd::Vec;
+using simd::W;
+
+constexpr float kLog2e = 1.44269504088896340736f;
+// Keys per split-KV chunk: a whole number of tiles, large enough that the chunks' partial
+// accumulators (rows x Dv floats each) and their merge stay small next to the arithmetic,
+// and fixed (never derived from the thread count: the same bits for any count).
+constexpr int64_t kChunkKeys = 2048;
+// Keys scored, softmaxed and accumulated at a time: a tile's K rows (64 x 576 x 4 bytes)
+// stay in L2 between the score pass and the P.V pass.
+constexpr int64_t kTileKeys = 64;
+// Register blocks: NV row vectors x NK keys (scores) or value columns (P.V); 16
+// accumulators on AVX-512 (32 registers), 8 on AVX2 (16).
+constexpr int kNV = 2;
+constexpr int kNK = W == 16 ? 8 : 4;
+// Fewest query rows per KV head for which this kernel is chosen: one whole vector.
+constexpr int64_t kMinRows = W;
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Rows padded to whole vectors.
+inline int64_t padded_rows(const AttentionParams& p) { return round_up(decode_rows(p), W); }
+// Elements of a widened K row in the tile buffer.
+inline int64_t widened_stride(const AttentionParams& p) { return round_up(p.head_dim, W); }
+
+// Workspace floats per thread (see chunk() for the layout), plus a vector for alignment.
+int64_t workspace_elems(const AttentionParams& p) {
+    const int64_t rp = padded_rows(p);
+    const int64_t merge = p.head_dim_v;
+    const int64_t task = rp * (p.head_dim + p.head_dim_v + kTileKeys + 5) +
+                         kTileKeys * widened_stride(p) + 2 * W;
+    return task > merge ? task : merge;
+}
+
+// st[j * rp + r] (+)= sum over d in [d0, d1) of qb[d * NV * W + r] * k[j * ks + d] for the
+// NV * W rows of the query block qb (its rows' d-th elements contiguous) and keys j < nk
+// (nk <= NK; missing keys repeat the last row and are not stored); d0 == 0 stores, later
+// blocks add. The callers run d in blocks of kDBlock over all the tile's keys: the block's
+// queries (kDBlock x NV * W floats, 8 KiB) stay in L1 across the key blocks, and the sum of
+// each score grows a rounding error with kDBlock + D / kDBlock terms rather than with D.
+constexpr int64_t kDBlock = 64;
+template <int NV, int NK>
+inline void score_block(const float* __restrict qb, int64_t rp, const float* __restrict k,
+                        int64_t ks, int64_t nk, int64_t d0, int64_t d1, float* __restrict st) {
+    const float* kp[NK];
+    for (int j = 0; j < NK; ++j) kp[j] = k + (j < nk ? j : nk - 1) * ks;
+    {
+        Vec acc[NK][NV];
+#pragma GCC unroll 16
+        for (int j = 0; j < NK; ++j)
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) acc[j][v] = simd::vzero();
+        for (int64_t d = d0; d < d1; ++d) {
+            Vec qv[NV];
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) qv[v] = simd::vload(qb + d * (NV * W) + v * W);
+#pragma GCC unroll 16
+            for (int j = 0; j < NK; ++j) {
+                const Vec kb = simd::vbcast(kp[j] + d);
+#pragma GCC unroll 4
+                for (int v = 0; v < NV; ++v) acc[j][v] = simd::vfma(qv[v], kb, acc[j][v]);
+            }
+        }
+        for (int j = 0; j < NK; ++j)
+            if (j < nk)
+                for (int v = 0; v < NV; ++v) {
+                    float* out = st + j * rp + v * W;
+                    simd::vstore(out, d0 == 0 ? acc[j][v] : simd::vadd(simd::vload(out), acc[j][v]));
+                }
+    }
+}
+
+// acct[(dv0 + i) * rp + r] = acct[..] * corr[r] + sum_j pt[j * rp + r] * vrow[j][dv0 + i]
+// for the NV * W rows at acct / pt / corr and value columns i < nd (nd <= NK).
+template <int NV, int NK>
+inline void value_block(float* __restrict acct, int64_t rp, const float* __restrict pt,
+                        const float* __restrict corr, const float* __restrict vrows,
+                        int64_t vs, int64_t keys, int64_t dv0, int64_t nd) {
+    int64_t col[NK];
+    for (int i = 0; i < NK; ++i) col[i] = dv0 + (i < nd ? i : nd - 1);
+    Vec acc[NK][NV];
+    Vec cv[NV];
+    for (int v = 0; v < NV; ++v) cv[v] = simd::vload(corr + v * W);
+#pragma GCC unroll 16
+    for (int i = 0; i < NK; ++i)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[i][v] = simd::vmul(simd::vload(acct + col[i] * rp + v * W), cv[v]);
+    for (int64_t j = 0; j < keys; ++j) {
+        Vec pv[NV];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) pv[v] = simd::vload(pt + j * rp + v * W);
+        const float* vr = vrows + j * vs;
+#pragma GCC unroll 16
+        for (int i = 0; i < NK; ++i) {
+            const Vec vb = simd::vbcast(vr + col[i]);
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) acc[i][v] = simd::vfma(pv[v], vb, acc[i][v]);
+        }
+    }
+    for (int i = 0; i < NK; ++i)
+        if (i < nd)
+            for (int v = 0; v < NV; ++v) simd::vstore(acct + col[i] * rp + v * W, acc[i][v]);
+}
+
+// Widens `n` stored elements to float32 (exactly).
+template <class T>
+inline void widen_row(const T* __restrict src, int64_t n, float* __restrict dst) {
+    int64_t d = 0;
+    for (; d + W <= n; d += W) simd::vstore(dst + d, simd_decode::vld_kv(src + d));
+    for (; d < n; ++d) dst[d] = widen(src[d]);
+}
+
+template <class TQ, class T>
+void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, float* acc,
+           float* m_out, float* l_out) {
+    const int64_t D = p.head_dim, Dv = p.head_dim_v, tq = p.seqlen_q;
+    const int64_t group = p.heads / p.kv_heads;
+    const int64_t rows = group * tq;
+    const int64_t rp = padded_rows(p);
+    const int64_t keys = task.key_end - task.key_begin;
+    const int64_t kb = task.key_begin;
+
+    // Workspace, each part a whole number of vectors from a vector-aligned start:
+    // qt (D x rp) scaled queries, transposed by blocks of rows (the rows' d-th elements
+    // contiguous within a block: see query_block); acct (Dv x rp) accumulators, transposed;
+    // st (tile x rp) scores, then probabilities; m, l, corr (rp each) running max, running
+    // sum, this tile's rescaling; lo, hi (rp int32 each) each row's chunk-relative visible
+    // keys; kw (tile x widened_stride) a tile's K rows, copied (widened: 16-bit caches) so
+    // that the cache is read in one sequential pass per tile, whatever its layout.
+    float* base = reinterpret_cast<float*>(
+        (reinterpret_cast<uintptr_t>(workspace) + W * sizeof(float) - 1) & ~(uintptr_t)(W * sizeof(float) - 1));
+    float* qt = base;
+    float* acct = qt + D * rp;
+    float* st = acct + Dv * rp;
+    float* m = st + kTileKeys * rp;
+    float* l = m + rp;
+    float* corr = l + rp;
+    int32_t* lo = reinterpret_cast<int32_t*>(corr + rp);
+    int32_t* hi = lo + rp;
+    float* kw = reinterpret_cast<float*>(hi + rp);
+    const int64_t kws = widened_stride(p);
+
+    const TQ* q = static_cast<const TQ*>(p.q) + task.batch * p.q_batch_stride;
+    const float scale = static_cast<float>(p.scale);
+    // Rows [r, r + NV * W) (or a last block of W) form one query block at qt + r * D, the
+    // element (d, r + x) at d * width + x: the score loops read it sequentially.
+    const int64_t full_rows = rp / (kNV * W) * (kNV * W);
+    auto query_at = [&](int64_t r, int64_t d) -> float& {
+        const int64_t width = r < full_rows ? kNV * W : W;
+        const int64_t r0 = r < full_rows ? r / (kNV * W) * (kNV * W) : r / W * W;
+        return qt[r0 * D + d * width + (r - r0)];
+    };
+    int64_t used_lo = keys, used_hi = 0;
+    for (int64_t r = 0; r < rp; ++r) {
+        if (r < rows) {
+            const int64_t head = task.kv_head * group + r / tq, pos = r % tq;
+            const TQ* qrow = q + head * p.q_head_stride + pos * p.q_row_stride;
+            for (int64_t d = 0; d < D; ++d) query_at(r, d) = widen(qrow[d]) * scale;
+            const KeyRange vis = visible_keys(p, pos, task.seqlen_k);
+            const int64_t b = vis.begin > task.key_begin ? vis.begin : task.key_begin;
+            const int64_t e = vis.end < task.key_end ? vis.end : task.key_end;
+            lo[r] = static_cast<int32_t>(b - kb);
+            hi[r] = static_cast<int32_t>(e > b ? e - kb : b - kb);
+            if (lo[r] < hi[r]) {
+                used_lo = lo[r] < used_lo ? lo[r] : used_lo;
+                used_hi = hi[r] > used_hi ? hi[r] : used_hi;
+            }
+        } else {  // padding: sees no key
+            for (int64_t d = 0; d < D; ++d) query_at(r, d) = 0;
+            lo[r] = hi[r] = 0;
+        }
+        m[r] = -__builtin_inff();
+        l[r] = 0;
+    }
+    for (int64_t x = 0; x < Dv * rp; ++x) acct[x] = 0;
+
+    const KeyRows<T> k = key_rows<T>(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
+                                     task.batch, task.kv_head);
+    const bool capped = p.softcap > 0;
+    const Vec cap = simd::vset(static_cast<float>(p.softcap));
+    const Vec inv_cap = simd::vset(capped ? static_cast<float>(1.0 / p.softcap) : 0.0f);
+    const Vec log2e = simd::vset(kLog2e);
+
+    for (int64_t t0 = used_lo; t0 < used_hi; t0 += kTileKeys) {
+        const int64_t nt = used_hi - t0 < kTileKeys ? used_hi - t0 : kTileKeys;
+        // The tile's latent rows, as float32, in one sequential pass over the cache.
+        for (int64_t j = 0; j < nt; ++j) widen_row(k.at(kb + t0 + j), D, kw + j * kws);
+        // Scores of every row against the tile's keys: per query block, d in blocks of
+        // kDBlock, each over all the keys.
+        for (int64_t r = 0; r < rp; r += r < full_rows ? kNV * W : W)
+            for (int64_t d0 = 0; d0 < D; d0 += kDBlock) {
+                const int64_t d1 = d0 + kDBlock < D ? d0 + kDBlock : D;
+                for (int64_t j0 = 0; j0 < nt; j0 += kNK) {
+                    const int64_t nk = nt - j0 < kNK ? nt - j0 : kNK;
+                    if (r < full_rows)
+                        score_block<kNV, kNK>(qt + r * D, rp, kw + j0 * kws, kws, nk, d0, d1, st + j0 * rp + r);
+                    else
+                        score_block<1, kNK>(qt + r * D, rp, kw + j0 * kws, kws, nk, d0, d1, st + j0 * rp + r);
+                }
+            }
+        // Online softmax, W rows at a time.
+        for (int64_t r = 0; r < rp; r += W) {
+            Vec bmax = simd::vset(-__builtin_inff());
+            Vec bad = simd::vzero();  // NaN in a lane that met a non-finite visible score
+            for (int64_t j = 0; j < nt; ++j) {
+                Vec s = simd::vload(st + j * rp + r);
+                const simd::Mask keep = simd::key_visible(lo + r, hi + r, static_cast<int32_t>(t0 + j));
+                bad = simd::vadd(bad, simd::select(keep, simd::vsub(s, s), simd::vzero()));
+                if (capped) s = simd::vmul(cap, simd::tanh_vec(simd::vmul(s, inv_cap)));
+                s = simd::keep_or_neg_inf(keep, s);
+                simd::vstore(st + j * rp + r, s);
+                bmax = simd::vmax(s, bmax);
+            }
+            const Vec m_old = simd::vload(m + r);
+            const Vec m_new = simd::vadd(simd::vmax(bmax, m_old), bad);  // NaN stays NaN
+            const Vec shift = simd::finite_or_zero(m_new);
+            Vec sum = simd::vzero();
+            for (int64_t j = 0; j < nt; ++j) {
+                const Vec s = simd::vload(st + j * rp + r);
+                const Vec pr = simd::exp2_neg(simd::vmul(simd::vsub(s, shift), log2e));
+                simd::vstore(st + j * rp + r, pr);
+                sum = simd::vadd(sum, pr);
+            }
+            const Vec c = simd::exp2_neg(simd::vmul(simd::vsub(m_old, shift), log2e));
+            simd::vstore(corr + r, c);
+            simd::vstore(l + r, simd::vfma(simd::vload(l + r), c, sum));
+            simd::vstore(m + r, m_new);
+        }
+        // P.V, the V rows being the K rows' first Dv elements (already in cache).
+        for (int64_t r = 0; r < full_rows; r += kNV * W)
+            for (int64_t d0 = 0; d0 < Dv; d0 += kNK)
+                value_block<kNV, kNK>(acct + r, rp, st + r, corr + r, kw, kws, nt, d0,
+                                      Dv - d0 < kNK ? Dv - d0 : kNK);
+        for (int64_t r = full_rows; r < rp; r += W)
+            for (int64_t d0 = 0; d0 < Dv; d0 += kNK)
+                value_block<1, kNK>(acct + r, rp, st + r, corr + r, kw, kws, nt, d0,
+                                    Dv - d0 < kNK ? Dv - d0 : kNK);
+    }
+    // The chunk's partial result in the merge's layout: rows x Dv, max and sum per row.
+    for (int64_t r = 0; r < rows; ++r) {
+        float* acc_row = acc + r * Dv;
+        for (int64_t d = 0; d < Dv; ++d) acc_row[d] = acct[d * rp + r];
+        m_out[r] = m[r];
+        l_out[r] = l[r];
+    }
+}
+
+template <class T>
+void chunk_for_kv(const AttentionParams& p, const DecodeTask& task, float* ws, float* acc,
+                  float* m, float* l) {
+    if (p.dtype == DType::kBF16) chunk<bf16_t, T>(p, task, ws, acc, m, l);
+    else if (p.dtype == DType::kF16) chunk<f16_t, T>(p, task, ws, acc, m, l);
+    else chunk<float, T>(p, task, ws, acc, m, l);
+}
+
+void chunk_any(const AttentionParams& p, const DecodeTask& task, float* ws, float* acc,
+               float* m, float* l) {
+    if (p.kv_dtype == DType::kBF16) chunk_for_kv<bf16_t>(p, task, ws, acc, m, l);
+    else if (p.kv_dtype == DType::kF16) chunk_for_kv<f16_t>(p, task, ws, acc, m, l);
+    else chunk_for_kv<float>(p, task, ws, acc, m, l);
+}
+
+// KernelTable::latent_decode_kernel: this kernel for a latent call it covers, else
+// {nullptr} (the tier's decode_kernel runs it).
+DecodeKernel latent_decode_kernel(const AttentionParams& p) {
+    const bool dtypes = p.dtype != DType::kF64 &&
+                        (p.kv_dtype == DType::kF32 || p.kv_dtype == DType::kBF16 ||
+                         p.kv_dtype == DType::kF16);
+    if (!kv_is_latent(p) || !dtypes || p.alibi_slopes || p.mask || decode_rows(p) < kMinRows)
+        return {nullptr, nullptr};
+    DecodeKernel kernel{"latent_decode", chunk_any};
+    kernel.chunk_keys = kChunkKeys;
+    kernel.workspace_elems = workspace_elems;
+    kernel.compute_shaped = true;
+    return kernel;
+}
+
+}  // namespace latent_decode
+}  // namespace
+}  // namespace ATTNFAST_KERNEL_NS
+}  // namespace attnfast
