@@ -65,6 +65,11 @@ DecodeSplit split_decode(const AttentionParams& p, int64_t chunk_keys) {
     return split;
 }
 
+// The scratch one thread of `kernel` needs, in elements of its accumulator type.
+int64_t workspace_elems_of(const AttentionParams& p, const DecodeKernel& kernel) {
+    return kernel.workspace_elems ? kernel.workspace_elems(p) : decode_workspace_elems(p);
+}
+
 // Work items of the larger pass: chunks, or merges (one per (batch, kv head)).
 int64_t decode_work(const AttentionParams& p, const DecodeSplit& split) {
     const int64_t slots = static_cast<int64_t>(split.tasks.size());
@@ -122,10 +127,11 @@ DecodeKernel choose_decode(const KernelTable& kernels, const AttentionParams& p)
 template <class A>
 class DecodeWork : public ProblemWork {
 public:
-    DecodeWork(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMergeFn<A> merge_fn)
-        : p_(p), chunk_fn_(chunk_fn), merge_fn_(merge_fn), rows_(decode_rows(p)) {
+    DecodeWork(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMergeFn<A> merge_fn,
+               int64_t chunk_keys, int64_t ws_elems)
+        : p_(p), chunk_fn_(chunk_fn), merge_fn_(merge_fn), rows_(decode_rows(p)), ws_elems_(ws_elems) {
         if (p.batch == 0 || rows_ == 0) return;
-        split_ = split_decode(p);
+        split_ = split_decode(p, chunk_keys);
         const size_t slots = split_.tasks.size() > 0 ? split_.tasks.size() : 1;
         acc_.reset(new A[slots * rows_ * p.head_dim_v]);
         max_sum_.reset(new A[slots * rows_ * 2]);
@@ -136,7 +142,7 @@ public:
         return phase == 0 ? static_cast<int64_t>(split_.tasks.size()) : p_.batch * p_.kv_heads;
     }
     int64_t workspace_bytes() const override {
-        return decode_workspace_elems(p_) * static_cast<int64_t>(sizeof(A));
+        return ws_elems_ * static_cast<int64_t>(sizeof(A));
     }
     void run(int phase, int64_t unit, void* workspace) const override {
         A* ws = static_cast<A*>(workspace);
@@ -158,6 +164,7 @@ private:
     DecodeChunkFn<A> chunk_fn_;
     DecodeMergeFn<A> merge_fn_;
     int64_t rows_;
+    int64_t ws_elems_;  // the chunk kernel's scratch, in elements of A
     DecodeSplit split_;
     std::unique_ptr<A[]> acc_, max_sum_;
     int64_t slots_ = 0;
@@ -168,16 +175,20 @@ private:
 std::unique_ptr<ProblemWork> make_decode_work(const AttentionParams& p) {
     const KernelTable& kernels = active_kernels();
     const DecodeKernel kernel = choose_decode(kernels, p);
-    if (kernel.chunk) return std::unique_ptr<ProblemWork>(new DecodeWork<float>(p, kernel.chunk, kernels.decode_merge));
-    return std::unique_ptr<ProblemWork>(
-        new DecodeWork<double>(p, kernels.decode_chunk_f64, kernels.decode_merge_f64));
+    const int64_t chunk_keys = chunk_keys_of(p, kernel);
+    const int64_t ws_elems = workspace_elems_of(p, kernel);
+    if (kernel.chunk)
+        return std::unique_ptr<ProblemWork>(
+            new DecodeWork<float>(p, kernel.chunk, kernels.decode_merge, chunk_keys, ws_elems));
+    return std::unique_ptr<ProblemWork>(new DecodeWork<double>(
+        p, kernels.decode_chunk_f64, kernels.decode_merge_f64, chunk_keys, ws_elems));
 }
 
 void decode_forward(const AttentionParams& p) {
     const KernelTable& kernels = active_kernels();
     const DecodeKernel kernel = choose_decode(kernels, p);
     const int64_t chunk_keys = chunk_keys_of(p, kernel);
-    const int64_t ws_elems = kernel.workspace_elems ? kernel.workspace_elems(p) : decode_workspace_elems(p);
+    const int64_t ws_elems = workspace_elems_of(p, kernel);
     if (kernel.chunk) run_decode<float>(p, kernel.chunk, kernels.decode_merge, chunk_keys, ws_elems);
     else run_decode<double>(p, kernels.decode_chunk_f64, kernels.decode_merge_f64, chunk_keys, ws_elems);
 }
