@@ -313,3 +313,13 @@ def explain(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
             sinks: ArrayLike | None = None, mask: ArrayLike | None = None,
             return_lse: bool = False, out: NDArray[Any] | None = None,
             num_threads: int | None = None, query_offset: int | None = None) -> dict[str, Any]: ...
+def explain_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
+                   cu_seqlens_k: ArrayLike | None = None, *, seqused_k: ArrayLike | None = None,
+                   block_table: ArrayLike | None = None, max_seqlen_q: int | None = None,
+                   max_seqlen_k: int | None = None, causal: bool = False,
+                   scale: float | None = None, window: _Window = None,
+                   softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
+                   sinks: ArrayLike | None = None, mask: ArrayLike | None = None,
+                   return_lse: bool = False, out: NDArray[Any] | None = None,
+                   num_threads: int | None = None, k_scale: ArrayLike | None = None,
+                   v_scale: ArrayLike | None = None) -> dict[str, Any]: ...
