@@ -16,6 +16,8 @@ from . import _ext
 from ._api import kernels_interruptible, run_kernels
 from ._interop import accepts_arrays
 from ._checks import (
+    FLOAT8_E4M3,
+    ROW_SCALED_DTYPES,
     KVCACHE_PLANS,
     bound_window,
     fast_query_offset,
@@ -57,6 +59,32 @@ def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(values, -127, 127).astype(np.int8), scale
 
 
+FLOAT8_E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def quantize_float8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float8_e4m3fn per row (last axis) with a float32 scale: scale = max|x| / 448, values
+    x / scale rounded to nearest even. Returns (float8_e4m3fn values, float32 scales of
+    x.shape[:-1]). As quantize_int8: an all-zero row has scale 0, a row holding NaN or inf a
+    NaN scale (and zero values), so it reads back as NaN."""
+    x = np.asarray(x, dtype=np.float32)
+    peak = np.max(np.abs(x), axis=-1, initial=0.0) if x.shape[-1] else np.zeros(x.shape[:-1], np.float32)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        scale = (peak / np.float32(FLOAT8_E4M3_MAX)).astype(np.float32)
+        finite = np.isfinite(scale)
+        scale = np.where(finite, scale, np.float32(np.nan)).astype(np.float32)
+        safe = np.where(finite & (scale > 0), scale, np.float32(1.0))
+        # |x / scale| <= 448 up to one float32 rounding: clip so it never rounds to NaN
+        values = np.clip(np.where(finite[..., None], x, 0) / safe[..., None],
+                         -FLOAT8_E4M3_MAX, FLOAT8_E4M3_MAX)
+    return values.astype(FLOAT8_E4M3), scale
+
+
+def quantize_rows(x: np.ndarray, cache_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """x quantised per row for a row-scaled cache format (int8 or float8_e4m3fn)."""
+    return quantize_float8(x) if cache_dtype == FLOAT8_E4M3 else quantize_int8(x)
+
+
 class Undo:
     """The bytes a mutating call is about to overwrite, saved before each write, so that a
     call which then raises anything (KeyboardInterrupt, MemoryError, ...) puts them back and
@@ -77,13 +105,14 @@ class Undo:
             array[index] = old
 
 
-def _stored_form(k_new, v_new, cache_dtype, int8: bool):
+def _stored_form(k_new, v_new, cache_dtype, row_scaled: bool):
     """k_new, v_new as the cache stores them, converted before anything is written:
-    (k, v, k row scales, v row scales), the scales None unless int8. Values beyond a 16-bit
-    dtype's range become +-inf, as the cast gives, with no overflow warning (README,
+    (k, v, k row scales, v row scales), the scales None unless int8 / float8. Values beyond
+    a 16-bit dtype's range become +-inf, as the cast gives, with no overflow warning (README,
     reliability rules): a warning turned into an error must not stop a write half-way."""
-    if int8:
-        (k_new, k_rows), (v_new, v_rows) = quantize_int8(k_new), quantize_int8(v_new)
+    if row_scaled:
+        (k_new, k_rows) = quantize_rows(k_new, cache_dtype)
+        (v_new, v_rows) = quantize_rows(v_new, cache_dtype)
         return k_new, v_new, k_rows, v_rows
     if k_new.dtype != cache_dtype or v_new.dtype != cache_dtype:
         with np.errstate(over="ignore", invalid="ignore"):
@@ -368,10 +397,10 @@ class KVCache:
                                                 v_head_dim)
         self._k = np.zeros((B, Hkv, C, D), dtype=dt)
         self._v = np.zeros((B, Hkv, C, Dv), dtype=dt)
-        # int8 storage: one float32 dequantisation scale per (sequence, kv head, token)
-        int8 = dt == np.int8
-        self._k_scale = np.zeros((B, Hkv, C), np.float32) if int8 else None
-        self._v_scale = np.zeros((B, Hkv, C), np.float32) if int8 else None
+        # int8 / float8 storage: one float32 dequantisation scale per (sequence, kv head, token)
+        scaled = dt in ROW_SCALED_DTYPES
+        self._k_scale = np.zeros((B, Hkv, C), np.float32) if scaled else None
+        self._v_scale = np.zeros((B, Hkv, C), np.float32) if scaled else None
         self._lengths = np.zeros(B, dtype=np.int64)
         self._lock = threading.Lock()  # held by every method for its whole call
 

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ._checks import (
+    ROW_SCALED_DTYPES,
     check_flag,
     check_free_blocks,
     check_new_tokens,
@@ -86,9 +87,9 @@ class PagedKVCache:
         # see README, Paged KV cache).
         self._k = np.zeros((Hkv, NB, BS, D), dtype=dt).transpose(1, 0, 2, 3)
         self._v = np.zeros((Hkv, NB, BS, Dv), dtype=dt).transpose(1, 0, 2, 3)
-        int8 = dt == np.int8  # one float32 scale per (block, kv head, row)
-        self._k_scale = np.zeros((Hkv, NB, BS), np.float32).transpose(1, 0, 2) if int8 else None
-        self._v_scale = np.zeros((Hkv, NB, BS), np.float32).transpose(1, 0, 2) if int8 else None
+        scaled = dt in ROW_SCALED_DTYPES  # int8 / float8: one float32 scale per (block, kv head, row)
+        self._k_scale = np.zeros((Hkv, NB, BS), np.float32).transpose(1, 0, 2) if scaled else None
+        self._v_scale = np.zeros((Hkv, NB, BS), np.float32).transpose(1, 0, 2) if scaled else None
         self._refs = np.zeros(NB, dtype=np.int64)     # sequences holding each block
         self._free = list(range(NB - 1, -1, -1))      # a stack: the lowest id is taken first
         self._seqs: dict[int, _Sequence] = {}
