@@ -16,6 +16,7 @@ import numpy as np
 
 from ._checks import (
     ROW_SCALED_DTYPES,
+    default_key_rotation,
     check_flag,
     check_free_blocks,
     check_new_tokens,
@@ -77,9 +78,10 @@ class PagedKVCache:
     """
 
     def __init__(self, num_blocks, block_size, kv_heads, head_dim, *, dtype=np.float32,
-                 v_head_dim=None):
+                 v_head_dim=None, key_rotation="auto"):
         NB, BS, Hkv, D, dt, Dv = check_paged_spec(num_blocks, block_size, kv_heads, head_dim,
                                                   dtype, v_head_dim)
+        self._key_rotation = default_key_rotation(key_rotation, dt)
         # Stored KV-head-major, (Hkv, num_blocks, block_size, D), and exposed as the
         # (num_blocks, Hkv, block_size, D) view the kernels take: a KV head's rows of blocks
         # with consecutive ids are then adjacent in memory, so a sequence whose blocks were
@@ -117,6 +119,11 @@ class PagedKVCache:
     def v_scale(self) -> np.ndarray | None:
         """int8 pools: the value rows' scales, as k_scale."""
         return self._v_scale
+
+    @property
+    def key_rotation(self) -> str | None:
+        """As :attr:`attnfast.KVCache.key_rotation` ("hadamard" by default for int8)."""
+        return self._key_rotation
 
     num_blocks = property(lambda self: self._k.shape[0], doc="Blocks in the pool.")
     block_size = property(lambda self: self._k.shape[2], doc="Tokens per block.")
@@ -230,7 +237,7 @@ class PagedKVCache:
                 self._commit(ids, plan, undo)
                 table = self._table([self._seqs[s].blocks for s in ids])
                 _write_paged_tokens(self._k, self._v, table, starts, k_new, v_new,
-                                    self._k_scale, self._v_scale, undo)
+                                    self._k_scale, self._v_scale, undo, self._key_rotation)
                 for s in ids:
                     self._seqs[s].length += t
 
@@ -386,12 +393,14 @@ class PagedKVCache:
             self._commit(ids, plan, undo)  # the blocks of `table`, now taken
             if call.new_tokens:
                 _write_paged_tokens(self._k, self._v, call.block_table, call.starts, call.k_new,
-                                    call.v_new, self._k_scale, self._v_scale, undo)
+                                    call.v_new, self._k_scale, self._v_scale, undo,
+                                    self._key_rotation)
             for s, n in zip(ids, call.seqlens_after.tolist()):
                 self._seqs[s].length = n
             parts = [(slice(None), self._k, self._v, call.seqlens_after, self._k_scale,
                       self._v_scale, call.block_table)]
-            result = run_cache_kernels(call, user_out, return_lse, parts, tree)
+            result = run_cache_kernels(call, user_out, return_lse, parts, tree,
+                                       self._key_rotation)
         if squeeze:
             return (result[0][0], result[1][0]) if return_lse else result[0]
         return result
