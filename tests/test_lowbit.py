@@ -304,3 +304,80 @@ def test_rotated_int8_keeps_accuracy_with_outlier_channels():
     rotated = storage_error("int8", True)
     plain = storage_error("int8", True, key_rotation=None)
     assert rotated < 0.03 and plain > 2 * rotated, (rotated, plain)
+
+
+# ---- int8 Q.K with vpdpbusd (avx512bf16 tier): q quantised per row on the fly ----
+
+def has_vnni():
+    from attnfast.bench.limits import cpu_flags
+    return "avx512_vnni" in cpu_flags() and "avx512bf16" in AVAILABLE_ISAS
+
+
+def quantised_query(q, scale):
+    """The kernel's int8 query, mirrored in float32 NumPy: x = q * scale, sq = max|x| / 127,
+    qi = round-half-even(x * (1 / sq)) -> the float64 q it stands for, sq * qi."""
+    x = q.astype(np.float32) * np.float32(scale)
+    sq = (np.max(np.abs(x), axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    inv = np.where(sq > 0, np.float32(1) / np.where(sq > 0, sq, 1), 0).astype(np.float32)
+    qi = np.clip(np.rint(x * inv), -127, 127)
+    return sq.astype(np.float64) * qi / scale
+
+
+@pytest.fixture
+def int8_dot(monkeypatch):
+    def choose(mode):
+        if mode is None:
+            monkeypatch.delenv("ATTNFAST_INT8_DOT", raising=False)
+        else:
+            monkeypatch.setenv("ATTNFAST_INT8_DOT", mode)
+    return choose
+
+
+@pytest.mark.skipif(not has_vnni(), reason="needs AVX512-VNNI and the avx512bf16 tier")
+@pytest.mark.parametrize("heads,tq,d", [(8, 1, 128), (32, 1, 128), (4, 3, 64), (8, 2, 192)])
+def test_vnni_int8_decode_is_attention_of_the_quantised_query(int8_dot, heads, tq, d):
+    _ext.force_isa("avx512bf16")
+    try:
+        rng = np.random.default_rng(heads + tq + d)
+        Hkv, n = 8 if heads >= 8 else 2, 700
+        k = rng.standard_normal((1, Hkv, n, d)).astype(np.float32)
+        v = rng.standard_normal((1, Hkv, n, d)).astype(np.float32)
+        q = rng.standard_normal((1, heads, tq, d)).astype(np.float32)
+        cache = af.KVCache(1, Hkv, d, n, dtype="int8", key_rotation=None)
+        cache.append(k, v)
+        kd, vd = dequantised(cache)
+        args = dict(cache_seqlens=cache.lengths, k_scale=cache.k_scale, v_scale=cache.v_scale)
+        int8_dot(None)
+        assert af.explain(q, cache.k, cache.v, **args)["kernel"] == "vnni_int8_decode"
+        out = cache.attend(q)
+        ref, _, _ = reference_attention(quantised_query(q, 1 / np.sqrt(d)), kd, vd, causal=True)
+        close(out, ref)
+        int8_dot("widen")  # the exact widening path, selectable
+        assert af.explain(q, cache.k, cache.v, **args)["kernel"] == "simd_decode"
+        exact, _, _ = reference_attention(q.astype(np.float64), kd, vd, causal=True)
+        close(cache.attend(q), exact)
+    finally:
+        _ext.force_isa("")
+
+
+@pytest.mark.skipif(not has_vnni(), reason="needs AVX512-VNNI and the avx512bf16 tier")
+def test_vnni_nan_query_gives_nan(int8_dot):
+    cache = af.KVCache(1, 1, 64, 8, dtype="int8")
+    rng = np.random.default_rng(0)
+    cache.append(rng.standard_normal((1, 1, 4, 64)).astype(np.float32),
+                 rng.standard_normal((1, 1, 4, 64)).astype(np.float32))
+    q = rng.standard_normal((1, 2, 1, 64)).astype(np.float32)
+    q[0, 1, 0, 3] = np.nan
+    out = cache.attend(q)
+    assert np.all(np.isfinite(out[0, 0])) and np.all(np.isnan(out[0, 1]))
+
+
+@pytest.mark.skipif(not has_vnni(), reason="needs AVX512-VNNI and the avx512bf16 tier")
+@pytest.mark.parametrize("outliers", [False, True])
+def test_vnni_query_rounding_adds_little_error(int8_dot, outliers):
+    # The q rounding's error against the storage error alone (same data, widening path).
+    int8_dot("widen")
+    storage = storage_error("int8", outliers)
+    int8_dot(None)
+    total = storage_error("int8", outliers)
+    assert total < 0.02 and total < 1.5 * storage, (storage, total)
