@@ -23,7 +23,18 @@ import attnfast as af
 from attnfast import _ext
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "int8": "int8",
-          "fp8": ml_dtypes.float8_e4m3fn}
+          "int8-widen": "int8", "fp8": ml_dtypes.float8_e4m3fn}
+# int8-widen: the int8 cache through the exact widening path (ATTNFAST_INT8_DOT=widen) where
+# the tier has the vpdpbusd one
+
+
+def attend(name, cache, q, threads):
+    if name == "int8-widen":
+        os.environ["ATTNFAST_INT8_DOT"] = "widen"
+    try:
+        return cache.attend(q, num_threads=threads)
+    finally:
+        os.environ.pop("ATTNFAST_INT8_DOT", None)
 
 
 def step_bytes(cache) -> int:
@@ -39,7 +50,7 @@ def main():
     p.add_argument("--lengths", default="16384")
     p.add_argument("--layouts", default="8/8,32/8")
     p.add_argument("--threads", default="1,2")
-    p.add_argument("--dtypes", default="float32,bfloat16,int8,fp8")
+    p.add_argument("--dtypes", default="float32,bfloat16,int8,int8-widen,fp8")
     p.add_argument("--repeats", type=int, default=9)
     args = p.parse_args()
     rng = np.random.default_rng(0)
@@ -65,14 +76,14 @@ def main():
                 times = {n: [] for n in names}
                 reads = []
                 for n in names:  # warm
-                    caches[n].attend(qs[n], num_threads=threads)
+                    attend(n, caches[n], qs[n], threads)
                 for _ in range(args.repeats):
                     t0 = time.perf_counter()
                     _ext.read_bytes(buffer, threads)
                     reads.append(buffer.nbytes / (time.perf_counter() - t0))
                     for n in names:
                         t0 = time.perf_counter()
-                        caches[n].attend(qs[n], num_threads=threads)
+                        attend(n, caches[n], qs[n], threads)
                         times[n].append(time.perf_counter() - t0)
                 limit = statistics.median(reads)
                 base = statistics.median(times["float32"]) if "float32" in times else None
@@ -84,6 +95,9 @@ def main():
                     up = f"{base / t:4.2f}x" if base else "  -  "
                     print(f"  {n:9s} {t * 1e3:7.3f} ms  {up} f32  {gbs / 1e9:5.1f} GB/s "
                           f"{100 * gbs / limit:4.0f} % of read")
+                print(f"  kernels: " + ", ".join(
+                    f"{n} {af.explain(qs[n], caches[n].k, caches[n].v, cache_seqlens=caches[n].lengths, k_scale=caches[n].k_scale, v_scale=caches[n].v_scale, num_threads=threads)['kernel']}"
+                    for n in names if n != "int8-widen"))
 
 
 if __name__ == "__main__":

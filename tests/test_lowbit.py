@@ -252,8 +252,9 @@ def test_key_rotation_defaults_and_bad_values():
 
 
 @pytest.mark.parametrize("tq", [1, 4])
-def test_rotated_int8_cache_is_attention_over_the_given_keys(isa, tq):
+def test_rotated_int8_cache_is_attention_over_the_given_keys(isa, tq, monkeypatch):
     from attnfast._rotation import hadamard_rotate
+    monkeypatch.setenv("ATTNFAST_INT8_DOT", "widen")  # exact (vpdpbusd rounds q: below)
     rng = np.random.default_rng(21 + tq)
     B, H, Hkv, D, n = 1, 8, 2, 128, 500
     k = rng.standard_normal((B, Hkv, n, D)).astype(np.float32)
