@@ -6,8 +6,9 @@
 namespace attnfast {
 
 // Element types. Arithmetic accumulates in float32 (float64 for kF64), never in 16 bits.
-// kI8 is a KV-cache storage type only (symmetric int8 with one float32 scale per row).
-enum class DType : int32_t { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kI8 = 4 };
+// kI8 and kF8E4M3 are KV-cache storage types only (symmetric int8 / float8 e4m3fn values,
+// each row with one float32 scale).
+enum class DType : int32_t { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kI8 = 4, kF8E4M3 = 5 };
 
 // How `mask` is read: bool (one byte, nonzero = keep) or added to the scores.
 enum class MaskKind : int32_t { kNone = 0, kBool = 1, kAdditive = 2 };
@@ -41,10 +42,10 @@ struct AttentionParams {
     int64_t head_dim_v;  // Dv, of v and out
 
     DType dtype;         // of q and out
-    DType kv_dtype;      // of k and v: dtype, or (float32 q) kF16 / kBF16 / kI8, or
-                         // (kF16 / kBF16 q) kI8
-    // kv_dtype == kI8 only: float32 dequantisation scales (batch, kv_heads, seqlen_k), one
-    // per cached row: k[b, g, j, :] stands for k_scale[b, g, j] * (its int8 values).
+    DType kv_dtype;      // of k and v: dtype, or (float32 q) kF16 / kBF16 / kI8 / kF8E4M3,
+                         // or (kF16 / kBF16 q) kI8 / kF8E4M3
+    // kv_dtype kI8 or kF8E4M3 only: float32 dequantisation scales (batch, kv_heads, seqlen_k),
+    // one per cached row: k[b, g, j, :] stands for k_scale[b, g, j] * (its stored values).
     const float* k_scale;
     const float* v_scale;
     int64_t k_scale_batch_stride, k_scale_head_stride, k_scale_row_stride;
@@ -132,6 +133,26 @@ struct CallPlan {
 // Checks `params` as attention_forward does (throws std::invalid_argument) and returns what
 // it would run, from the same code: the drivers' own kernel choice and work split.
 CallPlan plan_attention(const AttentionParams& params);
+
+// The same for a float8 (kF8E4M3) cache, whatever Tq: every query runs through the decode
+// loop, queries longer than kDecodeMaxQueryRows in blocks of kQuantizedRowBlock rows, each
+// with its own causal offset (there is no prefill kernel for these formats). Checks as
+// attention_forward does. (A separate entry so the prefill driver's checks stay as they are.)
+void quantized_cache_forward(const AttentionParams& params);
+// plan_attention for quantized_cache_forward.
+CallPlan plan_quantized_cache(const AttentionParams& params);
+// Whether kv_dtype is a format only quantized_cache_forward runs.
+inline bool is_quantized_cache_format(DType kv) { return kv == DType::kF8E4M3; }
+// attention_forward, or quantized_cache_forward for the formats it runs (the bindings' entry).
+inline void attention_forward_any(const AttentionParams& params) {
+    if (is_quantized_cache_format(params.kv_dtype)) quantized_cache_forward(params);
+    else attention_forward(params);
+}
+inline CallPlan plan_attention_any(const AttentionParams& params) {
+    return is_quantized_cache_format(params.kv_dtype) ? plan_quantized_cache(params)
+                                                      : plan_attention(params);
+}
+
 
 // ---- interrupts (Ctrl-C) ----
 // Asks running interruptible calls to stop: they skip the work items not yet started and

@@ -7,6 +7,8 @@
 // second pass merges each (batch, kv head)'s chunks by their (max, sum) in chunk order:
 // bit-identical results for any number of threads.
 #include <memory>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "drivers.hpp"
@@ -170,6 +172,79 @@ private:
     int64_t slots_ = 0;
 };
 
+// ---- quantized caches (float8): every query through the decode loop ----
+
+void require_quantized(bool ok, const char* what) {
+    if (!ok) throw std::invalid_argument(std::string("attnfast::quantized_cache_forward: ") + what);
+}
+
+// The checks of attention_forward (check_params) with the format standing in as int8, whose
+// rules it shares (q float32 or 16-bit, row scales required), then the format's own.
+void check_quantized(const AttentionParams& p) {
+    require_quantized(is_quantized_cache_format(p.kv_dtype), "kv_dtype is not a quantized-cache format");
+    AttentionParams as_int8 = p;
+    as_int8.kv_dtype = DType::kI8;
+    check_params(as_int8);
+}
+
+int64_t dtype_bytes(DType t) {
+    switch (t) {
+        case DType::kF64: return 8;
+        case DType::kF16: case DType::kBF16: return 2;
+        case DType::kI8: case DType::kF8E4M3: return 1;
+        default: return 4;
+    }
+}
+const void* at_bytes(const void* base, int64_t elements, int64_t elem_bytes) {
+    return base ? static_cast<const char*>(base) + elements * elem_bytes : nullptr;
+}
+void* at_bytes(void* base, int64_t elements, int64_t elem_bytes) {
+    return base ? static_cast<char*>(base) + elements * elem_bytes : nullptr;
+}
+
+// p restricted to query rows [r0, r0 + n): q, out, lse and mask rows moved, seqlen_q = n,
+// and the rows keep their key positions through an explicit query offset.
+AttentionParams query_rows(const AttentionParams& p, int64_t r0, int64_t n, int64_t offset) {
+    AttentionParams s = p;
+    const int64_t qb = dtype_bytes(p.dtype);
+    s.q = at_bytes(p.q, r0 * p.q_row_stride, qb);
+    s.out = at_bytes(p.out, r0 * p.out_row_stride, qb);
+    s.lse = at_bytes(p.lse, r0 * p.lse_row_stride, 4);
+    if (p.mask) {
+        const int64_t mb = p.mask_kind == MaskKind::kBool ? 1 : dtype_bytes(p.mask_dtype);
+        s.mask = at_bytes(p.mask, r0 * p.mask_row_stride, mb);
+    }
+    s.seqlen_q = n;
+    s.has_query_offset = true;
+    s.query_offset = offset + r0;
+    return s;
+}
+
+// p restricted to batch entry b (batch = 1).
+AttentionParams batch_entry(const AttentionParams& p, int64_t b) {
+    AttentionParams s = p;
+    const int64_t qb = dtype_bytes(p.dtype), kvb = dtype_bytes(p.kv_dtype);
+    s.batch = 1;
+    s.q = at_bytes(p.q, b * p.q_batch_stride, qb);
+    s.out = at_bytes(p.out, b * p.out_batch_stride, qb);
+    s.lse = at_bytes(p.lse, b * p.lse_batch_stride, 4);
+    if (p.mask) {
+        const int64_t mb = p.mask_kind == MaskKind::kBool ? 1 : dtype_bytes(p.mask_dtype);
+        s.mask = at_bytes(p.mask, b * p.mask_batch_stride, mb);
+    }
+    if (p.alibi_slopes) s.alibi_slopes = p.alibi_slopes + b * p.alibi_batch_stride;
+    if (p.seqlens_k) s.seqlens_k = p.seqlens_k + b;
+    if (p.block_table) {
+        s.block_table = p.block_table + b * p.block_table_batch_stride;
+    } else {  // contiguous: the entry's rows (a pool's blocks stay where they are)
+        s.k = at_bytes(p.k, b * p.k_batch_stride, kvb);
+        s.v = at_bytes(p.v, b * p.v_batch_stride, kvb);
+        if (p.k_scale) s.k_scale = p.k_scale + b * p.k_scale_batch_stride;
+        if (p.v_scale) s.v_scale = p.v_scale + b * p.v_scale_batch_stride;
+    }
+    return s;
+}
+
 }  // namespace
 
 std::unique_ptr<ProblemWork> make_decode_work(const AttentionParams& p) {
@@ -182,6 +257,29 @@ std::unique_ptr<ProblemWork> make_decode_work(const AttentionParams& p) {
             new DecodeWork<float>(p, kernel.chunk, kernels.decode_merge, chunk_keys, ws_elems));
     return std::unique_ptr<ProblemWork>(new DecodeWork<double>(
         p, kernels.decode_chunk_f64, kernels.decode_merge_f64, chunk_keys, ws_elems));
+}
+
+void quantized_cache_forward(const AttentionParams& p) {
+    check_quantized(p);
+    if (takes_decode_path(p)) {
+        decode_forward(p);
+        return;
+    }
+    // A prompt chunk: blocks of rows, each a decode call with its rows' key positions.
+    const int64_t T = p.seqlen_q;
+    if (p.has_query_offset) {
+        for (int64_t r0 = 0; r0 < T; r0 += kQuantizedRowBlock)
+            decode_forward(query_rows(p, r0, T - r0 < kQuantizedRowBlock ? T - r0 : kQuantizedRowBlock,
+                                      p.query_offset));
+        return;
+    }
+    for (int64_t b = 0; b < p.batch; ++b) {  // bottom-right: each entry's own offset
+        const AttentionParams one = batch_entry(p, b);
+        const int64_t offset = batch_seqlen_k(p, b) - T;
+        for (int64_t r0 = 0; r0 < T; r0 += kQuantizedRowBlock)
+            decode_forward(query_rows(one, r0, T - r0 < kQuantizedRowBlock ? T - r0 : kQuantizedRowBlock,
+                                      offset));
+    }
 }
 
 void decode_forward(const AttentionParams& p) {
@@ -213,6 +311,19 @@ CallPlan plan_decode(const AttentionParams& p) {
         if (split.chunk_count[b] > plan.chunks) plan.chunks = split.chunk_count[b];
     plan.tasks = static_cast<int64_t>(split.tasks.size());
     plan.threads = parallel::threads_alone(decode_work(p, split), p.num_threads);
+    return plan;
+}
+
+CallPlan plan_quantized_cache(const AttentionParams& p) {
+    check_quantized(p);
+    if (takes_decode_path(p)) return plan_decode(p);
+    // The first block of rows (of the first batch entry, when aligned bottom-right): the
+    // others split alike.
+    const int64_t n = p.seqlen_q < kQuantizedRowBlock ? p.seqlen_q : kQuantizedRowBlock;
+    const AttentionParams first = p.has_query_offset
+        ? query_rows(p, 0, n, p.query_offset)
+        : query_rows(batch_entry(p, 0), 0, n, batch_seqlen_k(p, 0) - p.seqlen_q);
+    CallPlan plan = plan_decode(first);
     return plan;
 }
 

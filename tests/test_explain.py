@@ -8,6 +8,8 @@ checked against the float64 reference (so the merge it implies really ran).
 """
 import subprocess
 
+import os
+
 import numpy as np
 import pytest
 
@@ -71,6 +73,9 @@ def _decode_kernel(tier, q_dtype, kv_dtype, d):
         return "template_f64"
     if tier == "avx512bf16" and q_dtype == BFLOAT16 and kv_dtype == BFLOAT16 and d % 32 == 0:
         return "bf16_decode"
+    if (tier == "avx512bf16" and kv_dtype == np.int8 and d % 64 == 0 and d <= 512
+            and os.environ.get("ATTNFAST_INT8_DOT") != "widen"):
+        return "vnni_int8_decode"  # (every CPU with AVX512_BF16 has AVX512-VNNI)
     lanes = {"avx2": 8, "avx512": 16, "avx512bf16": 16}.get(tier)
     if lanes and d % lanes == 0:
         return "simd_decode"

@@ -351,9 +351,13 @@ def test_decode_options_rows_dropped_nan_and_thread_bits(tier, rng):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "int8"])
-def test_decode_options_16bit_and_int8_cache(tier, rng, dtype):
+def test_decode_options_16bit_and_int8_cache(tier, rng, dtype, monkeypatch):
     import ml_dtypes
-    cache = af.KVCache(1, 2, 64, 1200, dtype=np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else dtype)
+    # int8: the format as stored (key_rotation=None) through the exact widening path, so the
+    # reference over cache.k is exact (rotation and vpdpbusd: tests/test_lowbit.py)
+    monkeypatch.setenv("ATTNFAST_INT8_DOT", "widen")
+    cache = af.KVCache(1, 2, 64, 1200, dtype=np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else dtype,
+                       key_rotation=None)
     k, v = rng.standard_normal((2, 1, 2, 1100, 64)).astype(np.float32)
     cache.append(k, v)
     kk, vv = (cache.k[:, :, :1100], cache.v[:, :, :1100]) if dtype != "int8" else \

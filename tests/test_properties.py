@@ -455,7 +455,7 @@ class KVCacheMachine(_CacheMachine):
         self.B, self.Hkv, self.H = B, Hkv, Hkv * group
         self.D, self.Dv, self.C = D, Dv, capacity
         self.rng = np.random.default_rng(seed)
-        self.cache = af.KVCache(B, Hkv, D, capacity, dtype=dtype, v_head_dim=Dv)
+        self.cache = af.KVCache(B, Hkv, D, capacity, dtype=dtype, v_head_dim=Dv, key_rotation=None)
         self.model_k = [np.zeros((Hkv, 0, D)) for _ in range(B)]   # float64, as stored
         self.model_v = [np.zeros((Hkv, 0, Dv)) for _ in range(B)]
 
@@ -633,7 +633,9 @@ class PagedKVCacheMachine(_CacheMachine):
         self._draw_dtypes(data, dtype)
         self.Hkv, self.H, self.D, self.Dv, self.bs = Hkv, Hkv * group, D, Dv, block_size
         self.rng = np.random.default_rng(seed)
-        self.cache = af.PagedKVCache(blocks, block_size, Hkv, D, dtype=dtype, v_head_dim=Dv)
+        # (key_rotation=None: the model holds the keys as stored; rotation: test_lowbit.py)
+        self.cache = af.PagedKVCache(blocks, block_size, Hkv, D, dtype=dtype, v_head_dim=Dv,
+                                     key_rotation=None)
         self.model = {}  # seq id -> (k (Hkv, L, D), v (Hkv, L, Dv)), float64 as stored
         self.add()  # every rule is enabled from the start
 

@@ -39,7 +39,7 @@ def stored_kv(cache, seq):
 
 def forked(rng, *, prompt, own, n=4, Hkv=2, D=16, dtype=np.float32, num_blocks=400):
     """A prompt of `prompt` tokens, n - 1 forks of it, then `own[i]` tokens of each."""
-    cache = af.PagedKVCache(num_blocks, BS, Hkv, D, dtype=dtype)
+    cache = af.PagedKVCache(num_blocks, BS, Hkv, D, dtype=dtype, key_rotation=None)  # stored as given
     a = cache.add_sequence()
     new_dtype = np.float32 if np.dtype(dtype) == np.int8 else dtype
     cache.append(a, rand(rng, (Hkv, prompt, D), new_dtype), rand(rng, (Hkv, prompt, D), new_dtype))

@@ -112,6 +112,14 @@ inline Vec<float> vload(const int8_t* p) {  // an int8 cache's values (scaled by
     return f;
 }
 
+// float8 e4m3fn (a float8 cache's values, scaled by the caller): lane by lane, exactly (the
+// hand-written decode widens in registers; see simd_decode.inl).
+inline Vec<float> vload(const fp8_t* p) {
+    Vec<float> f;
+    for (int64_t i = 0; i < vec_lanes<float>(); ++i) f[i] = widen(p[i]);
+    return f;
+}
+
 // Sum of the lanes in a fixed tree: add the upper half onto the lower half until 4 float
 // (2 double) lanes are left, then (s0 + s2) + (s1 + s3) (s0 + s1). Vector shuffles keep it
 // in registers (GCC >= 12, Clang); older compilers do the same arithmetic through memory.
@@ -317,7 +325,7 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
     int64_t lo[kGroupRows], hi[kGroupRows];  // each row's visible keys, chunk-relative
 
     const TQ* q = static_cast<const TQ*>(p.q) + task.batch * p.q_batch_stride;
-    // int8 cache: row scales by key position (else all 1)
+    // int8 / float8 cache: row scales by key position (else all 1)
     const RowScales k_scale = row_scales(p, p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride,
                                          p.k_scale_row_stride, task.batch, task.kv_head);
     const RowScales v_scale = row_scales(p, p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride,
@@ -492,6 +500,10 @@ void decode_chunk_any(const AttentionParams& p, const DecodeTask& t, float* ws, 
         else decode_chunk<float, f16_t, float>(p, t, ws, acc, m, l);
     } else if (kv == DType::kF32) {
         decode_chunk<float, float, float>(p, t, ws, acc, m, l);
+    } else if (kv == DType::kF8E4M3) {
+        if (q == DType::kBF16) decode_chunk<bf16_t, fp8_t, float>(p, t, ws, acc, m, l);
+        else if (q == DType::kF16) decode_chunk<f16_t, fp8_t, float>(p, t, ws, acc, m, l);
+        else decode_chunk<float, fp8_t, float>(p, t, ws, acc, m, l);
     } else {  // kI8
         if (q == DType::kBF16) decode_chunk<bf16_t, int8_t, float>(p, t, ws, acc, m, l);
         else if (q == DType::kF16) decode_chunk<f16_t, int8_t, float>(p, t, ws, acc, m, l);

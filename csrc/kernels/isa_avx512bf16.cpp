@@ -12,11 +12,13 @@
 #include "simd_decode.inl"
 #include "bf16_decode.inl"
 #include "bf16_prefill.inl"
+#include "vnni_decode.inl"  // vpdpbusd for int8 caches (every CPU with AVX512_BF16 has VNNI)
 #define ATTNFAST_PREFILL_KERNEL bf16_prefill::prefill_kernel  // vdpbf16ps for bfloat16 q, k, v
-#define ATTNFAST_DECODE_KERNEL bf16_decode::decode_kernel    // vdpbf16ps for bfloat16 q and K/V
+#define ATTNFAST_DECODE_KERNEL vnni_decode::decode_kernel     // + vpdpbusd for int8 Q.K
 #define ATTNFAST_LOWP_INSTRUCTIONS \
-    "bfloat16 q with bfloat16 K/V: vdpbf16ps (prefill and decode); other 16-bit and int8 values " \
-    "widened to float32 as in avx512 (F16C vcvtph2ps, vpmovsxbd); float32 FMA"
+    "bfloat16 q with bfloat16 K/V: vdpbf16ps (prefill and decode); int8 cache decode: Q.K with " \
+    "vpdpbusd over q quantised to int8 per row (ATTNFAST_INT8_DOT=widen: widened); other 16-bit, " \
+    "int8 and float8 values widened to float32 as in avx512 (F16C vcvtph2ps, vpmovsxbd); float32 FMA"
 #include "latent_decode.inl"
 #define ATTNFAST_LATENT_DECODE_KERNEL latent_decode::latent_decode_kernel  // MLA, many rows
 #include "backward.inl"  // the backward kernels, with this tier's flags

@@ -50,6 +50,9 @@ constexpr int64_t kDecodeMaxQueryRows = 16;
 static inline bool takes_decode_path(const AttentionParams& p) {
     return p.seqlen_q <= kDecodeMaxQueryRows;
 }
+// Query rows per decode call when a longer query reads a quantized cache (float8), which
+// has no prefill kernel (quantized_cache_forward): each block re-reads the cache once.
+constexpr int64_t kQuantizedRowBlock = 64;
 // Query rows (heads x positions) one pass over a block of keys serves; more rows re-read
 // the block from cache (L2), not from memory.
 constexpr int64_t kDecodeGroupRows = 32;
@@ -67,7 +70,7 @@ static inline int64_t kv_element_bytes(const AttentionParams& p) {
     switch (p.kv_dtype) {
         case DType::kF64: return 8;
         case DType::kF16: case DType::kBF16: return 2;
-        case DType::kI8: return 1;
+        case DType::kI8: case DType::kF8E4M3: return 1;
         default: return 4;
     }
 }
@@ -168,7 +171,8 @@ struct DecodeKernel {
 // An MLA latent cache: V is a prefix view of K's last axis (v = k[..., :Dv], the same
 // memory, the same strides), so one read of each latent row serves both products.
 static inline bool kv_is_latent(const AttentionParams& p) {
-    return p.v == p.k && p.head_dim_v <= p.head_dim && p.kv_dtype != DType::kI8 &&
+    return p.v == p.k && p.head_dim_v <= p.head_dim &&
+           p.kv_dtype != DType::kI8 && p.kv_dtype != DType::kF8E4M3 &&
            p.v_batch_stride == p.k_batch_stride && p.v_head_stride == p.k_head_stride &&
            p.v_row_stride == p.k_row_stride;
 }

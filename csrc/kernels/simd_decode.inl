@@ -1,6 +1,6 @@
 // Hand-written decode kernel for the x86 SIMD tiers (AVX-512: W = 16 lanes; AVX2+FMA: W = 8),
-// float32 arithmetic over K/V stored as float32, bfloat16, float16 or int8 (one float32
-// scale per row), q as float32 or 16 bits. Included by kernels/isa_avx512.cpp,
+// float32 arithmetic over K/V stored as float32, bfloat16, float16, int8 or float8 e4m3fn
+// (one float32 scale per row), q as float32 or 16 bits. Included by kernels/isa_avx512.cpp,
 // isa_avx512bf16.cpp and isa_avx2.cpp after decode_attention.inl (its template is the
 // fallback); exp2_neg, tanh_vec and a few operations come from the SIMD layer (csrc/simd/).
 // Shapes it does not cover (D or Dv not a multiple of W) and the generic tier keep the
@@ -168,6 +168,18 @@ inline V vld_kv(const f16_t* p) {
 inline V vld_kv(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+// float8 e4m3fn, times 2^-8 (kScaleFold: the row scale carries the 2^8): each byte moved into
+// a float16's bits, s.eeee.mmm -> s.0eeee.mmm0000000, which is the e4m3 value over 2^8 with
+// every subnormal exact (both formats' subnormals are 0.m times their smallest normal), then
+// vcvtph2ps; S.1111.111 (NaN in e4m3fn, a finite 1.875 in float16) is set to NaN.
+inline V vld_kv(const fp8_t* p) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi16(0x7F));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7),
+                                      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+    const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7F));
+    return _mm512_mask_mov_ps(_mm512_cvtph_ps(h), nan, _mm512_set1_ps(__builtin_nanf("")));
+}
 #else
 inline V vld_kv(const bf16_t* p) {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -179,7 +191,18 @@ inline V vld_kv(const f16_t* p) {
 inline V vld_kv(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+inline V vld_kv(const fp8_t* p) {  // as the AVX-512 one, 8 lanes
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7F));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7),
+                                   _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+    const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F))));
+    return _mm256_or_ps(_mm256_cvtph_ps(h), nan);  // all ones: a NaN
+}
 #endif
+// What vld_kv leaves in the row scales: the stored value is kScaleFold<T> * (vld_kv's lanes).
+template <class T> constexpr float kScaleFold = 1.0f;
+template <> constexpr float kScaleFold<fp8_t> = 256.0f;
 
 // s[r * ss + j] = q[r] . k[j] for RB query rows (q rows qs apart, D a multiple of W) and
 // the first `keys` (<= W / RB) of W / RB keys (key rows ks apart). Missing keys repeat the
@@ -548,9 +571,9 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
                              v_row_bytes, scale);
             }
             if (k_scale.scale)  // one block's scales, gathered once for all rows
-                for (int64_t c = 0; c < j1 - j0; ++c) {
-                    k_scale_block[c] = k_scale.at(kb + j0 + c);
-                    v_scale_block[c] = v_scale.at(kb + j0 + c);
+                for (int64_t c = 0; c < j1 - j0; ++c) {  // (kScaleFold: a power of two, exact)
+                    k_scale_block[c] = k_scale.at(kb + j0 + c) * kScaleFold<T>;
+                    v_scale_block[c] = v_scale.at(kb + j0 + c) * kScaleFold<T>;
                 }
 
             for (int64_t rr = 0; rr < n; ++rr) {
@@ -626,6 +649,10 @@ void chunk_any(const AttentionParams& p, const DecodeTask& task, float* ws, floa
         else chunk_for<float, f16_t>(p, task, ws, acc, m, l);
     } else if (kv == DType::kF32) {
         chunk_for<float, float>(p, task, ws, acc, m, l);
+    } else if (kv == DType::kF8E4M3) {
+        if (q == DType::kBF16) chunk_for<bf16_t, fp8_t>(p, task, ws, acc, m, l);
+        else if (q == DType::kF16) chunk_for<f16_t, fp8_t>(p, task, ws, acc, m, l);
+        else chunk_for<float, fp8_t>(p, task, ws, acc, m, l);
     } else {  // kI8
         if (q == DType::kBF16) chunk_for<bf16_t, int8_t>(p, task, ws, acc, m, l);
         else if (q == DType::kF16) chunk_for<f16_t, int8_t>(p, task, ws, acc, m, l);

@@ -17,6 +17,10 @@ namespace {
 
 struct bf16_t { uint16_t bits; };  // bfloat16: the upper half of a float32
 struct f16_t { uint16_t bits; };   // IEEE 754 binary16
+// float8 e4m3fn (OCP FP8, ml_dtypes.float8_e4m3fn): sign, 4 exponent bits (bias 7), 3
+// mantissa bits; no infinities, S.1111.111 is NaN. A KV-cache storage type only (one float32
+// scale per row, as int8).
+struct fp8_t { uint8_t bits; };
 
 inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, sizeof f); return f; }
 inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, sizeof u); return u; }
@@ -38,6 +42,16 @@ inline float widen(f16_t x) {
     const float mag = static_cast<float>(mant) * 5.9604644775390625e-8f;
     return sign ? -mag : mag;
 #endif
+}
+
+// float8 e4m3fn, exactly: (-1)^s 2^(e-7) 1.m, or 2^-6 0.m for e = 0; NaN for S.1111.111.
+inline float widen(fp8_t x) {
+    const uint32_t sign = static_cast<uint32_t>(x.bits & 0x80u) << 24;
+    const uint32_t exp = (x.bits >> 3) & 0xFu, mant = x.bits & 0x7u;
+    if ((x.bits & 0x7Fu) == 0x7Fu) return __builtin_nanf("");
+    if (exp != 0) return bits_to_float(sign | ((exp + 120u) << 23) | (mant << 20));
+    const float mag = static_cast<float>(mant) * 0.001953125f;  // mant * 2^-9, exact
+    return sign ? -mag : mag;
 }
 
 // ---- narrowing (round to nearest even) ----
@@ -74,10 +88,10 @@ template <> struct Narrow<bf16_t> { static bf16_t from(float x) { return narrow_
 template <> struct Narrow<f16_t> { static f16_t from(float x) { return narrow_f16(x); } };
 template <class T, class A> inline T store_from_acc(A x) { return Narrow<T>::from(x); }
 
-// Per-row dequantisation scales of an int8 cache (1 for every other storage type): row j of
-// (batch, kv head) is scale[j * row_stride] times its int8 values.
+// Per-row dequantisation scales of an int8 or float8 cache (1 for every other storage type):
+// row j of (batch, kv head) is scale[j * row_stride] times its stored values.
 struct RowScales {
-    const float* scale = nullptr;  // nullptr: no scales (not an int8 cache)
+    const float* scale = nullptr;  // nullptr: no scales (not an int8 / float8 cache)
     int64_t row_stride = 0;
     // Paged cache (AttentionParams::block_table): this batch entry's block ids, or nullptr;
     // `scale` then points at the pool's kv head, blocks block_stride apart.

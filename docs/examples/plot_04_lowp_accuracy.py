@@ -1,9 +1,11 @@
 """
-16-bit and int8 KV caches: how much accuracy they cost
-=======================================================
+16-bit, int8 and float8 KV caches: how much accuracy they cost
+===============================================================
 
 A decode step reads every cached byte once, so a smaller cache is a faster one: bfloat16 and
-float16 halve the bytes of float32, int8 (one float32 scale per token row) quarters them. All
+float16 halve the bytes of float32, int8 and float8 e4m3 (one float32 scale per token row)
+quarter them. int8 caches store keys rotated by an orthonormal Hadamard matrix (the default;
+``key_rotation=None`` stores them as given, shown as ``int8_unrotated``). All
 arithmetic still accumulates in float32. This example measures the attention output's error
 against a float64 reference over float32 keys and values, for each storage type, on random
 normal data and on data with a few outlier key channels (as real models have).
@@ -32,8 +34,9 @@ def reference(q, k, v):
     return (p / p.sum(-1, keepdims=True)) @ v64
 
 
-formats = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
-           "int8": "int8"}
+formats = {"float32": (np.float32, "auto"), "bfloat16": (ml_dtypes.bfloat16, "auto"),
+           "float16": (np.float16, "auto"), "int8": ("int8", "auto"),
+           "int8_unrotated": ("int8", None), "float8": (ml_dtypes.float8_e4m3fn, "auto")}
 errors = {}
 for data in ("normal", "outlier channels"):
     k = rng.standard_normal((1, Hkv, L, D)).astype(np.float32)
@@ -42,8 +45,8 @@ for data in ("normal", "outlier channels"):
         k[..., :4] *= 20.0            # 4 of 128 key channels 20x larger
     q = (2.0 * rng.standard_normal((1, H, 1, D))).astype(np.float32)
     expect = reference(q, k, v)
-    for name, dtype in formats.items():
-        cache = af.KVCache(1, Hkv, D, capacity=L, dtype=dtype)
+    for name, (dtype, rotation) in formats.items():
+        cache = af.KVCache(1, Hkv, D, capacity=L, dtype=dtype, key_rotation=rotation)
         cache.append(k, v)
         out = cache.attend(q)
         rel = np.abs(out - expect).mean() / np.abs(expect).mean()
@@ -51,9 +54,10 @@ for data in ("normal", "outlier channels"):
         print(f"{data:17s} {name:9s} mean |error| / mean |out| = {100 * rel:7.4f} %")
 
 # %%
-# int8's error comes from its one scale per token row: an outlier channel sets the scale of
-# every row, so the other channels lose resolution.
-fig, ax = plt.subplots(figsize=(6.5, 3.5), constrained_layout=True)
+# int8's error comes from its one scale per token row: unrotated, an outlier channel sets the
+# scale of every row, so the other channels lose resolution; the rotation spreads each channel
+# over all of them, so the scale fits every channel (q is rotated alike: q . k is unchanged).
+fig, ax = plt.subplots(figsize=(8, 3.5), constrained_layout=True)
 x = np.arange(len(formats))
 for i, data in enumerate(("normal", "outlier channels")):
     ax.bar(x + 0.4 * i - 0.2, [100 * errors[n, data] for n in formats], width=0.4, label=data)

@@ -19,6 +19,9 @@ FLOAT64 = np.dtype(np.float64)
 FLOAT16 = np.dtype(np.float16)
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 INT8 = np.dtype(np.int8)
+FLOAT8_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+# KV-cache storage formats with one float32 scale per (sequence, kv head, token) row
+ROW_SCALED_DTYPES = (INT8, FLOAT8_E4M3)
 _KERNEL_DTYPES = (FLOAT32, FLOAT64, FLOAT16, BFLOAT16)
 LOWP_DTYPES = (FLOAT16, BFLOAT16)  # 16-bit storage; arithmetic in float32
 _DTYPE_NAMES = "float32, float64, float16 or bfloat16"
@@ -42,16 +45,16 @@ def as_float_array(x, name: str) -> np.ndarray:
 
 def check_query_kv_dtypes(q_dtype: np.dtype, kv_dtype: np.dtype, kv_names: str) -> None:
     """q shares the dtype of k and v, except that a float32 q may read a float16 /
-    bfloat16 cache, and a float32 / 16-bit q an int8 cache."""
-    if q_dtype == kv_dtype and kv_dtype != INT8:
+    bfloat16 cache, and a float32 / 16-bit q an int8 or float8_e4m3fn cache."""
+    if q_dtype == kv_dtype and kv_dtype not in ROW_SCALED_DTYPES:
         return
     if q_dtype == FLOAT32 and kv_dtype in LOWP_DTYPES:
         return
-    if kv_dtype == INT8 and q_dtype in (FLOAT32, FLOAT16, BFLOAT16):
+    if kv_dtype in ROW_SCALED_DTYPES and q_dtype in (FLOAT32, FLOAT16, BFLOAT16):
         return
     raise TypeError(f"q has dtype {q_dtype} and {kv_names} {kv_dtype}: they must share a dtype, "
                     "except that a float32 q may read float16 or bfloat16 keys and values, and "
-                    "a float32, float16 or bfloat16 q an int8 cache")
+                    "a float32, float16 or bfloat16 q an int8 or float8_e4m3fn cache")
 
 
 def whole_elements(arr: np.ndarray) -> np.ndarray:
@@ -404,14 +407,14 @@ def is_latent_view(k, v) -> bool:
 
 def check_latent_spec(latent, head_dim: int, head_dim_v: int, dtype) -> bool:
     """KVCache(latent=): a bool; a latent cache stores one row per token whose first
-    head_dim_v elements are the values, so head_dim_v <= head_dim, and not int8 (its K and V
-    rows would need scales of their own)."""
+    head_dim_v elements are the values, so head_dim_v <= head_dim, and not int8 or float8 (its
+    K and V rows would need scales of their own)."""
     latent = check_flag(latent, "latent")
     if latent and head_dim_v > head_dim:
         raise ValueError(f"a latent cache's values are a prefix of its rows: v_head_dim must be "
                          f"<= head_dim, got v_head_dim={head_dim_v}, head_dim={head_dim}")
-    if latent and dtype == INT8:
-        raise NotImplementedError("latent=True with dtype='int8' is not supported (one scale "
+    if latent and dtype in ROW_SCALED_DTYPES:
+        raise NotImplementedError(f"latent=True with dtype={dtype} is not supported (one scale "
                                   "per row cannot serve K and its V prefix); use float32, "
                                   "float16 or bfloat16")
     return latent
@@ -484,23 +487,25 @@ def _exact_dtype(arr: np.ndarray, name: str) -> np.dtype:
     """The dtype of an array attnfast writes into in place: a kernel dtype or int8, native
     order (a conversion would be a copy, and the writes would be lost)."""
     dt = arr.dtype
-    if (dt in _KERNEL_DTYPES or dt == INT8) and dt.isnative:
+    if (dt in _KERNEL_DTYPES or dt in ROW_SCALED_DTYPES) and dt.isnative:
         return dt
-    raise TypeError(f"{name} must be a {_DTYPE_NAMES} (or int8) array in native byte order, "
+    raise TypeError(f"{name} must be a {_DTYPE_NAMES} (or int8, float8_e4m3fn) array in native byte order, "
                     f"got dtype {_dtype_name(dt)}")
 
 
 def check_cache_scales(k_scale, v_scale, cache_dtype: np.dtype, shape: tuple, writes: bool,
                        names=("k_scale", "v_scale")):
-    """The float32 (batch, kv_heads, capacity) row scales of an int8 cache; None for others."""
-    if cache_dtype != INT8:
+    """The float32 (batch, kv_heads, capacity) row scales of an int8 or float8_e4m3fn cache;
+    None for others."""
+    if cache_dtype not in ROW_SCALED_DTYPES:
         for name, a in zip(names, (k_scale, v_scale)):
             if a is not None:
-                raise ValueError(f"{name} is only for an int8 cache; the cache has dtype {cache_dtype}")
+                raise ValueError(f"{name} is only for an int8 cache (or a float8_e4m3fn one); "
+                                 f"the cache has dtype {cache_dtype}")
         return None, None
     for name, a in zip(names, (k_scale, v_scale)):
         if a is None:
-            raise ValueError(f"an int8 cache needs {names[0]} and {names[1]} (float32 arrays of "
+            raise ValueError(f"an {cache_dtype} cache needs {names[0]} and {names[1]} (float32 arrays of "
                              f"shape {shape}); {name} is None")
         if not isinstance(a, np.ndarray):
             raise TypeError(f"{name} must be a numpy.ndarray (it is read and written in place), "
@@ -518,6 +523,28 @@ def check_cache_scales(k_scale, v_scale, cache_dtype: np.dtype, shape: tuple, wr
     return k_scale, v_scale
 
 
+def check_key_rotation(key_rotation, cache_dtype: np.dtype, name: str = "key_rotation"):
+    """None or "hadamard" (attnfast._rotation), the latter for int8 / float8 caches only."""
+    if key_rotation is None:
+        return None
+    if not isinstance(key_rotation, str) or key_rotation != "hadamard":
+        raise ValueError(f"{name} must be None or \"hadamard\", got {key_rotation!r}")
+    if cache_dtype not in ROW_SCALED_DTYPES:
+        raise ValueError(f"{name}=\"hadamard\" is for int8 and float8_e4m3fn caches (it makes "
+                         f"their per-token scales robust to outlier channels); the cache has "
+                         f"dtype {cache_dtype}")
+    return key_rotation
+
+
+def default_key_rotation(key_rotation, cache_dtype: np.dtype):
+    """A cache's key_rotation argument: "auto" -> "hadamard" for int8 (measured: per-token
+    int8 keys lose 4x accuracy to outlier channels without it; float8 does not gain), else
+    None; otherwise checked as check_key_rotation."""
+    if isinstance(key_rotation, str) and key_rotation == "auto":
+        return "hadamard" if cache_dtype == INT8 else None
+    return check_key_rotation(key_rotation, cache_dtype)
+
+
 def check_cache_spec(batch, kv_heads, head_dim, capacity, dtype, v_head_dim):
     """KVCache(...) arguments -> (B, Hkv, D, capacity, dtype, Dv), all checked."""
     B = _positive_int(batch, "batch")
@@ -531,11 +558,13 @@ def check_cache_spec(batch, kv_heads, head_dim, capacity, dtype, v_head_dim):
                          f"v_head_dim={Dv}) is too large: {B * Hkv * C * max(D, Dv)} elements per "
                          "array")
     try:
-        dt = np.dtype(dtype)
+        dt = FLOAT8_E4M3 if isinstance(dtype, str) and dtype == "float8_e4m3fn" else np.dtype(dtype)
     except TypeError:
-        raise TypeError(f"dtype must be {_DTYPE_NAMES} or \"int8\", got {dtype!r}") from None
-    if dt not in _KERNEL_DTYPES and dt != INT8:
-        raise TypeError(f"dtype must be {_DTYPE_NAMES} or \"int8\", got {dt}")
+        raise TypeError(f"dtype must be {_DTYPE_NAMES}, \"int8\" or ml_dtypes.float8_e4m3fn, "
+                        f"got {dtype!r}") from None
+    if dt not in _KERNEL_DTYPES and dt not in ROW_SCALED_DTYPES:
+        raise TypeError(f"dtype must be {_DTYPE_NAMES}, \"int8\" or ml_dtypes.float8_e4m3fn, "
+                        f"got {dt}")
     return B, Hkv, D, C, dt, Dv
 
 
@@ -666,9 +695,9 @@ def check_new_tokens(k_new, v_new, *, batch, kv_heads, head_dim, head_dim_v, dty
     k_new = as_float_array(k_new, "k_new")
     v_new = as_float_array(v_new, "v_new")
     for name, a in (("k_new", k_new), ("v_new", v_new)):
-        if dtype == INT8:  # quantised on the way in
+        if dtype in ROW_SCALED_DTYPES:  # quantised on the way in
             if a.dtype not in (FLOAT32, FLOAT16, BFLOAT16):
-                raise TypeError(f"{name} for an int8 cache must be float32, float16 or bfloat16 "
+                raise TypeError(f"{name} for an {dtype} cache must be float32, float16 or bfloat16 "
                                 f"(quantised on append), got {a.dtype}")
         elif a.dtype != dtype and not (dtype in LOWP_DTYPES and a.dtype == FLOAT32):
             allowed = f"{dtype} or float32 (rounded to {dtype})" if dtype in LOWP_DTYPES else str(dtype)
@@ -914,7 +943,7 @@ def kvcache_plan(q, k_cache, v_cache, k_new, scale, window):
     """What a repeat call needs from a call the full path accepted: (new tokens, out shape,
     dtype, scale, window as checked, Tq, capacity); None for int8 caches (quantised on
     write) and unless the kernels took q and the caches as given."""
-    if (k_cache.dtype == INT8 or as_float_array(q, "q") is not q or kernel_ready(q) is not q
+    if (k_cache.dtype in ROW_SCALED_DTYPES or as_float_array(q, "q") is not q or kernel_ready(q) is not q
             or kernel_ready(k_cache) is not k_cache or kernel_ready(v_cache) is not v_cache):
         return None
     B, H, Tq, D = q.shape
@@ -964,7 +993,7 @@ def check_paged_pools(k_cache, v_cache, *, names=("k_cache", "v_cache")):
 def check_paged_scales(k_scale, v_scale, cache_dtype, pool_shape: tuple, writes: bool,
                        names=("k_scale", "v_scale")):
     """An int8 pool's float32 (num_blocks, kv_heads, block_size) row scales."""
-    if cache_dtype == INT8:
+    if cache_dtype in ROW_SCALED_DTYPES:
         for name, a in zip(names, (k_scale, v_scale)):
             if isinstance(a, np.ndarray) and a.ndim == 3 and a.shape[:2] == pool_shape[:2] \
                     and a.shape[2] != pool_shape[2]:

@@ -26,6 +26,7 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
         kF16
         kBF16
         kI8
+        kF8E4M3
 
     cdef struct AttentionParams:
         const void* q
@@ -68,7 +69,8 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
     void request_interrupt() noexcept nogil
     cbool take_interrupt() noexcept nogil
     int processor_count() noexcept nogil
-    void attention_forward(const AttentionParams&) except + nogil
+    # attention_forward, or quantized_cache_forward for a float8 cache
+    void attention_forward "attnfast::attention_forward_any"(const AttentionParams&) except + nogil
     void attention_forward_batch(const AttentionParams* params, int64_t count) except + nogil
     cdef struct CallPlan:
         const char* tier
@@ -82,7 +84,7 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
         cbool latent_kv
         int64_t rows_per_kv_read
         const char* regime
-    CallPlan plan_attention_core "attnfast::plan_attention"(const AttentionParams&) except + nogil
+    CallPlan plan_attention_core "attnfast::plan_attention_any"(const AttentionParams&) except + nogil
     cbool openmp_enabled() noexcept nogil
     int openmp_max_threads() noexcept nogil
     const char* openmp_runtime_name() noexcept nogil
@@ -166,6 +168,7 @@ import ml_dtypes
 import numpy as np
 
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+_FLOAT8_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
 cdef DType _dtype_code(cnp.ndarray a) except *:
@@ -180,6 +183,8 @@ cdef DType _dtype_code(cnp.ndarray a) except *:
         return DType.kI8
     if a.dtype == _BFLOAT16:
         return DType.kBF16
+    if a.dtype == _FLOAT8_E4M3:
+        return DType.kF8E4M3
     raise TypeError(f"attnfast._ext: unsupported dtype {a.dtype}")
 
 
@@ -303,7 +308,7 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
     softcap (0 = off), alibi (float32 (B, H), heads contiguous), sinks (float32 (H,),
     contiguous), mask (4-D (B, H, Tq, Tk) bool / float32 / float64 view, any strides):
     the score options, checked by attnfast._checks.ScoreOptions.
-    k_scale, v_scale: with an int8 k/v, float32 (B, Hkv, Tk) row scales (strides in whole
+    k_scale, v_scale: with an int8 or float8_e4m3fn k/v, float32 (B, Hkv, Tk) row scales (strides in whole
     elements; checked by attnfast._checks).
     interruptible: call from the main thread only, under Python's default SIGINT handler;
     Ctrl-C then stops the kernels early (out and lse unspecified) and raises

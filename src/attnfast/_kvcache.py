@@ -8,6 +8,7 @@ bandwidth-bound decode path for queries of up to 16 tokens.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -16,6 +17,8 @@ from . import _ext
 from ._api import kernels_interruptible, run_kernels
 from ._interop import accepts_arrays
 from ._checks import (
+    FLOAT8_E4M3,
+    ROW_SCALED_DTYPES,
     KVCACHE_PLANS,
     bound_window,
     fast_query_offset,
@@ -36,7 +39,10 @@ from ._checks import (
     check_out,
     check_tree_mask,
     check_truncate,
+    check_key_rotation,
+    default_key_rotation,
 )
+from ._rotation import hadamard_rotate, rotate_queries
 from ._shared_prefix import run_paged_kernels
 from ._tree import run_tree_kernels
 
@@ -56,6 +62,32 @@ def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         safe = np.where(finite & (scale > 0), scale, np.float32(1.0))
         values = np.rint(np.where(finite[..., None], x, 0) / safe[..., None])
     return np.clip(values, -127, 127).astype(np.int8), scale
+
+
+FLOAT8_E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def quantize_float8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float8_e4m3fn per row (last axis) with a float32 scale: scale = max|x| / 448, values
+    x / scale rounded to nearest even. Returns (float8_e4m3fn values, float32 scales of
+    x.shape[:-1]). As quantize_int8: an all-zero row has scale 0, a row holding NaN or inf a
+    NaN scale (and zero values), so it reads back as NaN."""
+    x = np.asarray(x, dtype=np.float32)
+    peak = np.max(np.abs(x), axis=-1, initial=0.0) if x.shape[-1] else np.zeros(x.shape[:-1], np.float32)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        scale = (peak / np.float32(FLOAT8_E4M3_MAX)).astype(np.float32)
+        finite = np.isfinite(scale)
+        scale = np.where(finite, scale, np.float32(np.nan)).astype(np.float32)
+        safe = np.where(finite & (scale > 0), scale, np.float32(1.0))
+        # |x / scale| <= 448 up to one float32 rounding: clip so it never rounds to NaN
+        values = np.clip(np.where(finite[..., None], x, 0) / safe[..., None],
+                         -FLOAT8_E4M3_MAX, FLOAT8_E4M3_MAX)
+    return values.astype(FLOAT8_E4M3), scale
+
+
+def quantize_rows(x: np.ndarray, cache_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """x quantised per row for a row-scaled cache format (int8 or float8_e4m3fn)."""
+    return quantize_float8(x) if cache_dtype == FLOAT8_E4M3 else quantize_int8(x)
 
 
 class Undo:
@@ -78,13 +110,16 @@ class Undo:
             array[index] = old
 
 
-def _stored_form(k_new, v_new, cache_dtype, int8: bool):
+def _stored_form(k_new, v_new, cache_dtype, row_scaled: bool, key_rotation=None):
     """k_new, v_new as the cache stores them, converted before anything is written:
-    (k, v, k row scales, v row scales), the scales None unless int8. Values beyond a 16-bit
-    dtype's range become +-inf, as the cast gives, with no overflow warning (README,
+    (k, v, k row scales, v row scales), the scales None unless int8 / float8. Values beyond
+    a 16-bit dtype's range become +-inf, as the cast gives, with no overflow warning (README,
     reliability rules): a warning turned into an error must not stop a write half-way."""
-    if int8:
-        (k_new, k_rows), (v_new, v_rows) = quantize_int8(k_new), quantize_int8(v_new)
+    if row_scaled:
+        if key_rotation == "hadamard":  # see attnfast._rotation
+            k_new = hadamard_rotate(k_new)
+        (k_new, k_rows) = quantize_rows(k_new, cache_dtype)
+        (v_new, v_rows) = quantize_rows(v_new, cache_dtype)
         return k_new, v_new, k_rows, v_rows
     if k_new.dtype != cache_dtype or v_new.dtype != cache_dtype:
         with np.errstate(over="ignore", invalid="ignore"):
@@ -93,12 +128,14 @@ def _stored_form(k_new, v_new, cache_dtype, int8: bool):
 
 
 def _write_tokens(k_cache, v_cache, seqs, starts, k_new, v_new, k_scale, v_scale,
-                  undo: Undo) -> None:
+                  undo: Undo, key_rotation=None) -> None:
     """k_cache[seqs[i], :, starts[i]:starts[i] + t] = k_new[i], and the same for v (rounded
     to a 16-bit cache's dtype, or quantised with its row scales into an int8 cache);
-    what it overwrites goes to `undo`. seqs, starts: lists of ints."""
+    what it overwrites goes to `undo`. seqs, starts: lists of ints. key_rotation: None or
+    "hadamard" (keys rotated before they are quantised; attnfast._rotation)."""
     t = k_new.shape[2]
-    k_new, v_new, k_rows, v_rows = _stored_form(k_new, v_new, k_cache.dtype, k_scale is not None)
+    k_new, v_new, k_rows, v_rows = _stored_form(k_new, v_new, k_cache.dtype, k_scale is not None,
+                                                key_rotation)
     for i, (b, s) in enumerate(zip(seqs, starts)):
         rows = (b, slice(None), slice(s, s + t))
         undo.write(k_cache, rows, k_new[i])
@@ -109,12 +146,13 @@ def _write_tokens(k_cache, v_cache, seqs, starts, k_new, v_new, k_scale, v_scale
 
 
 def _write_paged_tokens(k_pool, v_pool, table, starts, k_new, v_new, k_scale, v_scale,
-                        undo: Undo) -> None:
+                        undo: Undo, key_rotation=None) -> None:
     """The paged form of _write_tokens: token starts[i] + u of sequence i goes to row
     (starts[i] + u) % block_size of block table[i, (starts[i] + u) // block_size]."""
     t = k_new.shape[2]
     bs = k_pool.shape[2]
-    k_new, v_new, k_rows, v_rows = _stored_form(k_new, v_new, k_pool.dtype, k_scale is not None)
+    k_new, v_new, k_rows, v_rows = _stored_form(k_new, v_new, k_pool.dtype, k_scale is not None,
+                                                key_rotation)
     for i, s in enumerate(starts.tolist()):
         pos = np.arange(s, s + t)
         rows = (table[i, pos // bs], slice(None), pos % bs)
@@ -131,7 +169,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
                            causal=True, scale=None, window=None, softcap=None,
                            alibi_slopes=None, sinks=None, mask=None, return_lse=False,
                            out=None, num_threads=None, query_offset=None, k_scale=None,
-                           v_scale=None, block_table=None, tree_mask=None):
+                           v_scale=None, block_table=None, tree_mask=None, key_rotation=None):
     """Attention of new queries over a KV cache held in caller-owned arrays.
 
     flash-attn's ``flash_attn_with_kvcache`` in PyTorch SDPA's layout. For each sequence b,
@@ -161,7 +199,15 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     k_scale, v_scale : float32 arrays (B, Hkv, capacity), int8 caches only (required there)
         Row j of sequence b, head g stands for ``k_scale[b, g, j] * k_cache[b, g, j]``
         (symmetric: scale = max|x| / 127). The new tokens' scales are written in place.
-        With block_table: (num_blocks, Hkv, block_size), paged like the caches.
+        With block_table: (num_blocks, Hkv, block_size), paged like the caches. A
+        float8_e4m3fn cache (``ml_dtypes.float8_e4m3fn``) has the same scales (scale =
+        max|x| / 448).
+    key_rotation : None or "hadamard", default None
+        int8 / float8 caches: "hadamard" says the cached keys are stored rotated by the
+        orthonormal block Hadamard matrix along D (docs: KV-cache formats): new keys are
+        rotated before they are quantised and q is rotated the same way before the kernel
+        reads it (q . k is unchanged). :class:`attnfast.KVCache` (dtype="int8") stores its
+        keys so and passes it; None (the default here) reads the keys as given.
     block_table : int32 or int64 array (B, max_blocks), optional
         A paged cache (vLLM's paged attention, flash-attn's ``block_table``): ``k_cache`` is
         then a pool (num_blocks, Hkv, block_size, D) and ``v_cache`` (num_blocks, Hkv,
@@ -213,7 +259,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     key = None
     if (softcap is None and alibi_slopes is None and sinks is None and mask is None
             and return_lse is False and out is None and k_scale is None and v_scale is None
-            and block_table is None and tree_mask is None):
+            and block_table is None and tree_mask is None and key_rotation is None):
         key = kvcache_key(q, k_cache, v_cache, seqlens_key(cache_seqlens), k_new, v_new,
                           causal, scale, window)
         plan = KVCACHE_PLANS.get(key) if key is not None else None
@@ -229,21 +275,22 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
                                 alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
                                 return_lse=return_lse, out=out, num_threads=num_threads,
                                 query_offset=query_offset, k_scale=k_scale, v_scale=v_scale,
-                                tree_mask=tree_mask)
+                                tree_mask=tree_mask, key_rotation=key_rotation)
     call = check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                    causal=causal, scale=scale, window=window,
                                    num_threads=num_threads, k_scale=k_scale, v_scale=v_scale,
                                    query_offset=query_offset, softcap=softcap,
                                    alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
+    rotation = check_key_rotation(key_rotation, k_cache.dtype)
     user_out = check_out(out, call.attn.out_shape(), call.attn.dtype, _read_and_written(call))
     tree = check_tree_mask(tree_mask, call)
     undo = Undo()
     try:
         if call.new_tokens:
             _write_tokens(k_cache, v_cache, range(call.attn.batch), call.starts.tolist(),
-                          call.k_new, call.v_new, call.k_scale, call.v_scale, undo)
+                          call.k_new, call.v_new, call.k_scale, call.v_scale, undo, rotation)
         parts = [(slice(None), k_cache, v_cache, call.seqlens_after, call.k_scale, call.v_scale)]
-        result = run_cache_kernels(call, user_out, return_lse, parts, tree)
+        result = run_cache_kernels(call, user_out, return_lse, parts, tree, rotation)
     except BaseException:  # the call did not happen: the caches as they were
         undo.restore()
         raise
@@ -299,10 +346,13 @@ def _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal
     return out
 
 
-def run_cache_kernels(call, user_out, return_lse, parts, tree=None):
+def run_cache_kernels(call, user_out, return_lse, parts, tree=None, key_rotation=None):
     """run_kernels for a checked cache call (KVCacheCall): composed from several calls for
     a tree mask (attnfast._tree) or, over a paged pool, for sequences sharing leading blocks
-    (attnfast._shared_prefix); one call otherwise."""
+    (attnfast._shared_prefix); one call otherwise. With key_rotation ("hadamard": the
+    cached keys are rotated) q is rotated the same way first."""
+    if key_rotation == "hadamard":
+        call.attn = dataclasses.replace(call.attn, q=rotate_queries(call.attn.q))
     if tree is not None:
         return run_tree_kernels(call.attn, user_out, return_lse, parts, tree)
     if call.block_table is not None and len(parts) == 1:
@@ -312,20 +362,21 @@ def run_cache_kernels(call, user_out, return_lse, parts, tree=None):
 
 
 def _paged_attention(q, k_pool, v_pool, cache_seqlens, k_new, v_new, block_table, *,
-                     return_lse, out, tree_mask=None, **options):
+                     return_lse, out, tree_mask=None, key_rotation=None, **options):
     """attention_with_kvcache with a block table (arguments as there, return_lse checked)."""
     call = check_paged_kvcache_attention(q, k_pool, v_pool, cache_seqlens, k_new, v_new,
                                          block_table, **options)
+    rotation = check_key_rotation(key_rotation, k_pool.dtype)
     user_out = check_out(out, call.attn.out_shape(), call.attn.dtype, _read_and_written(call))
     tree = check_tree_mask(tree_mask, call)
     undo = Undo()
     try:
         if call.new_tokens:
             _write_paged_tokens(k_pool, v_pool, call.block_table, call.starts, call.k_new,
-                                call.v_new, call.k_scale, call.v_scale, undo)
+                                call.v_new, call.k_scale, call.v_scale, undo, rotation)
         parts = [(slice(None), k_pool, v_pool, call.seqlens_after, call.k_scale, call.v_scale,
                   call.block_table)]
-        return run_cache_kernels(call, user_out, return_lse, parts, tree)
+        return run_cache_kernels(call, user_out, return_lse, parts, tree, rotation)
     except BaseException:  # the call did not happen: the pools as they were
         undo.restore()
         raise
@@ -364,17 +415,18 @@ class KVCache:
     """
 
     def __init__(self, batch, kv_heads, head_dim, capacity, *, dtype=np.float32,
-                 v_head_dim=None, latent=False):
+                 v_head_dim=None, latent=False, key_rotation="auto"):
         B, Hkv, D, C, dt, Dv = check_cache_spec(batch, kv_heads, head_dim, capacity, dtype,
                                                 v_head_dim)
         self._latent = check_latent_spec(latent, D, Dv, dt)
+        self._key_rotation = default_key_rotation(key_rotation, dt)
         self._k = np.zeros((B, Hkv, C, D), dtype=dt)
         # latent (MLA): one row per token; the values are its first Dv elements (a view)
         self._v = self._k[..., :Dv] if self._latent else np.zeros((B, Hkv, C, Dv), dtype=dt)
-        # int8 storage: one float32 dequantisation scale per (sequence, kv head, token)
-        int8 = dt == np.int8
-        self._k_scale = np.zeros((B, Hkv, C), np.float32) if int8 else None
-        self._v_scale = np.zeros((B, Hkv, C), np.float32) if int8 else None
+        # int8 / float8 storage: one float32 dequantisation scale per (sequence, kv head, token)
+        scaled = dt in ROW_SCALED_DTYPES
+        self._k_scale = np.zeros((B, Hkv, C), np.float32) if scaled else None
+        self._v_scale = np.zeros((B, Hkv, C), np.float32) if scaled else None
         self._lengths = np.zeros(B, dtype=np.int64)
         self._lock = threading.Lock()  # held by every method for its whole call
 
@@ -399,6 +451,13 @@ class KVCache:
     def v_scale(self) -> np.ndarray | None:
         """int8 caches: the value rows' scales, as k_scale."""
         return self._v_scale
+
+    @property
+    def key_rotation(self) -> str | None:
+        """How the keys are stored: "hadamard" (rotated by the orthonormal block Hadamard
+        matrix along head_dim before quantisation; the default for int8 caches) or None
+        (as given). Queries are rotated the same way, so results do not change."""
+        return self._key_rotation
 
     @property
     def lengths(self) -> np.ndarray:
@@ -453,7 +512,7 @@ class KVCache:
         undo = Undo()
         try:
             _write_tokens(self._k, self._v, seqs.tolist(), self._lengths[seqs].tolist(), k_new,
-                          v_new, self._k_scale, self._v_scale, undo)
+                          v_new, self._k_scale, self._v_scale, undo, self._key_rotation)
         except BaseException:  # the call did not happen: the cache as it was
             undo.restore()
             raise
@@ -651,14 +710,14 @@ class KVCache:
         try:
             if call.new_tokens:
                 _write_tokens(self._k, self._v, seqs.tolist(), call.starts.tolist(), call.k_new,
-                              call.v_new, self._k_scale, self._v_scale, undo)
+                              call.v_new, self._k_scale, self._v_scale, undo, self._key_rotation)
             self._lengths[seqs] = call.seqlens_after
             int8 = self._k_scale is not None
             parts = [(rows, self._k[cache_rows], self._v[cache_rows], self._lengths[cache_rows],
                       self._k_scale[cache_rows] if int8 else None,
                       self._v_scale[cache_rows] if int8 else None)
                      for rows, cache_rows in self._views(seqs)]
-            return run_cache_kernels(call, user_out, return_lse, parts, tree)
+            return run_cache_kernels(call, user_out, return_lse, parts, tree, self._key_rotation)
         except BaseException:  # KeyboardInterrupt: the step did not happen
             undo.restore()
             self._lengths[seqs] = call.starts

@@ -15,6 +15,8 @@ from contextlib import contextmanager
 import numpy as np
 
 from ._checks import (
+    ROW_SCALED_DTYPES,
+    default_key_rotation,
     check_flag,
     check_free_blocks,
     check_new_tokens,
@@ -76,9 +78,10 @@ class PagedKVCache:
     """
 
     def __init__(self, num_blocks, block_size, kv_heads, head_dim, *, dtype=np.float32,
-                 v_head_dim=None):
+                 v_head_dim=None, key_rotation="auto"):
         NB, BS, Hkv, D, dt, Dv = check_paged_spec(num_blocks, block_size, kv_heads, head_dim,
                                                   dtype, v_head_dim)
+        self._key_rotation = default_key_rotation(key_rotation, dt)
         # Stored KV-head-major, (Hkv, num_blocks, block_size, D), and exposed as the
         # (num_blocks, Hkv, block_size, D) view the kernels take: a KV head's rows of blocks
         # with consecutive ids are then adjacent in memory, so a sequence whose blocks were
@@ -86,9 +89,9 @@ class PagedKVCache:
         # see README, Paged KV cache).
         self._k = np.zeros((Hkv, NB, BS, D), dtype=dt).transpose(1, 0, 2, 3)
         self._v = np.zeros((Hkv, NB, BS, Dv), dtype=dt).transpose(1, 0, 2, 3)
-        int8 = dt == np.int8  # one float32 scale per (block, kv head, row)
-        self._k_scale = np.zeros((Hkv, NB, BS), np.float32).transpose(1, 0, 2) if int8 else None
-        self._v_scale = np.zeros((Hkv, NB, BS), np.float32).transpose(1, 0, 2) if int8 else None
+        scaled = dt in ROW_SCALED_DTYPES  # int8 / float8: one float32 scale per (block, kv head, row)
+        self._k_scale = np.zeros((Hkv, NB, BS), np.float32).transpose(1, 0, 2) if scaled else None
+        self._v_scale = np.zeros((Hkv, NB, BS), np.float32).transpose(1, 0, 2) if scaled else None
         self._refs = np.zeros(NB, dtype=np.int64)     # sequences holding each block
         self._free = list(range(NB - 1, -1, -1))      # a stack: the lowest id is taken first
         self._seqs: dict[int, _Sequence] = {}
@@ -116,6 +119,11 @@ class PagedKVCache:
     def v_scale(self) -> np.ndarray | None:
         """int8 pools: the value rows' scales, as k_scale."""
         return self._v_scale
+
+    @property
+    def key_rotation(self) -> str | None:
+        """As :attr:`attnfast.KVCache.key_rotation` ("hadamard" by default for int8)."""
+        return self._key_rotation
 
     num_blocks = property(lambda self: self._k.shape[0], doc="Blocks in the pool.")
     block_size = property(lambda self: self._k.shape[2], doc="Tokens per block.")
@@ -229,7 +237,7 @@ class PagedKVCache:
                 self._commit(ids, plan, undo)
                 table = self._table([self._seqs[s].blocks for s in ids])
                 _write_paged_tokens(self._k, self._v, table, starts, k_new, v_new,
-                                    self._k_scale, self._v_scale, undo)
+                                    self._k_scale, self._v_scale, undo, self._key_rotation)
                 for s in ids:
                     self._seqs[s].length += t
 
@@ -385,12 +393,14 @@ class PagedKVCache:
             self._commit(ids, plan, undo)  # the blocks of `table`, now taken
             if call.new_tokens:
                 _write_paged_tokens(self._k, self._v, call.block_table, call.starts, call.k_new,
-                                    call.v_new, self._k_scale, self._v_scale, undo)
+                                    call.v_new, self._k_scale, self._v_scale, undo,
+                                    self._key_rotation)
             for s, n in zip(ids, call.seqlens_after.tolist()):
                 self._seqs[s].length = n
             parts = [(slice(None), self._k, self._v, call.seqlens_after, self._k_scale,
                       self._v_scale, call.block_table)]
-            result = run_cache_kernels(call, user_out, return_lse, parts, tree)
+            result = run_cache_kernels(call, user_out, return_lse, parts, tree,
+                                       self._key_rotation)
         if squeeze:
             return (result[0][0], result[1][0]) if return_lse else result[0]
         return result

@@ -23,7 +23,7 @@ import numpy as np
 from ._api import merge_attention_states
 from ._checks import (
     FLOAT64,
-    INT8,
+    ROW_SCALED_DTYPES,
     LOWP_DTYPES,
     _positive_int,
     check_batch_index,
@@ -464,7 +464,7 @@ class ShardedKVCache:
         k = st(self._k_one, shape + (self._head_dim,), (0, 0, 0, 0))
         v = st(self._v_one, shape + (self._v_head_dim,), (0, 0, 0, 0))
         s = ((st(self._s_one[:1], shape, (0, 0, 0)), st(self._s_one[1:], shape, (0, 0, 0)))
-             if self._dtype == INT8 else (None, None))
+             if self._dtype in ROW_SCALED_DTYPES else (None, None))
         return k, v, s
 
     def _run(self, q, k_new, v_new, *, layer, batch_index, causal, scale, window, softcap,

@@ -124,12 +124,32 @@ struct I8 {  // an int8 cache value (the row's float32 scale is kept beside it)
     explicit I8(double x) : value(std::isnan(x) ? 0 : static_cast<int8_t>(std::lround(std::max(-127.0, std::min(127.0, x))))) {}
     explicit operator double() const { return value; }
 };
+struct F8 {  // a float8 e4m3fn cache value (the row's float32 scale is kept beside it)
+    uint8_t bits;
+    F8() = default;
+    static double decode(uint8_t b) {  // exact: 2^(e-7) 1.m, 2^-6 0.m for e = 0; S.1111.111 NaN
+        if ((b & 0x7F) == 0x7F) return kNaN;
+        const int e = (b >> 3) & 15, m = b & 7;
+        const double v = e == 0 ? std::ldexp(m, -9) : std::ldexp(8 + m, e - 10);
+        return b & 0x80 ? -v : v;
+    }
+    explicit F8(double x) : bits(0x7F) {  // the nearest finite value (NaN stays NaN)
+        if (std::isnan(x)) return;
+        double best = kInf;
+        for (int b = 0; b < 256; ++b) {
+            const double d = std::fabs(decode(static_cast<uint8_t>(b)) - x);
+            if (d < best) best = d, bits = static_cast<uint8_t>(b);
+        }
+    }
+    explicit operator double() const { return decode(bits); }
+};
 template <class T> attnfast::DType dtype_of();
 template <> attnfast::DType dtype_of<float>() { return attnfast::DType::kF32; }
 template <> attnfast::DType dtype_of<double>() { return attnfast::DType::kF64; }
 template <> attnfast::DType dtype_of<Bf16>() { return attnfast::DType::kBF16; }
 template <> attnfast::DType dtype_of<F16>() { return attnfast::DType::kF16; }
 template <> attnfast::DType dtype_of<I8>() { return attnfast::DType::kI8; }
+template <> attnfast::DType dtype_of<F8>() { return attnfast::DType::kF8E4M3; }
 // Relative error the output's rounding to T adds (beyond the float32 arithmetic's).
 template <class T> double rounding_of() { return 0; }
 template <> double rounding_of<Bf16>() { return 4e-3; }  // half an ulp: 2^-9
@@ -215,7 +235,9 @@ bool g_bf16_rounds_p = false;
 template <class T, class TKV = T>
 bool run_case(const Case& c, uint64_t seed, const char* dtype) {
     using A = typename std::conditional<std::is_same<T, double>::value, double, float>::type;
-    constexpr bool kInt8 = std::is_same<TKV, I8>::value;
+    // int8 or float8: K/V rows with float32 scales, stored values spanning +-kStoredMax
+    constexpr bool kInt8 = std::is_same<TKV, I8>::value || std::is_same<TKV, F8>::value;
+    const double kStoredMax = std::is_same<TKV, F8>::value ? 448.0 : 127.0;
     const double tol = sizeof(A) == 4 ? 2e-5 : 1e-12;
     const double out_rel = tol + rounding_of<T>();  // relative tolerance of out
     const double out_abs = tol + (std::is_same<T, Bf16>::value && std::is_same<TKV, Bf16>::value && g_bf16_rounds_p
@@ -230,7 +252,7 @@ bool run_case(const Case& c, uint64_t seed, const char* dtype) {
     std::vector<float> vs(ks.size(), static_cast<float>(kNaN));
     auto k_scale = [&](int64_t b, int64_t g, int64_t j) { return kInt8 ? static_cast<double>(ks[(b * c.Hkv + g) * c.Tk + j]) : 1.0; };
     auto v_scale = [&](int64_t b, int64_t g, int64_t j) { return kInt8 ? static_cast<double>(vs[(b * c.Hkv + g) * c.Tk + j]) : 1.0; };
-    const double k_amp = kInt8 ? 127.0 : c.amp, v_amp = kInt8 ? 127.0 : 1.0;
+    const double k_amp = kInt8 ? kStoredMax : c.amp, v_amp = kInt8 ? kStoredMax : 1.0;
     std::vector<int64_t> lens(static_cast<size_t>(c.B), c.Tk);
     if (c.seqlens)  // lengths down to 0 (a batch entry that sees nothing)
         for (int64_t b = 0; b < c.B; ++b) lens[b] = b == 0 ? c.Tk : (b == 1 ? c.Tk / 2 + 1 : (b == 2 ? 0 : std::max<int64_t>(0, c.Tk - b)));
@@ -245,8 +267,8 @@ bool run_case(const Case& c, uint64_t seed, const char* dtype) {
                 for (int64_t d = 0; d < c.D; ++d) k.at(b, h, t, d) = static_cast<TKV>(rng.next(k_amp));
                 for (int64_t d = 0; d < c.Dv; ++d) v.at(b, h, t, d) = static_cast<TKV>(rng.next(v_amp));
                 if (kInt8) {
-                    ks[(b * c.Hkv + h) * c.Tk + t] = static_cast<float>(c.amp / 127.0 * (0.75 + 0.25 * rng.next(1.0)));
-                    vs[(b * c.Hkv + h) * c.Tk + t] = static_cast<float>(1.0 / 127.0 * (0.75 + 0.25 * rng.next(1.0)));
+                    ks[(b * c.Hkv + h) * c.Tk + t] = static_cast<float>(c.amp / kStoredMax * (0.75 + 0.25 * rng.next(1.0)));
+                    vs[(b * c.Hkv + h) * c.Tk + t] = static_cast<float>(1.0 / kStoredMax * (0.75 + 0.25 * rng.next(1.0)));
                 }
             }
     // NaN cases: one q row (batch 0, head H-1, a late row) or one key (batch 0, kv head 0,
@@ -328,9 +350,9 @@ bool run_case(const Case& c, uint64_t seed, const char* dtype) {
     const std::string what = describe(c, dtype);
     try {
         p.out = out1.data.data(), p.lse = lse1.data(), p.num_threads = 1;
-        attnfast::attention_forward(p);
+        attnfast::attention_forward_any(p);  // (float8: quantized_cache_forward)
         p.out = out3.data.data(), p.lse = lse3.data(), p.num_threads = 3;
-        attnfast::attention_forward(p);
+        attnfast::attention_forward_any(p);
     } catch (const std::exception& e) {
         std::printf("  FAIL %s: attention_forward threw: %s\n", what.c_str(), e.what());
         return false;
@@ -388,7 +410,7 @@ bool run_case(const Case& c, uint64_t seed, const char* dtype) {
         std::vector<A> lsep(lse1.size(), static_cast<A>(sentinel));
         pp.out = outp.data.data(), pp.lse = lsep.data(), pp.num_threads = 3;
         try {
-            attnfast::attention_forward(pp);
+            attnfast::attention_forward_any(pp);
         } catch (const std::exception& e) {
             std::printf("  FAIL %s: paged attention_forward threw: %s\n", what.c_str(), e.what());
             return false;
@@ -589,6 +611,9 @@ long run_dtypes(const Case& c, uint64_t& seed, long& checks) {
     run(run_case<float, I8>(c, seed++, "f32/i8"));
     run(run_case<Bf16, I8>(c, seed++, "bf16/i8"));
     run(run_case<F16, I8>(c, seed++, "f16/i8"));
+    run(run_case<float, F8>(c, seed++, "f32/f8"));
+    run(run_case<Bf16, F8>(c, seed++, "bf16/f8"));
+    run(run_case<F16, F8>(c, seed++, "f16/f8"));
     return failed;
 }
 
@@ -709,6 +734,9 @@ long check_read_probe() {
 
 int main(int argc, char** argv) {
     const bool nan_only = argc > 1 && std::strcmp(argv[1], "--nan") == 0;
+    // int8 caches through the exact widening path: this test's tolerance is float32 rounding
+    // (the avx512bf16 tier's vpdpbusd path rounds q to int8: tests/test_lowbit.py checks it)
+    setenv("ATTNFAST_INT8_DOT", "widen", 1);
     g_cases = accuracy_cases();
     if (argc > 2 && std::strcmp(argv[1], "--random") == 0)
         g_cases = random_cases(std::atoi(argv[2]), argc > 3 ? std::strtoull(argv[3], nullptr, 10) : 12345);

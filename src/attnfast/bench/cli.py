@@ -27,7 +27,7 @@ from .costs import attention_flops, kv_bytes_per_token
 from .limits import (MIB, SETTLE_S, available_cpus, blas_description, busy_warning, cpu_flags,
                      cpu_name, last_level_cache_bytes, load_average, measure_gemm,
                      measure_read_bandwidth)
-from .options import parse_dtypes, parse_heads, parse_int_list
+from .options import CACHE_ONLY_DTYPES, parse_dtypes, parse_heads, parse_int_list
 from .plot import bench_plot
 from .report import bench_report, fmt_len, write_json
 from .timing import (DecodeBench, Progress, Threads, activation_dtype, linear_fit, median,
@@ -59,9 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1, help="batch size B (default 1)")
     p.add_argument("--dtype", type=parse_dtypes, default=[np.dtype(np.float32)],
                    help="KV cache dtypes, a comma list of float32 (default), float64, float16, "
-                        "bfloat16, int8: decode table and linear fit per dtype (GB/s from the "
-                        "bytes read, int8 scales included); prefill, (c) run in the first "
-                        "non-int8 one")
+                        "bfloat16, int8, float8_e4m3fn: decode table and linear fit per dtype (GB/s from the "
+                        "bytes read, int8 / float8 scales included); prefill, (c) run in the "
+                        "first dtype that is not a cache-only one")
     p.add_argument("--tokens", type=int, default=32, help="tokens generated in (c) (default 32)")
     p.add_argument("--prompt", type=int, default=1024,
                    help="prompt length before generating in (c) (default 1024)")
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
 
     dtypes = args.dtype
     # prefill, recompute and generation run in the first dtype that is not a cache-only one
-    dtype = next((dt for dt in dtypes if dt != np.int8), np.dtype(np.float32))
+    dtype = next((dt for dt in dtypes if dt.name not in CACHE_ONLY_DTYPES), np.dtype(np.float32))
     try:  # a dtype the kernels do not take fails here, with attnfast's own message
         for dt in dtypes:
             tiny = af.KVCache(1, 1, args.head_dim, 2, dtype=dt)

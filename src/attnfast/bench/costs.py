@@ -36,5 +36,5 @@ def decode_bytes(b: int, hkv: int, length: int, d: int, dv: int, itemsize: int) 
 def kv_bytes_per_token(kv_heads: int, d: int, dv: int, dt: np.dtype) -> int:
     """Bytes of K and V one cached token holds over all KV heads (int8: plus its 2 float32
     scales per KV head)."""
-    scales = 2 * 4 if dt == np.int8 else 0
+    scales = 2 * 4 if dt.name in ("int8", "float8_e4m3fn") else 0
     return kv_heads * ((d + dv) * dt.itemsize + scales)

@@ -7,7 +7,9 @@ import numpy as np
 
 __all__ = ["KV_DTYPES", "parse_int_list", "parse_heads", "parse_dtype", "parse_dtypes"]
 
-KV_DTYPES = ("float32", "float64", "float16", "bfloat16", "int8")
+KV_DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "float8_e4m3fn")
+# KV-cache-only storage formats (queries and new tokens are float32 for them)
+CACHE_ONLY_DTYPES = ("int8", "float8_e4m3fn")
 
 
 def parse_int_list(text: str, name: str) -> list[int]:
@@ -54,6 +56,9 @@ def parse_heads(text: str) -> tuple[int, int]:
 
 def parse_dtype(text: str) -> np.dtype:
     """A NumPy dtype from its name; ``bfloat16`` is ml_dtypes'."""
+    if text == "float8_e4m3fn":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.float8_e4m3fn)
     if text == "bfloat16":
         try:
             import ml_dtypes
