@@ -389,6 +389,20 @@ def test_ctrl_c_during_kvcache_step_restores_the_lengths(parent_sigint):
     assert line[0].endswith("[8] [8]"), f"lengths not restored: {line[0]}"
 
 
+def test_ctrl_c_stops_a_ragged_paged_batch_within_two_seconds(parent_sigint):
+    """attention_varlen(block_table=) runs every sequence in one kernel call: Ctrl-C stops it
+    as it stops one attention call."""
+    setup = ("pool = q[0].reshape(8, 1024, 16, 64).transpose(1, 0, 2, 3).copy()  # 1024 blocks of 16\n"
+             "table = np.arange(1024, dtype=np.int32).reshape(1, 1024)\n"
+             "qp = np.ascontiguousarray(q[0].transpose(1, 0, 2))  # (16384, 8, 64): one long chunk\n"
+             "cu = np.array([0, 16384], np.int32); used = np.array([16384], np.int32)")
+    elapsed, rc, out, err = _interrupt(setup, "af.attention_varlen(qp, pool, pool, cu, seqused_k=used, "
+                                              "block_table=table)")
+    assert "FINISHED" not in out, "the batch is not long enough for this test"
+    assert elapsed is not None, "still computing 2.5 s after SIGINT (the signal waits for the call)"
+    assert "KeyboardInterrupt" in err and rc != 0
+
+
 def test_an_ignored_or_custom_sigint_never_cuts_a_call_short():
     """With SIGINT ignored (a background job) or a handler of the caller's own, a signal
     during a call leaves the result whole: the kernels are only interruptible under Python's

@@ -122,8 +122,9 @@ cdef void _on_sigint(int signum) noexcept nogil:
     request_interrupt()
 
 
-cdef void _run_interruptible(AttentionParams* p) except *:
-    """attention_forward(p) with Ctrl-C turned into a stop request for the kernels.
+cdef void _run_interruptible(AttentionParams* p, int64_t count=-1) except *:
+    """attention_forward(p[0]) (count < 0), or attention_forward_batch(p, count), with Ctrl-C
+    turned into a stop request for the kernels.
 
     While the kernels run (GIL released) SIGINT only sets the core's interrupt flag; the
     previous handler is then restored and, if SIGINT came, handed the signal (Python's
@@ -131,22 +132,24 @@ cdef void _run_interruptible(AttentionParams* p) except *:
     receives Python's signals.
     """
     cdef sigaction_t ours, previous
+    cdef int64_t i
     memset(&ours, 0, sizeof(ours))
     ours.sa_handler = _on_sigint
     sigemptyset(&ours.sa_mask)
     take_interrupt()  # drop a request left over from an earlier call
-    p.interruptible = True
-    if sigaction(SIGINT, &ours, &previous) != 0:  # cannot install: run uninterruptible
-        p.interruptible = False
-        with nogil:
-            attention_forward(p[0])
-        return
+    cdef bint installed = sigaction(SIGINT, &ours, &previous) == 0
+    for i in range(count if count > 0 else 1):  # cannot install: run uninterruptible
+        p[i].interruptible = installed
     try:
         with nogil:
-            attention_forward(p[0])
+            if count < 0:
+                attention_forward(p[0])
+            else:
+                attention_forward_batch(p, count)
     finally:
-        sigaction(SIGINT, &previous, NULL)
-    if take_interrupt():
+        if installed:
+            sigaction(SIGINT, &previous, NULL)
+    if installed and take_interrupt():
         PyErr_SetInterrupt()
         PyErr_CheckSignals()
         # The kernels stopped early: never return their partial output as a result.
@@ -337,14 +340,15 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
             attention_forward(p)
 
 
-def run_attention_batch(list calls):
+def run_attention_batch(list calls, *, bint interruptible=False):
     """Run several problems in one kernel call (attnfast.attention_varlen's ragged batch over
     a paged pool: one problem per sequence), on one schedule over all their tasks.
 
     calls: a list of (q, k, v, out, lse, keywords), each as one run_attention call (keywords:
     run_attention's, less interruptible and backward; every problem takes the first one's
     num_threads). Each problem's out / lse are bit-identical to its own run_attention call.
-    The arrays must stay alive for the call (the list holds them). Not interruptible.
+    The arrays must stay alive for the call (the list holds them). interruptible: as for
+    run_attention (main thread only, under Python's default SIGINT handler).
     """
     cdef vector[AttentionParams] params
     cdef Py_ssize_t i
@@ -356,8 +360,13 @@ def run_attention_batch(list calls):
                      kw["window_right"], kw["num_threads"], kw.get("seqlens_k"), kw.get("k_scale"),
                      kw.get("v_scale"), kw.get("query_offset"), kw.get("softcap", 0.0),
                      kw.get("alibi"), kw.get("sinks"), kw.get("mask"), kw.get("block_table"))
-    with nogil:
-        attention_forward_batch(params.data(), <int64_t> params.size())
+    if params.size() == 0:
+        return
+    if interruptible:
+        _run_interruptible(params.data(), <int64_t> params.size())
+    else:
+        with nogil:
+            attention_forward_batch(params.data(), <int64_t> params.size())
 
 
 def plan_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, *, bint causal, double scale,

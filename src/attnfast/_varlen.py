@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _ext
-from ._api import attention, kernel_call
+from ._api import attention, kernel_call, kernels_interruptible
 from ._interop import accepts_arrays
 from ._checks import (as_float_array, check_block_table, check_cu_seqlens, check_flag, check_out,
                       check_paged_kvcache_attention, check_paged_pools, check_varlen_slopes,
@@ -218,7 +218,7 @@ def _paged_varlen(q, k_pool, v_pool, cu_seqlens_q, cu_seqlens_k, seqused_k, bloc
     for q0, q1, _, ((qb, kb, vb), kw) in problems:
         calls.append((qb, kb, vb, target[q0:q1].transpose(1, 0, 2)[None],
                       None if lse is None else lse[:, q0:q1][None], kw))
-    _ext.run_attention_batch(calls)
+    _ext.run_attention_batch(calls, interruptible=kernels_interruptible())
     if target is not result:
         np.copyto(result, target)
     return (result, lse) if return_lse else result
