@@ -457,3 +457,6 @@ def read_bytes(const unsigned char[::1] buffer, int num_threads):
     with nogil:
         folded = read_probe(&buffer[0] if buffer.shape[0] else NULL, buffer.shape[0], num_threads)
     return folded
+
+
+include "_torch_views.pxi"

@@ -20,6 +20,8 @@ import sys
 import ml_dtypes
 import numpy as np
 
+from ._ext import register_torch, tensor_view
+
 __all__ = ["accepts_arrays", "to_numpy", "wrap_like", "is_torch"]
 
 
@@ -35,7 +37,9 @@ def is_torch(x) -> bool:
         known = _IS_TORCH[t] = any(c.__module__.split(".", 1)[0] == "torch" and
                                    c.__name__ in ("Tensor", "Parameter") for c in t.__mro__)
         if known:
-            _TORCH_BFLOAT16[0] = sys.modules["torch"].bfloat16
+            torch = sys.modules["torch"]
+            _TORCH_BFLOAT16[0] = torch.bfloat16
+            register_torch(torch.Tensor, torch.strided)  # attnfast._ext.tensor_view reads them
     return known
 
 
@@ -52,6 +56,9 @@ def to_numpy(x, name: str):
     if x is None or isinstance(x, np.ndarray):
         return x
     if is_torch(x):
+        view = tensor_view(x)  # a plain dense CPU tensor: one C call (else None)
+        if view is not None:
+            return view
         import torch
         # The common case first: x.numpy() itself refuses tensors on another device, sparse
         # tensors, conjugate or negative bits and dtypes NumPy lacks; the checks below then
@@ -175,12 +182,8 @@ _PLAIN = _SCALARS | {np.ndarray, type(None)}
 def _convert(a, name):
     """(converted argument, the first torch tensor in it or None)."""
     if is_torch(a):
-        if not a.requires_grad and a.dtype is not _TORCH_BFLOAT16[0]:
-            try:  # to_numpy's common case, inline (one call per tensor less)
-                return a.numpy(), a
-            except (TypeError, RuntimeError):
-                pass
-        return to_numpy(a, name), a
+        view = tensor_view(a)  # to_numpy's common case, inline (one call per tensor less)
+        return (view if view is not None else to_numpy(a, name)), a
     if a is None or isinstance(a, (np.ndarray, bool, int, float, str)):
         return a, None
     if isinstance(a, (list, tuple)) and any(is_torch(x) or hasattr(x, "__dlpack__") for x in a):

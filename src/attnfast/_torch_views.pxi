@@ -1,0 +1,156 @@
+# Included by _ext.pyx: torch tensors seen as NumPy arrays without a Python-level conversion.
+#
+# ``tensor.numpy()`` costs ~1 us per tensor (more than the decode kernel of a small layer).
+# torch (>= 2.10) publishes DLPack's C exchange table on its tensor type
+# (``torch.Tensor.__dlpack_c_exchange_api__``, dlpack.h 1.x): one C call fills a DLTensor
+# (data pointer, shape, strides, dtype, device) that borrows the tensor's own metadata. That
+# call checks nothing a NumPy view needs (gradients, the negative bit, sparse or nested
+# layouts: it crashes on some of these), so tensor_view reads those flags first and leaves
+# anything unusual to attnfast._interop.to_numpy, which converts or raises naming the argument.
+# torch is never imported here: attnfast._interop registers the type once it has seen one.
+
+from libc.stdint cimport int32_t, uint8_t, uint16_t, uint32_t
+from cpython.pycapsule cimport PyCapsule_GetPointer
+from cpython.ref cimport PyObject, Py_INCREF
+from cpython.exc cimport PyErr_Clear
+
+cdef extern from *:
+    """
+    #include <stdint.h>
+    /* dlpack.h 1.x, the fields attnfast reads (layouts as published by the DLPack spec) */
+    typedef struct { int32_t device_type; int32_t device_id; } attnfast_DLDevice;
+    typedef struct { uint8_t code; uint8_t bits; uint16_t lanes; } attnfast_DLDataType;
+    typedef struct {
+        void* data; attnfast_DLDevice device; int32_t ndim; attnfast_DLDataType dtype;
+        int64_t* shape; int64_t* strides; uint64_t byte_offset;
+    } attnfast_DLTensor;
+    typedef int (*attnfast_DLTensorFromPyObject)(void* py_object, attnfast_DLTensor* out);
+    typedef struct {
+        uint32_t major; uint32_t minor;            /* DLPackExchangeAPIHeader.version */
+        void* prev_api;
+        void* managed_tensor_allocator;
+        void* managed_tensor_from_py_object_no_sync;
+        void* managed_tensor_to_py_object_no_sync;
+        attnfast_DLTensorFromPyObject dltensor_from_py_object_no_sync;  /* may be NULL */
+        void* current_work_stream;
+    } attnfast_DLPackExchangeAPI;
+    """
+    ctypedef struct attnfast_DLDevice:
+        int32_t device_type
+    ctypedef struct attnfast_DLDataType:
+        uint8_t code
+        uint8_t bits
+        uint16_t lanes
+    ctypedef struct attnfast_DLTensor:
+        void* data
+        attnfast_DLDevice device
+        int32_t ndim
+        attnfast_DLDataType dtype
+        int64_t* shape
+        int64_t* strides
+        uint64_t byte_offset
+    ctypedef int (*attnfast_DLTensorFromPyObject)(void* py_object, attnfast_DLTensor* out)
+    ctypedef struct attnfast_DLPackExchangeAPI:
+        uint32_t major
+        attnfast_DLTensorFromPyObject dltensor_from_py_object_no_sync
+
+cdef extern from *:
+    """
+    /* A NumPy array over foreign memory: steals the reference to descr (NumPy's rule). */
+    static PyObject* attnfast_array_over(PyObject* descr, int nd, npy_intp* dims,
+                                         npy_intp* strides, void* data) {
+        return PyArray_NewFromDescr(&PyArray_Type, (PyArray_Descr*) descr, nd, dims, strides,
+                                    data, NPY_ARRAY_WRITEABLE, NULL);
+    }
+    """
+    object attnfast_array_over(PyObject* descr, int nd, cnp.npy_intp* dims,
+                               cnp.npy_intp* strides, void* data)
+
+cdef enum:
+    _DL_CPU = 1
+    _DL_INT = 0
+    _DL_UINT = 1
+    _DL_FLOAT = 2
+    _DL_BFLOAT = 4
+    _DL_BOOL = 6
+    _MAX_VIEW_DIMS = 16
+
+cdef object _tensor_type = None       # torch.Tensor, exactly (subclasses: the general path)
+cdef object _strided = None           # torch.strided
+cdef object _is_neg = None            # torch.Tensor.is_neg, called unbound
+cdef const attnfast_DLPackExchangeAPI* _dl_api = NULL
+cdef dict _dl_dtypes = {}             # (DLPack code, bits) -> NumPy dtype
+cdef Py_ssize_t _views_taken = 0     # tensors tensor_view converted
+
+
+def tensor_views_taken():
+    """How many tensors tensor_view has converted (tests: the fast conversion is taken)."""
+    return _views_taken
+
+
+def register_torch(tensor_type, strided):
+    """Let tensor_view read torch tensors (attnfast._interop calls this once it has seen one).
+    Returns whether torch publishes a usable DLPack C exchange table (else tensor_view returns
+    None and the callers fall back to ``tensor.numpy()``)."""
+    global _tensor_type, _strided, _is_neg, _dl_api
+    cdef const attnfast_DLPackExchangeAPI* api = NULL
+    capsule = getattr(tensor_type, "__dlpack_c_exchange_api__", None)
+    if capsule is not None:
+        try:
+            api = <const attnfast_DLPackExchangeAPI*> PyCapsule_GetPointer(
+                capsule, b"dlpack_exchange_api")
+        except (TypeError, ValueError):
+            api = NULL
+    if api != NULL and (api.major != 1 or api.dltensor_from_py_object_no_sync == NULL):
+        api = NULL      # another major version: its layout may differ
+    _tensor_type, _strided, _is_neg, _dl_api = tensor_type, strided, tensor_type.is_neg, api
+    if not _dl_dtypes:
+        for code, bits, name in ((_DL_FLOAT, 32, "float32"), (_DL_FLOAT, 64, "float64"),
+                                 (_DL_FLOAT, 16, "float16"), (_DL_INT, 64, "int64"),
+                                 (_DL_INT, 32, "int32"), (_DL_INT, 16, "int16"),
+                                 (_DL_INT, 8, "int8"), (_DL_UINT, 8, "uint8"),
+                                 (_DL_BOOL, 8, "bool")):
+            _dl_dtypes[(code, bits)] = np.dtype(name)
+        _dl_dtypes[(_DL_BFLOAT, 16)] = _BFLOAT16
+    return api != NULL
+
+
+def tensor_view(t):
+    """A writeable NumPy array viewing the memory of `t` (kept alive as its base), as
+    ``t.numpy()`` gives (bfloat16 as ml_dtypes.bfloat16), or None when `t` is not exactly a
+    torch.Tensor that is dense, on the CPU, without grad or the negative bit, of a real or
+    bool dtype (the caller then converts it the general way, which explains a refusal)."""
+    cdef attnfast_DLTensor dl
+    cdef cnp.npy_intp dims[_MAX_VIEW_DIMS]
+    cdef cnp.npy_intp strides[_MAX_VIEW_DIMS]
+    cdef cnp.npy_intp item, step
+    cdef int i
+    global _views_taken
+    if _dl_api == NULL or type(t) is not _tensor_type:
+        return None
+    if t.requires_grad or not t.is_cpu or t.layout is not _strided or t.is_nested or _is_neg(t):
+        return None
+    if _dl_api.dltensor_from_py_object_no_sync(<void*> t, &dl) != 0:
+        PyErr_Clear()
+        return None
+    if (dl.device.device_type != _DL_CPU or dl.dtype.lanes != 1 or dl.ndim < 0
+            or dl.ndim > _MAX_VIEW_DIMS):
+        return None
+    descr = _dl_dtypes.get((dl.dtype.code, dl.dtype.bits))
+    if descr is None:
+        return None
+    item = (<cnp.dtype> descr).itemsize
+    step = item
+    for i in range(dl.ndim - 1, -1, -1):
+        dims[i] = dl.shape[i]
+        if dl.strides != NULL:
+            strides[i] = dl.strides[i] * item
+        else:            # compact row-major (DLPack's convention for NULL strides)
+            strides[i] = step
+            step *= dl.shape[i]
+    Py_INCREF(descr)
+    view = attnfast_array_over(<PyObject*> descr, dl.ndim, dims, strides,
+                               (<char*> dl.data) + dl.byte_offset)
+    cnp.set_array_base(view, t)
+    _views_taken += 1
+    return view
