@@ -10,7 +10,8 @@ from . import _ext
 from ._interop import accepts_arrays
 from ._checks import (BFLOAT16, FLOAT16, FLOAT32, FLOAT64, check_attention, check_flag, check_out,
                       kernel_ready, to_3d, to_4d, ATTENTION_PLANS, attention_key, attention_plan,
-                      bound_window, fast_query_offset, fast_threads, remember)
+                      bound_window, fast_query_offset, fast_tail_in_c, fast_threads,
+                      remember)
 
 try:  # the handler as stored, without signal.getsignal's enum conversion (~2 us a call)
     from _signal import getsignal as _getsignal
@@ -114,6 +115,15 @@ def _attention_fast(plan, q, k, v, out, causal, num_threads, query_offset):
     threads = fast_threads(num_threads)
     if threads is None or not fast_query_offset(query_offset):
         return None
+    left, right = (-1, -1) if window == (-1, -1) else bound_window(
+        window, seqlen_q, seqlen_k, query_offset)
+    interruptible = kernels_interruptible()
+    if fast_tail_in_c():  # the common case, in C (None: declined); below the same in Python
+        result = _ext.attention_fast(q, k, v, out, out_shape, dtype, causal=causal, scale=scale,
+                                     window_left=left, window_right=right, num_threads=threads,
+                                     query_offset=query_offset, interruptible=interruptible)
+        if result is not None:
+            return result
     if not (q.flags.aligned and k.flags.aligned and v.flags.aligned):
         return None  # kernel_ready would copy
     if out is None:
@@ -121,11 +131,9 @@ def _attention_fast(plan, q, k, v, out, causal, num_threads, query_offset):
     elif not (out.flags.writeable and out.flags.aligned and not np.may_share_memory(out, q)
               and not np.may_share_memory(out, k) and not np.may_share_memory(out, v)):
         return None  # check_out decides (and raises) exactly
-    left, right = (-1, -1) if window == (-1, -1) else bound_window(
-        window, seqlen_q, seqlen_k, query_offset)
     _ext.run_attention(q, k, v, out, None, causal=causal, scale=scale, window_left=left,
                        window_right=right, num_threads=threads,
-                       interruptible=kernels_interruptible(), query_offset=query_offset)
+                       interruptible=interruptible, query_offset=query_offset)
     return out
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from . import _ext
+from ._ext import layout_key
 from ._runtime import _clamp, _positive_int, get_num_threads, resolve_threads
 
 FLOAT32 = np.dtype(np.float32)
@@ -850,6 +852,17 @@ def remember(memo: dict, key, plan) -> None:
     memo[key] = plan
 
 
+RUN_ATTENTION = _ext.run_attention
+
+
+def fast_tail_in_c() -> bool:
+    """Whether a fast path may finish its call in C (attnfast._ext.decode_fast and
+    attention_fast: flags, overlap, token writes, output and kernel call in one call). Not
+    when attnfast._ext.run_attention has been replaced (tests stand in for the kernels there
+    to see or interrupt each kernel call): the same steps then run in Python."""
+    return _ext.run_attention is RUN_ATTENTION
+
+
 def fast_threads(num_threads) -> int | None:
     """resolve_threads() for the fast paths; None for anything but None or an int >= 1
     (the full path then reports it)."""
@@ -885,15 +898,13 @@ def _option_key(causal, scale, window):
 
 def attention_key(q, k, v, out, causal, scale, window):
     """attention(): the plan key of a call (arrays exactly numpy.ndarray), or None."""
-    if type(q) is not np.ndarray or type(k) is not np.ndarray or type(v) is not np.ndarray:
-        return None
-    if out is not None and type(out) is not np.ndarray:
+    layout = layout_key(q, k, v, out)
+    if layout is None or q is None or k is None or v is None:
         return None
     options = _option_key(causal, scale, window)
     if options is None:
         return None
-    return (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides,
-            v.dtype, None if out is None else (out.shape, out.strides, out.dtype), options)
+    return layout, options
 
 
 def attention_plan(call: AttentionCall, q, k, v, out, window):
@@ -911,22 +922,17 @@ def attention_plan(call: AttentionCall, q, k, v, out, window):
 def kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, causal, scale, window):
     """attention_with_kvcache() and KVCache.attend/step: the plan key of a call, or None.
     `lengths_key` stands for the cache lengths' type (their values are checked per call)."""
-    if (type(q) is not np.ndarray or type(k_cache) is not np.ndarray
-            or type(v_cache) is not np.ndarray or lengths_key is None):
+    if lengths_key is None or q is None or k_cache is None or v_cache is None:
         return None
-    if k_new is None or v_new is None:
-        if k_new is not None or v_new is not None:
-            return None
-        new = None
-    elif type(k_new) is not np.ndarray or type(v_new) is not np.ndarray:
+    if (k_new is None) != (v_new is None):
         return None
-    else:
-        new = (k_new.shape, k_new.strides, k_new.dtype, v_new.shape, v_new.strides, v_new.dtype)
+    layout = layout_key(q, k_cache, v_cache, k_new, v_new)  # None unless all are ndarrays
+    if layout is None:
+        return None
     options = _option_key(causal, scale, window)
     if options is None:
         return None
-    return (q.shape, q.strides, q.dtype, k_cache.shape, k_cache.strides, k_cache.dtype,
-            v_cache.shape, v_cache.strides, v_cache.dtype, lengths_key, new, options)
+    return layout, lengths_key, options
 
 
 def seqlens_key(cache_seqlens):

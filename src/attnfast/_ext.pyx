@@ -460,3 +460,4 @@ def read_bytes(const unsigned char[::1] buffer, int num_threads):
 
 
 include "_torch_views.pxi"
+include "_fast_calls.pxi"

@@ -22,6 +22,7 @@ from ._checks import (
     KVCACHE_PLANS,
     bound_window,
     fast_query_offset,
+    fast_tail_in_c,
     fast_threads,
     kvcache_key,
     kvcache_plan,
@@ -315,8 +316,20 @@ def _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal
     the full path then runs (and raises as always)."""
     t, out_shape, dtype, scale, window, seqlen_q, capacity = plan
     threads = fast_threads(num_threads)
-    if (threads is None or not fast_query_offset(query_offset) or not q.flags.aligned
-            or not k_cache.flags.aligned or not v_cache.flags.aligned):
+    if threads is None or not fast_query_offset(query_offset):
+        return None
+    left, right = (-1, -1) if window == (-1, -1) else bound_window(
+        window, seqlen_q, capacity, query_offset)
+    interruptible = kernels_interruptible()
+    if fast_tail_in_c():  # the common case, in C (None: declined); below the same in Python
+        out = _ext.decode_fast(q, k_cache, v_cache, cache_seqlens, k_new, v_new, t, capacity,
+                               out_shape, dtype, causal=causal, scale=scale, window_left=left,
+                               window_right=right, num_threads=threads,
+                               query_offset=query_offset, interruptible=interruptible,
+                               advance=False)
+        if out is not None:
+            return out
+    if not q.flags.aligned or not k_cache.flags.aligned or not v_cache.flags.aligned:
         return None
     starts = ([cache_seqlens] * out_shape[0] if type(cache_seqlens) is int
               else cache_seqlens.tolist())
@@ -328,8 +341,6 @@ def _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal
                   (k_new, v_cache), (v_new, k_cache), (v_new, v_cache)))):
         return None  # check_apart decides (and raises) exactly
     seqlens = np.array([s + t for s in starts] if t else starts, dtype=np.int64)
-    left, right = (-1, -1) if window == (-1, -1) else bound_window(
-        window, seqlen_q, capacity, query_offset)
     out = np.empty(out_shape, dtype)
     undo = Undo()
     try:
@@ -338,7 +349,7 @@ def _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal
                           None, undo)
         _ext.run_attention(q, k_cache, v_cache, out, None, causal=causal, scale=scale,
                            window_left=left, window_right=right, num_threads=threads,
-                           seqlens_k=seqlens, interruptible=kernels_interruptible(),
+                           seqlens_k=seqlens, interruptible=interruptible,
                            query_offset=query_offset)
     except BaseException:  # the call did not happen: the caches as they were
         undo.restore()
@@ -642,16 +653,27 @@ class KVCache:
                 return None
             t, out_shape, dtype, scale, window, seqlen_q, capacity = plan
             threads = fast_threads(num_threads)
-            if threads is None or not fast_query_offset(query_offset) or not q.flags.aligned:
+            if threads is None or not fast_query_offset(query_offset):
                 return None
             k, v, lengths = self._k, self._v, self._lengths
+            left, right = (-1, -1) if window == (-1, -1) else bound_window(
+                window, seqlen_q, capacity, query_offset)
+            interruptible = kernels_interruptible()
+            if fast_tail_in_c():  # the common case, in C (None: declined); else Python
+                out = _ext.decode_fast(q, k, v, lengths, k_new, v_new, t, capacity, out_shape,
+                                       dtype, causal=causal, scale=scale, window_left=left,
+                                       window_right=right, num_threads=threads,
+                                       query_offset=query_offset, interruptible=interruptible,
+                                       advance=True)
+                if out is not None:
+                    return out
+            if not q.flags.aligned:
+                return None
             starts = lengths.tolist()
             if t and (max(starts) + t > capacity or not k.flags.writeable
                       or not v.flags.writeable
                       or any(np.may_share_memory(a, c) for a in (q, k_new, v_new) for c in (k, v))):
                 return None  # the full path decides (and raises) exactly
-            left, right = (-1, -1) if window == (-1, -1) else bound_window(
-                window, seqlen_q, capacity, query_offset)
             out = np.empty(out_shape, dtype)
             undo = Undo()
             try:
@@ -665,7 +687,7 @@ class KVCache:
                         lengths += t
                 _ext.run_attention(q, k, v, out, None, causal=causal, scale=scale,
                                    window_left=left, window_right=right, num_threads=threads,
-                                   seqlens_k=lengths, interruptible=kernels_interruptible(),
+                                   seqlens_k=lengths, interruptible=interruptible,
                                    query_offset=query_offset)
             except BaseException:  # KeyboardInterrupt: the step did not happen
                 undo.restore()

@@ -1,0 +1,286 @@
+# Included by _ext.pyx: the per-call work of attnfast's fast paths (attnfast._checks, "Fast
+# paths"), in C. A model calls attention once per layer per token with the same layout; once
+# the full checks accepted a layout, what is left per call (plan key, flags, memory overlap,
+# the new tokens' writes, the output, the kernel call) costs a few microseconds in Python and
+# a fraction of one here. Every function declines (returns None, having changed nothing)
+# whenever anything differs from the common case; the Python fast path then runs as before
+# (and, if it declines too, the full checks, which raise the usual errors).
+
+from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy
+
+cdef extern from *:
+    """
+    /* np.empty(shape, dtype): steals the reference to descr (NumPy's rule). */
+    static PyObject* attnfast_empty(int nd, npy_intp* dims, PyObject* descr) {
+        return PyArray_Empty(nd, dims, (PyArray_Descr*) descr, 0);
+    }
+    static int attnfast_equiv_dtypes(PyArrayObject* a, PyArrayObject* b) {
+        return PyArray_EquivTypes(PyArray_DESCR(a), PyArray_DESCR(b));
+    }
+    static int attnfast_byteorder(PyArrayObject* a) { return PyArray_DESCR(a)->byteorder; }
+    """
+    object attnfast_empty(int nd, cnp.npy_intp* dims, PyObject* descr)
+    bint attnfast_equiv_dtypes(cnp.ndarray a, cnp.ndarray b)
+    int attnfast_byteorder(cnp.ndarray a)
+
+cdef enum:
+    _KEY_WORDS_PER_ARRAY = 36   # ndim, 16 dims, 16 strides, type number, byte order, item size
+
+fast_calls_taken = {"attention": 0, "kvcache": 0}   # tests: which fast path ran
+
+
+def layout_key(a0, a1, a2, a3=None, a4=None):
+    """The layout of up to five arrays as one bytes object (shape, strides, dtype of each;
+    None stays distinct from every array), or None unless each is None or exactly a
+    numpy.ndarray of at most 16 dimensions: the array part of a fast-path plan key."""
+    cdef int64_t words[5 * _KEY_WORDS_PER_ARRAY]
+    cdef int n = 0, i, j
+    cdef cnp.ndarray a
+    for obj in (a0, a1, a2, a3, a4):
+        if obj is None:
+            words[n] = -1
+            n += 1
+            continue
+        if type(obj) is not np.ndarray:
+            return None
+        a = <cnp.ndarray> obj
+        if cnp.PyArray_NDIM(a) > 16:
+            return None
+        words[n] = cnp.PyArray_NDIM(a)
+        n += 1
+        for j in range(cnp.PyArray_NDIM(a)):
+            words[n] = cnp.PyArray_DIMS(a)[j]
+            words[n + 1] = cnp.PyArray_STRIDES(a)[j]
+            n += 2
+        words[n] = cnp.PyArray_TYPE(a)
+        words[n + 1] = attnfast_byteorder(a)
+        words[n + 2] = cnp.PyArray_ITEMSIZE(a)
+        n += 3
+    return (<char*> words)[:n * sizeof(int64_t)]
+
+
+cdef bint _extent(cnp.ndarray a, char** lo, char** hi):
+    """[lo, hi): the bytes `a` spans, as np.may_share_memory bounds them; False if empty."""
+    cdef char* start = <char*> cnp.PyArray_DATA(a)
+    cdef char* end = start + cnp.PyArray_ITEMSIZE(a)
+    cdef cnp.npy_intp n, s
+    cdef int i
+    for i in range(cnp.PyArray_NDIM(a)):
+        n = cnp.PyArray_DIMS(a)[i]
+        if n == 0:
+            return False
+        s = cnp.PyArray_STRIDES(a)[i]
+        if s < 0:
+            start += (n - 1) * s
+        else:
+            end += (n - 1) * s
+    lo[0] = start
+    hi[0] = end
+    return True
+
+
+cdef int _apart(cnp.ndarray a, cnp.ndarray b):
+    """1 when np.may_share_memory(a, b) is False, 0 when it is True, -1 when either is empty
+    (the fast paths then decline: NumPy's answer for empty arrays is not reproduced here)."""
+    cdef char *alo, *ahi, *blo, *bhi
+    if not _extent(a, &alo, &ahi) or not _extent(b, &blo, &bhi):
+        return -1
+    return 1 if (alo >= bhi or blo >= ahi) else 0
+
+
+cdef inline bint _aligned(cnp.ndarray a):
+    return (cnp.PyArray_FLAGS(a) & cnp.NPY_ARRAY_ALIGNED) != 0
+
+
+cdef inline bint _writeable(cnp.ndarray a):
+    return (cnp.PyArray_FLAGS(a) & cnp.NPY_ARRAY_WRITEABLE) != 0
+
+
+cdef object _empty(tuple shape, dtype):
+    """np.empty(shape, dtype) for a shape of at most 4 axes."""
+    cdef cnp.npy_intp dims[4]
+    cdef int i
+    for i in range(len(shape)):
+        dims[i] = shape[i]
+    Py_INCREF(dtype)
+    return attnfast_empty(len(shape), dims, <PyObject*> dtype)
+
+
+cdef int _run_one(AttentionParams* p, bint interruptible) except -1:
+    if interruptible:
+        _run_interruptible(p)
+    else:
+        with nogil:
+            attention_forward(p[0])
+    return 0
+
+
+def attention_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out, tuple out_shape,
+                   out_dtype, *, bint causal, double scale, int64_t window_left,
+                   int64_t window_right, int num_threads, query_offset, bint interruptible):
+    """The rest of attnfast.attention's fast path (_api._attention_fast) in one call: q, k, v
+    4-D of a layout the full path accepted; out None (allocated: out_shape, out_dtype) or an
+    array to fill. None, having done nothing, unless q, k, v are aligned and out (if given)
+    is a writeable aligned ndarray apart from q, k and v."""
+    cdef AttentionParams p = default_params()
+    cdef cnp.ndarray target
+    if not (_aligned(q) and _aligned(k) and _aligned(v)):
+        return None
+    if out is None:
+        target = _empty(out_shape, out_dtype)
+    else:
+        if type(out) is not np.ndarray:
+            return None
+        target = <cnp.ndarray> out
+        if not (_writeable(target) and _aligned(target) and _apart(target, q) == 1
+                and _apart(target, k) == 1 and _apart(target, v) == 1):
+            return None
+    _fill_params(&p, q, k, v, target, None, causal, scale, window_left, window_right,
+                 num_threads, None, None, None, query_offset, 0.0, None, None, None, None)
+    _run_one(&p, interruptible)
+    fast_calls_taken["attention"] += 1
+    return target
+
+
+cdef bint _rows_contiguous(cnp.ndarray a):
+    """The last axis of 4-D `a` is contiguous (the token writes copy whole rows)."""
+    return cnp.PyArray_DIMS(a)[3] <= 1 or cnp.PyArray_STRIDES(a)[3] == cnp.PyArray_ITEMSIZE(a)
+
+
+cdef void _copy_rows(cnp.ndarray cache, cnp.ndarray new, const int64_t* starts, char* saved,
+                     bint restore) noexcept nogil:
+    """Token u of sequence b, head h: cache[b, h, starts[b] + u] = new[b, h, u], the row it
+    overwrites first kept in `saved`, in order (restore: put `saved` back instead)."""
+    cdef cnp.npy_intp B = cnp.PyArray_DIMS(new)[0], H = cnp.PyArray_DIMS(new)[1]
+    cdef cnp.npy_intp T = cnp.PyArray_DIMS(new)[2]
+    cdef cnp.npy_intp row = cnp.PyArray_DIMS(new)[3] * cnp.PyArray_ITEMSIZE(new)
+    cdef cnp.npy_intp* cs = cnp.PyArray_STRIDES(cache)
+    cdef cnp.npy_intp* ns = cnp.PyArray_STRIDES(new)
+    cdef char* c0 = <char*> cnp.PyArray_DATA(cache)
+    cdef char* n0 = <char*> cnp.PyArray_DATA(new)
+    cdef char* dst
+    cdef cnp.npy_intp b, h, u
+    for b in range(B):
+        for h in range(H):
+            for u in range(T):
+                dst = c0 + b * cs[0] + h * cs[1] + (starts[b] + u) * cs[2]
+                if restore:
+                    memcpy(dst, saved, row)
+                else:
+                    memcpy(saved, dst, row)
+                    memcpy(dst, n0 + b * ns[0] + h * ns[1] + u * ns[2], row)
+                saved += row
+
+
+def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_new,
+                int64_t t, int64_t capacity, tuple out_shape, out_dtype, *, bint causal,
+                double scale, int64_t window_left, int64_t window_right, int num_threads,
+                query_offset, bint interruptible, bint advance):
+    """The rest of the KV-cache fast paths (_kvcache._kvcache_fast, KVCache._run_fast) in one
+    call, for a layout the full path accepted: write the t new tokens (t = 0: none) at each
+    sequence's length, attend over the lengths plus t, return the new out (out_shape,
+    out_dtype).
+
+    lengths: the tokens cached per sequence: a Python int (every sequence) or an int32 /
+    int64 array (B,); with ``advance`` (KVCache) an int64 C-contiguous array that is
+    advanced by t in place. None, having changed nothing, unless every length leaves room
+    for t tokens, the arrays are aligned, the caches writeable, the new tokens of the
+    caches' dtype with contiguous rows, and nothing that is written overlaps what is read
+    (as the Python fast paths decide; the caches may overlap each other only with advance,
+    a latent KVCache's v being a view of its k). A call that raises while attending (Ctrl-C)
+    puts back every byte written and the lengths.
+    """
+    cdef AttentionParams p = default_params()
+    cdef cnp.npy_intp B = cnp.PyArray_DIMS(q)[0], b
+    cdef cnp.ndarray lens, kn, vn, seqlens, out
+    cdef int64_t* starts = NULL
+    cdef int64_t* after
+    cdef char* saved = NULL
+    cdef cnp.npy_intp k_bytes = 0, v_bytes = 0
+    cdef int64_t common
+    if not (_aligned(q) and _aligned(k) and _aligned(v)) or B < 1:
+        return None
+    if t and not (_writeable(k) and _writeable(v)):
+        return None
+    if advance:
+        if type(lengths) is not np.ndarray:
+            return None
+        lens = <cnp.ndarray> lengths
+        if (cnp.PyArray_TYPE(lens) != cnp.NPY_INT64 or cnp.PyArray_NDIM(lens) != 1
+                or cnp.PyArray_DIMS(lens)[0] != B or not cnp.PyArray_IS_C_CONTIGUOUS(lens)
+                or not _writeable(lens) or not _aligned(lens)):
+            return None
+    elif type(lengths) is int:
+        if not (0 <= lengths <= capacity - t):
+            return None
+        common = lengths
+    elif type(lengths) is np.ndarray:
+        lens = <cnp.ndarray> lengths
+        if (cnp.PyArray_NDIM(lens) != 1 or cnp.PyArray_DIMS(lens)[0] != B
+                or not _aligned(lens) or not cnp.PyArray_ISNOTSWAPPED(lens)
+                or cnp.PyArray_TYPE(lens) not in (cnp.NPY_INT64, cnp.NPY_INT32)):
+            return None
+    else:
+        return None
+    if t:
+        if type(k_new) is not np.ndarray or type(v_new) is not np.ndarray:
+            return None
+        kn, vn = <cnp.ndarray> k_new, <cnp.ndarray> v_new
+        if not (attnfast_equiv_dtypes(kn, k) and attnfast_equiv_dtypes(vn, v)
+                and _rows_contiguous(kn) and _rows_contiguous(vn) and _rows_contiguous(k)
+                and _rows_contiguous(v)):
+            return None      # converted on write (a 16-bit cache): the Python fast path
+        if not (_apart(q, k) == 1 and _apart(q, v) == 1 and _apart(kn, k) == 1
+                and _apart(kn, v) == 1 and _apart(vn, k) == 1 and _apart(vn, v) == 1
+                and (advance or _apart(k, v) == 1)):
+            return None      # the full path decides (and raises) exactly
+    seqlens = lens if advance else _empty((B,), _INT64)
+    after = <int64_t*> cnp.PyArray_DATA(seqlens)
+    starts = <int64_t*> malloc(B * sizeof(int64_t))
+    if starts == NULL:
+        raise MemoryError()
+    try:
+        for b in range(B):
+            if advance:
+                starts[b] = after[b]
+            elif type(lengths) is int:
+                starts[b] = common
+            elif cnp.PyArray_TYPE(lens) == cnp.NPY_INT64:
+                starts[b] = (<int64_t*> cnp.PyArray_GETPTR1(lens, b))[0]
+            else:
+                starts[b] = (<int32_t*> cnp.PyArray_GETPTR1(lens, b))[0]
+            if starts[b] < 0 or starts[b] > capacity - t:
+                return None
+        out = _empty(out_shape, out_dtype)
+        if t:
+            k_bytes = cnp.PyArray_SIZE(kn) * cnp.PyArray_ITEMSIZE(kn)
+            v_bytes = cnp.PyArray_SIZE(vn) * cnp.PyArray_ITEMSIZE(vn)
+            saved = <char*> malloc(k_bytes + v_bytes)
+            if saved == NULL:
+                raise MemoryError()
+            _copy_rows(k, kn, starts, saved, False)
+            _copy_rows(v, vn, starts, saved + k_bytes, False)
+        for b in range(B):
+            after[b] = starts[b] + t
+        try:
+            _fill_params(&p, q, k, v, out, None, causal, scale, window_left, window_right,
+                         num_threads, seqlens, None, None, query_offset, 0.0, None, None, None,
+                         None)
+            _run_one(&p, interruptible)
+        except BaseException:  # the call did not happen: caches and lengths as they were
+            if t:
+                _copy_rows(v, vn, starts, saved + k_bytes, True)
+                _copy_rows(k, kn, starts, saved, True)
+            if advance:
+                for b in range(B):
+                    after[b] = starts[b]
+            raise
+        fast_calls_taken["kvcache"] += 1
+        return out
+    finally:
+        free(starts)
+        free(saved)
+
+
+_INT64 = np.dtype(np.int64)
