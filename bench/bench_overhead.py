@@ -26,11 +26,22 @@ Rows:
                                 query (1, H, 1, D), key/value (1, Hkv, L, D), no mask), as a
                                 transformers model calls it in every layer
 
+With ``--baseline DIR`` every case also runs on another attnfast, imported from DIR (a
+directory holding an ``attnfast`` package), interleaved with this one in the same process
+(A B A B ..., the best round's median of each): e.g. an older commit's Python files with this
+build's extension module copied next to them::
+
+    git archive <commit> src/attnfast | tar -x -C /tmp/base --strip-components=1
+    cp src/attnfast/_ext*.so /tmp/base/attnfast/     # (the editable build's: see --help)
+    python bench/bench_overhead.py --threads 1 --baseline /tmp/base
+
 Also importable from pytest-benchmark (``bench/test_bench_overhead.py``).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import itertools
 import os
 import platform
@@ -56,10 +67,60 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _attnfast_modules() -> dict:
+    return {k: m for k, m in sys.modules.items() if k == "attnfast" or k.startswith("attnfast.")}
+
+
+@contextlib.contextmanager
+def _as_attnfast(modules: dict):
+    """sys.modules' attnfast entries are `modules` inside the block (the lazy imports of a
+    case's construction then find that attnfast), and what they were again after it."""
+    saved = _attnfast_modules()
+    for k in saved:
+        del sys.modules[k]
+    sys.modules.update(modules)
+    try:
+        yield
+    finally:
+        for k in _attnfast_modules():
+            del sys.modules[k]
+        sys.modules.update(saved)
+
+
+def import_baseline(path: str) -> dict:
+    """The attnfast package in directory `path`, imported beside the running one: its
+    modules (sys.modules entries), for _as_attnfast. The editable install's import hook is
+    left out while importing, so that `path` is where attnfast comes from."""
+    hooks = [f for f in sys.meta_path if "editable" in type(f).__module__]
+    for f in hooks:
+        sys.meta_path.remove(f)
+    sys.path.insert(0, os.path.abspath(path))
+    try:
+        with _as_attnfast({}):
+            base = importlib.import_module("attnfast")
+            importlib.import_module("attnfast.integrations.transformers")
+            if not os.path.abspath(base.__file__).startswith(os.path.abspath(path)):
+                raise SystemExit(f"--baseline {path}: imported attnfast from {base.__file__}")
+            return _attnfast_modules()
+    finally:
+        sys.path.remove(os.path.abspath(path))
+        sys.meta_path[0:0] = hooks
+
+
 def make_cases(heads: int, kv_heads: int, head_dim: int = 128, length: int = 32,
-               capacity: int = 4096, threads: int | None = None, use_torch: bool = True):
+               capacity: int = 4096, threads: int | None = None, use_torch: bool = True,
+               modules: dict | None = None):
     """{name: (call, reset)}: `call()` runs one decode call; `reset()` (untimed, once per round)
-    restores state a round changed (the KVCache's length)."""
+    restores state a round changed (the KVCache's length). `modules`: another attnfast's
+    (import_baseline) instead of the running one."""
+    if modules is not None:
+        with _as_attnfast(modules):
+            return _make_cases(heads, kv_heads, head_dim, length, capacity, threads, use_torch,
+                               modules["attnfast"], modules["attnfast._ext"])
+    return _make_cases(heads, kv_heads, head_dim, length, capacity, threads, use_torch, af, _ext)
+
+
+def _make_cases(heads, kv_heads, head_dim, length, capacity, threads, use_torch, af, _ext):
     rng = np.random.default_rng(0)
     B, H, Hkv, D, L = 1, heads, kv_heads, head_dim, length
     f32 = np.float32
@@ -136,7 +197,7 @@ def make_cases(heads: int, kv_heads: int, head_dim: int = 128, length: int = 32,
             lambda: af.attention(tq, tkf, tvf, causal=True, out=tout, **nt), nothing),
     })
     try:
-        from attnfast.integrations import transformers as aft
+        aft = importlib.import_module("attnfast.integrations.transformers")
     except ImportError:
         return cases
 
@@ -174,17 +235,27 @@ def time_case(call, reset, number: int, repeat: int, clock=time.perf_counter) ->
 
 
 def run(heads_list, *, head_dim=128, length=16, number=16, repeat=201, threads=None,
-        use_torch=True, rounds=3, clock="wall"):
+        use_torch=True, rounds=3, clock="wall", baseline=None):
     """{(heads, kv_heads): {name: median µs}}; cases are interleaved `rounds` times (the best
-    round's median counts for each case: noise from other processes only adds time)."""
+    round's median counts for each case: noise from other processes only adds time). With
+    `baseline` (import_baseline's modules) each case also runs on that attnfast, right
+    before this one's, under the name "before: <case>"."""
     results = {}
     for H, Hkv in heads_list:
-        cases = make_cases(H, Hkv, head_dim, length, threads=threads, use_torch=use_torch)
-        best = {name: float("inf") for name in cases}
+        variants = [("", make_cases(H, Hkv, head_dim, length, threads=threads,
+                                    use_torch=use_torch))]
+        if baseline is not None:
+            variants.insert(0, ("before: ", make_cases(H, Hkv, head_dim, length,
+                                                       threads=threads, use_torch=use_torch,
+                                                       modules=baseline)))
+        names = list(variants[-1][1])
+        best = {prefix + name: float("inf") for prefix, _ in variants for name in names}
         for _ in range(rounds):
-            for name, (call, reset) in cases.items():
-                t = time_case(call, reset, number, repeat, CLOCKS[clock])
-                best[name] = min(best[name], t * 1e6)
+            for name in names:
+                for prefix, cases in variants:
+                    call, reset = cases[name]
+                    t = time_case(call, reset, number, repeat, CLOCKS[clock])
+                    best[prefix + name] = min(best[prefix + name], t * 1e6)
         results[(H, Hkv)] = best
     return results
 
@@ -192,15 +263,30 @@ def run(heads_list, *, head_dim=128, length=16, number=16, repeat=201, threads=N
 def format_table(results, length, number) -> str:
     lines = []
     for (H, Hkv), times in results.items():
+        before = any(name.startswith("before: ") for name in times)
         lines.append(f"\nH={H}/Hkv={Hkv}, D=128, B=1, one query token, L={length} "
                      f"(KVCache.step: L={length}..{length + number - 1})")
-        lines.append(f"{'entry point':32s} {'us/call':>9s} {'overhead us':>12s}")
-        lines.append(f"{'-' * 32} {'-' * 9} {'-' * 12}")
+        if before:
+            lines.append(f"{'entry point':32s} {'before us':>10s} {'(overhead)':>10s} "
+                         f"{'after us':>10s} {'(overhead)':>10s}")
+            lines.append(f"{'-' * 32} {'-' * 10} {'-' * 10} {'-' * 10} {'-' * 10}")
+        else:
+            lines.append(f"{'entry point':32s} {'us/call':>9s} {'overhead us':>12s}")
+            lines.append(f"{'-' * 32} {'-' * 9} {'-' * 12}")
         for name, t in times.items():
+            if name.startswith("before: "):
+                continue
             # KVCache.step appends: its kernel reads L .. L+15 keys over a round
-            floor = times["kernel, L..L+15" if name.endswith("KVCache.step") else "kernel"]
-            over = "(floor)" if name.startswith("kernel") else f"{t - floor:.2f}"
-            lines.append(f"{name:32s} {t:9.2f} {over:>12s}")
+            floor_name = "kernel, L..L+15" if name.endswith("KVCache.step") else "kernel"
+            cells = []
+            for prefix in (("before: ", "") if before else ("",)):
+                value, floor = times[prefix + name], times[prefix + floor_name]
+                over = "(floor)" if name.startswith("kernel") else f"{value - floor:.2f}"
+                cells.append((value, over))
+            if before:
+                lines.append(f"{name:32s} " + " ".join(f"{v:10.2f} {o:>10s}" for v, o in cells))
+            else:
+                lines.append(f"{name:32s} {cells[0][0]:9.2f} {cells[0][1]:>12s}")
     return "\n".join(lines)
 
 
@@ -218,7 +304,12 @@ def main(argv=None) -> int:
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="wall time (default), or the calling thread's CPU time (use with "
                         "--threads 1 on a busy machine)")
+    p.add_argument("--baseline", metavar="DIR", default=None,
+                   help="also time the attnfast package in DIR (e.g. an older commit's "
+                        "src/attnfast with this build's _ext*.so copied in; the editable "
+                        "build's is under build/*/ or attnfast._ext.__file__), interleaved")
     args = p.parse_args(argv)
+    baseline = import_baseline(args.baseline) if args.baseline else None
     heads = [tuple(int(x) for x in s.split("x")) for s in args.heads.split(",")]
     from attnfast._runtime import config
     cfg = config()
@@ -226,11 +317,12 @@ def main(argv=None) -> int:
     print(f"attnfast {cfg['version']}  kernel tier {cfg['isa']}  threads {threads}  "
           f"clock {args.clock}  "
           f"Python {platform.python_version()}  numpy {np.__version__}")
-    print(f"CPU: {cpu_name()} ({os.cpu_count()} CPUs)")
+    print(f"CPU: {cpu_name()} ({os.cpu_count()} CPUs), load average "
+          + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     print("command: " + " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])))
     results = run(heads, length=args.length, number=args.number, repeat=args.repeat,
                   threads=args.threads, use_torch=not args.no_torch, rounds=args.rounds,
-                  clock=args.clock)
+                  clock=args.clock, baseline=baseline)
     print(format_table(results, args.length, args.number))
     return 0
 

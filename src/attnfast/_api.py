@@ -119,9 +119,8 @@ def _attention_fast(plan, q, k, v, out, causal, num_threads, query_offset):
         window, seqlen_q, seqlen_k, query_offset)
     interruptible = kernels_interruptible()
     if fast_tail_in_c():  # the common case, in C (None: declined); below the same in Python
-        result = _ext.attention_fast(q, k, v, out, out_shape, dtype, causal=causal, scale=scale,
-                                     window_left=left, window_right=right, num_threads=threads,
-                                     query_offset=query_offset, interruptible=interruptible)
+        result = _ext.attention_fast(q, k, v, out, out_shape, dtype, causal, scale, left, right,
+                                     threads, query_offset, interruptible)
         if result is not None:
             return result
     if not (q.flags.aligned and k.flags.aligned and v.flags.aligned):

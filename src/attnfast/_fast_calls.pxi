@@ -4,7 +4,8 @@
 # the new tokens' writes, the output, the kernel call) costs a few microseconds in Python and
 # a fraction of one here. Every function declines (returns None, having changed nothing)
 # whenever anything differs from the common case; the Python fast path then runs as before
-# (and, if it declines too, the full checks, which raise the usual errors).
+# (and, if it declines too, the full checks, which raise the usual errors). Their arguments
+# are positional (keyword parsing would cost a tenth of what is left); the callers name them.
 
 from libc.stdlib cimport malloc, free
 from libc.string cimport memcpy
@@ -27,7 +28,8 @@ cdef extern from *:
 cdef enum:
     _KEY_WORDS_PER_ARRAY = 36   # ndim, 16 dims, 16 strides, type number, byte order, item size
 
-fast_calls_taken = {"attention": 0, "kvcache": 0}   # tests: which fast path ran
+# Calls each C tail took (counted before the kernels run): tests see which path ran.
+fast_calls_taken = {"attention": 0, "kvcache": 0}
 
 
 def layout_key(a0, a1, a2, a3=None, a4=None):
@@ -117,7 +119,7 @@ cdef int _run_one(AttentionParams* p, bint interruptible) except -1:
 
 
 def attention_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out, tuple out_shape,
-                   out_dtype, *, bint causal, double scale, int64_t window_left,
+                   out_dtype, bint causal, double scale, int64_t window_left,
                    int64_t window_right, int num_threads, query_offset, bint interruptible):
     """The rest of attnfast.attention's fast path (_api._attention_fast) in one call: q, k, v
     4-D of a layout the full path accepted; out None (allocated: out_shape, out_dtype) or an
@@ -138,8 +140,8 @@ def attention_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out, tuple out_s
             return None
     _fill_params(&p, q, k, v, target, None, causal, scale, window_left, window_right,
                  num_threads, None, None, None, query_offset, 0.0, None, None, None, None)
-    _run_one(&p, interruptible)
     fast_calls_taken["attention"] += 1
+    _run_one(&p, interruptible)
     return target
 
 
@@ -174,7 +176,7 @@ cdef void _copy_rows(cnp.ndarray cache, cnp.ndarray new, const int64_t* starts, 
 
 
 def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_new,
-                int64_t t, int64_t capacity, tuple out_shape, out_dtype, *, bint causal,
+                int64_t t, int64_t capacity, tuple out_shape, out_dtype, bint causal,
                 double scale, int64_t window_left, int64_t window_right, int num_threads,
                 query_offset, bint interruptible, bint advance):
     """The rest of the KV-cache fast paths (_kvcache._kvcache_fast, KVCache._run_fast) in one
@@ -267,6 +269,7 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
             _fill_params(&p, q, k, v, out, None, causal, scale, window_left, window_right,
                          num_threads, seqlens, None, None, query_offset, 0.0, None, None, None,
                          None)
+            fast_calls_taken["kvcache"] += 1
             _run_one(&p, interruptible)
         except BaseException:  # the call did not happen: caches and lengths as they were
             if t:
@@ -276,7 +279,6 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
                 for b in range(B):
                     after[b] = starts[b]
             raise
-        fast_calls_taken["kvcache"] += 1
         return out
     finally:
         free(starts)

@@ -20,7 +20,7 @@ import sys
 import ml_dtypes
 import numpy as np
 
-from ._ext import register_torch, tensor_view
+from ._ext import array_as_tensor, register_torch, tensor_view
 
 __all__ = ["accepts_arrays", "to_numpy", "wrap_like", "is_torch"]
 
@@ -39,7 +39,8 @@ def is_torch(x) -> bool:
         if known:
             torch = sys.modules["torch"]
             _TORCH_BFLOAT16[0] = torch.bfloat16
-            register_torch(torch.Tensor, torch.strided)  # attnfast._ext.tensor_view reads them
+            # attnfast._ext.tensor_view / array_as_tensor convert through these
+            register_torch(torch.Tensor, torch.strided, torch.from_numpy)
     return known
 
 
@@ -102,6 +103,9 @@ def wrap_like(result, template):
         return result
     if isinstance(result, tuple):
         return tuple(wrap_like(r, template) for r in result)
+    tensor = array_as_tensor(result)  # the common case, in C
+    if tensor is not None:
+        return tensor
     if not isinstance(result, np.ndarray):
         return result
     torch = sys.modules["torch"]  # imported: `template` is a tensor
@@ -133,9 +137,9 @@ def accepts_arrays(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         # One pass: NumPy arrays, None and plain options stay as they are (the common case
-        # converts nothing and copies nothing); a torch tensor goes through x.numpy(), which
-        # itself refuses whatever needs care (grad, another device, bfloat16, conj / neg
-        # bits, sparse); to_numpy then converts or raises naming the argument.
+        # converts nothing and copies nothing); a plain dense CPU tensor becomes a NumPy view
+        # in one C call (attnfast._ext.tensor_view); anything else goes through _convert,
+        # which converts or raises naming the argument.
         new_args = None
         template = given_out = converted_out = None
         for i in range(first, len(args)):
@@ -144,16 +148,23 @@ def accepts_arrays(fn):
                 continue
             if new_args is None:
                 new_args = list(args)
-            name = names[i] if i < len(names) else f"argument {i}"
-            new_args[i], t = _convert(a, name)
+            view = tensor_view(a)
+            if view is not None:
+                new_args[i], t = view, a
+            else:
+                new_args[i], t = _convert(a, names[i] if i < len(names) else f"argument {i}")
             if template is None:
                 template = t
-            if name == "out":
+            if i == out_index:
                 given_out, converted_out = a, new_args[i]
         for name, a in kwargs.items():
             if type(a) in _PLAIN:
                 continue
-            kwargs[name], t = _convert(a, name)
+            view = tensor_view(a)
+            if view is not None:
+                kwargs[name], t = view, a
+            else:
+                kwargs[name], t = _convert(a, name)
             if template is None:
                 template = t
             if name == "out":
@@ -170,7 +181,8 @@ def accepts_arrays(fn):
             return wrapped if first_out is None else (first_out,) + wrapped[1:]
         if given_out is not None and result is converted_out:
             return given_out
-        return wrap_like(result, template)
+        tensor = array_as_tensor(result)  # wrap_like's common case, in C
+        return tensor if tensor is not None else wrap_like(result, template)
 
     return wrapper
 

@@ -323,10 +323,8 @@ def _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal
     interruptible = kernels_interruptible()
     if fast_tail_in_c():  # the common case, in C (None: declined); below the same in Python
         out = _ext.decode_fast(q, k_cache, v_cache, cache_seqlens, k_new, v_new, t, capacity,
-                               out_shape, dtype, causal=causal, scale=scale, window_left=left,
-                               window_right=right, num_threads=threads,
-                               query_offset=query_offset, interruptible=interruptible,
-                               advance=False)
+                               out_shape, dtype, causal, scale, left, right, threads,
+                               query_offset, interruptible, False)  # advance: no
         if out is not None:
             return out
     if not q.flags.aligned or not k_cache.flags.aligned or not v_cache.flags.aligned:
@@ -661,10 +659,8 @@ class KVCache:
             interruptible = kernels_interruptible()
             if fast_tail_in_c():  # the common case, in C (None: declined); else Python
                 out = _ext.decode_fast(q, k, v, lengths, k_new, v_new, t, capacity, out_shape,
-                                       dtype, causal=causal, scale=scale, window_left=left,
-                                       window_right=right, num_threads=threads,
-                                       query_offset=query_offset, interruptible=interruptible,
-                                       advance=True)
+                                       dtype, causal, scale, left, right, threads, query_offset,
+                                       interruptible, True)  # advance: the lengths, in place
                 if out is not None:
                     return out
             if not q.flags.aligned:

@@ -78,6 +78,7 @@ cdef enum:
 cdef object _tensor_type = None       # torch.Tensor, exactly (subclasses: the general path)
 cdef object _strided = None           # torch.strided
 cdef object _is_neg = None            # torch.Tensor.is_neg, called unbound
+cdef object _from_numpy = None        # torch.from_numpy
 cdef const attnfast_DLPackExchangeAPI* _dl_api = NULL
 cdef dict _dl_dtypes = {}             # (DLPack code, bits) -> NumPy dtype
 cdef Py_ssize_t _views_taken = 0     # tensors tensor_view converted
@@ -88,11 +89,11 @@ def tensor_views_taken():
     return _views_taken
 
 
-def register_torch(tensor_type, strided):
+def register_torch(tensor_type, strided, from_numpy):
     """Let tensor_view read torch tensors (attnfast._interop calls this once it has seen one).
     Returns whether torch publishes a usable DLPack C exchange table (else tensor_view returns
     None and the callers fall back to ``tensor.numpy()``)."""
-    global _tensor_type, _strided, _is_neg, _dl_api
+    global _tensor_type, _strided, _is_neg, _dl_api, _from_numpy
     cdef const attnfast_DLPackExchangeAPI* api = NULL
     capsule = getattr(tensor_type, "__dlpack_c_exchange_api__", None)
     if capsule is not None:
@@ -104,6 +105,7 @@ def register_torch(tensor_type, strided):
     if api != NULL and (api.major != 1 or api.dltensor_from_py_object_no_sync == NULL):
         api = NULL      # another major version: its layout may differ
     _tensor_type, _strided, _is_neg, _dl_api = tensor_type, strided, tensor_type.is_neg, api
+    _from_numpy = from_numpy
     if not _dl_dtypes:
         for code, bits, name in ((_DL_FLOAT, 32, "float32"), (_DL_FLOAT, 64, "float64"),
                                  (_DL_FLOAT, 16, "float16"), (_DL_INT, 64, "int64"),
@@ -154,3 +156,18 @@ def tensor_view(t):
     cnp.set_array_base(view, t)
     _views_taken += 1
     return view
+
+
+def array_as_tensor(a):
+    """torch.from_numpy(a) for a writeable ndarray of a dtype torch.from_numpy takes as it is
+    (not bfloat16 or float8); None otherwise, or before register_torch (attnfast._interop.
+    wrap_like then converts it the general way)."""
+    cdef int num
+    if _from_numpy is None or type(a) is not np.ndarray:
+        return None
+    num = cnp.PyArray_TYPE(<cnp.ndarray> a)
+    if (not (cnp.PyArray_FLAGS(<cnp.ndarray> a) & cnp.NPY_ARRAY_WRITEABLE)
+            or num not in (cnp.NPY_FLOAT32, cnp.NPY_FLOAT64, cnp.NPY_FLOAT16, cnp.NPY_INT64,
+                           cnp.NPY_INT32, cnp.NPY_INT8, cnp.NPY_BOOL)):
+        return None
+    return _from_numpy(a)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import numpy as np
 
 import attnfast as _af
+from attnfast._ext import tensor_view
 from attnfast._interop import to_numpy, wrap_like
 from attnfast.integrations import torch as _torch_ops  # the custom ops (imports torch)
 
@@ -227,8 +228,16 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if dropout:
         raise NotImplementedError(f"attnfast backend: attention dropout ({dropout}) is not "
                                   "supported (attnfast is for inference: call model.eval())")
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (query, key, value, s_aux))
+    needs_grad = torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad
+        or (s_aux is not None and s_aux.requires_grad))
+    if (attention_mask is None and softcap is None and s_aux is None and not needs_grad
+            and kwargs.get("position_bias") is None and not torch.compiler.is_compiling()):
+        # A decode step's common case (no mask, no score options), with the fewest steps:
+        # NumPy views of the tensors in one C call each and attnfast's NumPy fast path
+        out = _eager_unmasked(module, query, key, value, scaling, is_causal, sliding_window)
+        if out is not None:
+            return out, None
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError("attnfast backend: position_bias is not supported yet")
     sinks = s_aux
@@ -274,6 +283,22 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                 sl = slice(b, b + 1)
                 _run_plan(plan, q[sl], k[sl], v[sl], out_h[sl], options)
     return wrap_like(out, query), None
+
+
+def _eager_unmasked(module, query, key, value, scaling, is_causal, sliding_window):
+    """attention_forward without a mask or score options, eagerly: attn_output (B, Tq, H, Dv)
+    as a tensor sharing attnfast's output, or None when a tensor is not a plain dense CPU
+    tensor (the general path then converts it, or says why it cannot)."""
+    q, k, v = tensor_view(query), tensor_view(key), tensor_view(value)
+    if q is None or k is None or v is None or q.ndim != 4:
+        return None
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    window = (sliding_window - 1, 0) if causal and sliding_window else None
+    B, H, Tq, _ = q.shape
+    out = np.empty((B, Tq, H, v.shape[-1]), q.dtype)
+    _af.attention(q, k, v, out=out.transpose(0, 2, 1, 3), causal=causal, window=window,
+                  scale=scaling, num_threads=_SETTINGS["num_threads"])  # no option to refuse
+    return wrap_like(out, query)
 
 
 def _run_plan(plan, q, k, v, out, options):

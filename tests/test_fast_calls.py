@@ -1,0 +1,327 @@
+"""The fast paths' per-call work in C (attnfast._ext: tensor_view, array_as_tensor,
+layout_key, attention_fast, decode_fast): the calls a model makes per layer and token take
+them (counted in _ext.fast_calls_taken / tensor_views_taken), give the values of an
+independent float64 reference and the bits of the Python tail they replace, decline
+whatever they do not cover (the Python tail or the full checks then run, with their errors),
+and keep the transaction rules (a call interrupted by Ctrl-C leaves caches and lengths as
+they were)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import attnfast as af
+from attnfast import _checks, _ext
+from reference import TOLERANCE, reference_attention
+
+B, H, HKV, D, C = 2, 4, 2, 16, 24
+F32 = TOLERANCE[np.dtype(np.float32)]
+
+
+def normal(rng, *shape, dtype=np.float32):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    _checks.ATTENTION_PLANS.clear()
+    _checks.KVCACHE_PLANS.clear()
+    yield
+    _checks.ATTENTION_PLANS.clear()
+    _checks.KVCACHE_PLANS.clear()
+
+
+def taken(kind):
+    return _ext.fast_calls_taken[kind]
+
+
+def python_tail(monkeypatch):
+    """From here on the fast paths finish in Python (a stand-in run_attention, passing
+    through: attnfast._checks.fast_tail_in_c is then False)."""
+    real = _ext.run_attention
+    monkeypatch.setattr(_ext, "run_attention", lambda *a, **k: real(*a, **k))
+
+
+def expected(q, k, v, **options):
+    return reference_attention(q.astype(np.float64), k.astype(np.float64),
+                               v.astype(np.float64), **options)[0]
+
+
+# ---------------------------------------------------------------- the C tails are taken
+
+def test_attention_takes_the_c_tail_with_the_references_values(rng, monkeypatch):
+    q, k, v = normal(rng, B, H, 3, D), normal(rng, B, HKV, 7, D), normal(rng, B, HKV, 7, D)
+    given = np.full((B, H, 3, D), np.nan, np.float32)
+    first = af.attention(q, k, v, causal=True)          # full checks: store the plans
+    af.attention(q, k, v, causal=True, out=given)
+    given[:] = np.nan
+    before = taken("attention")
+    out = af.attention(q, k, v, causal=True)
+    assert af.attention(q, k, v, causal=True, out=given) is given
+    assert taken("attention") == before + 2
+    np.testing.assert_allclose(out, expected(q, k, v, causal=True), **F32)
+    np.testing.assert_array_equal(out, first)
+    np.testing.assert_array_equal(given, first)
+    python_tail(monkeypatch)
+    np.testing.assert_array_equal(af.attention(q, k, v, causal=True), out)
+    assert taken("attention") == before + 2, "the Python tail ran in C"
+
+
+@pytest.mark.parametrize("lengths", ["int", "int64", "int32"])
+def test_attention_with_kvcache_takes_the_c_tail(rng, monkeypatch, lengths):
+    q, kn, vn = normal(rng, B, H, 1, D), normal(rng, B, HKV, 1, D), normal(rng, B, HKV, 1, D)
+    kc, vc = normal(rng, B, HKV, C, D), normal(rng, B, HKV, C, D)
+    seqlens = {"int": 5, "int64": np.array([5, 9]), "int32": np.array([5, 9], np.int32)}[lengths]
+    starts = [5, 5] if lengths == "int" else [5, 9]
+    kc2, vc2 = kc.copy(), vc.copy()
+    af.attention_with_kvcache(q, kc, vc, seqlens, kn, vn)   # stores the plan
+    before = taken("kvcache")
+    kn2, vn2 = normal(rng, B, HKV, 1, D), normal(rng, B, HKV, 1, D)
+    out = af.attention_with_kvcache(q, kc, vc, seqlens, kn2, vn2)
+    assert taken("kvcache") == before + 1
+    for b, s in enumerate(starts):
+        kc2[b, :, s], vc2[b, :, s] = kn2[b, :, 0], vn2[b, :, 0]
+        np.testing.assert_array_equal(kc[b], kc2[b])        # only the new rows changed
+        np.testing.assert_array_equal(vc[b], vc2[b])
+        ref = expected(q[b:b + 1], kc2[b:b + 1, :, :s + 1], vc2[b:b + 1, :, :s + 1], causal=True)
+        np.testing.assert_allclose(out[b:b + 1], ref, **F32)
+    ro = af.attention_with_kvcache(q, kc, vc, np.array(starts) + 1)  # no new tokens: full once
+    assert np.array_equal(af.attention_with_kvcache(q, kc, vc, np.array(starts) + 1), ro)
+    python_tail(monkeypatch)
+    kc3, vc3 = kc.copy(), vc.copy()
+    again = af.attention_with_kvcache(q, kc3, vc3, seqlens, kn2, vn2)
+    np.testing.assert_array_equal(again, out)
+    np.testing.assert_array_equal(kc3, kc)
+    assert taken("kvcache") == before + 2, "only the repeat read-only call was in C"
+
+
+def test_kvcache_step_and_attend_take_the_c_tail(rng, monkeypatch):
+    cache = af.KVCache(B, HKV, D, C)
+    cache.append(normal(rng, B, HKV, 4, D), normal(rng, B, HKV, 4, D))
+    q, kn, vn = normal(rng, B, H, 1, D), normal(rng, B, HKV, 1, D), normal(rng, B, HKV, 1, D)
+    cache.step(q, kn, vn)                                   # full checks: the plan
+    cache.attend(q)
+    before = taken("kvcache")
+    outs = [cache.step(q, kn * i, vn * i) for i in range(1, 4)]
+    att = cache.attend(q)
+    assert taken("kvcache") == before + 4
+    assert cache.lengths.tolist() == [8, 8]
+    np.testing.assert_array_equal(cache.k[:, :, 7], kn[:, :, 0] * 3)
+    ref = expected(q, cache.k[:, :, :8], cache.v[:, :, :8], causal=True)
+    np.testing.assert_allclose(outs[-1], ref, **F32)
+    np.testing.assert_allclose(att, ref, **F32)
+    k, v, lengths = cache.k.copy(), cache.v.copy(), cache.lengths.copy()
+    python_tail(monkeypatch)
+    cache.truncate(7)
+    np.testing.assert_array_equal(cache.step(q, kn * 3, vn * 3), outs[-1])
+    np.testing.assert_array_equal(cache.k, k)
+    np.testing.assert_array_equal(cache.v, v)
+    np.testing.assert_array_equal(cache.lengths, lengths)
+
+
+def test_a_latent_cache_steps_in_c(rng):
+    cache = af.KVCache(1, 1, D, C, latent=True, v_head_dim=8)
+    cache.append(normal(rng, 1, 1, 3, D))
+    q, kn = normal(rng, 1, 4, 1, D), normal(rng, 1, 1, 1, D)
+    cache.step(q, kn)
+    before = taken("kvcache")
+    out = cache.step(q, kn * 2)
+    assert taken("kvcache") == before + 1
+    np.testing.assert_array_equal(cache.k[0, 0, 4], kn[0, 0, 0] * 2)
+    ref = expected(q, cache.k[:, :, :5], cache.k[:, :, :5, :8], causal=True)
+    np.testing.assert_allclose(out, ref, **F32)
+
+
+# ---------------------------------------------------------------- what the C tails decline
+
+def test_a_16_bit_cache_fed_float32_tokens_takes_the_python_tail(rng):
+    kc = np.zeros((B, HKV, C, D), np.float16)
+    vc = np.zeros((B, HKV, C, D), np.float16)
+    q, kn, vn = normal(rng, B, H, 1, D), normal(rng, B, HKV, 1, D), normal(rng, B, HKV, 1, D)
+    af.attention_with_kvcache(q.astype(np.float16), kc, vc, 0, kn, vn)   # the plan
+    before = taken("kvcache")
+    out = af.attention_with_kvcache(q.astype(np.float16), kc, vc, 1, kn, vn)
+    assert taken("kvcache") == before, "converted on write: not the C tail's job"
+    np.testing.assert_array_equal(kc[:, :, 1], kn[:, :, 0].astype(np.float16))
+    ref = expected(q.astype(np.float16), kc[:, :, :2], vc[:, :, :2], causal=True)
+    np.testing.assert_allclose(out, ref, rtol=2e-3, atol=2e-3)
+
+
+def test_overlapping_out_and_read_only_caches_still_raise(rng):
+    q, k, v = normal(rng, B, H, 1, D), normal(rng, B, HKV, 6, D), normal(rng, B, HKV, 6, D)
+    af.attention(q, k, v, out=np.empty((B, H, 1, D), np.float32))
+    with pytest.raises(ValueError, match="out"):
+        af.attention(q, k, v, out=q)                       # out overlaps q
+    kc, vc = normal(rng, B, HKV, C, D), normal(rng, B, HKV, C, D)
+    kn, vn = normal(rng, B, HKV, 1, D), normal(rng, B, HKV, 1, D)
+    af.attention_with_kvcache(q, kc, vc, 2, kn, vn)
+    kc.flags.writeable = False
+    state = kc.tobytes(), vc.tobytes()
+    with pytest.raises(ValueError, match="k_cache"):
+        af.attention_with_kvcache(q, kc, vc, 2, kn, vn)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        af.attention_with_kvcache(q, vc, kc, C, kn, vn)     # no room: nothing written
+    assert (kc.tobytes(), vc.tobytes()) == state
+
+
+def test_layout_key_tells_layouts_apart(rng):
+    a = normal(rng, 2, 3, 4, 5)
+    assert _ext.layout_key(a, a, a) == _ext.layout_key(a.copy(), a, a)
+    assert _ext.layout_key(a, a, a) != _ext.layout_key(a.transpose(0, 2, 1, 3), a, a)
+    assert _ext.layout_key(a, a, a) != _ext.layout_key(a.astype(">f4"), a, a)   # byte order
+    assert _ext.layout_key(a, a, a) != _ext.layout_key(a.view(np.int32), a, a)
+    assert _ext.layout_key(a, a, a) != _ext.layout_key(a, a, a, a)
+    assert _ext.layout_key(a, a, a, None, a) != _ext.layout_key(a, a, a, a, None)
+    assert _ext.layout_key(a, a, [1.0]) is None
+    assert _ext.layout_key(a, a, np.ma.masked_array(a)) is None    # a subclass: full path
+
+
+# ---------------------------------------------------------------- torch tensors
+
+def test_tensor_view_matches_numpy_and_shares_memory():
+    torch = pytest.importorskip("torch")
+    import ml_dtypes
+    from attnfast import _interop
+    _interop.is_torch(torch.zeros(1))                       # registers torch with _ext
+    base = torch.randn(2, 5, 3, 4)
+    cases = [base, base.transpose(1, 2), base[:, 1:4, :, ::2], torch.randn(1, 4).expand(3, 4),
+             base.to(torch.float64), base.to(torch.float16), torch.arange(6), base > 0,
+             torch.tensor(2.5), torch.empty(0, 3), base.to(torch.int8)]
+    for t in cases:
+        before = _ext.tensor_views_taken()
+        view = _ext.tensor_view(t)
+        assert view is not None and _ext.tensor_views_taken() == before + 1
+        ref = t.numpy()
+        assert view.dtype == ref.dtype and view.shape == ref.shape
+        assert view.strides == ref.strides and view.flags.writeable
+        assert view.base is t
+        np.testing.assert_array_equal(view, ref)
+        if t.numel():
+            assert np.shares_memory(view, ref)
+    bf = base.to(torch.bfloat16)
+    view = _ext.tensor_view(bf)
+    assert view.dtype == np.dtype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(view.view(np.int16), bf.view(torch.int16).numpy())
+    neg = torch.conj(torch.complex(torch.zeros_like(base), -base)).imag
+    refused = [base.clone().requires_grad_(True), neg, base.to_sparse(), torch.nn.Parameter(base),
+               torch.empty(2, device="meta"), base.to(torch.complex64), base.to(torch.float8_e4m3fn),
+               torch.nested.nested_tensor([torch.zeros(2, 3), torch.zeros(4, 3)]), base.numpy()]
+    for t in refused:
+        assert _ext.tensor_view(t) is None
+
+
+def test_torch_calls_take_the_c_paths(rng):
+    torch = pytest.importorskip("torch")
+    q, kn, vn = (torch.from_numpy(normal(rng, B, h, 1, D)) for h in (H, HKV, HKV))
+    kc, vc = (torch.from_numpy(normal(rng, B, HKV, C, D)) for _ in range(2))
+    lens = torch.tensor([3, 6])
+    af.attention_with_kvcache(q, kc, vc, lens, kn, vn)      # full checks: the plan
+    views, calls = _ext.tensor_views_taken(), taken("kvcache")
+    out = af.attention_with_kvcache(q, kc, vc, lens, kn * 2, vn * 2)
+    assert isinstance(out, torch.Tensor)
+    assert _ext.tensor_views_taken() == views + 6 and taken("kvcache") == calls + 1
+    for b, s in enumerate((3, 6)):
+        assert torch.equal(kc[b, :, s], kn[b, :, 0] * 2)
+        ref = expected(q[b:b + 1].numpy(), kc[b:b + 1, :, :s + 1].numpy(),
+                       vc[b:b + 1, :, :s + 1].numpy(), causal=True)
+        np.testing.assert_allclose(out[b:b + 1].numpy(), ref, **F32)
+    k, v = (torch.from_numpy(normal(rng, B, HKV, 5, D)) for _ in range(2))
+    given = torch.empty(B, 1, H, D).transpose(1, 2)
+    af.attention(q, k, v, out=given)
+    before = taken("attention")
+    assert af.attention(q, k, v, out=given) is given
+    assert taken("attention") == before + 1
+    np.testing.assert_allclose(given.numpy(), expected(q.numpy(), k.numpy(), v.numpy()),
+                               **F32)
+
+
+def test_the_transformers_backend_decodes_through_the_c_paths(rng):
+    torch = pytest.importorskip("torch")
+    aft = pytest.importorskip("attnfast.integrations.transformers")
+
+    class Module:
+        is_causal = True
+
+    q = torch.from_numpy(normal(rng, 1, H, 1, D))
+    k, v = (torch.from_numpy(normal(rng, 1, HKV, 9, D)) for _ in range(2))
+    aft.attention_forward(Module(), q, k, v, None, scaling=0.25)
+    views, calls = _ext.tensor_views_taken(), taken("attention")
+    out, weights = aft.attention_forward(Module(), q, k, v, None, scaling=0.25)
+    assert weights is None and out.shape == (1, 1, H, D)
+    assert _ext.tensor_views_taken() == views + 3 and taken("attention") == calls + 1
+    ref = expected(q.numpy(), k.numpy(), v.numpy(), causal=True, scale=0.25)
+    np.testing.assert_allclose(out.transpose(1, 2).numpy(), ref, **F32)
+    with pytest.raises(ValueError, match="^query requires grad"):
+        with torch.no_grad():
+            aft.attention_forward(Module(), q.clone().requires_grad_(True), k, v, None)
+
+
+# ---------------------------------------------------------------- Ctrl-C in the C tails
+
+_INTERRUPTED_STEP = """
+import signal, time, numpy as np, attnfast as af
+from attnfast import _ext
+signal.signal(signal.SIGINT, signal.default_int_handler)
+af.set_num_threads(1)
+q = np.random.default_rng(0).random((1, 8, 16384, 64), dtype=np.float32)
+q2 = q * 2
+{setup}
+taken = _ext.fast_calls_taken["kvcache"]
+print("READY", flush=True)
+try:
+    {call}
+except KeyboardInterrupt:
+    print("INTERRUPTED", {after}, _ext.fast_calls_taken["kvcache"] - taken, flush=True)
+    raise
+print("FINISHED", flush=True)
+"""
+
+
+def _interrupted(setup, call, after):
+    code = _INTERRUPTED_STEP.format(setup=setup, call=call, after=after)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "READY", proc.stderr.read()
+        time.sleep(1.0)
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        return out, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# The first call (full checks) stores the plan cheaply: with query_offset = -16385 no query
+# sees a key. The second, of the same layout, takes the C tail and attends causally over
+# 16384 keys (seconds on one thread): Ctrl-C stops it after its writes.
+
+def test_ctrl_c_in_a_c_kvcache_step_restores_cache_and_lengths(parent_sigint):
+    setup = ("cache = af.KVCache(1, 8, 64, 16384)\n"
+             "cache.step(q, q, q, query_offset=-16385)\n"
+             "cache.truncate(0)\n"
+             "k_before, v_before = cache.k.copy(), cache.v.copy()")
+    out, err = _interrupted(setup, "cache.step(q2, q2, q2)",
+                            "cache.lengths.tolist(), bool(np.array_equal(cache.k, k_before) "
+                            "and np.array_equal(cache.v, v_before))")
+    assert "FINISHED" not in out, "the step is not long enough for this test"
+    line = [ln for ln in out.splitlines() if ln.startswith("INTERRUPTED")]
+    assert line, out + err
+    assert line[0] == "INTERRUPTED [0] True 1", f"not restored, or not the C tail: {line[0]}"
+
+
+def test_ctrl_c_in_a_c_attention_with_kvcache_restores_the_caches(parent_sigint):
+    setup = ("kc, vc = np.zeros_like(q), np.zeros_like(q)\n"
+             "af.attention_with_kvcache(q, kc, vc, 0, q, q, query_offset=-16385)\n"
+             "k_before, v_before = kc.copy(), vc.copy()")
+    out, err = _interrupted(setup, "af.attention_with_kvcache(q, kc, vc, 0, q2, q2)",
+                            "bool(np.array_equal(kc, k_before) and np.array_equal(vc, v_before))")
+    assert "FINISHED" not in out, "the call is not long enough for this test"
+    line = [ln for ln in out.splitlines() if ln.startswith("INTERRUPTED")]
+    assert line, out + err
+    assert line[0] == "INTERRUPTED True 1", f"not restored, or not the C tail: {line[0]}"
