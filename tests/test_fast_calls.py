@@ -182,6 +182,7 @@ def test_layout_key_tells_layouts_apart(rng):
 
 # ---------------------------------------------------------------- torch tensors
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 def test_tensor_view_matches_numpy_and_shares_memory():
     torch = pytest.importorskip("torch")
     import ml_dtypes

@@ -13,7 +13,6 @@ import ml_dtypes
 import numpy as np
 
 from . import _ext
-from ._ext import layout_key
 from ._runtime import _clamp, _positive_int, get_num_threads, resolve_threads
 
 FLOAT32 = np.dtype(np.float32)
@@ -879,32 +878,9 @@ def fast_query_offset(query_offset) -> bool:
                                     and -_MAX_QUERY_OFFSET <= query_offset <= _MAX_QUERY_OFFSET)
 
 
-_KEY_SCALE_TYPES = frozenset((float, int, np.float64, np.float32, np.float16))
-
-
-def _option_key(causal, scale, window):
-    """The options in a plan key; None when the call needs the full path. Types are
-    exact: values that compare equal (True == 1 == 1.0) must be checked alike, and bools
-    are refused where ints are taken."""
-    if causal is not True and causal is not False:
-        return None
-    if scale is not None and type(scale) not in _KEY_SCALE_TYPES:
-        return None
-    if window is not None and not (type(window) is tuple and len(window) == 2
-                                   and type(window[0]) is int and type(window[1]) is int):
-        return None
-    return causal, scale, window
-
-
-def attention_key(q, k, v, out, causal, scale, window):
-    """attention(): the plan key of a call (arrays exactly numpy.ndarray), or None."""
-    layout = layout_key(q, k, v, out)
-    if layout is None or q is None or k is None or v is None:
-        return None
-    options = _option_key(causal, scale, window)
-    if options is None:
-        return None
-    return layout, options
+# The plan keys are built in C (attnfast._ext: one bytes object for the arrays' shapes,
+# strides and dtypes, the options with their exact types).
+attention_key, kvcache_key, seqlens_key = _ext.attention_key, _ext.kvcache_key, _ext.seqlens_key
 
 
 def attention_plan(call: AttentionCall, q, k, v, out, window):
@@ -917,32 +893,6 @@ def attention_plan(call: AttentionCall, q, k, v, out, window):
         return None
     return (call.out_shape(), call.dtype, call.scale, call.seqlen_q, call.seqlen_k,
             check_window(window))
-
-
-def kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, causal, scale, window):
-    """attention_with_kvcache() and KVCache.attend/step: the plan key of a call, or None.
-    `lengths_key` stands for the cache lengths' type (their values are checked per call)."""
-    if lengths_key is None or q is None or k_cache is None or v_cache is None:
-        return None
-    if (k_new is None) != (v_new is None):
-        return None
-    layout = layout_key(q, k_cache, v_cache, k_new, v_new)  # None unless all are ndarrays
-    if layout is None:
-        return None
-    options = _option_key(causal, scale, window)
-    if options is None:
-        return None
-    return layout, lengths_key, options
-
-
-def seqlens_key(cache_seqlens):
-    """cache_seqlens in a kvcache_key: a Python int, or a 1-D integer array (its shape and
-    dtype); None (the full path) for anything else."""
-    if type(cache_seqlens) is int:
-        return int
-    if type(cache_seqlens) is np.ndarray and cache_seqlens.ndim == 1:
-        return cache_seqlens.shape, cache_seqlens.dtype
-    return None
 
 
 def kvcache_plan(q, k_cache, v_cache, k_new, scale, window):

@@ -286,3 +286,57 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
 
 
 _INT64 = np.dtype(np.int64)
+
+
+# ---- plan keys (attnfast._checks "Fast paths"): what a plan is stored and found under ----
+
+cdef frozenset _KEY_SCALE_TYPES = frozenset((float, int, np.float64, np.float32, np.float16))
+
+
+cdef object _option_key(causal, scale, window):
+    """The options in a plan key; None when the call needs the full path. Types are exact:
+    values that compare equal (True == 1 == 1.0) must be checked alike, and bools are
+    refused where ints are taken."""
+    if causal is not True and causal is not False:
+        return None
+    if scale is not None and type(scale) not in _KEY_SCALE_TYPES:
+        return None
+    if window is not None and not (type(window) is tuple and len(window) == 2
+                                   and type(window[0]) is int and type(window[1]) is int):
+        return None
+    return causal, scale, window
+
+
+def attention_key(q, k, v, out, causal, scale, window):
+    """attention(): the plan key of a call (arrays exactly numpy.ndarray), or None."""
+    if q is None or k is None or v is None:
+        return None
+    layout = layout_key(q, k, v, out)
+    if layout is None:
+        return None
+    options = _option_key(causal, scale, window)
+    return None if options is None else (layout, options)
+
+
+def seqlens_key(cache_seqlens):
+    """cache_seqlens in a kvcache_key: a Python int, or a 1-D integer array (its shape and
+    dtype); None (the full path) for anything else."""
+    if type(cache_seqlens) is int:
+        return int
+    if type(cache_seqlens) is np.ndarray and cnp.PyArray_NDIM(<cnp.ndarray> cache_seqlens) == 1:
+        return cache_seqlens.shape, cache_seqlens.dtype
+    return None
+
+
+def kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, causal, scale, window):
+    """attention_with_kvcache() and KVCache.attend/step: the plan key of a call, or None.
+    `lengths_key` stands for the cache lengths' type (their values are checked per call)."""
+    if lengths_key is None or q is None or k_cache is None or v_cache is None:
+        return None
+    if (k_new is None) != (v_new is None):
+        return None
+    layout = layout_key(q, k_cache, v_cache, k_new, v_new)  # None unless all are ndarrays
+    if layout is None:
+        return None
+    options = _option_key(causal, scale, window)
+    return None if options is None else (layout, lengths_key, options)

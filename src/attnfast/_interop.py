@@ -20,7 +20,7 @@ import sys
 import ml_dtypes
 import numpy as np
 
-from ._ext import array_as_tensor, register_torch, tensor_view
+from ._ext import array_as_tensor, register_torch, tensor_args, tensor_view
 
 __all__ = ["accepts_arrays", "to_numpy", "wrap_like", "is_torch"]
 
@@ -140,23 +140,24 @@ def accepts_arrays(fn):
         # converts nothing and copies nothing); a plain dense CPU tensor becomes a NumPy view
         # in one C call (attnfast._ext.tensor_view); anything else goes through _convert,
         # which converts or raises naming the argument.
-        new_args = None
-        template = given_out = converted_out = None
-        for i in range(first, len(args)):
-            a = args[i]
-            if type(a) in _PLAIN:
-                continue
-            if new_args is None:
-                new_args = list(args)
-            view = tensor_view(a)
-            if view is not None:
-                new_args[i], t = view, a
-            else:
+        given_out = converted_out = None
+        common = tensor_args(args, first)   # positional arguments: the common case, in C
+        if common is not None:
+            new_args, template = common
+            if template is not None and out_index is not None and out_index < len(args) \
+                    and new_args[out_index] is not args[out_index]:
+                given_out, converted_out = args[out_index], new_args[out_index]
+        else:
+            new_args, template = list(args), None
+            for i in range(first, len(args)):
+                a = args[i]
+                if type(a) in _PLAIN:
+                    continue
                 new_args[i], t = _convert(a, names[i] if i < len(names) else f"argument {i}")
-            if template is None:
-                template = t
-            if i == out_index:
-                given_out, converted_out = a, new_args[i]
+                if template is None:
+                    template = t
+                if i == out_index:
+                    given_out, converted_out = a, new_args[i]
         for name, a in kwargs.items():
             if type(a) in _PLAIN:
                 continue
@@ -169,7 +170,7 @@ def accepts_arrays(fn):
                 template = t
             if name == "out":
                 given_out, converted_out = a, kwargs[name]
-        result = fn(*(args if new_args is None else new_args), **kwargs)
+        result = fn(*new_args, **kwargs)
         if template is None:
             return result
         if given_out is None:   # a NumPy out= (not converted) comes back as itself too

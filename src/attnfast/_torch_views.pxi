@@ -122,6 +122,11 @@ def tensor_view(t):
     ``t.numpy()`` gives (bfloat16 as ml_dtypes.bfloat16), or None when `t` is not exactly a
     torch.Tensor that is dense, on the CPU, without grad or the negative bit, of a real or
     bool dtype (the caller then converts it the general way, which explains a refusal)."""
+    return _view_of(t)
+
+
+cdef object _view_of(t):
+    """tensor_view."""
     cdef attnfast_DLTensor dl
     cdef cnp.npy_intp dims[_MAX_VIEW_DIMS]
     cdef cnp.npy_intp strides[_MAX_VIEW_DIMS]
@@ -171,3 +176,26 @@ def array_as_tensor(a):
                            cnp.NPY_INT32, cnp.NPY_INT8, cnp.NPY_BOOL)):
         return None
     return _from_numpy(a)
+
+
+def tensor_args(tuple args, Py_ssize_t first):
+    """attnfast._interop.accepts_arrays' common case in one call: (args as a list, each plain
+    dense CPU tensor from index `first` on replaced by tensor_view's view; the first such
+    tensor, or None when there is none). None when an argument is anything but None, bool,
+    int, float, str, a NumPy array or such a tensor (the general conversion then runs)."""
+    cdef Py_ssize_t i, n = len(args)
+    cdef list converted = None
+    template = None
+    for i in range(first, n):
+        a = args[i]
+        t = type(a)
+        if a is None or t is np.ndarray or t is int or t is float or t is bool or t is str:
+            continue
+        view = _view_of(a)
+        if view is None:
+            return None
+        if converted is None:
+            converted = list(args)
+            template = a
+        converted[i] = view
+    return (converted if converted is not None else args), template
