@@ -182,10 +182,13 @@ def kernel_call(call, part):
         block_table=block_table)
 
 
+_SIGINT = int(signal.SIGINT)  # (the enum member costs a conversion per call)
+
+
 def kernels_interruptible() -> bool:
     """Whether Ctrl-C may stop the kernels of this call (see run_kernels)."""
-    return (threading.current_thread() is threading.main_thread()
-            and _getsignal(signal.SIGINT) is signal.default_int_handler)
+    return (threading.get_ident() == threading.main_thread().ident
+            and _getsignal(_SIGINT) is signal.default_int_handler)
 
 
 def _visible(call) -> np.ndarray:

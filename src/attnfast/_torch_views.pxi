@@ -81,6 +81,13 @@ cdef object _is_neg = None            # torch.Tensor.is_neg, called unbound
 cdef object _from_numpy = None        # torch.from_numpy
 cdef const attnfast_DLPackExchangeAPI* _dl_api = NULL
 cdef dict _dl_dtypes = {}             # (DLPack code, bits) -> NumPy dtype
+cdef object _dl_float32 = np.dtype(np.float32)  # the common case, found without the dict
+
+
+cdef inline object _dl_dtype(uint8_t code, uint8_t bits):
+    if code == _DL_FLOAT and bits == 32:
+        return _dl_float32
+    return _dl_dtypes.get((code, bits))
 cdef Py_ssize_t _views_taken = 0     # tensors tensor_view converted
 
 
@@ -143,7 +150,7 @@ cdef object _view_of(t):
     if (dl.device.device_type != _DL_CPU or dl.dtype.lanes != 1 or dl.ndim < 0
             or dl.ndim > _MAX_VIEW_DIMS):
         return None
-    descr = _dl_dtypes.get((dl.dtype.code, dl.dtype.bits))
+    descr = _dl_dtype(dl.dtype.code, dl.dtype.bits)
     if descr is None:
         return None
     item = (<cnp.dtype> descr).itemsize
