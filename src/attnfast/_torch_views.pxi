@@ -1,7 +1,7 @@
 # Included by _ext.pyx: torch tensors seen as NumPy arrays without a Python-level conversion.
 #
 # ``tensor.numpy()`` costs ~1 us per tensor (more than the decode kernel of a small layer).
-# torch (>= 2.10) publishes DLPack's C exchange table on its tensor type
+# torch (2.13 here) publishes DLPack's C exchange table on its tensor type
 # (``torch.Tensor.__dlpack_c_exchange_api__``, dlpack.h 1.x): one C call fills a DLTensor
 # (data pointer, shape, strides, dtype, device) that borrows the tensor's own metadata. That
 # call checks nothing a NumPy view needs (gradients, the negative bit, sparse or nested
