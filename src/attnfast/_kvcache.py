@@ -111,6 +111,15 @@ class Undo:
             array[index] = old
 
 
+_UNDO_WRITE = Undo.write
+
+
+def decode_tail_in_c() -> bool:
+    """fast_tail_in_c for the KV-cache paths: also not when Undo.write has been replaced
+    (tests cut a call short at one of its writes; the C tail writes without it)."""
+    return fast_tail_in_c() and Undo.write is _UNDO_WRITE
+
+
 def _stored_form(k_new, v_new, cache_dtype, row_scaled: bool, key_rotation=None):
     """k_new, v_new as the cache stores them, converted before anything is written:
     (k, v, k row scales, v row scales), the scales None unless int8 / float8. Values beyond
@@ -321,7 +330,7 @@ def _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal
     left, right = (-1, -1) if window == (-1, -1) else bound_window(
         window, seqlen_q, capacity, query_offset)
     interruptible = kernels_interruptible()
-    if fast_tail_in_c():  # the common case, in C (None: declined); below the same in Python
+    if decode_tail_in_c():  # the common case, in C (None: declined); below the same in Python
         out = _ext.decode_fast(q, k_cache, v_cache, cache_seqlens, k_new, v_new, t, capacity,
                                out_shape, dtype, causal, scale, left, right, threads,
                                query_offset, interruptible, False)  # advance: no
@@ -657,7 +666,7 @@ class KVCache:
             left, right = (-1, -1) if window == (-1, -1) else bound_window(
                 window, seqlen_q, capacity, query_offset)
             interruptible = kernels_interruptible()
-            if fast_tail_in_c():  # the common case, in C (None: declined); else Python
+            if decode_tail_in_c():  # the common case, in C (None: declined); else Python
                 out = _ext.decode_fast(q, k, v, lengths, k_new, v_new, t, capacity, out_shape,
                                        dtype, causal, scale, left, right, threads, query_offset,
                                        interruptible, True)  # advance: the lengths, in place
