@@ -200,6 +200,28 @@ inline V vld_kv(const fp8_t* p) {  // as the AVX-512 one, 8 lanes
     return _mm256_or_ps(_mm256_cvtph_ps(h), nan);  // all ones: a NaN
 }
 #endif
+// W values d, d + 1, .. (d a multiple of W) of a stored K/V row, widened to float32: element
+// pointers step values for every storage type but int4, whose rows are blocks of 32
+// (storage_types.inl), dequantised here in registers: one load of 16 (AVX2: 8) bytes, the
+// block's low or high nibbles, vcvtdq2ps, one FMA with the block's scale and minimum.
+template <class T> inline V vld_kv(const T* row, int64_t d) { return vld_kv(row + d); }
+inline V vld_kv(const q4_t* row, int64_t d) {
+    const uint8_t* block = &row->byte + (d / kQ4Group) * kQ4BlockBytes;
+    uint16_t scale, minimum;
+    __builtin_memcpy(&scale, block, 2);
+    __builtin_memcpy(&minimum, block + 2, 2);
+    const int64_t i = d % kQ4Group;  // 0 or 16 (AVX2: 0, 8, 16 or 24)
+#if defined(__AVX512F__)
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+    const __m128i nib = _mm_and_si128(i < 16 ? bytes : _mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+    const V n = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib));
+#else
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 4 + (i & 15)));
+    const __m128i nib = _mm_and_si128(i < 16 ? bytes : _mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+    const V n = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib));
+#endif
+    return vfma(n, vset(_cvtsh_ss(scale)), vset(_cvtsh_ss(minimum)));
+}
 // What vld_kv leaves in the row scales: the stored value is kScaleFold<T> * (vld_kv's lanes).
 template <class T> constexpr float kScaleFold = 1.0f;
 template <> constexpr float kScaleFold<fp8_t> = 256.0f;
@@ -226,13 +248,13 @@ inline void score_keys(const float* __restrict q, int64_t qs, const T* __restric
             for (int64_t off = 0; off < vrow_bytes; off += 64) __builtin_prefetch(vpf + j * vsb + off, 0, 2);
         if (ND > 0) {
             for (int c = 0; c < ND; ++c) {
-                const V kv = vld_kv(kp[j] + c * W);
+                const V kv = vld_kv(kp[j], c * W);
                 for (int r = 0; r < RB; ++r)
                     acc[r * KB + j] = vfma(kv, vld(q + r * qs + c * W), acc[r * KB + j]);
             }
         } else {
             for (int64_t d = 0; d < D; d += W) {
-                const V kv = vld_kv(kp[j] + d);
+                const V kv = vld_kv(kp[j], d);
                 for (int r = 0; r < RB; ++r)
                     acc[r * KB + j] = vfma(kv, vld(q + r * qs + d), acc[r * KB + j]);
             }
@@ -250,18 +272,19 @@ inline void score_keys(const float* __restrict q, int64_t qs, const T* __restric
 #endif
 }
 
-// acc[r][c] += sum_{j0 <= j < j1} p[r][j] * v[j][c] for RB rows and NV vectors of columns;
-// accumulators in registers.
+// acc[r][c] += sum_{j0 <= j < j1} p[r][j] * v[j][col + c] for RB rows and NV vectors of
+// columns; accumulators in registers.
 template <int RB, int NV, class T>
 inline void pv_tile(float* __restrict acc, int64_t acc_stride, const float* __restrict p,
-                    int64_t ps, const T* __restrict v, int64_t vs, int64_t j0, int64_t j1) {
+                    int64_t ps, const T* __restrict v, int64_t col, int64_t vs, int64_t j0,
+                    int64_t j1) {
     V a[RB][NV];
     for (int r = 0; r < RB; ++r)
         for (int c = 0; c < NV; ++c) a[r][c] = vld(acc + r * acc_stride + c * W);
     for (int64_t j = j0; j < j1; ++j) {
         const T* vrow = v + j * vs;
         V vv[NV];
-        for (int c = 0; c < NV; ++c) vv[c] = vld_kv(vrow + c * W);
+        for (int c = 0; c < NV; ++c) vv[c] = vld_kv(vrow, col + c * W);
         for (int r = 0; r < RB; ++r) {
             const V pr = vset(p[r * ps + j]);
             for (int c = 0; c < NV; ++c) a[r][c] = vfma(pr, vv[c], a[r][c]);
@@ -284,8 +307,8 @@ inline void pv_rows(float* acc, int64_t Dv, const float* p, int64_t ps, const T*
     constexpr int NV = RB == 4 ? 3 : (RB == 2 ? 4 : 8);
 #endif
     int64_t e = 0;
-    for (; e + NV * W <= Dv; e += NV * W) pv_tile<RB, NV, T>(acc + e, Dv, p, ps, v + e, vs, j0, j1);
-    for (; e < Dv; e += W) pv_tile<RB, 1, T>(acc + e, Dv, p, ps, v + e, vs, j0, j1);
+    for (; e + NV * W <= Dv; e += NV * W) pv_tile<RB, NV, T>(acc + e, Dv, p, ps, v, e, vs, j0, j1);
+    for (; e < Dv; e += W) pv_tile<RB, 1, T>(acc + e, Dv, p, ps, v, e, vs, j0, j1);
 }
 
 // Largest of x[b .. e), or NaN when any of them is NaN (max_ps alone may drop a NaN).
@@ -511,7 +534,7 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
                                          p.v_scale_row_stride, task.batch, task.kv_head);
     const int64_t kb = task.key_begin;
     const float scale = static_cast<float>(p.scale);
-    const int64_t v_row_bytes = Dv * static_cast<int64_t>(sizeof(T));
+    const int64_t v_row_bytes = kv_row_bytes<T>(Dv);
     const bool options = p.softcap > 0 || p.alibi_slopes || p.mask;
 
     for (int64_t r0 = 0; r0 < rows; r0 += kDecodeGroupRows) {
@@ -536,7 +559,7 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
         const int64_t key_block = pipelined ? kPipelinedKeyBlock : kDecodeKeyBlock;
         const int64_t value_keys = pipelined ? kPipelinedValueRun : (n <= 4 ? kValueRunKeys : kValueSubKeys);
         const int64_t prefetch_end = task.seqlen_k - kb;  // chunk-relative end of the head's keys
-        const int64_t k_row_bytes = D * static_cast<int64_t>(sizeof(T));
+        const int64_t k_row_bytes = kv_row_bytes<T>(D);
         int64_t used_lo = keys, used_hi = 0;
         for (int64_t rr = 0; rr < n; ++rr) {
             const int64_t r = r0 + rr;
@@ -653,6 +676,10 @@ void chunk_any(const AttentionParams& p, const DecodeTask& task, float* ws, floa
         if (q == DType::kBF16) chunk_for<bf16_t, fp8_t>(p, task, ws, acc, m, l);
         else if (q == DType::kF16) chunk_for<f16_t, fp8_t>(p, task, ws, acc, m, l);
         else chunk_for<float, fp8_t>(p, task, ws, acc, m, l);
+    } else if (kv == DType::kQ4) {
+        if (q == DType::kBF16) chunk_for<bf16_t, q4_t>(p, task, ws, acc, m, l);
+        else if (q == DType::kF16) chunk_for<f16_t, q4_t>(p, task, ws, acc, m, l);
+        else chunk_for<float, q4_t>(p, task, ws, acc, m, l);
     } else {  // kI8
         if (q == DType::kBF16) chunk_for<bf16_t, int8_t>(p, task, ws, acc, m, l);
         else if (q == DType::kF16) chunk_for<f16_t, int8_t>(p, task, ws, acc, m, l);

@@ -350,9 +350,9 @@ bool run_case(const Case& c, uint64_t seed, const char* dtype) {
     const std::string what = describe(c, dtype);
     try {
         p.out = out1.data.data(), p.lse = lse1.data(), p.num_threads = 1;
-        attnfast::attention_forward_any(p);  // (float8: quantized_cache_forward)
+        attnfast::attention_forward(p);  // (float8: the decode loop in row blocks)
         p.out = out3.data.data(), p.lse = lse3.data(), p.num_threads = 3;
-        attnfast::attention_forward_any(p);
+        attnfast::attention_forward(p);
     } catch (const std::exception& e) {
         std::printf("  FAIL %s: attention_forward threw: %s\n", what.c_str(), e.what());
         return false;
@@ -410,7 +410,7 @@ bool run_case(const Case& c, uint64_t seed, const char* dtype) {
         std::vector<A> lsep(lse1.size(), static_cast<A>(sentinel));
         pp.out = outp.data.data(), pp.lse = lsep.data(), pp.num_threads = 3;
         try {
-            attnfast::attention_forward_any(pp);
+            attnfast::attention_forward(pp);
         } catch (const std::exception& e) {
             std::printf("  FAIL %s: paged attention_forward threw: %s\n", what.c_str(), e.what());
             return false;
