@@ -12,8 +12,9 @@ and value i is ``s * n_i + m`` with ``n_i`` in 0..15 (a last block with fewer th
 padded with copies of the row's last value, never read). ``s = (max - min) / 15`` of the block
 and ``m = min``, both rounded to float16, then ``n_i = round((x_i - m) / s)`` clipped to 0..15:
 the error of a value is at most ``s / 2`` plus the float16 rounding of m, about 1/30 of the
-block's range. A row holding NaN or inf, or values beyond float16's range (65504), is stored
-with NaN scales, so it reads back as NaN (the NaN rule of the int8 and float8 caches).
+block's range. A row holding NaN or inf, or a block whose minimum or scale is beyond
+float16's range (65504), is stored with NaN scales, so it reads back as NaN (the NaN rule of
+the int8 and float8 caches).
 
 Keys are rotated before they are quantised (attnfast._rotation, the caches' default): per
 block scales then do not lose their range to outlier channels (measured on MiniLM and
