@@ -198,6 +198,9 @@ def test_int4_rejects_bad_input_and_writes_nothing():
         af.KVCache(1, 1, 64, 8, dtype="int4", v_head_dim=32, latent=True)
     with pytest.raises(TypeError, match="dtype=\"int4\""):
         af.KVCache(1, 1, 64, 8, dtype=np.uint8)
+    with pytest.raises(NotImplementedError, match="ShardedKVCache"):
+        from attnfast.distributed import ShardedKVCache
+        ShardedKVCache(1, 1, 64, 8, 2, dtype="int4")
     # caller-owned uint8 arrays do not say their head dims: refused by name
     k = np.zeros((1, 1, 8, 40), np.uint8)
     with pytest.raises(TypeError, match="KVCache / PagedKVCache"):

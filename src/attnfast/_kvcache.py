@@ -403,6 +403,14 @@ class KVCache:
         for _ in range(n_tokens):
             out = cache.step(q_tok, k_tok, v_tok)           # one token: O(length) work
 
+    ``dtype``: float32, float64, float16 or bfloat16 (stored as given), or a quantised
+    format new tokens are quantised into on append (queries float32, float16 or bfloat16):
+    ``"int8"`` (a float32 scale per token row in ``k_scale`` / ``v_scale``; keys rotated,
+    see ``key_rotation``), ``ml_dtypes.float8_e4m3fn`` (scales the same) or ``"int4"``
+    (groups of 32 values with their own float16 scale and minimum, packed into uint8 ``k`` /
+    ``v`` rows of 20 * ceil(head_dim / 32) bytes; keys rotated). Formats and their errors:
+    the user guide's "KV-cache formats" page.
+
     Every method checks all its arguments before changing anything: a rejected call (for
     instance appending past ``capacity``, which raises ValueError) leaves ``k``, ``v`` and
     ``lengths`` exactly as they were.
@@ -467,7 +475,7 @@ class KVCache:
     @property
     def key_rotation(self) -> str | None:
         """How the keys are stored: "hadamard" (rotated by the orthonormal block Hadamard
-        matrix along head_dim before quantisation; the default for int8 caches) or None
+        matrix along head_dim before quantisation; the default for int8 and int4 caches) or None
         (as given). Queries are rotated the same way, so results do not change."""
         return self._key_rotation
 

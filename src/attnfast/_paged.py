@@ -51,7 +51,8 @@ class PagedKVCache:
     v_head_dim=None)`` holds ``k`` (num_blocks, kv_heads, block_size, head_dim) and ``v``
     (num_blocks, kv_heads, block_size, v_head_dim) pools (views of KV-head-major storage; and,
     for ``dtype="int8"``, float32 ``k_scale`` / ``v_scale`` (num_blocks, kv_heads,
-    block_size)). Free blocks are handed out lowest id first. A sequence's token t is row
+    block_size); ``dtype="int4"`` packs each row into uint8 blocks as
+    :class:`attnfast.KVCache` does). Free blocks are handed out lowest id first. A sequence's token t is row
     ``t % block_size`` of its ``t // block_size``-th block; blocks are taken from the pool as
     sequences grow and return to it when they are freed::
 
@@ -128,7 +129,7 @@ class PagedKVCache:
 
     @property
     def key_rotation(self) -> str | None:
-        """As :attr:`attnfast.KVCache.key_rotation` ("hadamard" by default for int8)."""
+        """As :attr:`attnfast.KVCache.key_rotation` ("hadamard" by default for int8 and int4)."""
         return self._key_rotation
 
     num_blocks = property(lambda self: self._k.shape[0], doc="Blocks in the pool.")
