@@ -123,15 +123,11 @@ inline Vec<float> vload(const fp8_t* p) {
 // One register of values d, d + 1, .. of a stored K/V row (d a multiple of the lanes).
 // Element pointers step values for every storage type but int4, whose rows are blocks
 // (storage_types.inl): there lane by lane, each value scale * n + minimum.
-template <class T> inline Vec<float> vload_row(const T* row, int64_t d) { return vload(row + d); }
+template <class T> inline auto vload_row(const T* row, int64_t d) { return vload(row + d); }
 inline Vec<float> vload_row(const q4_t* row, int64_t d) {
     Vec<float> f;
     for (int64_t i = 0; i < vec_lanes<float>(); ++i) f[i] = q4_value(row, d + i);
     return f;
-}
-template <class A, class T> inline Vec<A> vload_kv_row(const T* row, int64_t d) {
-    if constexpr (sizeof(A) == 8) return vload(row + d);
-    else return vload_row(row, d);
 }
 
 // Sum of the lanes in a fixed tree: add the upper half onto the lower half until 4 float
@@ -202,7 +198,7 @@ inline void dot_rows(const A* __restrict q, int64_t q_stride, const T* __restric
     for (int r = 0; r < NR; ++r) part[r] = Vec<A>{};
     int64_t d = 0;
     for (; d + L <= D; d += L) {
-        const Vec<A> kv = vload_kv_row<A>(k, d);
+        const Vec<A> kv = vload_row(k, d);
         for (int r = 0; r < NR; ++r) part[r] += vload(q + r * q_stride + d) * kv;
     }
     if (d < D) {  // the last D % L elements: a zero-filled vector (never reads past the row)
@@ -228,7 +224,7 @@ inline void pv_tile(A* __restrict acc, int64_t acc_stride, const A* __restrict p
     for (int64_t j = j0; j < j1; ++j) {
         const T* vrow = v + j * v_stride;
         Vec<A> vv[NV];
-        for (int c = 0; c < NV; ++c) vv[c] = vload_kv_row<A>(vrow, col + c * L);
+        for (int c = 0; c < NV; ++c) vv[c] = vload_row(vrow, col + c * L);
         for (int r = 0; r < NR; ++r) {
             const A pr = p[r * p_stride + j];
             for (int c = 0; c < NV; ++c) a[r][c] += pr * vv[c];

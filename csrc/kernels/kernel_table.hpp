@@ -50,8 +50,8 @@ constexpr int64_t kDecodeMaxQueryRows = 16;
 static inline bool takes_decode_path(const AttentionParams& p) {
     return p.seqlen_q <= kDecodeMaxQueryRows;
 }
-// Query rows per decode call when a longer query reads a quantized cache (float8), which
-// has no prefill kernel (decode_only_format): each block re-reads the cache once.
+// Query rows per decode call when a longer query reads a float8 or int4 cache, which has no
+// prefill kernel (decode_only_format): each block re-reads the cache once.
 constexpr int64_t kQuantizedRowBlock = 64;
 // Query rows (heads x positions) one pass over a block of keys serves; more rows re-read
 // the block from cache (L2), not from memory.
