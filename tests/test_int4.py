@@ -15,14 +15,6 @@ from attnfast import _ext
 from attnfast._rotation import hadamard_rotate
 from reference import reference_attention
 
-AVAILABLE_ISAS = _ext.runtime_info()["isa_available"]
-
-
-@pytest.fixture(params=AVAILABLE_ISAS)
-def isa(request):
-    _ext.force_isa(request.param)
-    yield request.param
-    _ext.force_isa("")
 
 
 def decode_rows(packed, dim):
@@ -86,7 +78,7 @@ def test_layout_error_bound_and_nan_rule():
 @pytest.mark.parametrize("heads, kv_heads, tq, d, dv", [
     (8, 8, 1, 128, 128), (8, 2, 3, 64, 80), (4, 4, 1, 80, 64), (6, 2, 16, 96, 96),
     (4, 2, 1, 33, 20), (4, 1, 40, 128, 128), (2, 2, 100, 64, 64)])
-def test_int4_kvcache_matches_decoded_reference(isa, heads, kv_heads, tq, d, dv):
+def test_int4_kvcache_matches_decoded_reference(tier, heads, kv_heads, tq, d, dv):
     rng = np.random.default_rng(heads * 100 + tq + d)
     B, C, n = 2, 512, 300
     cache = af.KVCache(B, kv_heads, d, C, dtype="int4", v_head_dim=dv)
@@ -103,7 +95,7 @@ def test_int4_kvcache_matches_decoded_reference(isa, heads, kv_heads, tq, d, dv)
     close(out, ref)
     # which kernel read it: the hand-written decode where D, Dv are whole vectors, else
     # the template (the query rows of a prompt chunk run through the decode loop too)
-    lanes = {"avx512bf16": 16, "avx512": 16, "avx2": 8}.get(isa)
+    lanes = {"avx512bf16": 16, "avx512": 16, "avx2": 8}.get(tier)
     plan = _ext.plan_attention(q[:, :, :min(tq, 16)], cache.k, cache.v, causal=True,
                                scale=d ** -0.5, window_left=-1, window_right=-1, num_threads=1,
                                seqlens_k=np.full(B, n, np.int64), head_dim_v=dv)
@@ -113,7 +105,7 @@ def test_int4_kvcache_matches_decoded_reference(isa, heads, kv_heads, tq, d, dv)
 
 
 @pytest.mark.parametrize("tq", [1, 5, 70])
-def test_int4_options_lse_and_16bit_q(isa, tq):
+def test_int4_options_lse_and_16bit_q(tier, tq):
     rng = np.random.default_rng(3 + tq)
     B, H, Hkv, D, C = 1, 4, 2, 64, 256
     cache = af.KVCache(B, Hkv, D, C, dtype="int4")
@@ -142,7 +134,7 @@ def test_int4_options_lse_and_16bit_q(isa, tq):
     close(outb.astype(np.float32), refb, tol=8e-3)
 
 
-def test_int4_paged_equals_contiguous_and_forks_share(isa):
+def test_int4_paged_equals_contiguous_and_forks_share(tier):
     rng = np.random.default_rng(5)
     Hkv, D, n = 2, 128, 333
     k = rng.standard_normal((1, Hkv, n, D)).astype(np.float32)
@@ -162,7 +154,7 @@ def test_int4_paged_equals_contiguous_and_forks_share(isa):
     np.testing.assert_array_equal(pool.step([a, b], q2, kt, vt), cache.step(q2, kt, vt))
 
 
-def test_int4_nan_row_reads_back_as_nan(isa):
+def test_int4_nan_row_reads_back_as_nan(tier):
     rng = np.random.default_rng(2)
     cache = af.KVCache(1, 1, 64, 8, dtype="int4")
     k = rng.standard_normal((1, 1, 4, 64)).astype(np.float32)

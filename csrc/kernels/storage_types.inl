@@ -75,8 +75,9 @@ inline float q4_value(const q4_t* row, int64_t d) {
     return n * widen(scale) + widen(minimum);
 }
 
-// Value `d` of a stored row (element pointers step values for every type but int4).
-template <class T> inline float kv_value(const T* row, int64_t d) { return widen(row[d]); }
+// Value `d` of a stored row, widened (float32, or float64 for float64): element pointers
+// step values for every type but int4.
+template <class T> inline auto kv_value(const T* row, int64_t d) { return widen(row[d]); }
 inline float kv_value(const q4_t* row, int64_t d) { return q4_value(row, d); }
 
 // Bytes of a stored row of `n` values.
