@@ -202,25 +202,32 @@ inline V vld_kv(const fp8_t* p) {  // as the AVX-512 one, 8 lanes
 #endif
 // W values d, d + 1, .. (d a multiple of W) of a stored K/V row, widened to float32: element
 // pointers step values for every storage type but int4, whose rows are blocks of 32
-// (storage_types.inl), dequantised here in registers: one load of 16 (AVX2: 8) bytes, the
-// block's low or high nibbles, vcvtdq2ps, one FMA with the block's scale and minimum.
+// (storage_types.inl), dequantised here in registers: the block's header broadcast from
+// memory, its bfloat16 scale and minimum made float32 by a shift and a mask (no shuffles);
+// the block's bytes zero-extended to 32-bit lanes (vpmovzxbd), masked to the low nibbles or
+// shifted down to the high ones, vcvtdq2ps, one FMA. (Measured: float16 headers cost more
+// than the nibbles, their vcvtph2ps and broadcasts all on the shuffle port.)
 template <class T> inline V vld_kv(const T* row, int64_t d) { return vld_kv(row + d); }
 inline V vld_kv(const q4_t* row, int64_t d) {
     const uint8_t* block = &row->byte + (d / kQ4Group) * kQ4BlockBytes;
-    uint16_t scale, minimum;
-    __builtin_memcpy(&scale, block, 2);
-    __builtin_memcpy(&minimum, block + 2, 2);
     const int64_t i = d % kQ4Group;  // 0 or 16 (AVX2: 0, 8, 16 or 24)
+    int32_t header;
+    __builtin_memcpy(&header, block, 4);
 #if defined(__AVX512F__)
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
-    const __m128i nib = _mm_and_si128(i < 16 ? bytes : _mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
-    const V n = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib));
+    const __m512i h = _mm512_set1_epi32(header);
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
+    const __m512i n = i < 16 ? _mm512_and_si512(bytes, _mm512_set1_epi32(15)) : _mm512_srli_epi32(bytes, 4);
+    const V scale = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+    const V minimum = _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+    return vfma(_mm512_cvtepi32_ps(n), scale, minimum);
 #else
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 4 + (i & 15)));
-    const __m128i nib = _mm_and_si128(i < 16 ? bytes : _mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
-    const V n = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib));
+    const __m256i h = _mm256_set1_epi32(header);
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 4 + (i & 15))));
+    const __m256i n = i < 16 ? _mm256_and_si256(bytes, _mm256_set1_epi32(15)) : _mm256_srli_epi32(bytes, 4);
+    const V scale = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+    const V minimum = _mm256_castsi256_ps(_mm256_and_si256(h, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+    return vfma(_mm256_cvtepi32_ps(n), scale, minimum);
 #endif
-    return vfma(n, vset(_cvtsh_ss(scale)), vset(_cvtsh_ss(minimum)));
 }
 // What vld_kv leaves in the row scales: the stored value is kScaleFold<T> * (vld_kv's lanes).
 template <class T> constexpr float kScaleFold = 1.0f;

@@ -22,11 +22,13 @@ struct f16_t { uint16_t bits; };   // IEEE 754 binary16
 // scale per row, as int8).
 struct fp8_t { uint8_t bits; };
 // int4 (the "int4" cache format): a row of D values is ceil(D / 32) blocks of 32 values, each
-// block 20 bytes: float16 scale, float16 minimum, then 16 bytes, byte i holding the block's
-// value i in its low nibble and value i + 16 in its high nibble (ggml's q4_1 order: a vector
-// of 16 consecutive values is one 16-byte load); value = scale * n + minimum, n in 0..15.
-// Rows carry their own scales (no scale arrays); a row read from non-finite numbers has NaN
-// scales. A KV-cache storage type only: element pointers step bytes, never values.
+// block 20 bytes: a little-endian uint32 holding the bfloat16 scale in its low half and the
+// bfloat16 minimum in its high half, then 16 bytes, byte i holding the block's value i in its
+// low nibble and value i + 16 in its high nibble (ggml's q4_1 order: a vector of 16
+// consecutive values is one 16-byte load); value = scale * n + minimum, n in 0..15 (bfloat16
+// so that the header widens with shifts and masks, attnfast/_int4.py). Rows carry their own
+// scales (no scale arrays); a row read from non-finite numbers has NaN scales. A KV-cache
+// storage type only: element pointers step bytes, never values.
 struct q4_t { uint8_t byte; };
 constexpr int64_t kQ4Group = 32;       // values per block
 constexpr int64_t kQ4BlockBytes = 20;  // bytes per block
@@ -66,13 +68,12 @@ inline float widen(fp8_t x) {
 // Value d of an int4 row, exactly scale * n + minimum in float32 (one rounding).
 inline float q4_value(const q4_t* row, int64_t d) {
     const uint8_t* block = &row->byte + (d / kQ4Group) * kQ4BlockBytes;
-    f16_t scale, minimum;
-    std::memcpy(&scale.bits, block, 2);
-    std::memcpy(&minimum.bits, block + 2, 2);
+    uint32_t header;
+    std::memcpy(&header, block, 4);
     const int64_t i = d % kQ4Group;
     const uint8_t b = block[4 + (i & 15)];
     const float n = static_cast<float>(i < 16 ? b & 15 : b >> 4);
-    return n * widen(scale) + widen(minimum);
+    return n * bits_to_float(header << 16) + bits_to_float(header & 0xFFFF0000u);
 }
 
 // Value `d` of a stored row, widened (float32, or float64 for float64): element pointers

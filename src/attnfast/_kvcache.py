@@ -407,7 +407,7 @@ class KVCache:
     format new tokens are quantised into on append (queries float32, float16 or bfloat16):
     ``"int8"`` (a float32 scale per token row in ``k_scale`` / ``v_scale``; keys rotated,
     see ``key_rotation``), ``ml_dtypes.float8_e4m3fn`` (scales the same) or ``"int4"``
-    (groups of 32 values with their own float16 scale and minimum, packed into uint8 ``k`` /
+    (groups of 32 values with their own bfloat16 scale and minimum, packed into uint8 ``k`` /
     ``v`` rows of 20 * ceil(head_dim / 32) bytes; keys rotated). Formats and their errors:
     the user guide's "KV-cache formats" page.
 

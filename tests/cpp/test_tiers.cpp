@@ -657,8 +657,8 @@ bool round_trip_16bit(const char* dtype, bool flushes_subnormals = false) {
     return true;
 }
 
-// int4 cache (DType::kQ4): rows of 20-byte blocks (float16 scale, float16 minimum, 16 bytes of
-// nibbles: value i low, value i + 16 high), decoded here from that layout. Decode (Tq 1, 3)
+// int4 cache (DType::kQ4): rows of 20-byte blocks (bfloat16 scale, bfloat16 minimum, 16 bytes
+// of nibbles: value i low, value i + 16 high), decoded here from that layout. Decode (Tq 1, 3)
 // and a prompt chunk (Tq 40: the decode loop in row blocks), GQA, D and Dv that are and are
 // not whole vectors, contiguous and paged; float32 q; 1 and 3 threads the same bits.
 bool run_int4_case(int64_t H, int64_t Hkv, int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, uint64_t seed) {
@@ -669,7 +669,7 @@ bool run_int4_case(int64_t H, int64_t Hkv, int64_t Tq, int64_t Tk, int64_t D, in
         for (int64_t r = 0; r < static_cast<int64_t>(rows.size()) / row_bytes; ++r)
             for (int64_t g = 0; g < row_bytes / 20; ++g) {
                 uint8_t* blk = rows.data() + r * row_bytes + g * 20;
-                const F16 scale(0.02 + 0.01 * rng.next(1.0)), minimum(-0.15 + 0.05 * rng.next(1.0));
+                const Bf16 scale(0.02 + 0.01 * rng.next(1.0)), minimum(-0.15 + 0.05 * rng.next(1.0));
                 std::memcpy(blk, &scale.bits, 2);
                 std::memcpy(blk + 2, &minimum.bits, 2);
                 for (int i = 0; i < 16; ++i) blk[4 + i] = static_cast<uint8_t>(std::lround(127.5 + 127.5 * rng.next(1.0)));
@@ -679,7 +679,7 @@ bool run_int4_case(int64_t H, int64_t Hkv, int64_t Tq, int64_t Tk, int64_t D, in
     fill(v, rv);
     auto value = [](const std::vector<uint8_t>& rows, int64_t row_bytes, int64_t r, int64_t d) {
         const uint8_t* blk = rows.data() + r * row_bytes + (d / 32) * 20;
-        F16 scale, minimum;
+        Bf16 scale, minimum;
         std::memcpy(&scale.bits, blk, 2);
         std::memcpy(&minimum.bits, blk + 2, 2);
         const int i = static_cast<int>(d % 32);
