@@ -229,6 +229,37 @@ inline V vld_kv(const q4_t* row, int64_t d) {
     return vfma(_mm256_cvtepi32_ps(n), scale, minimum);
 #endif
 }
+// Vectors one block of a storage type holds: 1, but an int4 block of 32 values spans 32 / W
+// vectors, whose header and bytes are then decoded once (vld_kv_block).
+template <class T> struct KvBlock { static constexpr int kVecs = 1; };
+template <> struct KvBlock<q4_t> { static constexpr int kVecs = 32 / W; };
+// out[0 .. KvBlock<T>::kVecs) = vectors d, d + W, .. of a stored row (d a multiple of
+// kVecs * W).
+template <class T> inline void vld_kv_block(const T* row, int64_t d, V* out) { out[0] = vld_kv(row, d); }
+inline void vld_kv_block(const q4_t* row, int64_t d, V* out) {
+    const uint8_t* block = &row->byte + (d / kQ4Group) * kQ4BlockBytes;
+    int32_t header;
+    __builtin_memcpy(&header, block, 4);
+#if defined(__AVX512F__)
+    const __m512i h = _mm512_set1_epi32(header);
+    const V scale = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+    const V minimum = _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
+    out[0] = vfma(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), scale, minimum);
+    out[1] = vfma(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), scale, minimum);
+#else
+    const __m256i h = _mm256_set1_epi32(header);
+    const V scale = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+    const V minimum = _mm256_castsi256_ps(_mm256_and_si256(h, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 4)));
+    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 12)));
+    const __m256i low = _mm256_set1_epi32(15);
+    out[0] = vfma(_mm256_cvtepi32_ps(_mm256_and_si256(lo, low)), scale, minimum);
+    out[1] = vfma(_mm256_cvtepi32_ps(_mm256_and_si256(hi, low)), scale, minimum);
+    out[2] = vfma(_mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)), scale, minimum);
+    out[3] = vfma(_mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4)), scale, minimum);
+#endif
+}
 // What vld_kv leaves in the row scales: the stored value is kScaleFold<T> * (vld_kv's lanes).
 template <class T> constexpr float kScaleFold = 1.0f;
 template <> constexpr float kScaleFold<fp8_t> = 256.0f;
@@ -253,11 +284,14 @@ inline void score_keys(const float* __restrict q, int64_t qs, const T* __restric
     for (int j = 0; j < KB; ++j) {
         if (vpf && j < keys)
             for (int64_t off = 0; off < vrow_bytes; off += 64) __builtin_prefetch(vpf + j * vsb + off, 0, 2);
-        if (ND > 0) {
-            for (int c = 0; c < ND; ++c) {
-                const V kv = vld_kv(kp[j], c * W);
-                for (int r = 0; r < RB; ++r)
-                    acc[r * KB + j] = vfma(kv, vld(q + r * qs + c * W), acc[r * KB + j]);
+        constexpr int BV = KvBlock<T>::kVecs;
+        if (ND > 0 && ND % BV == 0) {
+            for (int c = 0; c < ND; c += BV) {
+                V kv[BV];
+                vld_kv_block(kp[j], c * W, kv);
+                for (int u = 0; u < BV; ++u)
+                    for (int r = 0; r < RB; ++r)
+                        acc[r * KB + j] = vfma(kv[u], vld(q + r * qs + (c + u) * W), acc[r * KB + j]);
             }
         } else {
             for (int64_t d = 0; d < D; d += W) {
@@ -291,7 +325,12 @@ inline void pv_tile(float* __restrict acc, int64_t acc_stride, const float* __re
     for (int64_t j = j0; j < j1; ++j) {
         const T* vrow = v + j * vs;
         V vv[NV];
-        for (int c = 0; c < NV; ++c) vv[c] = vld_kv(vrow, col + c * W);
+        constexpr int BV = KvBlock<T>::kVecs;
+        if (NV % BV == 0 && col % (BV * W) == 0) {  // (always, but for int4 in odd tiles)
+            for (int c = 0; c < NV; c += BV) vld_kv_block(vrow, col + c * W, vv + c);
+        } else {
+            for (int c = 0; c < NV; ++c) vv[c] = vld_kv(vrow, col + c * W);
+        }
         for (int r = 0; r < RB; ++r) {
             const V pr = vset(p[r * ps + j]);
             for (int c = 0; c < NV; ++c) a[r][c] = vfma(pr, vv[c], a[r][c]);
