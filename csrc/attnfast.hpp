@@ -6,9 +6,12 @@
 namespace attnfast {
 
 // Element types. Arithmetic accumulates in float32 (float64 for kF64), never in 16 bits.
-// kI8 and kF8E4M3 are KV-cache storage types only (symmetric int8 / float8 e4m3fn values,
-// each row with one float32 scale).
-enum class DType : int32_t { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kI8 = 4, kF8E4M3 = 5 };
+// kI8, kF8E4M3 and kQ4 are KV-cache storage types only: symmetric int8 / float8 e4m3fn
+// values, each row with one float32 scale (k_scale / v_scale); or kQ4, 4-bit values in blocks
+// of 32 that carry their own float16 scale and minimum (value = scale * n + minimum; a row of
+// D values is ceil(D / 32) blocks of 20 bytes, strides counted in bytes; see
+// kernels/storage_types.inl for the byte order).
+enum class DType : int32_t { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kI8 = 4, kF8E4M3 = 5, kQ4 = 6 };
 
 // How `mask` is read: bool (one byte, nonzero = keep) or added to the scores.
 enum class MaskKind : int32_t { kNone = 0, kBool = 1, kAdditive = 2 };
@@ -42,8 +45,8 @@ struct AttentionParams {
     int64_t head_dim_v;  // Dv, of v and out
 
     DType dtype;         // of q and out
-    DType kv_dtype;      // of k and v: dtype, or (float32 q) kF16 / kBF16 / kI8 / kF8E4M3,
-                         // or (kF16 / kBF16 q) kI8 / kF8E4M3
+    DType kv_dtype;      // of k and v: dtype, or (float32 q) kF16 / kBF16 / kI8 / kF8E4M3 /
+                         // kQ4, or (kF16 / kBF16 q) kI8 / kF8E4M3 / kQ4
     // kv_dtype kI8 or kF8E4M3 only: float32 dequantisation scales (batch, kv_heads, seqlen_k),
     // one per cached row: k[b, g, j, :] stands for k_scale[b, g, j] * (its stored values).
     const float* k_scale;
@@ -98,7 +101,9 @@ AttentionParams default_params();
 
 // Streaming (FlashAttention-style) attention. Never allocates in proportion to Tq * Tk.
 // Queries of up to kDecodeMaxQueryRows rows (kernels/kernel_table.hpp) take the decode path
-// (decode.cpp: GQA-grouped, split-KV, bandwidth-bound); longer ones the prefill tiling.
+// (decode.cpp: GQA-grouped, split-KV, bandwidth-bound); longer ones the prefill tiling, but
+// over a float8 or int4 cache (decode_only_format: no prefill kernel reads them) the decode
+// loop in blocks of kQuantizedRowBlock query rows, each with its own causal offset.
 // Throws std::invalid_argument for a params struct the kernels cannot run
 // (the Python layer checks first, so this is a guard, not the user-facing check).
 void attention_forward(const AttentionParams& params);
@@ -134,24 +139,9 @@ struct CallPlan {
 // it would run, from the same code: the drivers' own kernel choice and work split.
 CallPlan plan_attention(const AttentionParams& params);
 
-// The same for a float8 (kF8E4M3) cache, whatever Tq: every query runs through the decode
-// loop, queries longer than kDecodeMaxQueryRows in blocks of kQuantizedRowBlock rows, each
-// with its own causal offset (there is no prefill kernel for these formats). Checks as
-// attention_forward does. (A separate entry so the prefill driver's checks stay as they are.)
-void quantized_cache_forward(const AttentionParams& params);
-// plan_attention for quantized_cache_forward.
-CallPlan plan_quantized_cache(const AttentionParams& params);
-// Whether kv_dtype is a format only quantized_cache_forward runs.
-inline bool is_quantized_cache_format(DType kv) { return kv == DType::kF8E4M3; }
-// attention_forward, or quantized_cache_forward for the formats it runs (the bindings' entry).
-inline void attention_forward_any(const AttentionParams& params) {
-    if (is_quantized_cache_format(params.kv_dtype)) quantized_cache_forward(params);
-    else attention_forward(params);
-}
-inline CallPlan plan_attention_any(const AttentionParams& params) {
-    return is_quantized_cache_format(params.kv_dtype) ? plan_quantized_cache(params)
-                                                      : plan_attention(params);
-}
+// Whether only the decode loop reads this KV storage type (every query length then runs
+// through it; see attention_forward).
+inline bool decode_only_format(DType kv) { return kv == DType::kF8E4M3 || kv == DType::kQ4; }
 
 
 // ---- interrupts (Ctrl-C) ----

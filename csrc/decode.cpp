@@ -172,26 +172,13 @@ private:
     int64_t slots_ = 0;
 };
 
-// ---- quantized caches (float8): every query through the decode loop ----
-
-void require_quantized(bool ok, const char* what) {
-    if (!ok) throw std::invalid_argument(std::string("attnfast::quantized_cache_forward: ") + what);
-}
-
-// The checks of attention_forward (check_params) with the format standing in as int8, whose
-// rules it shares (q float32 or 16-bit, row scales required), then the format's own.
-void check_quantized(const AttentionParams& p) {
-    require_quantized(is_quantized_cache_format(p.kv_dtype), "kv_dtype is not a quantized-cache format");
-    AttentionParams as_int8 = p;
-    as_int8.kv_dtype = DType::kI8;
-    check_params(as_int8);
-}
+// ---- float8 / int4 caches: every query through the decode loop ----
 
 int64_t dtype_bytes(DType t) {
     switch (t) {
         case DType::kF64: return 8;
         case DType::kF16: case DType::kBF16: return 2;
-        case DType::kI8: case DType::kF8E4M3: return 1;
+        case DType::kI8: case DType::kF8E4M3: case DType::kQ4: return 1;  // (int4: strides in bytes)
         default: return 4;
     }
 }
@@ -259,27 +246,21 @@ std::unique_ptr<ProblemWork> make_decode_work(const AttentionParams& p) {
         p, kernels.decode_chunk_f64, kernels.decode_merge_f64, chunk_keys, ws_elems));
 }
 
-void quantized_cache_forward(const AttentionParams& p) {
-    check_quantized(p);
-    if (takes_decode_path(p)) {
-        decode_forward(p);
-        return;
-    }
-    // A prompt chunk: blocks of rows, each a decode call with its rows' key positions.
+std::vector<AttentionParams> decode_row_blocks(const AttentionParams& p) {
+    std::vector<AttentionParams> blocks;
     const int64_t T = p.seqlen_q;
+    auto add_rows = [&](const AttentionParams& one, int64_t offset) {
+        for (int64_t r0 = 0; r0 < T; r0 += kQuantizedRowBlock)
+            blocks.push_back(query_rows(one, r0, T - r0 < kQuantizedRowBlock ? T - r0 : kQuantizedRowBlock,
+                                        offset));
+    };
     if (p.has_query_offset) {
-        for (int64_t r0 = 0; r0 < T; r0 += kQuantizedRowBlock)
-            decode_forward(query_rows(p, r0, T - r0 < kQuantizedRowBlock ? T - r0 : kQuantizedRowBlock,
-                                      p.query_offset));
-        return;
+        add_rows(p, p.query_offset);
+    } else {
+        for (int64_t b = 0; b < p.batch; ++b)  // bottom-right: each entry's own offset
+            add_rows(batch_entry(p, b), batch_seqlen_k(p, b) - T);
     }
-    for (int64_t b = 0; b < p.batch; ++b) {  // bottom-right: each entry's own offset
-        const AttentionParams one = batch_entry(p, b);
-        const int64_t offset = batch_seqlen_k(p, b) - T;
-        for (int64_t r0 = 0; r0 < T; r0 += kQuantizedRowBlock)
-            decode_forward(query_rows(one, r0, T - r0 < kQuantizedRowBlock ? T - r0 : kQuantizedRowBlock,
-                                      offset));
-    }
+    return blocks;
 }
 
 void decode_forward(const AttentionParams& p) {
@@ -311,19 +292,6 @@ CallPlan plan_decode(const AttentionParams& p) {
         if (split.chunk_count[b] > plan.chunks) plan.chunks = split.chunk_count[b];
     plan.tasks = static_cast<int64_t>(split.tasks.size());
     plan.threads = parallel::threads_alone(decode_work(p, split), p.num_threads);
-    return plan;
-}
-
-CallPlan plan_quantized_cache(const AttentionParams& p) {
-    check_quantized(p);
-    if (takes_decode_path(p)) return plan_decode(p);
-    // The first block of rows (of the first batch entry, when aligned bottom-right): the
-    // others split alike.
-    const int64_t n = p.seqlen_q < kQuantizedRowBlock ? p.seqlen_q : kQuantizedRowBlock;
-    const AttentionParams first = p.has_query_offset
-        ? query_rows(p, 0, n, p.query_offset)
-        : query_rows(batch_entry(p, 0), 0, n, batch_seqlen_k(p, 0) - p.seqlen_q);
-    CallPlan plan = plan_decode(first);
     return plan;
 }
 

@@ -2,6 +2,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "attnfast.hpp"
 
@@ -13,6 +14,12 @@ void check_params(const AttentionParams& p);
 // Short queries (takes_decode_path): split-KV, GQA-grouped decode (decode.cpp).
 // `p` has been checked by attention_forward.
 void decode_forward(const AttentionParams& p);
+
+// A checked prompt (not takes_decode_path) over a decode_only_format cache, as the decode
+// problems it runs as: blocks of kQuantizedRowBlock query rows (per batch entry when aligned
+// bottom-right), each keeping its rows' key positions through an explicit query offset
+// (decode.cpp).
+std::vector<AttentionParams> decode_row_blocks(const AttentionParams& p);
 
 // plan_attention's answer for checked params, from the code each driver runs by.
 CallPlan plan_prefill(const AttentionParams& p);  // prefill.cpp

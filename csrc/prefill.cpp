@@ -52,12 +52,14 @@ void check_params(const AttentionParams& p) {
                  (p.mask_dtype == DType::kF32 || p.mask_dtype == DType::kF64)),
             "mask must be bool, or additive float32 / float64");
     const DType q = p.dtype, kv = p.kv_dtype;
-    const bool same = q == kv && q != DType::kI8;
+    const bool row_scaled = kv == DType::kI8 || kv == DType::kF8E4M3;
+    const bool cache_only = row_scaled || kv == DType::kQ4;  // KV storage types, never q's
+    const bool same = q == kv && !cache_only;
     const bool f32_q_lowp_kv = q == DType::kF32 && (kv == DType::kF16 || kv == DType::kBF16);
-    const bool int8_kv = kv == DType::kI8 && (q == DType::kF32 || q == DType::kF16 || q == DType::kBF16);
-    require(same || f32_q_lowp_kv || int8_kv, "dtype / kv_dtype combination not supported");
-    require((kv == DType::kI8) == (p.k_scale != nullptr && p.v_scale != nullptr),
-            "k_scale and v_scale are required with (and only with) an int8 cache");
+    const bool quantized_kv = cache_only && (q == DType::kF32 || q == DType::kF16 || q == DType::kBF16);
+    require(same || f32_q_lowp_kv || quantized_kv, "dtype / kv_dtype combination not supported");
+    require(row_scaled == (p.k_scale != nullptr && p.v_scale != nullptr),
+            "k_scale and v_scale are required with (and only with) an int8 or float8 cache");
     if (p.seqlens_k)
         for (int64_t b = 0; b < p.batch; ++b)
             require(p.seqlens_k[b] >= 0 && p.seqlens_k[b] <= p.seqlen_k,
@@ -200,6 +202,17 @@ void attention_forward_batch(const AttentionParams* problems, int64_t count) {
     require(count >= 0 && (count == 0 || problems), "attention_forward_batch: no problems");
     for (int64_t i = 0; i < count; ++i) check_params(problems[i]);
     if (count == 0) return;
+    // A prompt over a float8 / int4 cache runs as decode problems of its row blocks.
+    std::vector<AttentionParams> expanded;
+    for (int64_t i = 0; i < count; ++i) {
+        if (!takes_decode_path(problems[i]) && decode_only_format(problems[i].kv_dtype)) {
+            for (const AttentionParams& block : decode_row_blocks(problems[i])) expanded.push_back(block);
+        } else {
+            expanded.push_back(problems[i]);
+        }
+    }
+    problems = expanded.data();
+    count = static_cast<int64_t>(expanded.size());
     // Prefill tasks first (the longest units), then the decode chunks, which the dynamic
     // schedule spreads over the threads as they free up; then every decode merge.
     std::vector<std::unique_ptr<ProblemWork>> works;
@@ -207,7 +220,8 @@ void attention_forward_batch(const AttentionParams* problems, int64_t count) {
     int64_t ws_bytes = 64;
     for (int pass = 0; pass < 2; ++pass)
         for (int64_t i = 0; i < count; ++i) {
-            if (takes_decode_path(problems[i]) != (pass == 1)) continue;
+            const bool decode_loop = takes_decode_path(problems[i]) || decode_only_format(problems[i].kv_dtype);
+            if (decode_loop != (pass == 1)) continue;
             works.push_back(pass == 0 ? make_prefill_work(problems[i]) : make_decode_work(problems[i]));
             const ProblemWork& w = *works.back();
             const int64_t id = static_cast<int64_t>(works.size()) - 1;
@@ -240,6 +254,10 @@ void attention_forward(const AttentionParams& p) {
         decode_forward(p);
         return;
     }
+    if (decode_only_format(p.kv_dtype)) {
+        for (const AttentionParams& block : decode_row_blocks(p)) decode_forward(block);
+        return;
+    }
     const AttentionParams read = prefill_read_params(p);
     run_prefill(read, choose_prefill(active_kernels(), read));
 }
@@ -260,7 +278,12 @@ CallPlan plan_prefill(const AttentionParams& p) {
 
 CallPlan plan_attention(const AttentionParams& p) {
     check_params(p);
-    return takes_decode_path(p) ? plan_decode(p) : plan_prefill(p);
+    if (takes_decode_path(p)) return plan_decode(p);
+    if (decode_only_format(p.kv_dtype)) {  // its first block of rows: the others split alike
+        const std::vector<AttentionParams> blocks = decode_row_blocks(p);
+        return plan_decode(blocks.empty() ? p : blocks.front());
+    }
+    return plan_prefill(p);
 }
 
 void request_interrupt() noexcept { parallel::interrupt_flag().store(1); }

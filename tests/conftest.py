@@ -4,7 +4,20 @@ import sys
 import numpy as np
 import pytest
 
+from attnfast import _ext
+
 sys.path.insert(0, os.path.dirname(__file__))  # tests/reference.py
+
+
+@pytest.fixture(params=_ext.runtime_info()["isa_available"])
+def tier(request):
+    """Runs the test on one kernel tier this CPU can run (each in turn), then goes back to the
+    automatic choice. (ATTNFAST_ISA=... pins the automatic choice; the tiers are still forced
+    one by one here.)"""
+    _ext.force_isa(request.param)
+    assert _ext.runtime_info()["isa"] == request.param
+    yield request.param
+    _ext.force_isa("")
 
 
 @pytest.fixture

@@ -72,26 +72,27 @@ def test_bench_quick_tiny_shapes(tmp_path):
 
 def test_bench_several_dtypes(tmp_path):
     """--dtype as a comma list: one decode row per dtype and L, bytes counted as stored (int8
-    with its float32 scales), one linear fit per dtype; prefill in the first non-int8 dtype."""
+    with its float32 scales, int4 as packed blocks), one linear fit per dtype; prefill in the
+    first dtype that is not a cache-only one."""
     json_path = tmp_path / "out.json"
     proc = run_cli("bench", "--quick", "--threads", "1", "--prefill-T", "64",
                    "--decode-L", "128,256", "--heads", "4/2", "--head-dim", "32",
                    "--tokens", "2", "--prompt", "8", "--recompute-max-L", "128",
                    "--bandwidth-mib", "16", "--budget", "0.01", "--png", "none",
-                   "--dtype", "int8,bfloat16,float32", "--json", str(json_path), cwd=tmp_path)
+                   "--dtype", "int8,int4,bfloat16,float32", "--json", str(json_path), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(json_path.read_text())
-    assert res["dtype"] == "bfloat16" and res["dtypes"] == ["int8", "bfloat16", "float32"]
-    per_token = {"int8": 2 * ((32 + 32) * 1 + 8), "bfloat16": 2 * (32 + 32) * 2,
-                 "float32": 2 * (32 + 32) * 4}
+    assert res["dtype"] == "bfloat16" and res["dtypes"] == ["int8", "int4", "bfloat16", "float32"]
+    per_token = {"int8": 2 * ((32 + 32) * 1 + 8), "int4": 2 * (20 + 20),
+                 "bfloat16": 2 * (32 + 32) * 2, "float32": 2 * (32 + 32) * 4}
     assert sorted((r["dtype"], r["L"]) for r in res["decode"]) == sorted(
         (d, L) for d in per_token for L in (128, 256))
     for r in res["decode"]:
         assert r["bytes"] == r["L"] * per_token[r["dtype"]]
     assert sorted(f["dtype"] for f in res["decode_fit"].values()) == sorted(per_token)
     assert "vs int8" in proc.stdout
-    proc = run_cli("bench", "--dtype", "float32,int4")
-    assert proc.returncode == 2 and "int4" in proc.stderr
+    proc = run_cli("bench", "--dtype", "float32,int3")
+    assert proc.returncode == 2 and "int3" in proc.stderr
 
 
 def test_bench_plot(tmp_path):

@@ -8,18 +8,8 @@ import numpy as np
 import pytest
 
 import attnfast as af
-from attnfast import _ext
 from reference import TOLERANCE, reference_attention
 
-AVAILABLE_ISAS = _ext.runtime_info()["isa_available"]
-
-
-@pytest.fixture(params=AVAILABLE_ISAS)
-def isa(request):
-    """Run the test on one kernel tier, then go back to automatic choice."""
-    _ext.force_isa(request.param)
-    yield request.param
-    _ext.force_isa("")
 
 
 def random_cache(batch, kv_heads, capacity, head_dim, head_dim_v, dtype):
@@ -52,7 +42,7 @@ def assert_matches_reference(out, lse, q, k, v, lengths, *, causal, window=None,
 @pytest.mark.parametrize("heads,kv_heads", [(32, 8), (8, 1)], ids=["gqa32/8", "mqa8/1"])
 @pytest.mark.parametrize("query_len", [1, 4])
 @pytest.mark.parametrize("length", [1, 2, 17, 1000, 5000])
-def test_decode_matches_reference(isa, rng, dtype, heads, kv_heads, query_len, length):
+def test_decode_matches_reference(tier, rng, dtype, heads, kv_heads, query_len, length):
     # Two sequences of different lengths (the second one shorter, possibly empty).
     lengths = [length, max(length - 7, 0)]
     D = 64
@@ -66,7 +56,7 @@ def test_decode_matches_reference(isa, rng, dtype, heads, kv_heads, query_len, l
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("head_dim,head_dim_v", [(7, 5), (80, 48), (128, 128), (200, 136)])
-def test_decode_head_dims(isa, rng, dtype, head_dim, head_dim_v):
+def test_decode_head_dims(tier, rng, dtype, head_dim, head_dim_v):
     """Head dims that are not multiples of the vector width, and Dv != D."""
     lengths = [1500, 333]
     k, v = random_cache(2, 2, 1600, head_dim, head_dim_v, dtype)
@@ -79,7 +69,7 @@ def test_decode_head_dims(isa, rng, dtype, head_dim, head_dim_v):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("window", [None, (5, 0), (600, 2), (0, 0), (-1, 3)])
 @pytest.mark.parametrize("query_len", [1, 4, 16])
-def test_decode_causal_and_window(isa, rng, causal, window, query_len):
+def test_decode_causal_and_window(tier, rng, causal, window, query_len):
     """Bottom-right alignment per sequence length, windows, rows that see no key."""
     lengths = [1300, 3, 0, 700]
     D = 32
@@ -93,7 +83,7 @@ def test_decode_causal_and_window(isa, rng, causal, window, query_len):
 
 @pytest.mark.parametrize("causal,window", [(True, None), (True, (7, 3)), (False, (20, 2))])
 @pytest.mark.parametrize("query_len", [16, 17, 40])
-def test_prefill_and_decode_paths_honour_lengths(isa, rng, query_len, causal, window):
+def test_prefill_and_decode_paths_honour_lengths(tier, rng, query_len, causal, window):
     """16 query rows take the decode path, 17 and more the prefill tiling: both use the
     per-sequence lengths and align causal and window to them."""
     lengths = [300, 41, 5]
@@ -106,7 +96,7 @@ def test_prefill_and_decode_paths_honour_lengths(isa, rng, query_len, causal, wi
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_thread_count_does_not_change_bits(isa, rng, dtype):
+def test_thread_count_does_not_change_bits(tier, rng, dtype):
     """Split points depend on L only, chunks merge in a fixed order: any thread count gives
     the same bits. L = 20000 spans many chunks; B * Hkv = 2 is below the split count."""
     lengths = [20000, 5000]
@@ -121,7 +111,7 @@ def test_thread_count_does_not_change_bits(isa, rng, dtype):
     assert_matches_reference(*results[0], q, k, v, lengths, causal=True)
 
 
-def test_attention_short_query_uses_whole_keys(isa, rng):
+def test_attention_short_query_uses_whole_keys(tier, rng):
     """attention() with a short query (the decode path) against the reference, GQA,
     non-causal and causal, strided (transposed) inputs."""
     kv = rng.standard_normal((2, 3000, 4, 64)).astype(np.float32)  # (B, T, Hkv, D)
@@ -135,7 +125,7 @@ def test_attention_short_query_uses_whole_keys(isa, rng):
         np.testing.assert_allclose(lse, ref_lse, **TOLERANCE[np.dtype(np.float32)])
 
 
-def test_decode_large_scores_are_stable(isa, rng):
+def test_decode_large_scores_are_stable(tier, rng):
     """Scores of order 1e3 spread over chunks: the (max, sum) merge must not overflow."""
     lengths = [4000]
     k, v = random_cache(1, 1, 4000, 16, 16, np.float32)
@@ -148,7 +138,7 @@ def test_decode_large_scores_are_stable(isa, rng):
 
 
 @pytest.mark.parametrize("heads,kv_heads,query_len", [(8, 1, 5), (64, 1, 16)])
-def test_more_rows_per_kv_head_than_one_pass_serves(isa, rng, heads, kv_heads, query_len):
+def test_more_rows_per_kv_head_than_one_pass_serves(tier, rng, heads, kv_heads, query_len):
     """(H / Hkv) * Tq above the rows one pass over a chunk serves (32): several passes."""
     lengths = [2100, 900]
     k, v = random_cache(2, kv_heads, 2100, 40, 24, np.float32)

@@ -26,13 +26,6 @@ KEYS = {"tier", "path", "kernel", "kv_source", "split", "tasks", "threads", "reg
         "latent_kv", "rows_per_kv_read"}
 
 
-@pytest.fixture(params=TIERS)
-def tier(request):
-    _ext.force_isa(request.param)
-    yield request.param
-    _ext.force_isa("")
-
-
 def _arrays(b, h, hkv, tq, tk, d, dv=None, dtype=np.float32, kv_dtype=None):
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     z = np.zeros

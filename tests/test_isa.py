@@ -16,16 +16,6 @@ import attnfast as af
 from attnfast import _ext
 from reference import TOLERANCE, reference_attention
 
-TIERS = _ext.runtime_info()["isa_available"]
-
-
-@pytest.fixture(params=TIERS)
-def tier(request):
-    """Forces one kernel tier for the test, then goes back to the automatic choice."""
-    _ext.force_isa(request.param)
-    assert _ext.runtime_info()["isa"] == request.param
-    yield request.param
-    _ext.force_isa("")
 
 
 def make_qkv(rng, b, h, hkv, tq, tk, d, dv, dtype=np.float32, scale=1.0):

@@ -16,13 +16,6 @@ AVAILABLE_ISAS = _ext.runtime_info()["isa_available"]
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
-@pytest.fixture(params=AVAILABLE_ISAS)
-def isa(request):
-    _ext.force_isa(request.param)
-    yield request.param
-    _ext.force_isa("")
-
-
 def dequantised(cache):
     """The float64 K and V a row-scaled cache stands for."""
     k = cache.k.astype(np.float64) * cache.k_scale[..., None].astype(np.float64)
@@ -36,7 +29,7 @@ def close(out, ref, tol=2e-5):
     assert err <= tol * max(1.0, np.max(np.abs(ref))), err
 
 
-def test_every_float8_byte_widens_exactly(isa):
+def test_every_float8_byte_widens_exactly(tier):
     # One key, scale 1: out = v exactly. v holds all 256 e4m3fn bytes (subnormals, -0, NaN).
     bits = np.arange(256, dtype=np.uint8)
     v = bits.view(FP8).reshape(1, 1, 1, 256)
@@ -73,7 +66,7 @@ def test_quantize_float8_round_trip_and_nan_rule():
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])
 @pytest.mark.parametrize("tq", [1, 3, 16, 70])
 @pytest.mark.parametrize("dv", [64, 48])
-def test_float8_kvcache_matches_dequantised_reference(isa, heads, kv_heads, tq, dv):
+def test_float8_kvcache_matches_dequantised_reference(tier, heads, kv_heads, tq, dv):
     rng = np.random.default_rng(tq * 7 + heads + dv)
     B, D, C = 2, 64, 300
     cache = af.KVCache(B, kv_heads, D, C, dtype=FP8, v_head_dim=dv)
@@ -94,14 +87,14 @@ def test_float8_kvcache_matches_dequantised_reference(isa, heads, kv_heads, tq, 
     plan = af.explain(q, cache.k, cache.v, cache_seqlens=cache.lengths, k_scale=cache.k_scale,
                       v_scale=cache.v_scale)
     assert plan["path"] == "decode"
-    want = "template_decode" if isa in ("generic", "neon") or dv % 16 or D % 16 else "simd_decode"
-    if isa == "avx2" and dv % 8 == 0:
+    want = "template_decode" if tier in ("generic", "neon") or dv % 16 or D % 16 else "simd_decode"
+    if tier == "avx2" and dv % 8 == 0:
         want = "simd_decode"
     assert plan["kernel"] == want, plan
 
 
 @pytest.mark.parametrize("tq", [1, 5, 90])
-def test_float8_options_and_lse(isa, tq):
+def test_float8_options_and_lse(tier, tq):
     rng = np.random.default_rng(3 + tq)
     B, H, Hkv, D, C, n = 1, 4, 2, 32, 256, 200
     k = rng.standard_normal((B, Hkv, C, D)).astype(np.float32)
@@ -125,7 +118,7 @@ def test_float8_options_and_lse(isa, tq):
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
-def test_float8_query_offset_prompt_chunk_and_16bit_q(isa):
+def test_float8_query_offset_prompt_chunk_and_16bit_q(tier):
     # A prompt chunk (Tq > 16) against a float8 cache, top-left aligned, bfloat16 q.
     rng = np.random.default_rng(11)
     B, H, Hkv, D, C, tq = 2, 4, 1, 32, 128, 40
@@ -141,7 +134,7 @@ def test_float8_query_offset_prompt_chunk_and_16bit_q(isa):
     close(out.astype(np.float32), ref, tol=8e-3)  # the bfloat16 output's rounding
 
 
-def test_float8_paged_equals_contiguous(isa):
+def test_float8_paged_equals_contiguous(tier):
     rng = np.random.default_rng(5)
     Hkv, D, n = 2, 64, 333
     k = rng.standard_normal((1, Hkv, n, D)).astype(np.float32)
@@ -171,7 +164,7 @@ def test_float8_paged_equals_contiguous(isa):
     np.testing.assert_array_equal(paged, contiguous)
 
 
-def test_float8_nan_row_reads_back_as_nan(isa):
+def test_float8_nan_row_reads_back_as_nan(tier):
     rng = np.random.default_rng(2)
     cache = af.KVCache(1, 1, 16, 8, dtype=FP8)
     k = rng.standard_normal((1, 1, 4, 16)).astype(np.float32)
@@ -252,7 +245,7 @@ def test_key_rotation_defaults_and_bad_values():
 
 
 @pytest.mark.parametrize("tq", [1, 4])
-def test_rotated_int8_cache_is_attention_over_the_given_keys(isa, tq, monkeypatch):
+def test_rotated_int8_cache_is_attention_over_the_given_keys(tier, tq, monkeypatch):
     from attnfast._rotation import hadamard_rotate
     monkeypatch.setenv("ATTNFAST_INT8_DOT", "widen")  # exact (vpdpbusd rounds q: below)
     rng = np.random.default_rng(21 + tq)

@@ -11,13 +11,11 @@ import numpy as np
 import pytest
 
 import attnfast as af
-from attnfast import _ext
 from reference import reference_attention
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
 LOWP = [F16, BF16]
-TIERS = _ext.runtime_info()["isa_available"]
 SLACK = 1e-4
 X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 
@@ -26,13 +24,6 @@ def runs_simd_prefill(tier):
     """The tiers whose prefill is csrc/kernels/simd_prefill.inl: the avx ones, neon (its NEON
     branch) and generic on x86-64 (its SSE2 branch); elsewhere generic runs the templates."""
     return tier.startswith("avx") or tier == "neon" or (tier == "generic" and X86_64)
-
-
-@pytest.fixture(params=TIERS)
-def tier(request):
-    _ext.force_isa(request.param)
-    yield request.param
-    _ext.force_isa("")
 
 
 def materialised_float32(q, k, v, out_dtype, causal=False, window=None):

@@ -4,18 +4,9 @@ import numpy as np
 import pytest
 
 import attnfast as af
-from attnfast import _ext
 from reference import TOLERANCE, reference_attention
 
-TIERS = _ext.runtime_info()["isa_available"]
 F32 = TOLERANCE[np.dtype(np.float32)]
-
-
-@pytest.fixture(params=TIERS)
-def tier(request):
-    _ext.force_isa(request.param)
-    yield request.param
-    _ext.force_isa("")
 
 
 def qkv(rng, b, h, hkv, tq, tk, d, dv, dtype=np.float32):

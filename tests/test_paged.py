@@ -8,20 +8,11 @@ import numpy as np
 import pytest
 
 import attnfast as af
-from attnfast import _ext
 from reference import TOLERANCE, reference_attention
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
-TIERS = _ext.runtime_info()["isa_available"]
-
-
-@pytest.fixture(params=TIERS)
-def tier(request):
-    _ext.force_isa(request.param)
-    yield request.param
-    _ext.force_isa("")
 
 
 def rand(rng, shape, dtype=np.float32):

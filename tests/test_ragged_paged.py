@@ -8,19 +8,10 @@ import numpy as np
 import pytest
 
 import attnfast as af
-from attnfast import _ext
 from attnfast._kvcache import quantize_int8
 from reference import reference_attention
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-TIERS = _ext.runtime_info()["isa_available"]
-
-
-@pytest.fixture(params=TIERS)
-def tier(request):
-    _ext.force_isa(request.param)
-    yield request.param
-    _ext.force_isa("")
 
 
 def ragged_batch(rng, q_lens, k_lens, *, heads=4, kv_heads=2, dim=32, dim_v=None,

@@ -120,6 +120,16 @@ inline Vec<float> vload(const fp8_t* p) {
     return f;
 }
 
+// One register of values d, d + 1, .. of a stored K/V row (d a multiple of the lanes).
+// Element pointers step values for every storage type but int4, whose rows are blocks
+// (storage_types.inl): there lane by lane, each value scale * n + minimum.
+template <class T> inline auto vload_row(const T* row, int64_t d) { return vload(row + d); }
+inline Vec<float> vload_row(const q4_t* row, int64_t d) {
+    Vec<float> f;
+    for (int64_t i = 0; i < vec_lanes<float>(); ++i) f[i] = q4_value(row, d + i);
+    return f;
+}
+
 // Sum of the lanes in a fixed tree: add the upper half onto the lower half until 4 float
 // (2 double) lanes are left, then (s0 + s2) + (s1 + s3) (s0 + s1). Vector shuffles keep it
 // in registers (GCC >= 12, Clang); older compilers do the same arithmetic through memory.
@@ -188,23 +198,24 @@ inline void dot_rows(const A* __restrict q, int64_t q_stride, const T* __restric
     for (int r = 0; r < NR; ++r) part[r] = Vec<A>{};
     int64_t d = 0;
     for (; d + L <= D; d += L) {
-        const Vec<A> kv = vload(k + d);
+        const Vec<A> kv = vload_row(k, d);
         for (int r = 0; r < NR; ++r) part[r] += vload(q + r * q_stride + d) * kv;
     }
     if (d < D) {  // the last D % L elements: a zero-filled vector (never reads past the row)
         A tail[L] = {};
-        for (int64_t e = d; e < D; ++e) tail[e - d] = load_acc<A>(k[e]);
+        for (int64_t e = d; e < D; ++e) tail[e - d] = static_cast<A>(kv_value(k, e));
         const Vec<A> kv = vload(tail);
         for (int r = 0; r < NR; ++r) part[r] += vload(q + r * q_stride + d) * kv;
     }
     for (int r = 0; r < NR; ++r) s[r * s_stride] = vsum(part[r]);
 }
 
-// acc[r][c*L ..] += sum_{j0 <= j < j1} p[r][j] * v[j][c*L ..] for NR rows and NV vectors of
-// columns (acc rows acc_stride apart, p rows p_stride apart); accumulators in registers.
+// acc[r][c*L ..] += sum_{j0 <= j < j1} p[r][j] * v[j][col + c*L ..] for NR rows and NV
+// vectors of columns (acc rows acc_stride apart, p rows p_stride apart); accumulators in
+// registers.
 template <int NR, int NV, class A, class T>
 inline void pv_tile(A* __restrict acc, int64_t acc_stride, const A* __restrict p,
-                    int64_t p_stride, const T* __restrict v, int64_t v_stride,
+                    int64_t p_stride, const T* __restrict v, int64_t col, int64_t v_stride,
                     int64_t j0, int64_t j1) {
     constexpr int64_t L = vec_lanes<A>();
     Vec<A> a[NR][NV];
@@ -213,7 +224,7 @@ inline void pv_tile(A* __restrict acc, int64_t acc_stride, const A* __restrict p
     for (int64_t j = j0; j < j1; ++j) {
         const T* vrow = v + j * v_stride;
         Vec<A> vv[NV];
-        for (int c = 0; c < NV; ++c) vv[c] = vload(vrow + c * L);
+        for (int c = 0; c < NV; ++c) vv[c] = vload_row(vrow, col + c * L);
         for (int r = 0; r < NR; ++r) {
             const A pr = p[r * p_stride + j];
             for (int c = 0; c < NV; ++c) a[r][c] += pr * vv[c];
@@ -230,14 +241,14 @@ inline void pv_rows(A* __restrict acc, int64_t Dv, const A* __restrict p, int64_
     constexpr int64_t L = vec_lanes<A>();
     int64_t e0 = 0;
     for (; e0 + kValueVecs * L <= Dv; e0 += kValueVecs * L)
-        pv_tile<NR, kValueVecs>(acc + e0, Dv, p, p_stride, v + e0, v_stride, j0, j1);
-    for (; e0 + L <= Dv; e0 += L) pv_tile<NR, 1>(acc + e0, Dv, p, p_stride, v + e0, v_stride, j0, j1);
+        pv_tile<NR, kValueVecs>(acc + e0, Dv, p, p_stride, v, e0, v_stride, j0, j1);
+    for (; e0 + L <= Dv; e0 += L) pv_tile<NR, 1>(acc + e0, Dv, p, p_stride, v, e0, v_stride, j0, j1);
     if (e0 == Dv) return;
     for (int r = 0; r < NR; ++r)
         for (int64_t j = j0; j < j1; ++j) {
             const A pr = p[r * p_stride + j];
             const T* vrow = v + j * v_stride;
-            for (int64_t e = e0; e < Dv; ++e) acc[r * Dv + e] += pr * load_acc<A>(vrow[e]);
+            for (int64_t e = e0; e < Dv; ++e) acc[r * Dv + e] += pr * static_cast<A>(kv_value(vrow, e));
         }
 }
 #pragma GCC diagnostic pop
@@ -337,7 +348,7 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
                                      task.batch, task.kv_head);
     const int64_t kb = task.key_begin;  // chunk-relative key c is key kb + c
     const A scale = static_cast<A>(p.scale);
-    const int64_t v_row_bytes = Dv * static_cast<int64_t>(sizeof(T));
+    const int64_t v_row_bytes = kv_row_bytes<T>(Dv);
     const bool options = p.softcap > 0 || p.alibi_slopes || p.mask;
 
     for (int64_t r0 = 0; r0 < rows; r0 += kGroupRows) {
@@ -504,6 +515,10 @@ void decode_chunk_any(const AttentionParams& p, const DecodeTask& t, float* ws, 
         if (q == DType::kBF16) decode_chunk<bf16_t, fp8_t, float>(p, t, ws, acc, m, l);
         else if (q == DType::kF16) decode_chunk<f16_t, fp8_t, float>(p, t, ws, acc, m, l);
         else decode_chunk<float, fp8_t, float>(p, t, ws, acc, m, l);
+    } else if (kv == DType::kQ4) {
+        if (q == DType::kBF16) decode_chunk<bf16_t, q4_t, float>(p, t, ws, acc, m, l);
+        else if (q == DType::kF16) decode_chunk<f16_t, q4_t, float>(p, t, ws, acc, m, l);
+        else decode_chunk<float, q4_t, float>(p, t, ws, acc, m, l);
     } else {  // kI8
         if (q == DType::kBF16) decode_chunk<bf16_t, int8_t, float>(p, t, ws, acc, m, l);
         else if (q == DType::kF16) decode_chunk<f16_t, int8_t, float>(p, t, ws, acc, m, l);

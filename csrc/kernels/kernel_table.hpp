@@ -50,8 +50,8 @@ constexpr int64_t kDecodeMaxQueryRows = 16;
 static inline bool takes_decode_path(const AttentionParams& p) {
     return p.seqlen_q <= kDecodeMaxQueryRows;
 }
-// Query rows per decode call when a longer query reads a quantized cache (float8), which
-// has no prefill kernel (quantized_cache_forward): each block re-reads the cache once.
+// Query rows per decode call when a longer query reads a float8 or int4 cache, which has no
+// prefill kernel (decode_only_format): each block re-reads the cache once.
 constexpr int64_t kQuantizedRowBlock = 64;
 // Query rows (heads x positions) one pass over a block of keys serves; more rows re-read
 // the block from cache (L2), not from memory.
@@ -65,13 +65,16 @@ constexpr int64_t kDecodeMaxChunkBytes = 1024 * 1024;
 constexpr int64_t kDecodeMinChunkKeys = 64;
 constexpr int64_t kDecodeMaxChunkKeys = 4096;
 
-// Bytes of one K or V element as stored (int8 rows also carry a 4-byte scale, ignored here).
-static inline int64_t kv_element_bytes(const AttentionParams& p) {
+// Bytes of one key's K row plus V row as stored (int8 / float8 rows also carry a 4-byte
+// scale, ignored here; int4 rows are blocks of 32 values in 20 bytes).
+static inline int64_t kv_pair_bytes(const AttentionParams& p) {
+    const int64_t values = p.head_dim + p.head_dim_v;
     switch (p.kv_dtype) {
-        case DType::kF64: return 8;
-        case DType::kF16: case DType::kBF16: return 2;
-        case DType::kI8: case DType::kF8E4M3: return 1;
-        default: return 4;
+        case DType::kF64: return 8 * values;
+        case DType::kF16: case DType::kBF16: return 2 * values;
+        case DType::kI8: case DType::kF8E4M3: return values;
+        case DType::kQ4: return (p.head_dim + 31) / 32 * 20 + (p.head_dim_v + 31) / 32 * 20;
+        default: return 4 * values;
     }
 }
 
@@ -79,12 +82,12 @@ static inline int64_t kv_element_bytes(const AttentionParams& p) {
 // thread count), so the split points, and with them the result bits, are the same for any
 // thread count.
 static inline int64_t decode_chunk_keys(const AttentionParams& p) {
-    const int64_t elem = kv_element_bytes(p);
+    const int64_t pair = kv_pair_bytes(p);
     int64_t bytes = cache_sizes().l2;
     if (bytes < kDecodeMinChunkBytes) bytes = kDecodeMinChunkBytes;
     if (bytes > kDecodeMaxChunkBytes) bytes = kDecodeMaxChunkBytes;
     int64_t keys = kDecodeMaxChunkKeys;
-    while (keys > kDecodeMinChunkKeys && keys * (p.head_dim + p.head_dim_v) * elem > bytes)
+    while (keys > kDecodeMinChunkKeys && keys * pair > bytes)
         keys /= 2;
     return keys;
 }
@@ -172,7 +175,7 @@ struct DecodeKernel {
 // memory, the same strides), so one read of each latent row serves both products.
 static inline bool kv_is_latent(const AttentionParams& p) {
     return p.v == p.k && p.head_dim_v <= p.head_dim &&
-           p.kv_dtype != DType::kI8 && p.kv_dtype != DType::kF8E4M3 &&
+           p.kv_dtype != DType::kI8 && p.kv_dtype != DType::kF8E4M3 && p.kv_dtype != DType::kQ4 &&
            p.v_batch_stride == p.k_batch_stride && p.v_head_stride == p.k_head_stride &&
            p.v_row_stride == p.k_row_stride;
 }

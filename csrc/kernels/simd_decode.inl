@@ -200,6 +200,66 @@ inline V vld_kv(const fp8_t* p) {  // as the AVX-512 one, 8 lanes
     return _mm256_or_ps(_mm256_cvtph_ps(h), nan);  // all ones: a NaN
 }
 #endif
+// W values d, d + 1, .. (d a multiple of W) of a stored K/V row, widened to float32: element
+// pointers step values for every storage type but int4, whose rows are blocks of 32
+// (storage_types.inl), dequantised here in registers: the block's header broadcast from
+// memory, its bfloat16 scale and minimum made float32 by a shift and a mask (no shuffles);
+// the block's bytes zero-extended to 32-bit lanes (vpmovzxbd), masked to the low nibbles or
+// shifted down to the high ones, vcvtdq2ps, one FMA. (Measured: float16 headers cost more
+// than the nibbles, their vcvtph2ps and broadcasts all on the shuffle port.)
+template <class T> inline V vld_kv(const T* row, int64_t d) { return vld_kv(row + d); }
+inline V vld_kv(const q4_t* row, int64_t d) {
+    const uint8_t* block = &row->byte + (d / kQ4Group) * kQ4BlockBytes;
+    const int64_t i = d % kQ4Group;  // 0 or 16 (AVX2: 0, 8, 16 or 24)
+    int32_t header;
+    __builtin_memcpy(&header, block, 4);
+#if defined(__AVX512F__)
+    const __m512i h = _mm512_set1_epi32(header);
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
+    const __m512i n = i < 16 ? _mm512_and_si512(bytes, _mm512_set1_epi32(15)) : _mm512_srli_epi32(bytes, 4);
+    const V scale = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+    const V minimum = _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+    return vfma(_mm512_cvtepi32_ps(n), scale, minimum);
+#else
+    const __m256i h = _mm256_set1_epi32(header);
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 4 + (i & 15))));
+    const __m256i n = i < 16 ? _mm256_and_si256(bytes, _mm256_set1_epi32(15)) : _mm256_srli_epi32(bytes, 4);
+    const V scale = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+    const V minimum = _mm256_castsi256_ps(_mm256_and_si256(h, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+    return vfma(_mm256_cvtepi32_ps(n), scale, minimum);
+#endif
+}
+// Vectors one block of a storage type holds: 1, but an int4 block of 32 values spans 32 / W
+// vectors, whose header and bytes are then decoded once (vld_kv_block).
+template <class T> struct KvBlock { static constexpr int kVecs = 1; };
+template <> struct KvBlock<q4_t> { static constexpr int kVecs = 32 / W; };
+// out[0 .. KvBlock<T>::kVecs) = vectors d, d + W, .. of a stored row (d a multiple of
+// kVecs * W).
+template <class T> inline void vld_kv_block(const T* row, int64_t d, V* out) { out[0] = vld_kv(row, d); }
+inline void vld_kv_block(const q4_t* row, int64_t d, V* out) {
+    const uint8_t* block = &row->byte + (d / kQ4Group) * kQ4BlockBytes;
+    int32_t header;
+    __builtin_memcpy(&header, block, 4);
+#if defined(__AVX512F__)
+    const __m512i h = _mm512_set1_epi32(header);
+    const V scale = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+    const V minimum = _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
+    out[0] = vfma(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), scale, minimum);
+    out[1] = vfma(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), scale, minimum);
+#else
+    const __m256i h = _mm256_set1_epi32(header);
+    const V scale = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+    const V minimum = _mm256_castsi256_ps(_mm256_and_si256(h, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 4)));
+    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 12)));
+    const __m256i low = _mm256_set1_epi32(15);
+    out[0] = vfma(_mm256_cvtepi32_ps(_mm256_and_si256(lo, low)), scale, minimum);
+    out[1] = vfma(_mm256_cvtepi32_ps(_mm256_and_si256(hi, low)), scale, minimum);
+    out[2] = vfma(_mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)), scale, minimum);
+    out[3] = vfma(_mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4)), scale, minimum);
+#endif
+}
 // What vld_kv leaves in the row scales: the stored value is kScaleFold<T> * (vld_kv's lanes).
 template <class T> constexpr float kScaleFold = 1.0f;
 template <> constexpr float kScaleFold<fp8_t> = 256.0f;
@@ -224,15 +284,18 @@ inline void score_keys(const float* __restrict q, int64_t qs, const T* __restric
     for (int j = 0; j < KB; ++j) {
         if (vpf && j < keys)
             for (int64_t off = 0; off < vrow_bytes; off += 64) __builtin_prefetch(vpf + j * vsb + off, 0, 2);
-        if (ND > 0) {
-            for (int c = 0; c < ND; ++c) {
-                const V kv = vld_kv(kp[j] + c * W);
-                for (int r = 0; r < RB; ++r)
-                    acc[r * KB + j] = vfma(kv, vld(q + r * qs + c * W), acc[r * KB + j]);
+        constexpr int BV = KvBlock<T>::kVecs;
+        if (ND > 0 && ND % BV == 0) {
+            for (int c = 0; c < ND; c += BV) {
+                V kv[BV];
+                vld_kv_block(kp[j], c * W, kv);
+                for (int u = 0; u < BV; ++u)
+                    for (int r = 0; r < RB; ++r)
+                        acc[r * KB + j] = vfma(kv[u], vld(q + r * qs + (c + u) * W), acc[r * KB + j]);
             }
         } else {
             for (int64_t d = 0; d < D; d += W) {
-                const V kv = vld_kv(kp[j] + d);
+                const V kv = vld_kv(kp[j], d);
                 for (int r = 0; r < RB; ++r)
                     acc[r * KB + j] = vfma(kv, vld(q + r * qs + d), acc[r * KB + j]);
             }
@@ -250,18 +313,24 @@ inline void score_keys(const float* __restrict q, int64_t qs, const T* __restric
 #endif
 }
 
-// acc[r][c] += sum_{j0 <= j < j1} p[r][j] * v[j][c] for RB rows and NV vectors of columns;
-// accumulators in registers.
+// acc[r][c] += sum_{j0 <= j < j1} p[r][j] * v[j][col + c] for RB rows and NV vectors of
+// columns; accumulators in registers.
 template <int RB, int NV, class T>
 inline void pv_tile(float* __restrict acc, int64_t acc_stride, const float* __restrict p,
-                    int64_t ps, const T* __restrict v, int64_t vs, int64_t j0, int64_t j1) {
+                    int64_t ps, const T* __restrict v, int64_t col, int64_t vs, int64_t j0,
+                    int64_t j1) {
     V a[RB][NV];
     for (int r = 0; r < RB; ++r)
         for (int c = 0; c < NV; ++c) a[r][c] = vld(acc + r * acc_stride + c * W);
     for (int64_t j = j0; j < j1; ++j) {
         const T* vrow = v + j * vs;
         V vv[NV];
-        for (int c = 0; c < NV; ++c) vv[c] = vld_kv(vrow + c * W);
+        constexpr int BV = KvBlock<T>::kVecs;
+        if (NV % BV == 0 && col % (BV * W) == 0) {  // (always, but for int4 in odd tiles)
+            for (int c = 0; c < NV; c += BV) vld_kv_block(vrow, col + c * W, vv + c);
+        } else {
+            for (int c = 0; c < NV; ++c) vv[c] = vld_kv(vrow, col + c * W);
+        }
         for (int r = 0; r < RB; ++r) {
             const V pr = vset(p[r * ps + j]);
             for (int c = 0; c < NV; ++c) a[r][c] = vfma(pr, vv[c], a[r][c]);
@@ -284,8 +353,8 @@ inline void pv_rows(float* acc, int64_t Dv, const float* p, int64_t ps, const T*
     constexpr int NV = RB == 4 ? 3 : (RB == 2 ? 4 : 8);
 #endif
     int64_t e = 0;
-    for (; e + NV * W <= Dv; e += NV * W) pv_tile<RB, NV, T>(acc + e, Dv, p, ps, v + e, vs, j0, j1);
-    for (; e < Dv; e += W) pv_tile<RB, 1, T>(acc + e, Dv, p, ps, v + e, vs, j0, j1);
+    for (; e + NV * W <= Dv; e += NV * W) pv_tile<RB, NV, T>(acc + e, Dv, p, ps, v, e, vs, j0, j1);
+    for (; e < Dv; e += W) pv_tile<RB, 1, T>(acc + e, Dv, p, ps, v, e, vs, j0, j1);
 }
 
 // Largest of x[b .. e), or NaN when any of them is NaN (max_ps alone may drop a NaN).
@@ -511,7 +580,7 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
                                          p.v_scale_row_stride, task.batch, task.kv_head);
     const int64_t kb = task.key_begin;
     const float scale = static_cast<float>(p.scale);
-    const int64_t v_row_bytes = Dv * static_cast<int64_t>(sizeof(T));
+    const int64_t v_row_bytes = kv_row_bytes<T>(Dv);
     const bool options = p.softcap > 0 || p.alibi_slopes || p.mask;
 
     for (int64_t r0 = 0; r0 < rows; r0 += kDecodeGroupRows) {
@@ -536,7 +605,7 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
         const int64_t key_block = pipelined ? kPipelinedKeyBlock : kDecodeKeyBlock;
         const int64_t value_keys = pipelined ? kPipelinedValueRun : (n <= 4 ? kValueRunKeys : kValueSubKeys);
         const int64_t prefetch_end = task.seqlen_k - kb;  // chunk-relative end of the head's keys
-        const int64_t k_row_bytes = D * static_cast<int64_t>(sizeof(T));
+        const int64_t k_row_bytes = kv_row_bytes<T>(D);
         int64_t used_lo = keys, used_hi = 0;
         for (int64_t rr = 0; rr < n; ++rr) {
             const int64_t r = r0 + rr;
@@ -653,6 +722,10 @@ void chunk_any(const AttentionParams& p, const DecodeTask& task, float* ws, floa
         if (q == DType::kBF16) chunk_for<bf16_t, fp8_t>(p, task, ws, acc, m, l);
         else if (q == DType::kF16) chunk_for<f16_t, fp8_t>(p, task, ws, acc, m, l);
         else chunk_for<float, fp8_t>(p, task, ws, acc, m, l);
+    } else if (kv == DType::kQ4) {
+        if (q == DType::kBF16) chunk_for<bf16_t, q4_t>(p, task, ws, acc, m, l);
+        else if (q == DType::kF16) chunk_for<f16_t, q4_t>(p, task, ws, acc, m, l);
+        else chunk_for<float, q4_t>(p, task, ws, acc, m, l);
     } else {  // kI8
         if (q == DType::kBF16) chunk_for<bf16_t, int8_t>(p, task, ws, acc, m, l);
         else if (q == DType::kF16) chunk_for<f16_t, int8_t>(p, task, ws, acc, m, l);

@@ -21,6 +21,17 @@ struct f16_t { uint16_t bits; };   // IEEE 754 binary16
 // mantissa bits; no infinities, S.1111.111 is NaN. A KV-cache storage type only (one float32
 // scale per row, as int8).
 struct fp8_t { uint8_t bits; };
+// int4 (the "int4" cache format): a row of D values is ceil(D / 32) blocks of 32 values, each
+// block 20 bytes: a little-endian uint32 holding the bfloat16 scale in its low half and the
+// bfloat16 minimum in its high half, then 16 bytes, byte i holding the block's value i in its
+// low nibble and value i + 16 in its high nibble (ggml's q4_1 order: a vector of 16
+// consecutive values is one 16-byte load); value = scale * n + minimum, n in 0..15 (bfloat16
+// so that the header widens with shifts and masks, attnfast/_int4.py). Rows carry their own
+// scales (no scale arrays); a row read from non-finite numbers has NaN scales. A KV-cache
+// storage type only: element pointers step bytes, never values.
+struct q4_t { uint8_t byte; };
+constexpr int64_t kQ4Group = 32;       // values per block
+constexpr int64_t kQ4BlockBytes = 20;  // bytes per block
 
 inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, sizeof f); return f; }
 inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, sizeof u); return u; }
@@ -52,6 +63,28 @@ inline float widen(fp8_t x) {
     if (exp != 0) return bits_to_float(sign | ((exp + 120u) << 23) | (mant << 20));
     const float mag = static_cast<float>(mant) * 0.001953125f;  // mant * 2^-9, exact
     return sign ? -mag : mag;
+}
+
+// Value d of an int4 row, exactly scale * n + minimum in float32 (one rounding).
+inline float q4_value(const q4_t* row, int64_t d) {
+    const uint8_t* block = &row->byte + (d / kQ4Group) * kQ4BlockBytes;
+    uint32_t header;
+    std::memcpy(&header, block, 4);
+    const int64_t i = d % kQ4Group;
+    const uint8_t b = block[4 + (i & 15)];
+    const float n = static_cast<float>(i < 16 ? b & 15 : b >> 4);
+    return n * bits_to_float(header << 16) + bits_to_float(header & 0xFFFF0000u);
+}
+
+// Value `d` of a stored row, widened (float32, or float64 for float64): element pointers
+// step values for every type but int4.
+template <class T> inline auto kv_value(const T* row, int64_t d) { return widen(row[d]); }
+inline float kv_value(const q4_t* row, int64_t d) { return q4_value(row, d); }
+
+// Bytes of a stored row of `n` values.
+template <class T> constexpr int64_t kv_row_bytes(int64_t n) { return n * static_cast<int64_t>(sizeof(T)); }
+template <> constexpr int64_t kv_row_bytes<q4_t>(int64_t n) {
+    return (n + kQ4Group - 1) / kQ4Group * kQ4BlockBytes;
 }
 
 // ---- narrowing (round to nearest even) ----

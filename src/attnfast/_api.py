@@ -179,7 +179,7 @@ def kernel_call(call, part):
         seqlens_k=None if seqlens is None else np.ascontiguousarray(seqlens, dtype=np.int64),
         k_scale=k_scale, v_scale=v_scale, query_offset=call.query_offset,
         softcap=options.softcap, alibi=options.alibi, sinks=options.sinks, mask=options.mask,
-        block_table=block_table)
+        block_table=block_table, head_dim_v=call.head_dim_v)  # (read for int4 caches only)
 
 
 _SIGINT = int(signal.SIGINT)  # (the enum member costs a conversion per call)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from . import _ext
+from . import _ext, _int4
 from ._runtime import _clamp, _positive_int, get_num_threads, resolve_threads
 
 FLOAT32 = np.dtype(np.float32)
@@ -23,6 +23,11 @@ INT8 = np.dtype(np.int8)
 FLOAT8_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 # KV-cache storage formats with one float32 scale per (sequence, kv head, token) row
 ROW_SCALED_DTYPES = (INT8, FLOAT8_E4M3)
+# The int4 format's storage: packed blocks with their own scales (attnfast._int4). A uint8
+# cache array is always one; KVCache / PagedKVCache(dtype="int4") own such arrays and know
+# their head dims (a packed row's length does not say them).
+INT4_STORAGE = _int4.STORAGE
+QUANTIZED_DTYPES = ROW_SCALED_DTYPES + (INT4_STORAGE,)  # quantised when tokens are written
 _KERNEL_DTYPES = (FLOAT32, FLOAT64, FLOAT16, BFLOAT16)
 LOWP_DTYPES = (FLOAT16, BFLOAT16)  # 16-bit storage; arithmetic in float32
 _DTYPE_NAMES = "float32, float64, float16 or bfloat16"
@@ -46,16 +51,16 @@ def as_float_array(x, name: str) -> np.ndarray:
 
 def check_query_kv_dtypes(q_dtype: np.dtype, kv_dtype: np.dtype, kv_names: str) -> None:
     """q shares the dtype of k and v, except that a float32 q may read a float16 /
-    bfloat16 cache, and a float32 / 16-bit q an int8 or float8_e4m3fn cache."""
-    if q_dtype == kv_dtype and kv_dtype not in ROW_SCALED_DTYPES:
+    bfloat16 cache, and a float32 / 16-bit q an int8, float8_e4m3fn or int4 cache."""
+    if q_dtype == kv_dtype and kv_dtype not in QUANTIZED_DTYPES:
         return
     if q_dtype == FLOAT32 and kv_dtype in LOWP_DTYPES:
         return
-    if kv_dtype in ROW_SCALED_DTYPES and q_dtype in (FLOAT32, FLOAT16, BFLOAT16):
+    if kv_dtype in QUANTIZED_DTYPES and q_dtype in (FLOAT32, FLOAT16, BFLOAT16):
         return
     raise TypeError(f"q has dtype {q_dtype} and {kv_names} {kv_dtype}: they must share a dtype, "
                     "except that a float32 q may read float16 or bfloat16 keys and values, and "
-                    "a float32, float16 or bfloat16 q an int8 or float8_e4m3fn cache")
+                    "a float32, float16 or bfloat16 q an int8, float8_e4m3fn or int4 cache")
 
 
 def whole_elements(arr: np.ndarray) -> np.ndarray:
@@ -414,7 +419,7 @@ def check_latent_spec(latent, head_dim: int, head_dim_v: int, dtype) -> bool:
     if latent and head_dim_v > head_dim:
         raise ValueError(f"a latent cache's values are a prefix of its rows: v_head_dim must be "
                          f"<= head_dim, got v_head_dim={head_dim_v}, head_dim={head_dim}")
-    if latent and dtype in ROW_SCALED_DTYPES:
+    if latent and dtype in QUANTIZED_DTYPES:
         raise NotImplementedError(f"latent=True with dtype={dtype} is not supported (one scale "
                                   "per row cannot serve K and its V prefix); use float32, "
                                   "float16 or bfloat16")
@@ -488,7 +493,7 @@ def _exact_dtype(arr: np.ndarray, name: str) -> np.dtype:
     """The dtype of an array attnfast writes into in place: a kernel dtype or int8, native
     order (a conversion would be a copy, and the writes would be lost)."""
     dt = arr.dtype
-    if (dt in _KERNEL_DTYPES or dt in ROW_SCALED_DTYPES) and dt.isnative:
+    if (dt in _KERNEL_DTYPES or dt in QUANTIZED_DTYPES) and dt.isnative:
         return dt
     raise TypeError(f"{name} must be a {_DTYPE_NAMES} (or int8, float8_e4m3fn) array in native byte order, "
                     f"got dtype {_dtype_name(dt)}")
@@ -525,24 +530,25 @@ def check_cache_scales(k_scale, v_scale, cache_dtype: np.dtype, shape: tuple, wr
 
 
 def check_key_rotation(key_rotation, cache_dtype: np.dtype, name: str = "key_rotation"):
-    """None or "hadamard" (attnfast._rotation), the latter for int8 / float8 caches only."""
+    """None or "hadamard" (attnfast._rotation), the latter for int8 / float8 / int4 caches
+    only."""
     if key_rotation is None:
         return None
     if not isinstance(key_rotation, str) or key_rotation != "hadamard":
         raise ValueError(f"{name} must be None or \"hadamard\", got {key_rotation!r}")
-    if cache_dtype not in ROW_SCALED_DTYPES:
-        raise ValueError(f"{name}=\"hadamard\" is for int8 and float8_e4m3fn caches (it makes "
+    if cache_dtype not in QUANTIZED_DTYPES:
+        raise ValueError(f"{name}=\"hadamard\" is for int8, float8_e4m3fn and int4 caches (it makes "
                          f"their per-token scales robust to outlier channels); the cache has "
                          f"dtype {cache_dtype}")
     return key_rotation
 
 
 def default_key_rotation(key_rotation, cache_dtype: np.dtype):
-    """A cache's key_rotation argument: "auto" -> "hadamard" for int8 (measured: per-token
-    int8 keys lose 4x accuracy to outlier channels without it; float8 does not gain), else
-    None; otherwise checked as check_key_rotation."""
+    """A cache's key_rotation argument: "auto" -> "hadamard" for int8 and int4 (measured:
+    per-token int8 keys lose 4x accuracy to outlier channels without it, int4 blocks 2x;
+    float8 does not gain), else None; otherwise checked as check_key_rotation."""
     if isinstance(key_rotation, str) and key_rotation == "auto":
-        return "hadamard" if cache_dtype == INT8 else None
+        return "hadamard" if cache_dtype in (INT8, INT4_STORAGE) else None
     return check_key_rotation(key_rotation, cache_dtype)
 
 
@@ -558,14 +564,16 @@ def check_cache_spec(batch, kv_heads, head_dim, capacity, dtype, v_head_dim):
         raise ValueError(f"KVCache(batch={B}, kv_heads={kv_heads}, capacity={C}, head_dim={D}, "
                          f"v_head_dim={Dv}) is too large: {B * Hkv * C * max(D, Dv)} elements per "
                          "array")
+    wanted = f"dtype must be {_DTYPE_NAMES}, \"int8\", \"int4\" or ml_dtypes.float8_e4m3fn"
+    if isinstance(dtype, str) and dtype == "int4":
+        return B, Hkv, D, C, INT4_STORAGE, Dv
     try:
         dt = FLOAT8_E4M3 if isinstance(dtype, str) and dtype == "float8_e4m3fn" else np.dtype(dtype)
     except TypeError:
-        raise TypeError(f"dtype must be {_DTYPE_NAMES}, \"int8\" or ml_dtypes.float8_e4m3fn, "
-                        f"got {dtype!r}") from None
+        raise TypeError(f"{wanted}, got {dtype!r}") from None
     if dt not in _KERNEL_DTYPES and dt not in ROW_SCALED_DTYPES:
-        raise TypeError(f"dtype must be {_DTYPE_NAMES}, \"int8\" or ml_dtypes.float8_e4m3fn, "
-                        f"got {dt}")
+        raise TypeError(f"{wanted}, got {dt}" + (" (an int4 cache is dtype=\"int4\"; uint8 "
+                                                  "is its storage)" if dt == INT4_STORAGE else ""))
     return B, Hkv, D, C, dt, Dv
 
 
@@ -657,22 +665,37 @@ def _check_array_pair(k_cache, v_cache, names, four_d: str):
     return kd
 
 
-def _check_head_dims(k_cache, v_cache, names) -> None:
+def _check_head_dims(k_cache, v_cache, names, dtype, head_dims) -> tuple[int, int]:
+    """(D, Dv) of a cache pair: their last axes, or for int4 storage (uint8) `head_dims`,
+    which the packed rows must fit (attnfast._int4.packed_size)."""
     kn, vn = names
+    if dtype == INT4_STORAGE:
+        if head_dims is None:
+            raise TypeError(f"{kn} and {vn} are uint8: int4 caches are used through "
+                            "attnfast.KVCache / PagedKVCache(dtype=\"int4\"), which know their "
+                            "head dims")
+        D, Dv = head_dims
+        for name, a, dim in ((kn, k_cache, D), (vn, v_cache, Dv)):
+            if a.shape[3] != _int4.packed_size(dim):
+                raise ValueError(f"{name} {_shape_str(a)} does not hold int4 rows of {dim} "
+                                 f"values ({_int4.packed_size(dim)} bytes each)")
+        return D, Dv
     if k_cache.shape[3] < 1 or v_cache.shape[3] < 1:
         raise ValueError(f"head dims must be >= 1; got {kn} {_shape_str(k_cache)}, "
                          f"{vn} {_shape_str(v_cache)}")
+    return k_cache.shape[3], v_cache.shape[3]
 
 
-def check_cache_pair(k_cache, v_cache, *, names=("k_cache", "v_cache")):
-    """Caller-owned caches (B, Hkv, capacity, D) and (B, Hkv, capacity, Dv) -> shapes."""
+def check_cache_pair(k_cache, v_cache, *, names=("k_cache", "v_cache"), head_dims=None):
+    """Caller-owned caches (B, Hkv, capacity, D) and (B, Hkv, capacity, Dv) -> ((B, Hkv,
+    capacity, D), Dv, dtype). head_dims: (D, Dv) of int4 (uint8) storage."""
     kn, vn = names
     kd = _check_array_pair(k_cache, v_cache, names, "4-D (batch, kv_heads, capacity, head_dim)")
     if v_cache.shape[:3] != k_cache.shape[:3]:
         raise ValueError(f"{vn} must match {kn} on (batch, kv_heads, capacity); got {kn} "
                          f"{_shape_str(k_cache)}, {vn} {_shape_str(v_cache)}")
-    _check_head_dims(k_cache, v_cache, names)
-    return k_cache.shape, v_cache.shape[3], kd
+    D, Dv = _check_head_dims(k_cache, v_cache, names, kd, head_dims)
+    return k_cache.shape[:3] + (D,), Dv, kd
 
 
 def check_cache_room(lengths: np.ndarray, seq_index: np.ndarray, new_tokens: int,
@@ -696,9 +719,10 @@ def check_new_tokens(k_new, v_new, *, batch, kv_heads, head_dim, head_dim_v, dty
     k_new = as_float_array(k_new, "k_new")
     v_new = as_float_array(v_new, "v_new")
     for name, a in (("k_new", k_new), ("v_new", v_new)):
-        if dtype in ROW_SCALED_DTYPES:  # quantised on the way in
+        if dtype in QUANTIZED_DTYPES:  # quantised on the way in
             if a.dtype not in (FLOAT32, FLOAT16, BFLOAT16):
-                raise TypeError(f"{name} for an {dtype} cache must be float32, float16 or bfloat16 "
+                kind = "int4" if dtype == INT4_STORAGE else dtype
+                raise TypeError(f"{name} for an {kind} cache must be float32, float16 or bfloat16 "
                                 f"(quantised on append), got {a.dtype}")
         elif a.dtype != dtype and not (dtype in LOWP_DTYPES and a.dtype == FLOAT32):
             allowed = f"{dtype} or float32 (rounded to {dtype})" if dtype in LOWP_DTYPES else str(dtype)
@@ -783,9 +807,11 @@ def check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, *,
                             query_offset=None, softcap=None, alibi_slopes=None, sinks=None,
                             mask=None,
                             cache_names=("k_cache", "v_cache"),
-                            scale_names=("k_scale", "v_scale")) -> KVCacheCall:
-    """Everything attention over a KV cache needs, checked before anything is written."""
-    (B, Hkv, C, D), Dv, dtype = check_cache_pair(k_cache, v_cache, names=cache_names)
+                            scale_names=("k_scale", "v_scale"), head_dims=None) -> KVCacheCall:
+    """Everything attention over a KV cache needs, checked before anything is written.
+    head_dims: (D, Dv) of int4 (uint8) caches (KVCache knows them)."""
+    (B, Hkv, C, D), Dv, dtype = check_cache_pair(k_cache, v_cache, names=cache_names,
+                                                 head_dims=head_dims)
     kn, vn = cache_names
     q = as_float_array(q, "q")
     if q.ndim != 4:
@@ -899,7 +925,7 @@ def kvcache_plan(q, k_cache, v_cache, k_new, scale, window):
     """What a repeat call needs from a call the full path accepted: (new tokens, out shape,
     dtype, scale, window as checked, Tq, capacity); None for int8 caches (quantised on
     write) and unless the kernels took q and the caches as given."""
-    if (k_cache.dtype in ROW_SCALED_DTYPES or as_float_array(q, "q") is not q or kernel_ready(q) is not q
+    if (k_cache.dtype in QUANTIZED_DTYPES or as_float_array(q, "q") is not q or kernel_ready(q) is not q
             or kernel_ready(k_cache) is not k_cache or kernel_ready(v_cache) is not v_cache):
         return None
     B, H, Tq, D = q.shape
@@ -928,9 +954,9 @@ def check_block_table(block_table, batch: int, name: str = "block_table") -> np.
     return kernel_ready(arr)
 
 
-def check_paged_pools(k_cache, v_cache, *, names=("k_cache", "v_cache")):
+def check_paged_pools(k_cache, v_cache, *, names=("k_cache", "v_cache"), head_dims=None):
     """Paged pools (num_blocks, Hkv, block_size, D) and (num_blocks, Hkv, block_size, Dv)
-    -> ((num_blocks, Hkv, block_size, D), Dv, dtype)."""
+    -> ((num_blocks, Hkv, block_size, D), Dv, dtype). head_dims: as check_cache_pair."""
     kn, vn = names
     kd = _check_array_pair(k_cache, v_cache, names,
                            "a 4-D pool (num_blocks, kv_heads, block_size, head_dim) with block_table")
@@ -942,8 +968,8 @@ def check_paged_pools(k_cache, v_cache, *, names=("k_cache", "v_cache")):
                          f"{_shape_str(k_cache)}, {vn} {_shape_str(v_cache)}")
     if k_cache.shape[2] < 1:
         raise ValueError(f"block_size (axis 2 of {kn}) must be >= 1, got {_shape_str(k_cache)}")
-    _check_head_dims(k_cache, v_cache, names)
-    return k_cache.shape, v_cache.shape[3], kd
+    D, Dv = _check_head_dims(k_cache, v_cache, names, kd, head_dims)
+    return k_cache.shape[:3] + (D,), Dv, kd
 
 
 def check_paged_scales(k_scale, v_scale, cache_dtype, pool_shape: tuple, writes: bool,
@@ -997,11 +1023,12 @@ def check_paged_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_n
                                   alibi_slopes=None, sinks=None, mask=None,
                                   cache_names=("k_cache", "v_cache"),
                                   scale_names=("k_scale", "v_scale"),
-                                  table_name="block_table") -> KVCacheCall:
+                                  table_name="block_table", head_dims=None) -> KVCacheCall:
     """check_kvcache_attention for a paged cache: pools (num_blocks, Hkv, block_size, D|Dv)
     read through block_table (B, max_blocks); the logical capacity is max_blocks *
     block_size. Everything is checked before anything is written."""
-    (NB, Hkv, BS, D), Dv, dtype = check_paged_pools(k_cache, v_cache, names=cache_names)
+    (NB, Hkv, BS, D), Dv, dtype = check_paged_pools(k_cache, v_cache, names=cache_names,
+                                                    head_dims=head_dims)
     kn, vn = cache_names
     q = as_float_array(q, "q")
     if q.ndim != 4:

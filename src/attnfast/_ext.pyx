@@ -27,6 +27,7 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
         kBF16
         kI8
         kF8E4M3
+        kQ4
 
     cdef struct AttentionParams:
         const void* q
@@ -69,8 +70,7 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
     void request_interrupt() noexcept nogil
     cbool take_interrupt() noexcept nogil
     int processor_count() noexcept nogil
-    # attention_forward, or quantized_cache_forward for a float8 cache
-    void attention_forward "attnfast::attention_forward_any"(const AttentionParams&) except + nogil
+    void attention_forward(const AttentionParams&) except + nogil
     void attention_forward_batch(const AttentionParams* params, int64_t count) except + nogil
     cdef struct CallPlan:
         const char* tier
@@ -84,7 +84,7 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
         cbool latent_kv
         int64_t rows_per_kv_read
         const char* regime
-    CallPlan plan_attention_core "attnfast::plan_attention_any"(const AttentionParams&) except + nogil
+    CallPlan plan_attention_core "attnfast::plan_attention"(const AttentionParams&) except + nogil
     cbool openmp_enabled() noexcept nogil
     int openmp_max_threads() noexcept nogil
     const char* openmp_runtime_name() noexcept nogil
@@ -184,6 +184,8 @@ cdef DType _dtype_code(cnp.ndarray a) except *:
         return DType.kF16
     if num == cnp.NPY_INT8:
         return DType.kI8
+    if num == cnp.NPY_UINT8:  # an int4 cache's packed blocks (attnfast._int4)
+        return DType.kQ4
     if a.dtype == _BFLOAT16:
         return DType.kBF16
     if a.dtype == _FLOAT8_E4M3:
@@ -194,7 +196,8 @@ cdef DType _dtype_code(cnp.ndarray a) except *:
 cdef int _fill_params(AttentionParams* p, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out, lse,
                       bint causal, double scale, int64_t window_left, int64_t window_right,
                       int num_threads, seqlens_k, k_scale, v_scale, query_offset,
-                      double softcap, alibi, sinks, mask, block_table) except -1:
+                      double softcap, alibi, sinks, mask, block_table,
+                      int64_t head_dim_v=-1) except -1:
     """Fills `p` from run_attention's arguments (out may be None: plan_attention)."""
     cdef cnp.ndarray out_arr, lse_arr
     cdef cnp.ndarray seqlens_arr
@@ -219,6 +222,12 @@ cdef int _fill_params(AttentionParams* p, cnp.ndarray q, cnp.ndarray k, cnp.ndar
             _stride(lse_arr, 0), _stride(lse_arr, 1), _stride(lse_arr, 2))
     p.batch, p.heads, p.seqlen_q, p.head_dim = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
     p.kv_heads, p.seqlen_k, p.head_dim_v = k.shape[1], k.shape[2], v.shape[3]
+    if cnp.PyArray_TYPE(k) == cnp.NPY_UINT8:  # int4: rows of 20-byte blocks of 32 values
+        if (head_dim_v < 1 or k.shape[3] != (p.head_dim + 31) // 32 * 20
+                or v.shape[3] != (head_dim_v + 31) // 32 * 20):
+            raise TypeError("attnfast._ext: an int4 (uint8) k / v needs head_dim_v, and rows "
+                            "of ceil(head_dim / 32) and ceil(head_dim_v / 32) 20-byte blocks")
+        p.head_dim_v = head_dim_v
     scale_blocks = p.batch
     if block_table is not None:
         table_arr = block_table
@@ -305,8 +314,11 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
                       int64_t window_right, int num_threads, seqlens_k=None,
                       bint interruptible=False, k_scale=None, v_scale=None,
                       query_offset=None, double softcap=0.0, alibi=None, sinks=None,
-                      mask=None, block_table=None, backward=None):
+                      mask=None, block_table=None, backward=None, int64_t head_dim_v=-1):
     """Run the streaming attention kernel; q, k, v, out are 4-D, lse 3-D or None.
+
+    An int4 cache is a uint8 k / v of packed rows (attnfast._int4): head_dim_v then gives
+    the values' width (the rows' last axis holds ceil(head_dim_v / 32) blocks of 20 bytes).
 
     softcap (0 = off), alibi (float32 (B, H), heads contiguous), sinks (float32 (H,),
     contiguous), mask (4-D (B, H, Tq, Tk) bool / float32 / float64 view, any strides):
@@ -330,7 +342,7 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
     cdef AttentionParams p = default_params()
     _fill_params(&p, q, k, v, out, lse, causal, scale, window_left, window_right, num_threads,
                  seqlens_k, k_scale, v_scale, query_offset, softcap, alibi, sinks, mask,
-                 block_table)
+                 block_table, head_dim_v)
     if backward is not None:
         _run_backward(&p, backward[0], backward[1], backward[2], backward[3], backward[4])
     elif interruptible:
@@ -359,7 +371,8 @@ def run_attention_batch(list calls, *, bint interruptible=False):
         _fill_params(&params[i], q, k, v, out, lse, kw["causal"], kw["scale"], kw["window_left"],
                      kw["window_right"], kw["num_threads"], kw.get("seqlens_k"), kw.get("k_scale"),
                      kw.get("v_scale"), kw.get("query_offset"), kw.get("softcap", 0.0),
-                     kw.get("alibi"), kw.get("sinks"), kw.get("mask"), kw.get("block_table"))
+                     kw.get("alibi"), kw.get("sinks"), kw.get("mask"), kw.get("block_table"),
+                     kw.get("head_dim_v", -1))
     if params.size() == 0:
         return
     if interruptible:
@@ -372,14 +385,14 @@ def run_attention_batch(list calls, *, bint interruptible=False):
 def plan_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, *, bint causal, double scale,
                    int64_t window_left, int64_t window_right, int num_threads, seqlens_k=None,
                    k_scale=None, v_scale=None, query_offset=None, double softcap=0.0,
-                   alibi=None, sinks=None, mask=None, block_table=None):
+                   alibi=None, sinks=None, mask=None, block_table=None, int64_t head_dim_v=-1):
     """What run_attention would run for these arguments (its own, less out, lse and
     interruptible), as a dict (attnfast.explain), from the core's plan_attention."""
     cdef AttentionParams p = default_params()
     cdef CallPlan plan
     _fill_params(&p, q, k, v, None, None, causal, scale, window_left, window_right, num_threads,
                  seqlens_k, k_scale, v_scale, query_offset, softcap, alibi, sinks, mask,
-                 block_table)
+                 block_table, head_dim_v)
     plan = plan_attention_core(p)
     split = None
     if plan.decode:

@@ -13,11 +13,12 @@ import threading
 
 import numpy as np
 
-from . import _ext
+from . import _ext, _int4
 from ._api import kernels_interruptible, run_kernels
 from ._interop import accepts_arrays
 from ._checks import (
     FLOAT8_E4M3,
+    INT4_STORAGE,
     ROW_SCALED_DTYPES,
     KVCACHE_PLANS,
     bound_window,
@@ -122,9 +123,14 @@ def decode_tail_in_c() -> bool:
 
 def _stored_form(k_new, v_new, cache_dtype, row_scaled: bool, key_rotation=None):
     """k_new, v_new as the cache stores them, converted before anything is written:
-    (k, v, k row scales, v row scales), the scales None unless int8 / float8. Values beyond
+    (k, v, k row scales, v row scales), the scales None unless int8 / float8 (int4 rows
+    carry their own, attnfast._int4). Values beyond
     a 16-bit dtype's range become +-inf, as the cast gives, with no overflow warning (README,
     reliability rules): a warning turned into an error must not stop a write half-way."""
+    if cache_dtype == INT4_STORAGE:  # packed blocks with their own scales (attnfast._int4)
+        if key_rotation == "hadamard":
+            k_new = hadamard_rotate(k_new)
+        return _int4.quantize(k_new), _int4.quantize(v_new), None, None
     if row_scaled:
         if key_rotation == "hadamard":  # see attnfast._rotation
             k_new = hadamard_rotate(k_new)
@@ -415,6 +421,14 @@ class KVCache:
         for _ in range(n_tokens):
             out = cache.step(q_tok, k_tok, v_tok)           # one token: O(length) work
 
+    ``dtype``: float32, float64, float16 or bfloat16 (stored as given), or a quantised
+    format new tokens are quantised into on append (queries float32, float16 or bfloat16):
+    ``"int8"`` (a float32 scale per token row in ``k_scale`` / ``v_scale``; keys rotated,
+    see ``key_rotation``), ``ml_dtypes.float8_e4m3fn`` (scales the same) or ``"int4"``
+    (groups of 32 values with their own bfloat16 scale and minimum, packed into uint8 ``k`` /
+    ``v`` rows of 20 * ceil(head_dim / 32) bytes; keys rotated). Formats and their errors:
+    the user guide's "KV-cache formats" page.
+
     Every method checks all its arguments before changing anything: a rejected call (for
     instance appending past ``capacity``, which raises ValueError) leaves ``k``, ``v`` and
     ``lengths`` exactly as they were.
@@ -438,9 +452,13 @@ class KVCache:
                                                 v_head_dim)
         self._latent = check_latent_spec(latent, D, Dv, dt)
         self._key_rotation = default_key_rotation(key_rotation, dt)
-        self._k = np.zeros((B, Hkv, C, D), dtype=dt)
+        self._head_dims = (D, Dv)
+        # int4: rows of packed blocks (attnfast._int4), their length not the head dim
+        stored = (_int4.packed_size(D), _int4.packed_size(Dv)) if dt == INT4_STORAGE else (D, Dv)
+        self._k = np.zeros((B, Hkv, C, stored[0]), dtype=dt)
         # latent (MLA): one row per token; the values are its first Dv elements (a view)
-        self._v = self._k[..., :Dv] if self._latent else np.zeros((B, Hkv, C, Dv), dtype=dt)
+        self._v = (self._k[..., :Dv] if self._latent
+                   else np.zeros((B, Hkv, C, stored[1]), dtype=dt))
         # int8 / float8 storage: one float32 dequantisation scale per (sequence, kv head, token)
         scaled = dt in ROW_SCALED_DTYPES
         self._k_scale = np.zeros((B, Hkv, C), np.float32) if scaled else None
@@ -451,12 +469,14 @@ class KVCache:
     # ---- state ----
     @property
     def k(self) -> np.ndarray:
-        """Keys, (batch, kv_heads, capacity, head_dim); only [:, :, :lengths[b]] is in use."""
+        """Keys, (batch, kv_heads, capacity, head_dim); only [:, :, :lengths[b]] is in use.
+        An int4 cache's are uint8 (batch, kv_heads, capacity, 20 * ceil(head_dim / 32)): its
+        packed blocks (layout in the user guide, "Low-bit KV caches")."""
         return self._k
 
     @property
     def v(self) -> np.ndarray:
-        """Values, (batch, kv_heads, capacity, v_head_dim)."""
+        """Values, (batch, kv_heads, capacity, v_head_dim) (int4: packed, as k)."""
         return self._v
 
     @property
@@ -473,7 +493,7 @@ class KVCache:
     @property
     def key_rotation(self) -> str | None:
         """How the keys are stored: "hadamard" (rotated by the orthonormal block Hadamard
-        matrix along head_dim before quantisation; the default for int8 caches) or None
+        matrix along head_dim before quantisation; the default for int8 and int4 caches) or None
         (as given). Queries are rotated the same way, so results do not change."""
         return self._key_rotation
 
@@ -489,15 +509,17 @@ class KVCache:
     batch = property(lambda self: self._k.shape[0], doc="Number of sequences.")
     kv_heads = property(lambda self: self._k.shape[1], doc="KV heads (Hkv).")
     capacity = property(lambda self: self._k.shape[2], doc="Tokens each sequence can hold.")
-    head_dim = property(lambda self: self._k.shape[3], doc="Head dim of keys (and queries).")
-    v_head_dim = property(lambda self: self._v.shape[3], doc="Head dim of values.")
+    head_dim = property(lambda self: self._head_dims[0], doc="Head dim of keys (and queries).")
+    v_head_dim = property(lambda self: self._head_dims[1], doc="Head dim of values.")
     dtype = property(lambda self: self._k.dtype,
                      doc="Storage dtype of k and v (queries: this dtype, or float32 over a 16-bit "
-                         "cache, or float32 / float16 / bfloat16 over an int8 cache).")
+                         "cache, or float32 / float16 / bfloat16 over an int8, float8 or int4 "
+                         "cache); uint8 for an int4 cache (its packed blocks).")
 
     def __repr__(self) -> str:
+        kind = "'int4'" if self.dtype == INT4_STORAGE else self.dtype
         return (f"KVCache(batch={self.batch}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, "
-                f"capacity={self.capacity}, dtype={self.dtype}, v_head_dim={self.v_head_dim}"
+                f"capacity={self.capacity}, dtype={kind}, v_head_dim={self.v_head_dim}"
                 f"{', latent=True' if self._latent else ''}; "
                 f"lengths={self._lengths.tolist() if self.batch <= 8 else '...'})")
 
@@ -726,7 +748,8 @@ class KVCache:
                                        query_offset=query_offset, softcap=softcap,
                                        alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
                                        cache_names=("cache.k", "cache.v"),
-                                       scale_names=("cache.k_scale", "cache.v_scale"))
+                                       scale_names=("cache.k_scale", "cache.v_scale"),
+                                       head_dims=self._head_dims)
         user_out = check_out(out, call.attn.out_shape(), call.attn.dtype,
                              _read_and_written(call) + [
                                  ("cache.k", self._k), ("cache.v", self._v),

@@ -14,7 +14,9 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from . import _int4
 from ._checks import (
+    INT4_STORAGE,
     ROW_SCALED_DTYPES,
     default_key_rotation,
     check_flag,
@@ -49,7 +51,8 @@ class PagedKVCache:
     v_head_dim=None)`` holds ``k`` (num_blocks, kv_heads, block_size, head_dim) and ``v``
     (num_blocks, kv_heads, block_size, v_head_dim) pools (views of KV-head-major storage; and,
     for ``dtype="int8"``, float32 ``k_scale`` / ``v_scale`` (num_blocks, kv_heads,
-    block_size)). Free blocks are handed out lowest id first. A sequence's token t is row
+    block_size); ``dtype="int4"`` packs each row into uint8 blocks as
+    :class:`attnfast.KVCache` does). Free blocks are handed out lowest id first. A sequence's token t is row
     ``t % block_size`` of its ``t // block_size``-th block; blocks are taken from the pool as
     sequences grow and return to it when they are freed::
 
@@ -87,8 +90,11 @@ class PagedKVCache:
         # with consecutive ids are then adjacent in memory, so a sequence whose blocks were
         # taken in order streams like a contiguous cache (scattered short blocks cost more:
         # see README, Paged KV cache).
-        self._k = np.zeros((Hkv, NB, BS, D), dtype=dt).transpose(1, 0, 2, 3)
-        self._v = np.zeros((Hkv, NB, BS, Dv), dtype=dt).transpose(1, 0, 2, 3)
+        # (int4: rows of packed blocks, attnfast._int4, their length not the head dim)
+        self._head_dims = (D, Dv)
+        stored = (_int4.packed_size(D), _int4.packed_size(Dv)) if dt == INT4_STORAGE else (D, Dv)
+        self._k = np.zeros((Hkv, NB, BS, stored[0]), dtype=dt).transpose(1, 0, 2, 3)
+        self._v = np.zeros((Hkv, NB, BS, stored[1]), dtype=dt).transpose(1, 0, 2, 3)
         scaled = dt in ROW_SCALED_DTYPES  # int8 / float8: one float32 scale per (block, kv head, row)
         self._k_scale = np.zeros((Hkv, NB, BS), np.float32).transpose(1, 0, 2) if scaled else None
         self._v_scale = np.zeros((Hkv, NB, BS), np.float32).transpose(1, 0, 2) if scaled else None
@@ -102,7 +108,8 @@ class PagedKVCache:
     @property
     def k(self) -> np.ndarray:
         """Key pool, (num_blocks, kv_heads, block_size, head_dim): a view of storage laid
-        out (kv_heads, num_blocks, block_size, head_dim)."""
+        out (kv_heads, num_blocks, block_size, head_dim). An int4 pool's rows are uint8 packed
+        blocks, 20 * ceil(head_dim / 32) bytes (as :attr:`attnfast.KVCache.k`)."""
         return self._k
 
     @property
@@ -122,15 +129,16 @@ class PagedKVCache:
 
     @property
     def key_rotation(self) -> str | None:
-        """As :attr:`attnfast.KVCache.key_rotation` ("hadamard" by default for int8)."""
+        """As :attr:`attnfast.KVCache.key_rotation` ("hadamard" by default for int8 and int4)."""
         return self._key_rotation
 
     num_blocks = property(lambda self: self._k.shape[0], doc="Blocks in the pool.")
     block_size = property(lambda self: self._k.shape[2], doc="Tokens per block.")
     kv_heads = property(lambda self: self._k.shape[1], doc="KV heads (Hkv).")
-    head_dim = property(lambda self: self._k.shape[3], doc="Head dim of keys (and queries).")
-    v_head_dim = property(lambda self: self._v.shape[3], doc="Head dim of values.")
-    dtype = property(lambda self: self._k.dtype, doc="Storage dtype of the pools.")
+    head_dim = property(lambda self: self._head_dims[0], doc="Head dim of keys (and queries).")
+    v_head_dim = property(lambda self: self._head_dims[1], doc="Head dim of values.")
+    dtype = property(lambda self: self._k.dtype,
+                     doc="Storage dtype of the pools (uint8 for int4: its packed blocks).")
 
     @property
     def num_free_blocks(self) -> int:
@@ -164,8 +172,9 @@ class PagedKVCache:
         return self._table([self._seqs[s].blocks for s in ids], fill=-1).astype(np.int32)
 
     def __repr__(self) -> str:
+        kind = "'int4'" if self.dtype == INT4_STORAGE else self.dtype
         return (f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
-                f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
+                f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, dtype={kind}, "
                 f"v_head_dim={self.v_head_dim}; {len(self._seqs)} sequence(s), "
                 f"{self.num_free_blocks} free block(s))")
 
@@ -383,7 +392,7 @@ class PagedKVCache:
         call = check_paged_kvcache_attention(
             q, self._k, self._v, lengths, k_new, v_new, table, k_scale=self._k_scale,
             v_scale=self._v_scale, cache_names=("cache.k", "cache.v"), scale_names=s_names,
-            **options)
+            head_dims=self._head_dims, **options)
         user_out = check_out(_lift(single, out) if out is not None and np.ndim(out) == 3 else out,
                              call.attn.out_shape(), call.attn.dtype, _read_and_written(call))
         tree = check_tree_mask(tree_mask, call)

@@ -23,6 +23,7 @@ import numpy as np
 from ._api import merge_attention_states
 from ._checks import (
     FLOAT64,
+    INT4_STORAGE,
     ROW_SCALED_DTYPES,
     LOWP_DTYPES,
     _positive_int,
@@ -208,7 +209,7 @@ class ShardedKVCache:
     Parameters
     ----------
     batch, kv_heads, head_dim, dtype, v_head_dim
-        As in :class:`attnfast.KVCache` (every storage dtype, int8 included).
+        As in :class:`attnfast.KVCache` (every storage dtype but int4, int8 included).
     capacity_per_shard : int
         Tokens per sequence each shard holds.
     num_shards : int
@@ -255,6 +256,10 @@ class ShardedKVCache:
         B, Hkv, D, C, dt, Dv = check_cache_spec(batch, kv_heads, head_dim, capacity_per_shard,
                                                 dtype, v_head_dim)
         check_cache_spec(batch, kv_heads, head_dim, C * S, dtype, v_head_dim)  # total size
+        if dt == INT4_STORAGE:
+            raise NotImplementedError("ShardedKVCache(dtype=\"int4\") is not supported yet; use "
+                                      "int8, float8_e4m3fn or a 16-bit dtype (or a KVCache / "
+                                      "PagedKVCache, which store int4)")
         NL = _positive_int(num_layers, "num_layers")
         if actor_options is None:
             per_shard = [{}] * S

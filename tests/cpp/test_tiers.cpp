@@ -350,9 +350,9 @@ bool run_case(const Case& c, uint64_t seed, const char* dtype) {
     const std::string what = describe(c, dtype);
     try {
         p.out = out1.data.data(), p.lse = lse1.data(), p.num_threads = 1;
-        attnfast::attention_forward_any(p);  // (float8: quantized_cache_forward)
+        attnfast::attention_forward(p);  // (float8: the decode loop in row blocks)
         p.out = out3.data.data(), p.lse = lse3.data(), p.num_threads = 3;
-        attnfast::attention_forward_any(p);
+        attnfast::attention_forward(p);
     } catch (const std::exception& e) {
         std::printf("  FAIL %s: attention_forward threw: %s\n", what.c_str(), e.what());
         return false;
@@ -410,7 +410,7 @@ bool run_case(const Case& c, uint64_t seed, const char* dtype) {
         std::vector<A> lsep(lse1.size(), static_cast<A>(sentinel));
         pp.out = outp.data.data(), pp.lse = lsep.data(), pp.num_threads = 3;
         try {
-            attnfast::attention_forward_any(pp);
+            attnfast::attention_forward(pp);
         } catch (const std::exception& e) {
             std::printf("  FAIL %s: paged attention_forward threw: %s\n", what.c_str(), e.what());
             return false;
@@ -657,6 +657,132 @@ bool round_trip_16bit(const char* dtype, bool flushes_subnormals = false) {
     return true;
 }
 
+// int4 cache (DType::kQ4): rows of 20-byte blocks (bfloat16 scale, bfloat16 minimum, 16 bytes
+// of nibbles: value i low, value i + 16 high), decoded here from that layout. Decode (Tq 1, 3)
+// and a prompt chunk (Tq 40: the decode loop in row blocks), GQA, D and Dv that are and are
+// not whole vectors, contiguous and paged; float32 q; 1 and 3 threads the same bits.
+bool run_int4_case(int64_t H, int64_t Hkv, int64_t Tq, int64_t Tk, int64_t D, int64_t Dv, uint64_t seed) {
+    const int64_t gk = (D + 31) / 32, gv = (Dv + 31) / 32, rk = 20 * gk, rv = 20 * gv;
+    Rng rng{seed};
+    std::vector<uint8_t> k(static_cast<size_t>(Hkv * Tk * rk)), v(static_cast<size_t>(Hkv * Tk * rv));
+    auto fill = [&](std::vector<uint8_t>& rows, int64_t row_bytes) {
+        for (int64_t r = 0; r < static_cast<int64_t>(rows.size()) / row_bytes; ++r)
+            for (int64_t g = 0; g < row_bytes / 20; ++g) {
+                uint8_t* blk = rows.data() + r * row_bytes + g * 20;
+                const Bf16 scale(0.02 + 0.01 * rng.next(1.0)), minimum(-0.15 + 0.05 * rng.next(1.0));
+                std::memcpy(blk, &scale.bits, 2);
+                std::memcpy(blk + 2, &minimum.bits, 2);
+                for (int i = 0; i < 16; ++i) blk[4 + i] = static_cast<uint8_t>(std::lround(127.5 + 127.5 * rng.next(1.0)));
+            }
+    };
+    fill(k, rk);
+    fill(v, rv);
+    auto value = [](const std::vector<uint8_t>& rows, int64_t row_bytes, int64_t r, int64_t d) {
+        const uint8_t* blk = rows.data() + r * row_bytes + (d / 32) * 20;
+        Bf16 scale, minimum;
+        std::memcpy(&scale.bits, blk, 2);
+        std::memcpy(&minimum.bits, blk + 2, 2);
+        const int i = static_cast<int>(d % 32);
+        const int n = i < 16 ? blk[4 + i] & 15 : blk[4 + i - 16] >> 4;
+        return n * static_cast<double>(scale) + static_cast<double>(minimum);
+    };
+    std::vector<float> q(static_cast<size_t>(H * Tq * D)), out1(static_cast<size_t>(H * Tq * Dv)), out3 = out1;
+    for (float& x : q) x = static_cast<float>(rng.next(1.0));
+    attnfast::AttentionParams p = attnfast::default_params();
+    p.dtype = attnfast::DType::kF32, p.kv_dtype = attnfast::DType::kQ4;
+    p.q = q.data(), p.k = k.data(), p.v = v.data();
+    p.q_batch_stride = H * Tq * D, p.q_head_stride = Tq * D, p.q_row_stride = D;
+    p.k_batch_stride = Hkv * Tk * rk, p.k_head_stride = Tk * rk, p.k_row_stride = rk;  // bytes
+    p.v_batch_stride = Hkv * Tk * rv, p.v_head_stride = Tk * rv, p.v_row_stride = rv;
+    p.out_batch_stride = H * Tq * Dv, p.out_head_stride = Tq * Dv, p.out_row_stride = Dv;
+    p.batch = 1, p.heads = H, p.kv_heads = Hkv, p.seqlen_q = Tq, p.seqlen_k = Tk;
+    p.head_dim = D, p.head_dim_v = Dv, p.scale = 1.0 / std::sqrt(static_cast<double>(D)), p.causal = true;
+    char what[128];
+    std::snprintf(what, sizeof what, "int4 H=%lld Hkv=%lld Tq=%lld Tk=%lld D=%lld Dv=%lld", (long long)H,
+                  (long long)Hkv, (long long)Tq, (long long)Tk, (long long)D, (long long)Dv);
+    try {
+        p.out = out1.data(), p.num_threads = 1;
+        attnfast::attention_forward(p);
+        p.out = out3.data(), p.num_threads = 3;
+        attnfast::attention_forward(p);
+    } catch (const std::exception& e) {
+        std::printf("  FAIL %s: attention_forward threw: %s\n", what, e.what());
+        return false;
+    }
+    if (std::memcmp(out1.data(), out3.data(), out1.size() * sizeof(float)) != 0) {
+        std::printf("  FAIL %s: 1 and 3 threads differ\n", what);
+        return false;
+    }
+    // paged: the same rows in blocks of 16 taken in reverse order
+    const int64_t bs = 16, per = (Tk + bs - 1) / bs;
+    std::vector<uint8_t> kp(static_cast<size_t>(per * Hkv * bs * rk)), vp(static_cast<size_t>(per * Hkv * bs * rv));
+    std::vector<int64_t> table(static_cast<size_t>(per));
+    for (int64_t i = 0; i < per; ++i) {
+        const int64_t id = per - 1 - i;
+        table[i] = id;
+        for (int64_t g = 0; g < Hkv; ++g)
+            for (int64_t r = 0; r < bs && i * bs + r < Tk; ++r) {
+                std::memcpy(&kp[((id * Hkv + g) * bs + r) * rk], &k[(g * Tk + i * bs + r) * rk], rk);
+                std::memcpy(&vp[((id * Hkv + g) * bs + r) * rv], &v[(g * Tk + i * bs + r) * rv], rv);
+            }
+    }
+    std::vector<float> outp(out1.size());
+    std::vector<int64_t> lens{Tk};
+    attnfast::AttentionParams pp = p;
+    pp.k = kp.data(), pp.v = vp.data();
+    pp.k_batch_stride = Hkv * bs * rk, pp.k_head_stride = bs * rk;
+    pp.v_batch_stride = Hkv * bs * rv, pp.v_head_stride = bs * rv;
+    pp.block_table = table.data(), pp.block_table_batch_stride = per, pp.block_size = bs;
+    pp.num_blocks = per, pp.seqlen_k = per * bs, pp.seqlens_k = lens.data(), pp.out = outp.data();
+    try {
+        attnfast::attention_forward(pp);
+    } catch (const std::exception& e) {
+        std::printf("  FAIL %s: paged attention_forward threw: %s\n", what, e.what());
+        return false;
+    }
+    if (std::memcmp(out1.data(), outp.data(), out1.size() * sizeof(float)) != 0) {
+        std::printf("  FAIL %s: paged differs from contiguous\n", what);
+        return false;
+    }
+    const int64_t group = H / Hkv;
+    std::vector<double> s(static_cast<size_t>(Tk));
+    for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < Tq; ++i) {
+            const int64_t last = i + Tk - Tq, g = h / group;  // causal, bottom-right
+            double m = -kInf, sum = 0;
+            for (int64_t j = 0; j <= last; ++j) {
+                double dot = 0;
+                for (int64_t d = 0; d < D; ++d) dot += q[(h * Tq + i) * D + d] * value(k, rk, g * Tk + j, d);
+                s[j] = dot * p.scale;
+                m = std::max(m, s[j]);
+            }
+            for (int64_t j = 0; j <= last; ++j) sum += std::exp(s[j] - m);
+            for (int64_t e = 0; e < Dv; ++e) {
+                double o = 0;
+                for (int64_t j = 0; j <= last; ++j) o += std::exp(s[j] - m) * value(v, rv, g * Tk + j, e);
+                const double want = o / sum, got = out1[(h * Tq + i) * Dv + e];
+                if (!(std::fabs(got - want) <= 2e-5 + 2e-5 * std::fabs(want))) {
+                    std::printf("  FAIL %s: out at h=%lld row=%lld col=%lld: got %.9g, want %.9g\n", what,
+                                (long long)h, (long long)i, (long long)e, got, want);
+                    return false;
+                }
+            }
+        }
+    return true;
+}
+
+long run_int4_cases(long& checks) {
+    long failures = 0;
+    uint64_t seed = 77;
+    const int64_t cases[][6] = {{8, 8, 1, 300, 128, 128}, {8, 2, 3, 150, 64, 80}, {4, 4, 1, 100, 80, 64},
+                                {4, 1, 40, 130, 128, 128}, {2, 2, 1, 50, 33, 20}};
+    for (const auto& c : cases) {
+        ++checks;
+        failures += run_int4_case(c[0], c[1], c[2], c[3], c[4], c[5], seed++) ? 0 : 1;
+    }
+    return failures;
+}
+
 // All cases on the active tier, in every dtype combination.
 void run_tier(const std::string& tier, bool nan_only, Stats& total) {
     Stats st;
@@ -670,6 +796,7 @@ void run_tier(const std::string& tier, bool nan_only, Stats& total) {
         st.checks += 2;
         st.failures += round_trip_16bit<F16>("f16") ? 0 : 1;
         st.failures += round_trip_16bit<Bf16>("bf16", g_bf16_rounds_p) ? 0 : 1;
+        st.failures += run_int4_cases(st.checks);
     }
     st.checks += nan_checked;
     const bool known = nan_known_to_fail(tier);

@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1, help="batch size B (default 1)")
     p.add_argument("--dtype", type=parse_dtypes, default=[np.dtype(np.float32)],
                    help="KV cache dtypes, a comma list of float32 (default), float64, float16, "
-                        "bfloat16, int8, float8_e4m3fn: decode table and linear fit per dtype (GB/s from the "
-                        "bytes read, int8 / float8 scales included); prefill, (c) run in the "
+                        "bfloat16, int8, float8_e4m3fn, int4: decode table and linear fit per dtype (GB/s "
+                        "from the bytes read, scales included); prefill, (c) run in the "
                         "first dtype that is not a cache-only one")
     p.add_argument("--tokens", type=int, default=32, help="tokens generated in (c) (default 32)")
     p.add_argument("--prompt", type=int, default=1024,

@@ -7,9 +7,18 @@ import numpy as np
 
 __all__ = ["KV_DTYPES", "parse_int_list", "parse_heads", "parse_dtype", "parse_dtypes"]
 
-KV_DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "float8_e4m3fn")
+KV_DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "float8_e4m3fn", "int4")
 # KV-cache-only storage formats (queries and new tokens are float32 for them)
-CACHE_ONLY_DTYPES = ("int8", "float8_e4m3fn")
+CACHE_ONLY_DTYPES = ("int8", "float8_e4m3fn", "int4")
+
+
+class CacheFormat(str):
+    """A KV-cache format that is not a NumPy dtype ("int4"), standing where the bench code
+    passes dtypes: ``KVCache(dtype=...)`` takes it as its name, and ``.name`` is that name."""
+
+    @property
+    def name(self) -> str:
+        return str(self)
 
 
 def parse_int_list(text: str, name: str) -> list[int]:
@@ -54,8 +63,10 @@ def parse_heads(text: str) -> tuple[int, int]:
     return h, hkv
 
 
-def parse_dtype(text: str) -> np.dtype:
-    """A NumPy dtype from its name; ``bfloat16`` is ml_dtypes'."""
+def parse_dtype(text: str) -> "np.dtype | CacheFormat":
+    """A NumPy dtype from its name; ``bfloat16`` is ml_dtypes'; ``int4`` a CacheFormat."""
+    if text == "int4":
+        return CacheFormat("int4")
     if text == "float8_e4m3fn":
         import ml_dtypes
         return np.dtype(ml_dtypes.float8_e4m3fn)
