@@ -3,7 +3,8 @@
 # ATTNFAST_SANITIZE=ON) into a venv of its own, run the test suite under it and fail on any
 # sanitizer report.
 #
-#   tools/run_sanitizers.sh                 # the default test run (tests/, -m 'not slow')
+#   tools/run_sanitizers.sh                 # the default test run (tests/, -m 'not slow'),
+#                                           # less the OpenVINO peer test (see below)
 #   tools/run_sanitizers.sh tests/test_reliability.py -k window   # any pytest arguments
 #
 # Environment: PYTHON (the interpreter to base the venv on; default python3, which must have
@@ -63,7 +64,9 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 # Subprocesses started by the tests inherit LD_PRELOAD and the options (and report too).
 export PYTHONFAULTHANDLER=1
 
-if [ $# -eq 0 ]; then set -- -q; fi
+# OpenVINO (tests/test_lowbit_peers.py's peer) dlopens its TBB with RTLD_DEEPBIND, which the
+# ASan runtime refuses (google/sanitizers#611: it aborts the process): not attnfast's code.
+if [ $# -eq 0 ]; then set -- -q --ignore=tests/test_lowbit_peers.py; fi
 set +e
 "$VPY" -m pytest -p no:cacheprovider --capture=sys "$@" 2> >(tee "$LOGDIR/stderr.log" >&2)
 status=$?
