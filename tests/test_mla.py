@@ -173,3 +173,38 @@ def test_attention_with_kvcache_latent_new_tokens():
     if latent_kernel_expected():
         plan = af.explain(q, pool, pool[..., :Dv], cache_seqlens=L + 2, block_table=table)
         assert plan["kernel"] == "latent_decode" and plan["kv_source"] == "paged"
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["float32", "bfloat16"])
+def test_paged_latent_pool_equals_the_contiguous_latent_cache(dtype):
+    """PagedKVCache(latent=True): one latent row per token in the pool, v a prefix view of k;
+    its steps give the contiguous latent cache's bits (forks too), through the latent kernel."""
+    rng = np.random.default_rng(12)
+    H, D, Dv, n = 64, 576, 512, 700
+    pool = af.PagedKVCache(64, 32, 1, D, dtype=dtype, v_head_dim=Dv, latent=True)
+    assert pool.latent and np.shares_memory(pool.k, pool.v) and pool.v.shape[-1] == Dv
+    cache = af.KVCache(2, 1, D, 1024, dtype=dtype, v_head_dim=Dv, latent=True)
+    rows = rand(rng, (1, 1, n, D), dtype)
+    a = pool.add_sequence()
+    pool.append(a, rows[0])
+    b = pool.fork(a)  # shares the blocks; the partly filled last one is copied on write
+    cache.append(np.concatenate([rows, rows]))
+    for tq in (1, 2):
+        q = rand(rng, (2, H, tq, D), dtype)
+        new = rand(rng, (2, 1, tq, D), dtype)
+        got = pool.step([a, b], q, new)
+        want = cache.step(q, new)
+        assert got.tobytes() == want.tobytes()
+        ref, _, _ = reference_attention(q[:1], np.concatenate([rows, new[:1]], axis=2)[..., :],
+                                        np.concatenate([rows, new[:1]], axis=2)[..., :Dv],
+                                        causal=True)
+        np.testing.assert_allclose(got[:1].astype(np.float64), ref, **tolerance(dtype))
+        rows = np.concatenate([rows, new[:1]], axis=2)
+    if latent_kernel_expected():
+        plan = af.explain(q, pool.k, pool.v, cache_seqlens=[n + 3, n + 3],
+                          block_table=np.arange(2 * 23).reshape(2, 23) % 64)
+        assert plan["kernel"] == "latent_decode" and plan["latent_kv"] and plan["kv_source"] == "paged"
+    with pytest.raises(ValueError, match="latent"):
+        pool.append(a, new[0], new[0][..., :Dv].copy())
+    with pytest.raises(NotImplementedError, match="int4"):
+        af.PagedKVCache(4, 16, 1, 64, dtype="int4", v_head_dim=32, latent=True)

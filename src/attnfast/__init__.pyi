@@ -222,7 +222,9 @@ _SeqIds = int | Sequence[int] | NDArray[np.integer[Any]]
 class PagedKVCache:
     def __init__(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, *,
                  dtype: DTypeLike = np.float32, v_head_dim: int | None = None,
-                 key_rotation: str | None = "auto") -> None: ...
+                 latent: bool = False, key_rotation: str | None = "auto") -> None: ...
+    @property
+    def latent(self) -> bool: ...
     @property
     def k(self) -> NDArray[Any]: ...
     @property
@@ -258,7 +260,7 @@ class PagedKVCache:
     def free(self, seq_id: int) -> None: ...
     def fork(self, seq_id: int) -> int: ...
     def truncate(self, seq_id: int, n: int) -> None: ...
-    def append(self, seq_ids: _SeqIds, k_new: ArrayLike, v_new: ArrayLike) -> None: ...
+    def append(self, seq_ids: _SeqIds, k_new: ArrayLike, v_new: ArrayLike | None = None) -> None: ...
     @overload
     def attend(self, seq_ids: _SeqIds, q: ArrayLike, *, causal: bool = ...,
                scale: float | None = ..., window: _Window = ..., softcap: float | None = ...,
@@ -284,7 +286,8 @@ class PagedKVCache:
                query_offset: int | None = None,
                tree_mask: ArrayLike | None = None) -> _Out | _OutLse: ...
     @overload
-    def step(self, seq_ids: _SeqIds, q: ArrayLike, k_new: ArrayLike, v_new: ArrayLike, *,
+    def step(self, seq_ids: _SeqIds, q: ArrayLike, k_new: ArrayLike,
+             v_new: ArrayLike | None = ..., *,
              causal: bool = ..., scale: float | None = ..., window: _Window = ...,
              softcap: float | None = ..., alibi_slopes: ArrayLike | None = ...,
              sinks: ArrayLike | None = ..., mask: ArrayLike | None = ...,
@@ -292,7 +295,8 @@ class PagedKVCache:
              num_threads: int | None = ..., query_offset: int | None = ...,
              tree_mask: ArrayLike | None = ...) -> _Out: ...
     @overload
-    def step(self, seq_ids: _SeqIds, q: ArrayLike, k_new: ArrayLike, v_new: ArrayLike, *,
+    def step(self, seq_ids: _SeqIds, q: ArrayLike, k_new: ArrayLike,
+             v_new: ArrayLike | None = ..., *,
              causal: bool = ..., scale: float | None = ..., window: _Window = ...,
              softcap: float | None = ..., alibi_slopes: ArrayLike | None = ...,
              sinks: ArrayLike | None = ..., mask: ArrayLike | None = ...,
@@ -300,7 +304,8 @@ class PagedKVCache:
              num_threads: int | None = ..., query_offset: int | None = ...,
              tree_mask: ArrayLike | None = ...) -> _OutLse: ...
     @overload
-    def step(self, seq_ids: _SeqIds, q: ArrayLike, k_new: ArrayLike, v_new: ArrayLike, *,
+    def step(self, seq_ids: _SeqIds, q: ArrayLike, k_new: ArrayLike,
+             v_new: ArrayLike | None = None, *,
              causal: bool = True, scale: float | None = None, window: _Window = None,
              softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
              sinks: ArrayLike | None = None, mask: ArrayLike | None = None,

@@ -413,14 +413,15 @@ def is_latent_view(k, v) -> bool:
 
 def check_latent_spec(latent, head_dim: int, head_dim_v: int, dtype) -> bool:
     """KVCache(latent=): a bool; a latent cache stores one row per token whose first
-    head_dim_v elements are the values, so head_dim_v <= head_dim, and not int8 or float8 (its
-    K and V rows would need scales of their own)."""
+    head_dim_v elements are the values, so head_dim_v <= head_dim, and not int8, float8 or
+    int4 (its K and V rows would need scales of their own)."""
     latent = check_flag(latent, "latent")
     if latent and head_dim_v > head_dim:
         raise ValueError(f"a latent cache's values are a prefix of its rows: v_head_dim must be "
                          f"<= head_dim, got v_head_dim={head_dim_v}, head_dim={head_dim}")
     if latent and dtype in QUANTIZED_DTYPES:
-        raise NotImplementedError(f"latent=True with dtype={dtype} is not supported (one scale "
+        kind = "int4" if dtype == INT4_STORAGE else dtype
+        raise NotImplementedError(f"latent=True with dtype={kind} is not supported (one scale "
                                   "per row cannot serve K and its V prefix); use float32, "
                                   "float16 or bfloat16")
     return latent

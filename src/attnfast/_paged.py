@@ -21,6 +21,7 @@ from ._checks import (
     default_key_rotation,
     check_flag,
     check_free_blocks,
+    check_latent_spec,
     check_new_tokens,
     check_out,
     check_paged_kvcache_attention,
@@ -81,9 +82,10 @@ class PagedKVCache:
     """
 
     def __init__(self, num_blocks, block_size, kv_heads, head_dim, *, dtype=np.float32,
-                 v_head_dim=None, key_rotation="auto"):
+                 v_head_dim=None, latent=False, key_rotation="auto"):
         NB, BS, Hkv, D, dt, Dv = check_paged_spec(num_blocks, block_size, kv_heads, head_dim,
                                                   dtype, v_head_dim)
+        self._latent = check_latent_spec(latent, D, Dv, dt)
         self._key_rotation = default_key_rotation(key_rotation, dt)
         # Stored KV-head-major, (Hkv, num_blocks, block_size, D), and exposed as the
         # (num_blocks, Hkv, block_size, D) view the kernels take: a KV head's rows of blocks
@@ -94,7 +96,9 @@ class PagedKVCache:
         self._head_dims = (D, Dv)
         stored = (_int4.packed_size(D), _int4.packed_size(Dv)) if dt == INT4_STORAGE else (D, Dv)
         self._k = np.zeros((Hkv, NB, BS, stored[0]), dtype=dt).transpose(1, 0, 2, 3)
-        self._v = np.zeros((Hkv, NB, BS, stored[1]), dtype=dt).transpose(1, 0, 2, 3)
+        # latent (MLA): one row per token; the values are its first Dv elements (a view)
+        self._v = (self._k[..., :Dv] if self._latent
+                   else np.zeros((Hkv, NB, BS, stored[1]), dtype=dt).transpose(1, 0, 2, 3))
         scaled = dt in ROW_SCALED_DTYPES  # int8 / float8: one float32 scale per (block, kv head, row)
         self._k_scale = np.zeros((Hkv, NB, BS), np.float32).transpose(1, 0, 2) if scaled else None
         self._v_scale = np.zeros((Hkv, NB, BS), np.float32).transpose(1, 0, 2) if scaled else None
@@ -132,6 +136,8 @@ class PagedKVCache:
         """As :attr:`attnfast.KVCache.key_rotation` ("hadamard" by default for int8 and int4)."""
         return self._key_rotation
 
+    latent = property(lambda self: self._latent,
+                      doc="Whether v is a prefix view of k (an MLA latent pool: one row per token).")
     num_blocks = property(lambda self: self._k.shape[0], doc="Blocks in the pool.")
     block_size = property(lambda self: self._k.shape[2], doc="Tokens per block.")
     kv_heads = property(lambda self: self._k.shape[1], doc="KV heads (Hkv).")
@@ -175,7 +181,8 @@ class PagedKVCache:
         kind = "'int4'" if self.dtype == INT4_STORAGE else self.dtype
         return (f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, dtype={kind}, "
-                f"v_head_dim={self.v_head_dim}; {len(self._seqs)} sequence(s), "
+                f"v_head_dim={self.v_head_dim}{', latent=True' if self._latent else ''}; "
+                f"{len(self._seqs)} sequence(s), "
                 f"{self.num_free_blocks} free block(s))")
 
     # ---- sequences ----
@@ -227,11 +234,13 @@ class PagedKVCache:
 
     # ---- tokens and attention ----
     @accepts_arrays
-    def append(self, seq_ids, k_new, v_new) -> None:
+    def append(self, seq_ids, k_new, v_new=None) -> None:
         """Append t >= 1 tokens to each sequence of `seq_ids`: k_new (n, kv_heads, t,
         head_dim), v_new (n, kv_heads, t, v_head_dim) in the cache's dtype (float32 is also
-        taken by a 16-bit or int8 cache). Takes blocks from the pool as needed; raises
-        ValueError, changing nothing, when it has too few."""
+        taken by a 16-bit or int8 cache; a latent pool takes k_new only, v_new None). Takes
+        blocks from the pool as needed; raises ValueError, changing nothing, when it has too
+        few."""
+        v_new = self._latent_values(k_new, v_new)
         with self._lock:
             ids, single = check_seq_ids(seq_ids, self._seqs)
             k_new, v_new = _lift(single, k_new), _lift(single, v_new)
@@ -268,12 +277,13 @@ class PagedKVCache:
                          query_offset=query_offset, tree_mask=tree_mask)
 
     @accepts_arrays
-    def step(self, seq_ids, q, k_new, v_new, *, causal=True, scale=None, window=None,
+    def step(self, seq_ids, q, k_new, v_new=None, *, causal=True, scale=None, window=None,
              softcap=None, alibi_slopes=None, sinks=None, mask=None, return_lse=False,
              out=None, num_threads=None, query_offset=None, tree_mask=None):
         """The decode step: :meth:`append` k_new, v_new, then :meth:`attend` q, in one call
         (one kernel call for all the sequences). Everything, the free blocks included, is
-        checked before anything is written."""
+        checked before anything is written. A latent pool takes k_new only (v_new None)."""
+        v_new = self._latent_values(k_new, v_new)
         if k_new is None or v_new is None:
             missing = " and ".join(n for n, a in (("k_new", k_new), ("v_new", v_new)) if a is None)
             raise ValueError(f"step needs both k_new and v_new; {missing} is None (use attend() "
@@ -284,6 +294,18 @@ class PagedKVCache:
                          query_offset=query_offset, tree_mask=tree_mask)
 
     # ---- internals ----
+    def _latent_values(self, k_new, v_new):
+        """As :meth:`attnfast.KVCache._latent_values`: for a latent pool, v_new None becomes
+        k_new's prefix view (the rows are written once), anything else is refused."""
+        if not self._latent:
+            return v_new
+        if v_new is not None:
+            raise ValueError("this PagedKVCache is latent (v is a prefix view of k): pass the "
+                             "latent rows as k_new only, v_new=None")
+        if k_new is None or np.ndim(k_new) not in (3, 4):
+            return None  # (the usual checks then name what is wrong with k_new)
+        return np.asarray(k_new)[..., :self.v_head_dim]
+
     @contextmanager
     def _transaction(self, ids):
         """The body of a mutating call on the sequences `ids`: if it raises anything at all
