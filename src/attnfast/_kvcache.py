@@ -406,6 +406,20 @@ def _paged_attention(q, k_pool, v_pool, cache_seqlens, k_new, v_new, block_table
         raise
 
 
+def latent_values(cache, k_new, v_new, ndims):
+    """The v_new of a KVCache / PagedKVCache call: as given; for a latent cache None becomes
+    k_new's prefix view (the same rows: written once), and anything else is refused. ndims:
+    the k_new ranks the cache takes (others are left to the usual checks, which name them)."""
+    if not cache.latent:
+        return v_new
+    if v_new is not None:
+        raise ValueError(f"this {type(cache).__name__} is latent (v is a prefix view of k): "
+                         "pass the latent rows as k_new only, v_new=None")
+    if k_new is None or np.ndim(k_new) not in ndims:
+        return None
+    return np.asarray(k_new)[..., :cache.v_head_dim]
+
+
 class KVCache:
     """A preallocated KV cache for batched incremental decoding.
 
@@ -533,7 +547,7 @@ class KVCache:
         takes the latent rows k_new only (v_new None: the values are their prefix). Raises
         ValueError, changing nothing, when a sequence has fewer than t free slots.
         """
-        v_new = self._latent_values(k_new, v_new)
+        v_new = latent_values(self, k_new, v_new, ndims=(4,))
         with self._lock:
             self._append(k_new, v_new, batch_index)
 
@@ -593,7 +607,7 @@ class KVCache:
         verification; see :func:`attnfast.attention_with_kvcache`). Everything is checked
         before the tokens are written. A latent cache takes k_new only (v_new None).
         """
-        v_new = self._latent_values(k_new, v_new)
+        v_new = latent_values(self, k_new, v_new, ndims=(4,))
         if k_new is None or v_new is None:
             missing = " and ".join(n for n, a in (("k_new", k_new), ("v_new", v_new)) if a is None)
             raise ValueError(f"step needs both k_new and v_new; {missing} is None (use attend() "
@@ -623,19 +637,6 @@ class KVCache:
             self._lengths[:] = 0
 
     # ---- internals ----
-    def _latent_values(self, k_new, v_new):
-        """The v_new of a call: as given; for a latent cache None becomes k_new's prefix
-        view (the same rows: written once), and anything else is refused."""
-        if not self._latent:
-            return v_new
-        if v_new is not None:
-            raise ValueError("this KVCache is latent (v is a prefix view of k): pass the latent "
-                             "rows as k_new only, v_new=None")
-        if k_new is None or np.ndim(k_new) != 4:
-            return None  # (the usual checks then name what is wrong with k_new)
-        k_new = np.asarray(k_new)
-        return k_new[..., :self.v_head_dim]
-
     def _views(self, seqs):
         """(rows of the selection, batch slice of the cache) for each kernel call: one call
         when the indices are evenly spaced (a strided view, no copy), else one per sequence."""

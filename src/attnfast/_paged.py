@@ -31,7 +31,7 @@ from ._checks import (
     check_truncate,
 )
 from ._interop import accepts_arrays
-from ._kvcache import Undo, _read_and_written, _write_paged_tokens, run_cache_kernels
+from ._kvcache import Undo, _read_and_written, _write_paged_tokens, latent_values, run_cache_kernels
 
 __all__ = ["PagedKVCache"]
 
@@ -240,7 +240,7 @@ class PagedKVCache:
         taken by a 16-bit or int8 cache; a latent pool takes k_new only, v_new None). Takes
         blocks from the pool as needed; raises ValueError, changing nothing, when it has too
         few."""
-        v_new = self._latent_values(k_new, v_new)
+        v_new = latent_values(self, k_new, v_new, ndims=(3, 4))
         with self._lock:
             ids, single = check_seq_ids(seq_ids, self._seqs)
             k_new, v_new = _lift(single, k_new), _lift(single, v_new)
@@ -283,7 +283,7 @@ class PagedKVCache:
         """The decode step: :meth:`append` k_new, v_new, then :meth:`attend` q, in one call
         (one kernel call for all the sequences). Everything, the free blocks included, is
         checked before anything is written. A latent pool takes k_new only (v_new None)."""
-        v_new = self._latent_values(k_new, v_new)
+        v_new = latent_values(self, k_new, v_new, ndims=(3, 4))
         if k_new is None or v_new is None:
             missing = " and ".join(n for n, a in (("k_new", k_new), ("v_new", v_new)) if a is None)
             raise ValueError(f"step needs both k_new and v_new; {missing} is None (use attend() "
@@ -294,18 +294,6 @@ class PagedKVCache:
                          query_offset=query_offset, tree_mask=tree_mask)
 
     # ---- internals ----
-    def _latent_values(self, k_new, v_new):
-        """As :meth:`attnfast.KVCache._latent_values`: for a latent pool, v_new None becomes
-        k_new's prefix view (the rows are written once), anything else is refused."""
-        if not self._latent:
-            return v_new
-        if v_new is not None:
-            raise ValueError("this PagedKVCache is latent (v is a prefix view of k): pass the "
-                             "latent rows as k_new only, v_new=None")
-        if k_new is None or np.ndim(k_new) not in (3, 4):
-            return None  # (the usual checks then name what is wrong with k_new)
-        return np.asarray(k_new)[..., :self.v_head_dim]
-
     @contextmanager
     def _transaction(self, ids):
         """The body of a mutating call on the sequences `ids`: if it raises anything at all
