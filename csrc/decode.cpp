@@ -189,18 +189,25 @@ void* at_bytes(void* base, int64_t elements, int64_t elem_bytes) {
     return base ? static_cast<char*>(base) + elements * elem_bytes : nullptr;
 }
 
+// The query side of s (q, out, lse, mask) moved `steps` elements along one axis, whose
+// strides in p are the *_step arguments: a block of rows, or a batch entry.
+void move_query_side(AttentionParams& s, const AttentionParams& p, int64_t steps, int64_t q_step,
+                     int64_t out_step, int64_t lse_step, int64_t mask_step) {
+    const int64_t qb = dtype_bytes(p.dtype);
+    s.q = at_bytes(p.q, steps * q_step, qb);
+    s.out = at_bytes(p.out, steps * out_step, qb);
+    s.lse = at_bytes(p.lse, steps * lse_step, 4);
+    if (p.mask) {
+        const int64_t mb = p.mask_kind == MaskKind::kBool ? 1 : dtype_bytes(p.mask_dtype);
+        s.mask = at_bytes(p.mask, steps * mask_step, mb);
+    }
+}
+
 // p restricted to query rows [r0, r0 + n): q, out, lse and mask rows moved, seqlen_q = n,
 // and the rows keep their key positions through an explicit query offset.
 AttentionParams query_rows(const AttentionParams& p, int64_t r0, int64_t n, int64_t offset) {
     AttentionParams s = p;
-    const int64_t qb = dtype_bytes(p.dtype);
-    s.q = at_bytes(p.q, r0 * p.q_row_stride, qb);
-    s.out = at_bytes(p.out, r0 * p.out_row_stride, qb);
-    s.lse = at_bytes(p.lse, r0 * p.lse_row_stride, 4);
-    if (p.mask) {
-        const int64_t mb = p.mask_kind == MaskKind::kBool ? 1 : dtype_bytes(p.mask_dtype);
-        s.mask = at_bytes(p.mask, r0 * p.mask_row_stride, mb);
-    }
+    move_query_side(s, p, r0, p.q_row_stride, p.out_row_stride, p.lse_row_stride, p.mask_row_stride);
     s.seqlen_q = n;
     s.has_query_offset = true;
     s.query_offset = offset + r0;
@@ -210,15 +217,10 @@ AttentionParams query_rows(const AttentionParams& p, int64_t r0, int64_t n, int6
 // p restricted to batch entry b (batch = 1).
 AttentionParams batch_entry(const AttentionParams& p, int64_t b) {
     AttentionParams s = p;
-    const int64_t qb = dtype_bytes(p.dtype), kvb = dtype_bytes(p.kv_dtype);
+    const int64_t kvb = dtype_bytes(p.kv_dtype);
     s.batch = 1;
-    s.q = at_bytes(p.q, b * p.q_batch_stride, qb);
-    s.out = at_bytes(p.out, b * p.out_batch_stride, qb);
-    s.lse = at_bytes(p.lse, b * p.lse_batch_stride, 4);
-    if (p.mask) {
-        const int64_t mb = p.mask_kind == MaskKind::kBool ? 1 : dtype_bytes(p.mask_dtype);
-        s.mask = at_bytes(p.mask, b * p.mask_batch_stride, mb);
-    }
+    move_query_side(s, p, b, p.q_batch_stride, p.out_batch_stride, p.lse_batch_stride,
+                    p.mask_batch_stride);
     if (p.alibi_slopes) s.alibi_slopes = p.alibi_slopes + b * p.alibi_batch_stride;
     if (p.seqlens_k) s.seqlens_k = p.seqlens_k + b;
     if (p.block_table) {
