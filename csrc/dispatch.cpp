@@ -191,6 +191,12 @@ const CacheSizes& cache_sizes() {
         c.l1d = cache_bytes(-1, 32 << 10, 16 << 10, 256 << 10);
         c.l2 = cache_bytes(-1, 1 << 20, 128 << 10, 8 << 20);
 #endif
+        // ATTNFAST_L2_BYTES (read once) replaces the OS's answer: the tile sizes and decode
+        // streams chosen from it can then be tested on any machine.
+        if (const char* forced = std::getenv("ATTNFAST_L2_BYTES")) {
+            const long long bytes = std::atoll(forced);
+            if (bytes > 0) c.l2 = bytes < (128 << 10) ? (128 << 10) : (bytes > (8 << 20) ? (8 << 20) : bytes);
+        }
         return c;
     }();
     return sizes;

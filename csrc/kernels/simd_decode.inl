@@ -536,6 +536,15 @@ constexpr int64_t kValueRunKeys = 128;
 // the V pass, each call preceded by the prefetch of as many of the next block's K rows.
 constexpr int64_t kPipelinedKeyBlock = 128;
 constexpr int64_t kPipelinedValueRun = 16;
+// float32 K/V on a core whose L2 is below kSmallL2Bytes (AMD Zen 3: 512 KiB), where the
+// streams above measured slower (bench/HISTORY.md 24, tier avx2): one row reads each block's
+// K and then its V as two plain streams (no V prefetch during the K pass, V runs of
+// kSmallL2ValueRun keys), and two or more rows pipeline blocks of kSmallL2PipelinedBlock keys
+// with one V run per block. The 1-2 MiB L2 of Zen 4 and Emerald Rapids keep the passes above,
+// measured faster there (RESULTS 13.4, 14.1).
+constexpr int64_t kSmallL2Bytes = 1 << 20;
+constexpr int64_t kSmallL2ValueRun = 16;
+constexpr int64_t kSmallL2PipelinedBlock = 32;
 
 // Rows [first, last) of `rows` started towards L2, each row_bytes long.
 template <class T>
@@ -601,9 +610,13 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
         // widening arithmetic, not memory, bounds it) 8-21 % slower: neither is pipelined.
         // (Run lengths change no addition, so no bits; the block length changes the online
         // softmax's rescaling points, the same for any thread count.)
+        // (The small-L2 choice, a property of the machine, is the same for any thread count.)
         const bool pipelined = n >= 2 && sizeof(T) >= 2;
-        const int64_t key_block = pipelined ? kPipelinedKeyBlock : kDecodeKeyBlock;
-        const int64_t value_keys = pipelined ? kPipelinedValueRun : (n <= 4 ? kValueRunKeys : kValueSubKeys);
+        const bool small_l2 = sizeof(T) == 4 && cache_sizes().l2 < kSmallL2Bytes;
+        const bool prefetch_v = pipelined || !small_l2;
+        const int64_t key_block = !pipelined ? kDecodeKeyBlock : (small_l2 ? kSmallL2PipelinedBlock : kPipelinedKeyBlock);
+        const int64_t value_keys = pipelined ? (small_l2 ? kSmallL2PipelinedBlock : kPipelinedValueRun)
+                                             : (small_l2 ? kSmallL2ValueRun : (n <= 4 ? kValueRunKeys : kValueSubKeys));
         const int64_t prefetch_end = task.seqlen_k - kb;  // chunk-relative end of the head's keys
         const int64_t k_row_bytes = kv_row_bytes<T>(D);
         int64_t used_lo = keys, used_hi = 0;
@@ -630,12 +643,13 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
         for (int64_t j0 = used_lo; j0 < used_hi; j0 += key_block) {
             const int64_t j1 = j0 + key_block < used_hi ? j0 + key_block : used_hi;
             // Scores, W keys at a time for every row block; the first row block also
-            // starts those keys' V rows towards the cache (see decode_chunk).
+            // starts those keys' V rows towards the cache (see decode_chunk), unless
+            // prefetch_v is off.
             const int64_t vsb = p.v_row_stride * static_cast<int64_t>(sizeof(T));
             for (int64_t j = j0, nk = 0; j < j1; j += nk) {
                 nk = k.run_end(kb + j, kb + (j1 - j < W ? j1 : j + W)) - kb - j;
                 const T* kj = k.at(kb + j);
-                const char* vj = reinterpret_cast<const char*>(v.at(kb + j));
+                const char* vj = prefetch_v ? reinterpret_cast<const char*>(v.at(kb + j)) : nullptr;
                 Path::scores(n, qs, qstride, kj, k.row_stride, nk, D, s + (j - j0), ss, vj, vsb,
                              v_row_bytes, scale);
             }
