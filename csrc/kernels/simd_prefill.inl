@@ -240,6 +240,10 @@ inline Tiling tiling(const AttentionParams& p, bool widened = false) {
     t.row_ptr_elems = p.block_table && !widened
         ? 2 * t.Bk * static_cast<int64_t>(sizeof(const float*) / sizeof(float)) : 0;
     t.shared_elems += t.row_ptr_elems;
+    // Whole cache lines, so the sub-block states after it keep the alignment their aligned
+    // stores need: with the paged row addresses added it may end mid-vector (seen as a crash
+    // of the avx2 tier's paged prefill on AMD Zen 3, whose 32 KiB L1 gives a smaller Bk).
+    t.shared_elems = round_up(t.shared_elems, 16);
     if (widened)  // the float32 copy, beside up to kMaxSubBlocksWidened states
         t.super_keys = round_down(clamp64((cache.l2 / 4) / row_bytes, t.Bk, 1 << 20), t.Bk);
     t.kv_copy_elems = widened ? t.super_keys * (p.head_dim + p.head_dim_v) : 0;
