@@ -167,6 +167,12 @@ bool isa_force(const char* name) {
 }
 
 namespace {
+// bytes clamped to [lo, hi]; `fallback` when bytes <= 0 (unknown).
+int64_t clamp_cache_bytes(int64_t bytes, int64_t fallback, int64_t lo, int64_t hi) {
+    if (bytes <= 0) return fallback;
+    return bytes < lo ? lo : (bytes > hi ? hi : bytes);
+}
+
 // sysconf's answer for `name`, clamped to [lo, hi]; `fallback` when the OS does not say
 // (some VMs and libcs report 0).
 int64_t cache_bytes(int name, int64_t fallback, int64_t lo, int64_t hi) {
@@ -176,8 +182,7 @@ int64_t cache_bytes(int name, int64_t fallback, int64_t lo, int64_t hi) {
 #else
     (void)name;
 #endif
-    if (bytes <= 0) return fallback;
-    return bytes < lo ? lo : (bytes > hi ? hi : bytes);
+    return clamp_cache_bytes(bytes, fallback, lo, hi);
 }
 }  // namespace
 
@@ -193,10 +198,8 @@ const CacheSizes& cache_sizes() {
 #endif
         // ATTNFAST_L2_BYTES (read once) replaces the OS's answer: the tile sizes and decode
         // streams chosen from it can then be tested on any machine.
-        if (const char* forced = std::getenv("ATTNFAST_L2_BYTES")) {
-            const long long bytes = std::atoll(forced);
-            if (bytes > 0) c.l2 = bytes < (128 << 10) ? (128 << 10) : (bytes > (8 << 20) ? (8 << 20) : bytes);
-        }
+        if (const char* forced = std::getenv("ATTNFAST_L2_BYTES"))
+            c.l2 = clamp_cache_bytes(std::atoll(forced), c.l2, 128 << 10, 8 << 20);
         return c;
     }();
     return sizes;

@@ -13,7 +13,12 @@ import pytest
 
 from reference import TOLERANCE, reference_attention
 
-# Runs in the child: decode steps over a float32 cache, one and two threads, every output
+# (name, heads, kv_heads, query rows, keys, window)
+CASES = [("one_row", 3, 3, 1, 1500, None),        # one row per KV head
+         ("gqa", 8, 2, 1, 1337, None),            # four rows: pipelined
+         ("gqa_window", 6, 2, 2, 901, (300, 0))]  # six rows, a sliding window
+
+# Runs in the child (after CASES): decode steps over a float32 cache, one and two threads, every output
 # and the planner's chunk length saved for the parent to check.
 CHILD = textwrap.dedent("""
     import sys
@@ -21,11 +26,7 @@ CHILD = textwrap.dedent("""
     import attnfast as af
     rng = np.random.default_rng(7)
     out = {}
-    for name, heads, kv_heads, tq, length, window in [
-            ("one_row", 3, 3, 1, 1500, None),          # one row per KV head
-            ("gqa", 8, 2, 1, 1337, None),              # four rows: pipelined
-            ("gqa_window", 6, 2, 2, 901, (300, 0)),    # six rows, a sliding window
-    ]:
+    for name, heads, kv_heads, tq, length, window in CASES:
         q = rng.standard_normal((1, heads, tq, 128)).astype(np.float32)
         k = rng.standard_normal((1, kv_heads, length, 128)).astype(np.float32)
         v = rng.standard_normal((1, kv_heads, length, 128)).astype(np.float32)
@@ -40,7 +41,6 @@ CHILD = textwrap.dedent("""
     np.savez(sys.argv[1], **out)
 """)
 
-CASES = {"one_row": None, "gqa": None, "gqa_window": (300, 0)}
 
 
 @pytest.mark.parametrize("l2_bytes, chunk_keys", [(256 << 10, 256), (4 << 20, 1024)],
@@ -48,12 +48,13 @@ CASES = {"one_row": None, "gqa": None, "gqa_window": (300, 0)}
 def test_float32_decode_streams_match_reference(tmp_path, l2_bytes, chunk_keys):
     path = tmp_path / "out.npz"
     env = dict(os.environ, ATTNFAST_L2_BYTES=str(l2_bytes))
-    res = subprocess.run([sys.executable, "-c", CHILD, str(path)], env=env,
+    code = f"CASES = {CASES!r}\n" + CHILD
+    res = subprocess.run([sys.executable, "-c", code, str(path)], env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     got = np.load(path)
     tol = TOLERANCE[np.dtype(np.float32)]
-    for name, window in CASES.items():
+    for name, _, _, _, _, window in CASES:
         # the forced size reached the planner: float32 K + V at D = 128 is 1 KiB per key,
         # and a chunk spans the L2 size clamped to [256 KiB, 1 MiB]
         assert int(got[name + "_chunk"]) == chunk_keys, name
