@@ -1,7 +1,10 @@
 // attention_backward (backward.hpp): checks the params, then runs the selected tier's
-// backward kernels in two passes over OpenMP threads: dk/dv per (batch, kv head, key
-// block), then dq per (batch, head, query block). Each task owns the gradient rows it
-// writes, so there are no atomics and the bits never depend on the thread count.
+// backward kernels over OpenMP threads, in one of two schedules (backward_fused): one task
+// per (batch, kv head), or two passes, dk/dv per (batch, kv head, key block), then dq per
+// (batch, head, query block). Each task owns the gradient rows it writes, so there are no
+// atomics, and both schedules reduce every element in the same order: the bits never
+// depend on the thread count.
+#include <cstdint>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -35,6 +38,23 @@ const BackwardKernels& active_backward_kernels() {
     return *isa_generic::backward_kernels();
 }
 
+// One workspace per thread, each 64-byte aligned (whole vectors of every tier: the kernels'
+// tiles are multiples of 64 bytes, and the SIMD layer's loads are aligned).
+template <class A>
+struct Workspaces {
+    static constexpr int64_t kAlign = 64 / sizeof(A);
+    int64_t elems;
+    std::unique_ptr<A[]> memory;
+    A* first;
+    Workspaces(const AttentionParams& p, int threads)
+        : elems((backward_workspace_elems(p) + kAlign - 1) / kAlign * kAlign),
+          memory(new A[static_cast<size_t>(elems * threads + kAlign)]) {
+        const uintptr_t at = reinterpret_cast<uintptr_t>(memory.get());
+        first = memory.get() + ((64 - at % 64) % 64) / sizeof(A);
+    }
+    A* of(int thread_id) const { return first + elems * thread_id; }
+};
+
 template <class A>
 void run_pass(const BackwardParams& bp, int64_t heads, int64_t seqlen, bool costly_last,
               void (*kernel)(const BackwardParams&, const BackwardTask&, A*)) {
@@ -44,8 +64,7 @@ void run_pass(const BackwardParams& bp, int64_t heads, int64_t seqlen, bool cost
     const int64_t tasks = groups * blocks;
     if (tasks == 0) return;
     const int threads = p.num_threads < tasks ? p.num_threads : static_cast<int>(tasks);
-    const int64_t ws_elems = backward_workspace_elems(p);
-    std::unique_ptr<A[]> workspace(new A[static_cast<size_t>(ws_elems * threads)]);
+    const Workspaces<A> workspaces(p, threads);
     // Under a causal mask late query blocks and early key blocks do the most work: they go
     // out first, for the dynamic schedule.
     parallel::for_each_dynamic(tasks, threads, false, [&](int64_t index, int thread_id) {
@@ -56,8 +75,36 @@ void run_pass(const BackwardParams& bp, int64_t heads, int64_t seqlen, bool cost
         task.head = group % heads;
         task.begin = block * kBackwardTile;
         task.end = task.begin + kBackwardTile < seqlen ? task.begin + kBackwardTile : seqlen;
-        kernel(bp, task, workspace.get() + ws_elems * thread_id);
+        kernel(bp, task, workspaces.of(thread_id));
     });
+}
+
+// The fused schedule: one task per (batch, kv head), the costly causal ones no different.
+template <class A>
+void run_groups(const BackwardParams& bp,
+                void (*kernel)(const BackwardParams&, int64_t, int64_t, A*)) {
+    const AttentionParams& p = bp.attn;
+    const int64_t tasks = p.batch * p.kv_heads;
+    if (tasks == 0) return;
+    const int threads = p.num_threads < tasks ? p.num_threads : static_cast<int>(tasks);
+    const Workspaces<A> workspaces(p, threads);
+    parallel::for_each_dynamic(tasks, threads, false, [&](int64_t index, int thread_id) {
+        kernel(bp, index / p.kv_heads, index % p.kv_heads, workspaces.of(thread_id));
+    });
+}
+
+template <class A>
+void run_schedule(const BackwardParams& bp,
+                  void (*group)(const BackwardParams&, int64_t, int64_t, A*),
+                  void (*key_block)(const BackwardParams&, const BackwardTask&, A*),
+                  void (*query_block)(const BackwardParams&, const BackwardTask&, A*)) {
+    const AttentionParams& p = bp.attn;
+    if (backward_fused(p.batch * p.kv_heads, p.num_threads)) {
+        run_groups<A>(bp, group);
+    } else {
+        run_pass<A>(bp, p.kv_heads, p.seqlen_k, false, key_block);
+        run_pass<A>(bp, p.heads, p.seqlen_q, true, query_block);
+    }
 }
 
 }  // namespace
@@ -73,18 +120,17 @@ void attention_backward(const BackwardParams& bp) {
     require(p.dtype == p.kv_dtype && p.dtype != DType::kI8, "q, k, v must share one float dtype");
     require(!p.block_table && !p.k_scale && !p.v_scale, "no paged or int8 cache in the backward");
     require(p.lse && bp.dout && bp.delta && bp.dq && bp.dk && bp.dv, "missing array");
+    require(bp.dq_row_stride == backward_padded(p.head_dim),
+            "dq_row_stride must be head_dim padded to a multiple of kBackwardPad");
     if (p.seqlens_k)
         for (int64_t b = 0; b < p.batch; ++b)
             require(p.seqlens_k[b] >= 0 && p.seqlens_k[b] <= p.seqlen_k,
                     "seqlens_k[b] must be in [0, seqlen_k]");
     const BackwardKernels& kernels = active_backward_kernels();
-    if (p.dtype == DType::kF64) {
-        run_pass<double>(bp, p.kv_heads, p.seqlen_k, false, kernels.key_block_f64);
-        run_pass<double>(bp, p.heads, p.seqlen_q, true, kernels.query_block_f64);
-    } else {
-        run_pass<float>(bp, p.kv_heads, p.seqlen_k, false, kernels.key_block_f32);
-        run_pass<float>(bp, p.heads, p.seqlen_q, true, kernels.query_block_f32);
-    }
+    if (p.dtype == DType::kF64)
+        run_schedule<double>(bp, kernels.group_f64, kernels.key_block_f64, kernels.query_block_f64);
+    else
+        run_schedule<float>(bp, kernels.group_f32, kernels.key_block_f32, kernels.query_block_f32);
 }
 
 }  // namespace attnfast

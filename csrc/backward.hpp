@@ -16,9 +16,12 @@ struct BackwardParams {
     const void* dout;      // (batch, heads, seqlen_q, head_dim_v), of attn.dtype
     int64_t dout_batch_stride, dout_head_stride, dout_row_stride;
     const void* delta;     // (batch, heads, seqlen_q) contiguous, of A: rowsum(dout * out)
-    // Gradients, contiguous, of A: dq (B, H, Tq, D), dk (B, Hkv, Tk, D), dv (B, Hkv, Tk, Dv).
-    // Every element is written (rows no query sees get 0).
+    // Gradients, of A: dq (B, H, Tq, dq_row_stride) with its rows padded to
+    // backward_padded(head_dim) (the micro-GEMMs write whole vectors: columns >= head_dim
+    // are scratch), dk (B, Hkv, Tk, D) and dv (B, Hkv, Tk, Dv) contiguous. Every element is
+    // written (rows no query sees get 0).
     void* dq;
+    int64_t dq_row_stride;  // must equal backward_padded(attn.head_dim)
     void* dk;
     void* dv;
 };
@@ -27,10 +30,28 @@ struct BackwardParams {
 // bits do not depend on num_threads. Throws std::invalid_argument on bad params.
 void attention_backward(const BackwardParams& params);
 
-// Keys per key block of the dk/dv pass and query rows per block of the dq pass: fixed
-// numbers (never the thread count), and equal, so one 64-column micro-GEMM serves every
-// product of the backward.
+// Keys per key block and query rows per query block: a fixed number (never the thread
+// count), the same for both, so every tile pair is Bt x Bt.
 constexpr int64_t kBackwardTile = 64;
+
+// Widths (head_dim, head_dim_v) inside the tiles and dq's rows are padded to a multiple of
+// this: whole vectors on every tier (16 float32 lanes of AVX-512).
+constexpr int64_t kBackwardPad = 16;
+static inline int64_t backward_padded(int64_t n) {
+    return (n + kBackwardPad - 1) / kBackwardPad * kBackwardPad;
+}
+
+// The schedule: true for one task per (batch, kv head) that accumulates dk, dv and dq over
+// its key blocks in order (5 tile products per tile pair); false for a dk/dv pass and a dq
+// pass (7: the scores and dP are recomputed in the second). The fused one has fewer tasks,
+// so it is chosen when they keep every thread busy: at most 1.4x the ideal time (the
+// other's extra work). Both give the same bits (backward.inl), so the choice may depend on
+// the thread count.
+static inline bool backward_fused(int64_t groups, int64_t threads) {
+    if (groups <= 0 || threads <= 0) return true;
+    const int64_t rounds = (groups + threads - 1) / threads;
+    return 5 * rounds * threads <= 7 * groups;
+}
 
 // One unit of backward work: for the dk/dv pass, keys [begin, end) of kv head `head`;
 // for the dq pass, query rows [begin, end) of query head `head`.
@@ -41,15 +62,19 @@ struct BackwardTask {
     int64_t end;
 };
 
-// Scratch one thread needs for either pass, in accumulator elements.
+// Scratch one thread needs for any task, in accumulator elements: the tiles of K^T, V^T,
+// K, dK, dV, scaled q, dout (widths padded) and P, dS (bwd::Tiles).
 static inline int64_t backward_workspace_elems(const AttentionParams& p) {
     const int64_t t = kBackwardTile;
-    return t * (4 * p.head_dim + 4 * p.head_dim_v) + 6 * t * t + 4 * t;
+    return t * (4 * backward_padded(p.head_dim) + 3 * backward_padded(p.head_dim_v)) + 2 * t * t;
 }
 
 // One per kernel tier (csrc/kernels/backward.inl compiled by each isa_*.cpp).
 struct BackwardKernels {
-    // dk/dv rows of one key block (all query heads of its kv head): float32 accumulation
+    // The fused schedule: dk, dv and dq of every head of one (batch, kv head).
+    void (*group_f32)(const BackwardParams&, int64_t batch, int64_t kv_head, float* workspace);
+    void (*group_f64)(const BackwardParams&, int64_t batch, int64_t kv_head, double* workspace);
+    // The two-pass schedule: dk/dv rows of one key block (all query heads of its kv head): float32 accumulation
     // for float32 / float16 / bfloat16 inputs, and float64.
     void (*key_block_f32)(const BackwardParams&, const BackwardTask&, float* workspace);
     void (*key_block_f64)(const BackwardParams&, const BackwardTask&, double* workspace);

@@ -3,12 +3,27 @@
 // (RowOptions, visible_keys), exp and vector types it reuses, so the backward sees exactly
 // the scores the forward saw.
 //
-// Every product of FlashAttention-2's backward is one shape of micro-GEMM here:
-// c[r][0, 64) (+)= sum_k a[r][k] b[k][0, 64), with the tile transposed where needed:
-//   S = qs kt, dP = dout vt              (query rows x keys)
-//   dv^T += dout^T P, dk^T += qs^T dS    (Dv or D x keys)
-//   dq^T += kt dS^T                      (D x query rows)
+// FlashAttention-2's backward over tiles of Bt query rows x Bt keys. Per tile pair:
+//   S  = qs K^T   -> P = exp(S' - lse)       (S' = S after the score options)
+//   dP = dO V^T   -> dS = P (dP - delta) softcap'(S)
+//   dV += P^T dO,  dK += dS^T qs,  dQ += dS K
+// Every product is one register-blocked micro-GEMM (gemm below): C (+)= A B with B's rows
+// contiguous and A read by broadcasts at any strides, so P^T and dS^T need no transpose.
+// Widths (D, Dv) are padded to whole vectors (kBackwardPad) inside the tiles and in dq.
+//
+// Two schedules, the same bits (backward.cpp picks one from the number of (batch, kv head)
+// groups and threads): a group task walks its key blocks in order and accumulates dK, dV
+// and dQ (5 products per tile pair); or a dK/dV pass per key block and a dQ pass per query
+// block (7 products: S and dP twice). Each dQ element is the same chain of fused
+// multiply-adds over the same key tiles in the same order in both.
 #include "../backward.hpp"
+#include "../simd/simd.hpp"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {
@@ -17,62 +32,120 @@ namespace bwd {
 
 constexpr int64_t Bt = kBackwardTile;
 
-// R rows of c at once: R * (vectors per row) accumulators, sized to stay in registers.
-template <class A, int R, bool kAccumulate>
-inline void gemm_rows(const A* __restrict a, int64_t lda, const A* __restrict b, A* __restrict c,
-                      int64_t dim) {
-    constexpr int lanes = static_cast<int>(vec_lanes<A>());
-    constexpr int nv = static_cast<int>(Bt) / lanes;
-    Vec<A> acc[R][nv];
-    for (int u = 0; u < R; ++u)
-        for (int v = 0; v < nv; ++v) {
-            if (kAccumulate) acc[u][v] = vload(c + u * Bt + v * lanes);
-            else acc[u][v] = Vec<A>{};
-        }
-    for (int64_t k = 0; k < dim; ++k) {
-        const A* brow = b + k * Bt;
-        for (int v = 0; v < nv; ++v) {
-            const Vec<A> bv = vload(brow + v * lanes);
-            for (int u = 0; u < R; ++u) acc[u][v] += a[u * lda + k] * bv;
+// a * b + c, one rounding where the ISA has FMA (GCC's vector types convert to the
+// intrinsics' types of the same element type and size). Without FMA (the SSE2 tier):
+// multiply, then add, as `a * b + c` compiles under -ffp-contract=off (ISO C++). splat: x in
+// every lane (one broadcast; GCC builds it lane by lane from a loop).
+#if ATTNFAST_SIMD_BYTES == 64 && defined(__AVX512F__)
+inline Vec<float> fmadd(Vec<float> a, Vec<float> b, Vec<float> c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec<double> fmadd(Vec<double> a, Vec<double> b, Vec<double> c) { return _mm512_fmadd_pd(a, b, c); }
+inline Vec<float> splat(float x) { return _mm512_set1_ps(x); }
+inline Vec<double> splat(double x) { return _mm512_set1_pd(x); }
+#elif ATTNFAST_SIMD_BYTES == 32 && defined(__FMA__)
+inline Vec<float> fmadd(Vec<float> a, Vec<float> b, Vec<float> c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec<double> fmadd(Vec<double> a, Vec<double> b, Vec<double> c) { return _mm256_fmadd_pd(a, b, c); }
+inline Vec<float> splat(float x) { return _mm256_set1_ps(x); }
+inline Vec<double> splat(double x) { return _mm256_set1_pd(x); }
+#elif ATTNFAST_SIMD_BYTES == 16 && defined(__aarch64__)
+inline Vec<float> fmadd(Vec<float> a, Vec<float> b, Vec<float> c) { return vfmaq_f32(c, a, b); }
+inline Vec<double> fmadd(Vec<double> a, Vec<double> b, Vec<double> c) { return vfmaq_f64(c, a, b); }
+inline Vec<float> splat(float x) { return vdupq_n_f32(x); }
+inline Vec<double> splat(double x) { return vdupq_n_f64(x); }
+#elif ATTNFAST_SIMD_BYTES == 16 && defined(__SSE2__)
+template <class V> inline V fmadd(V a, V b, V c) { return a * b + c; }
+inline Vec<float> splat(float x) { return _mm_set1_ps(x); }
+inline Vec<double> splat(double x) { return _mm_set1_pd(x); }
+#else
+#error "the backward's micro-GEMM needs a vector vocabulary for this ISA"
+#endif
+
+// Accumulator block of the micro-GEMM: kMR rows x kNV vectors, within the vector registers
+// with the kNV B vectors and a broadcast (16 registers on x86 below AVX-512: 6 x 2; 32 on
+// AVX-512 and NEON: 6 x 4).
+#if ATTNFAST_SIMD_BYTES == 64 || defined(__aarch64__)
+constexpr int kMR = 6, kNV = 4;
+#else
+constexpr int kMR = 6, kNV = 2;
+#endif
+
+// c[m][0, NV lanes) (+)= sum_{k < K} a[m * a_rs + k * a_ks] * b[k * ldb + 0, NV lanes) for
+// m < MR: each element one chain of fused multiply-adds in increasing k.
+template <class A, int MR, int NV>
+void micro(const A* __restrict a, int64_t a_rs, int64_t a_ks, const A* __restrict b, int64_t ldb,
+           A* __restrict c, int64_t ldc, int64_t K, bool accumulate) {
+    constexpr int64_t L = vec_lanes<A>();
+    Vec<A> acc[MR][NV];
+    for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < NV; ++v) acc[m][v] = accumulate ? vload(c + m * ldc + v * L) : Vec<A>{};
+    for (int64_t k = 0; k < K; ++k) {
+        Vec<A> bv[NV];
+        for (int v = 0; v < NV; ++v) bv[v] = vload(b + k * ldb + v * L);
+        for (int m = 0; m < MR; ++m) {
+            const Vec<A> am = splat(a[m * a_rs + k * a_ks]);
+            for (int v = 0; v < NV; ++v) acc[m][v] = fmadd(am, bv[v], acc[m][v]);
         }
     }
-    for (int u = 0; u < R; ++u)
-        for (int v = 0; v < nv; ++v) vstore(c + u * Bt + v * lanes, acc[u][v]);
+    for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < NV; ++v) vstore(c + m * ldc + v * L, acc[m][v]);
 }
 
-// c (rows x Bt) (+)= a (rows x dim, rows lda apart) times b (dim x Bt).
-template <class A, bool kAccumulate>
-inline void gemm(const A* a, int64_t lda, const A* b, A* c, int64_t rows, int64_t dim) {
-    constexpr int nv = static_cast<int>(Bt * sizeof(A) / sizeof(Vec<A>));
-    constexpr int R = nv >= 16 ? 1 : (16 / nv > 4 ? 4 : 16 / nv);
-    int64_t r = 0;
-    for (; r + R <= rows; r += R) gemm_rows<A, R, kAccumulate>(a + r * lda, lda, b, c + r * Bt, dim);
-    for (; r < rows; ++r) gemm_rows<A, 1, kAccumulate>(a + r * lda, lda, b, c + r * Bt, dim);
+// micro<A, mr, nv>, chosen at run time for 1 <= mr <= MR, 1 <= nv <= NV.
+template <class A, int MR, int NV>
+inline void micro_nv(int64_t nv, const A* a, int64_t a_rs, int64_t a_ks, const A* b, int64_t ldb,
+                     A* c, int64_t ldc, int64_t K, bool accumulate) {
+    if constexpr (NV > 1)
+        if (nv < NV) return micro_nv<A, MR, NV - 1>(nv, a, a_rs, a_ks, b, ldb, c, ldc, K, accumulate);
+    micro<A, MR, NV>(a, a_rs, a_ks, b, ldb, c, ldc, K, accumulate);
+}
+template <class A, int MR>
+inline void micro_any(int64_t mr, int64_t nv, const A* a, int64_t a_rs, int64_t a_ks, const A* b,
+                      int64_t ldb, A* c, int64_t ldc, int64_t K, bool accumulate) {
+    if constexpr (MR > 1)
+        if (mr < MR) return micro_any<A, MR - 1>(mr, nv, a, a_rs, a_ks, b, ldb, c, ldc, K, accumulate);
+    micro_nv<A, MR, kNV>(nv, a, a_rs, a_ks, b, ldb, c, ldc, K, accumulate);
 }
 
-// dst[j][i] = src[i][j] for a Bt x Bt tile.
+// c (rows x n, rows ldc apart) (+)= a (rows x K, a(m, k) = a[m * a_rs + k * a_ks]) times
+// b (K x n, rows ldb apart); n a multiple of the vector lanes.
 template <class A>
-inline void transpose_tile(const A* __restrict src, A* __restrict dst) {
-    for (int64_t i = 0; i < Bt; ++i)
-        for (int64_t j = 0; j < Bt; ++j) dst[j * Bt + i] = src[i * Bt + j];
+void gemm(const A* a, int64_t a_rs, int64_t a_ks, const A* b, int64_t ldb, A* c, int64_t ldc,
+          int64_t rows, int64_t n, int64_t K, bool accumulate) {
+    constexpr int64_t L = vec_lanes<A>();
+    const int64_t vectors = n / L;
+    for (int64_t v0 = 0; v0 < vectors; v0 += kNV) {
+        const int64_t nv = vectors - v0 < kNV ? vectors - v0 : kNV;
+        for (int64_t m0 = 0; m0 < rows; m0 += kMR) {
+            const int64_t mr = rows - m0 < kMR ? rows - m0 : kMR;
+            micro_any<A, kMR>(mr, nv, a + m0 * a_rs, a_rs, a_ks, b + v0 * L, ldb,
+                              c + m0 * ldc + v0 * L, ldc, K, accumulate);
+        }
+    }
 }
 
-// Rows [first, first + n) of one (batch, head) of a (B, H, T, dim) tensor with the given
-// strides, as A: into x (n x dim) scaled by `mul`, and/or xt (dim x Bt, columns >= n zero).
+// Rows [first, first + n) of one (batch, head) of a (B, H, T, dim) tensor, as A times `mul`:
+// into x (Bt rows, ld apart; columns [dim, ld) and rows [n, Bt) zero), or transposed into
+// xt (dim rows of Bt; columns >= n zero).
+template <class T>
+inline const T* rows_at(const void* data, int64_t batch_stride, int64_t head_stride,
+                        int64_t row_stride, int64_t batch, int64_t head, int64_t first) {
+    return static_cast<const T*>(data) + batch * batch_stride + head * head_stride + first * row_stride;
+}
 template <class T, class A>
-inline void load_rows(const void* data, int64_t batch_stride, int64_t head_stride, int64_t row_stride,
-                      int64_t batch, int64_t head, int64_t first, int64_t n, int64_t dim, A mul,
-                      A* __restrict x, A* __restrict xt) {
-    const T* base = static_cast<const T*>(data) + batch * batch_stride + head * head_stride;
-    if (xt)
-        for (int64_t e = 0; e < dim * Bt; ++e) xt[e] = 0;
+void load_tile(const T* rows, int64_t row_stride, int64_t n, int64_t dim, int64_t ld, A mul, A* __restrict x) {
     for (int64_t r = 0; r < n; ++r) {
-        const T* row = base + (first + r) * row_stride;
-        for (int64_t e = 0; e < dim; ++e) {
-            const A value = load_acc<A>(row[e]) * mul;
-            if (x) x[r * dim + e] = value;
-            if (xt) xt[e * Bt + r] = value;
-        }
+        const T* row = rows + r * row_stride;
+        A* __restrict out = x + r * ld;
+        for (int64_t e = 0; e < dim; ++e) out[e] = load_acc<A>(row[e]) * mul;
+        for (int64_t e = dim; e < ld; ++e) out[e] = 0;
+    }
+    for (int64_t e = n * ld; e < Bt * ld; ++e) x[e] = 0;
+}
+template <class T, class A>
+void load_tile_transposed(const T* rows, int64_t row_stride, int64_t n, int64_t dim, A* __restrict xt) {
+    for (int64_t e = 0; e < dim * Bt; ++e) xt[e] = 0;
+    for (int64_t r = 0; r < n; ++r) {
+        const T* row = rows + r * row_stride;
+        for (int64_t e = 0; e < dim; ++e) xt[e * Bt + r] = load_acc<A>(row[e]);
     }
 }
 
@@ -83,23 +156,124 @@ inline KeyRange rows_key_span(const AttentionParams& p, int64_t first, int64_t n
     const KeyRange bottom = visible_keys(p, first + n - 1, seqlen_k);
     return {top.begin, bottom.end > top.begin ? bottom.end : top.begin};
 }
+inline bool span_meets(const KeyRange& span, int64_t j0, int64_t nc) {
+    return span.end > j0 && span.begin < j0 + nc;
+}
 
-// For query rows [i0, i0 + nr) of head h and keys [j0, j0 + nc): p = the probabilities
-// exp(s - lse) the forward used, ds = dL/ds of the scaled score s = qs . k (before softcap):
-// P * (dP - delta) * softcap'(s). Rows >= nr and columns >= nc are 0; so are keys a row
-// does not see, and rows whose lse is -inf (they saw no key and no sink).
+// One thread's tiles, in accumulator elements (backward_workspace_elems counts them).
+template <class A>
+struct Tiles {
+    int64_t dp, dvp;  // D and Dv padded to whole vectors
+    A* kt;            // K^T: dp x Bt (rows >= D unused)
+    A* vt;            // V^T: dvp x Bt
+    A* kr;            // K rows: Bt x dp (the dq product's B)
+    A* dk;            // dK accumulators of the key block: Bt x dp
+    A* dv;            // dV accumulators: Bt x dvp
+    A* qs;            // scaled q rows of the query block: Bt x dp
+    A* dout;          // dout rows: Bt x dvp
+    A* p;             // P: Bt x Bt
+    A* ds;            // dP, then dS: Bt x Bt
+
+    Tiles(const AttentionParams& a, A* ws) {
+        dp = backward_padded(a.head_dim);
+        dvp = backward_padded(a.head_dim_v);
+        kt = ws;
+        vt = kt + dp * Bt;
+        kr = vt + dvp * Bt;
+        dk = kr + Bt * dp;
+        dv = dk + Bt * dp;
+        qs = dv + Bt * dvp;
+        dout = qs + Bt * dp;
+        p = dout + Bt * dvp;
+        ds = p + Bt * Bt;
+    }
+};
+
+// Keys [j0, j0 + nc) of kv head g into kt, vt (and kr when the dq product runs).
+template <class T, class A>
+void load_keys(const BackwardParams& bp, int64_t b, int64_t g, int64_t j0, int64_t nc,
+               bool with_kr, Tiles<A>& t) {
+    const AttentionParams& a = bp.attn;
+    const T* k = rows_at<T>(a.k, a.k_batch_stride, a.k_head_stride, a.k_row_stride, b, g, j0);
+    const T* v = rows_at<T>(a.v, a.v_batch_stride, a.v_head_stride, a.v_row_stride, b, g, j0);
+    load_tile_transposed<T, A>(k, a.k_row_stride, nc, a.head_dim, t.kt);
+    load_tile_transposed<T, A>(v, a.v_row_stride, nc, a.head_dim_v, t.vt);
+    if (with_kr) load_tile<T, A>(k, a.k_row_stride, nc, a.head_dim, t.dp, A(1), t.kr);
+}
+
+// Query rows [i0, i0 + nr) of head h into qs (scaled) and dout.
+template <class T, class A>
+void load_queries(const BackwardParams& bp, int64_t b, int64_t h, int64_t i0, int64_t nr, Tiles<A>& t) {
+    const AttentionParams& a = bp.attn;
+    const T* q = rows_at<T>(a.q, a.q_batch_stride, a.q_head_stride, a.q_row_stride, b, h, i0);
+    const T* d = rows_at<T>(bp.dout, bp.dout_batch_stride, bp.dout_head_stride,
+                               bp.dout_row_stride, b, h, i0);
+    load_tile<T, A>(q, a.q_row_stride, nr, a.head_dim, t.dp, static_cast<A>(a.scale), t.qs);
+    load_tile<T, A>(d, bp.dout_row_stride, nr, a.head_dim_v, t.dvp, A(1), t.dout);
+}
+
+// The last step of one row of a tile pair, s = its scores after the score options, g = its
+// dP, columns [lo, end) visible: s = P = exp(s - l), g = dS = P (g - d) slope (slope:
+// softcap's derivative, or none), other columns 0. float32 on the SIMD layer (exp2_neg,
+// the forward's exponential; the tiles are vector-aligned), float64 lane by lane.
+inline void finish_row(float* __restrict s, float* __restrict g, const float* __restrict slope,
+                       float l, float d, int64_t lo, int64_t end) {
+    namespace v = simd;
+    const v::Vec log2e = v::vset(1.4426950408889634f), lv = v::vset(l), dv = v::vset(d);
+    for (int64_t j = 0; j < Bt; j += v::W) {
+        const v::Vec pj = v::exp2_neg(v::vmul(v::vsub(v::vload(s + j), lv), log2e));
+        v::Vec gj = v::vmul(pj, v::vsub(v::vload(g + j), dv));
+        if (slope) gj = v::vmul(gj, v::vload(slope + j));
+        v::vstore(s + j, pj);
+        v::vstore(g + j, gj);
+    }
+    for (int64_t j = 0; j < lo; ++j) s[j] = g[j] = 0;
+    for (int64_t j = end; j < Bt; ++j) s[j] = g[j] = 0;
+}
+inline void finish_row(double* __restrict s, double* __restrict g, const double* __restrict slope,
+                       double l, double d, int64_t lo, int64_t end) {
+    for (int64_t j = 0; j < Bt; ++j) {
+        const bool seen = j >= lo && j < end;
+        const double pj = seen ? exp_acc(s[j] - l) : 0.0;
+        g[j] = seen ? pj * (g[j] - d) * (slope ? slope[j] : 1.0) : 0.0;
+        s[j] = pj;
+    }
+}
+
+// Softcap on a row of scores, keeping its derivative: s = cap tanh(s / cap), slope = 1 -
+// tanh^2 (float32: the SIMD layer's tanh, as the forward's).
+inline void softcap_row(float* __restrict s, float* __restrict slope, float cap, float inv_cap) {
+    namespace v = simd;
+    for (int64_t j = 0; j < Bt; j += v::W) {
+        const v::Vec th = v::tanh_vec(v::vmul(v::vload(s + j), v::vset(inv_cap)));
+        v::vstore(s + j, v::vmul(v::vset(cap), th));
+        v::vstore(slope + j, v::vfnma(th, th, v::vset(1.0f)));
+    }
+}
+inline void softcap_row(double* __restrict s, double* __restrict slope, double cap, double inv_cap) {
+    for (int64_t j = 0; j < Bt; ++j) {
+        const double th = tanh_acc(s[j] * inv_cap);
+        s[j] = cap * th;
+        slope[j] = 1 - th * th;
+    }
+}
+
+// For query rows [i0, i0 + nr) of head h and keys [j0, j0 + nc) (tiles loaded): t.p = the
+// probabilities exp(s - lse) the forward used, t.ds = dL/ds of the scaled score s = qs . k
+// (before softcap): P * (dP - delta) * softcap'(s). Rows >= nr and columns >= nc are 0; so
+// are keys a row does not see, and rows whose lse is -inf (they saw no key and no sink).
 template <class A>
 void probs_and_dscores(const BackwardParams& bp, int64_t batch, int64_t head, int64_t i0,
-                       int64_t nr, int64_t j0, int64_t nc, int64_t seqlen_k, const A* qs,
-                       const A* dout, const A* kt, const A* vt, A* __restrict p, A* __restrict ds) {
+                       int64_t nr, int64_t j0, int64_t nc, int64_t seqlen_k, Tiles<A>& t) {
     const AttentionParams& a = bp.attn;
-    gemm<A, false>(qs, a.head_dim, kt, p, nr, a.head_dim);        // scores
-    gemm<A, false>(dout, a.head_dim_v, vt, ds, nr, a.head_dim_v);  // dP = dout v^T
+    gemm<A>(t.qs, t.dp, 1, t.kt, Bt, t.p, Bt, nr, Bt, a.head_dim, false);        // S
+    gemm<A>(t.dout, t.dvp, 1, t.vt, Bt, t.ds, Bt, nr, Bt, a.head_dim_v, false);  // dP
     const A* lse = static_cast<const A*>(a.lse) + batch * a.lse_batch_stride + head * a.lse_head_stride;
     const A* delta = static_cast<const A*>(bp.delta) + (batch * a.heads + head) * a.seqlen_q;
+    alignas(64) A slope[Bt];
     for (int64_t r = 0; r < Bt; ++r) {
-        A* __restrict s = p + r * Bt;
-        A* __restrict g = ds + r * Bt;
+        A* __restrict s = t.p + r * Bt;
+        A* __restrict g = t.ds + r * Bt;
         const int64_t i = i0 + r;
         const KeyRange vis = r < nr ? visible_keys(a, i, seqlen_k) : KeyRange{0, 0};
         const A l = r < nr ? lse[i * a.lse_row_stride] : neg_inf<A>();
@@ -109,139 +283,143 @@ void probs_and_dscores(const BackwardParams& bp, int64_t batch, int64_t head, in
         }
         nonfinite_to_nan(s, nc);
         RowOptions<A> options(a, batch, head, i, seqlen_k);
-        const A cap = options.softcap, inv_cap = options.inv_softcap;
-        options.softcap = 0;  // applied here, keeping its derivative 1 - tanh^2
-        A slope[Bt];
-        for (int64_t j = 0; j < Bt; ++j) slope[j] = 1;
-        if (cap != A(0))
-            for (int64_t j = 0; j < nc; ++j) {
-                const A t = tanh_acc(s[j] * inv_cap);
-                s[j] = cap * t;
-                slope[j] = 1 - t * t;
-            }
-        options.apply(s, j0, nc);
-        const A d = delta[i];
-        const int64_t lo = vis.begin - j0, hi = vis.end - j0;  // visible columns [lo, hi)
-        for (int64_t j = 0; j < Bt; ++j) {
-            const bool seen = j >= lo && j < hi && j < nc;
-            const A pj = seen ? exp_acc(s[j] - l) : A(0);
-            g[j] = seen ? pj * (g[j] - d) * slope[j] : A(0);
-            s[j] = pj;
+        const A cap = options.softcap;
+        if (cap != A(0)) {
+            options.softcap = 0;  // applied here, keeping its derivative
+            softcap_row(s, slope, cap, options.inv_softcap);
         }
+        options.apply(s, j0, nc);
+        const int64_t lo = vis.begin - j0, hi = vis.end - j0;  // visible columns [lo, hi)
+        finish_row(s, g, cap != A(0) ? slope : nullptr, l, delta[i], lo < 0 ? 0 : lo, hi < nc ? hi : nc);
     }
 }
 
-// dk, dv rows [task.begin, task.end) of kv head task.head: every query head of the group,
-// every query block that sees the keys, in a fixed order.
-template <class T, class A>
-void key_block(const BackwardParams& bp, const BackwardTask& task, A* ws) {
+// dq rows of head h, query rows i0.. of the padded dq (dq_row_stride apart).
+template <class A>
+inline A* dq_rows(const BackwardParams& bp, int64_t b, int64_t h, int64_t i0) {
     const AttentionParams& a = bp.attn;
-    const int64_t D = a.head_dim, Dv = a.head_dim_v, b = task.batch, g = task.head;
-    A* kt = ws;
-    A* vt = kt + D * Bt;
-    A* dkt = vt + Dv * Bt;
-    A* dvt = dkt + D * Bt;
-    A* qs = dvt + Dv * Bt;
-    A* qst = qs + Bt * D;
-    A* dout = qst + D * Bt;
-    A* doutt = dout + Bt * Dv;
-    A* p = doutt + Dv * Bt;
-    A* ds = p + Bt * Bt;
-    for (int64_t e = 0; e < (D + Dv) * Bt; ++e) dkt[e] = 0;  // dkt, dvt
+    return static_cast<A*>(bp.dq) + ((b * a.heads + h) * a.seqlen_q + i0) * bp.dq_row_stride;
+}
+
+// dk, dv rows [j0, j_end) of kv head g (every query head of the group, every query block
+// that sees the keys, in a fixed order); with_dq: also dq += dS K into the dq rows of those
+// query blocks (unscaled: finish_dq scales).
+template <class T, class A>
+void key_block(const BackwardParams& bp, int64_t b, int64_t g, int64_t j0, int64_t j_end,
+               bool with_dq, Tiles<A>& t) {
+    const AttentionParams& a = bp.attn;
+    const int64_t D = a.head_dim, Dv = a.head_dim_v;
+    for (int64_t e = 0; e < Bt * (t.dp + t.dvp); ++e) t.dk[e] = 0;  // dk, dv
     const int64_t seqlen_k = batch_seqlen_k(a, b);
-    const int64_t j0 = task.begin;
-    const int64_t nc = task.end < seqlen_k ? task.end - j0 : seqlen_k - j0;  // keys past seqlen_k: 0
+    const int64_t nc = j_end < seqlen_k ? j_end - j0 : seqlen_k - j0;  // keys past seqlen_k: 0
     if (nc > 0) {
-        load_rows<T, A>(a.k, a.k_batch_stride, a.k_head_stride, a.k_row_stride, b, g, j0, nc, D,
-                        A(1), nullptr, kt);
-        load_rows<T, A>(a.v, a.v_batch_stride, a.v_head_stride, a.v_row_stride, b, g, j0, nc, Dv,
-                        A(1), nullptr, vt);
+        load_keys<T, A>(bp, b, g, j0, nc, with_dq, t);
         const int64_t group = a.heads / a.kv_heads;
         for (int64_t h = g * group; h < (g + 1) * group; ++h)
             for (int64_t i0 = 0; i0 < a.seqlen_q; i0 += Bt) {
                 const int64_t nr = a.seqlen_q - i0 < Bt ? a.seqlen_q - i0 : Bt;
-                const KeyRange span = rows_key_span(a, i0, nr, seqlen_k);
-                if (span.end <= j0 || span.begin >= j0 + nc) continue;
-                load_rows<T, A>(a.q, a.q_batch_stride, a.q_head_stride, a.q_row_stride, b, h, i0,
-                                nr, D, static_cast<A>(a.scale), qs, qst);
-                load_rows<T, A>(bp.dout, bp.dout_batch_stride, bp.dout_head_stride,
-                                bp.dout_row_stride, b, h, i0, nr, Dv, A(1), dout, doutt);
-                probs_and_dscores<A>(bp, b, h, i0, nr, j0, nc, seqlen_k, qs, dout, kt, vt, p, ds);
-                gemm<A, true>(doutt, Bt, p, dvt, Dv, nr);
-                gemm<A, true>(qst, Bt, ds, dkt, D, nr);
+                if (!span_meets(rows_key_span(a, i0, nr, seqlen_k), j0, nc)) continue;
+                load_queries<T, A>(bp, b, h, i0, nr, t);
+                probs_and_dscores<A>(bp, b, h, i0, nr, j0, nc, seqlen_k, t);
+                gemm<A>(t.p, 1, Bt, t.dout, t.dvp, t.dv, t.dvp, nc, t.dvp, nr, true);  // dV += P^T dO
+                gemm<A>(t.ds, 1, Bt, t.qs, t.dp, t.dk, t.dp, nc, t.dp, nr, true);      // dK += dS^T qs
+                if (with_dq)                                                            // dQ += dS K
+                    gemm<A>(t.ds, Bt, 1, t.kr, t.dp, dq_rows<A>(bp, b, h, i0), bp.dq_row_stride,
+                            nr, t.dp, nc, true);
             }
     }
     A* dk = static_cast<A*>(bp.dk) + ((b * a.kv_heads + g) * a.seqlen_k + j0) * D;
     A* dv = static_cast<A*>(bp.dv) + ((b * a.kv_heads + g) * a.seqlen_k + j0) * Dv;
-    for (int64_t j = 0; j < task.end - j0; ++j) {
-        for (int64_t e = 0; e < D; ++e) dk[j * D + e] = dkt[e * Bt + j];
-        for (int64_t e = 0; e < Dv; ++e) dv[j * Dv + e] = dvt[e * Bt + j];
+    for (int64_t j = 0; j < j_end - j0; ++j) {
+        for (int64_t e = 0; e < D; ++e) dk[j * D + e] = t.dk[j * t.dp + e];
+        for (int64_t e = 0; e < Dv; ++e) dv[j * Dv + e] = t.dv[j * t.dvp + e];
     }
 }
 
-// dq rows [task.begin, task.end) of query head task.head, over the key tiles they see in
-// increasing order.
+// dq rows [i0, i0 + nr) of head h: zeroed before the first key tile, scaled after the last.
+template <class A>
+void clear_dq(const BackwardParams& bp, int64_t b, int64_t h, int64_t i0, int64_t nr) {
+    A* dq = dq_rows<A>(bp, b, h, i0);
+    for (int64_t e = 0; e < nr * bp.dq_row_stride; ++e) dq[e] = 0;
+}
+template <class A>
+void finish_dq(const BackwardParams& bp, int64_t b, int64_t h, int64_t i0, int64_t nr) {
+    A* dq = dq_rows<A>(bp, b, h, i0);
+    const A scale = static_cast<A>(bp.attn.scale);
+    for (int64_t e = 0; e < nr * bp.dq_row_stride; ++e) dq[e] *= scale;
+}
+
+// The fused schedule: dk, dv and dq of every head of kv head g, key blocks in order.
+template <class T, class A>
+void group(const BackwardParams& bp, int64_t b, int64_t g, A* ws) {
+    const AttentionParams& a = bp.attn;
+    Tiles<A> t(a, ws);
+    const int64_t group_size = a.heads / a.kv_heads;
+    for (int64_t h = g * group_size; h < (g + 1) * group_size; ++h) clear_dq<A>(bp, b, h, 0, a.seqlen_q);
+    for (int64_t j0 = 0; j0 < a.seqlen_k; j0 += Bt)
+        key_block<T, A>(bp, b, g, j0, j0 + Bt < a.seqlen_k ? j0 + Bt : a.seqlen_k, true, t);
+    for (int64_t h = g * group_size; h < (g + 1) * group_size; ++h) finish_dq<A>(bp, b, h, 0, a.seqlen_q);
+}
+
+// The two-pass schedule's dq pass: dq rows [task.begin, task.end) of query head task.head,
+// over the key tiles they see in increasing order.
 template <class T, class A>
 void query_block(const BackwardParams& bp, const BackwardTask& task, A* ws) {
     const AttentionParams& a = bp.attn;
-    const int64_t D = a.head_dim, Dv = a.head_dim_v, b = task.batch, h = task.head;
-    const int64_t g = h / (a.heads / a.kv_heads);
-    A* qs = ws;
-    A* dout = qs + Bt * D;
-    A* kt = dout + Bt * Dv;
-    A* vt = kt + D * Bt;
-    A* dqt = vt + Dv * Bt;
-    A* p = dqt + D * Bt;
-    A* ds = p + Bt * Bt;
-    A* dst = ds + Bt * Bt;
-    for (int64_t e = 0; e < D * Bt; ++e) dqt[e] = 0;
+    Tiles<A> t(a, ws);
+    const int64_t b = task.batch, h = task.head, g = h / (a.heads / a.kv_heads);
     const int64_t i0 = task.begin, nr = task.end - task.begin;
     const int64_t seqlen_k = batch_seqlen_k(a, b);
+    clear_dq<A>(bp, b, h, i0, nr);
     const KeyRange span = rows_key_span(a, i0, nr, seqlen_k);
     if (span.end > span.begin) {
-        load_rows<T, A>(a.q, a.q_batch_stride, a.q_head_stride, a.q_row_stride, b, h, i0, nr, D,
-                        static_cast<A>(a.scale), qs, nullptr);
-        load_rows<T, A>(bp.dout, bp.dout_batch_stride, bp.dout_head_stride, bp.dout_row_stride,
-                        b, h, i0, nr, Dv, A(1), dout, nullptr);
+        load_queries<T, A>(bp, b, h, i0, nr, t);
         for (int64_t j0 = span.begin / Bt * Bt; j0 < span.end; j0 += Bt) {
             const int64_t nc = seqlen_k - j0 < Bt ? seqlen_k - j0 : Bt;
-            load_rows<T, A>(a.k, a.k_batch_stride, a.k_head_stride, a.k_row_stride, b, g, j0, nc,
-                            D, A(1), nullptr, kt);
-            load_rows<T, A>(a.v, a.v_batch_stride, a.v_head_stride, a.v_row_stride, b, g, j0, nc,
-                            Dv, A(1), nullptr, vt);
-            probs_and_dscores<A>(bp, b, h, i0, nr, j0, nc, seqlen_k, qs, dout, kt, vt, p, ds);
-            transpose_tile(ds, dst);
-            gemm<A, true>(kt, Bt, dst, dqt, D, nc);
+            load_keys<T, A>(bp, b, g, j0, nc, true, t);
+            probs_and_dscores<A>(bp, b, h, i0, nr, j0, nc, seqlen_k, t);
+            gemm<A>(t.ds, Bt, 1, t.kr, t.dp, dq_rows<A>(bp, b, h, i0), bp.dq_row_stride, nr,
+                    t.dp, nc, true);
         }
     }
-    A* dq = static_cast<A*>(bp.dq) + ((b * a.heads + h) * a.seqlen_q + i0) * D;
-    const A scale = static_cast<A>(a.scale);
-    for (int64_t r = 0; r < nr; ++r)
-        for (int64_t e = 0; e < D; ++e) dq[r * D + e] = dqt[e * Bt + r] * scale;
+    finish_dq<A>(bp, b, h, i0, nr);
 }
 
-void key_block_f32(const BackwardParams& bp, const BackwardTask& t, float* ws) {
-    switch (bp.attn.dtype) {
-        case DType::kBF16: key_block<bf16_t, float>(bp, t, ws); break;
-        case DType::kF16: key_block<f16_t, float>(bp, t, ws); break;
-        default: key_block<float, float>(bp, t, ws); break;
+// The two-pass schedule's dk/dv pass: keys [task.begin, task.end) of kv head task.head.
+template <class T, class A>
+void key_pass_block(const BackwardParams& bp, const BackwardTask& task, A* ws) {
+    Tiles<A> t(bp.attn, ws);
+    key_block<T, A>(bp, task.batch, task.head, task.begin, task.end, false, t);
+}
+
+#define ATTNFAST_BWD_BY_DTYPE(fn, ...)                                          \
+    switch (bp.attn.dtype) {                                                    \
+        case DType::kBF16: fn<bf16_t, float>(__VA_ARGS__); break;               \
+        case DType::kF16: fn<f16_t, float>(__VA_ARGS__); break;                 \
+        default: fn<float, float>(__VA_ARGS__); break;                          \
     }
+void group_f32(const BackwardParams& bp, int64_t b, int64_t g, float* ws) {
+    ATTNFAST_BWD_BY_DTYPE(group, bp, b, g, ws)
+}
+void key_block_f32(const BackwardParams& bp, const BackwardTask& t, float* ws) {
+    ATTNFAST_BWD_BY_DTYPE(key_pass_block, bp, t, ws)
 }
 void query_block_f32(const BackwardParams& bp, const BackwardTask& t, float* ws) {
-    switch (bp.attn.dtype) {
-        case DType::kBF16: query_block<bf16_t, float>(bp, t, ws); break;
-        case DType::kF16: query_block<f16_t, float>(bp, t, ws); break;
-        default: query_block<float, float>(bp, t, ws); break;
-    }
+    ATTNFAST_BWD_BY_DTYPE(query_block, bp, t, ws)
+}
+#undef ATTNFAST_BWD_BY_DTYPE
+void group_f64(const BackwardParams& bp, int64_t b, int64_t g, double* ws) {
+    group<double, double>(bp, b, g, ws);
 }
 void key_block_f64(const BackwardParams& bp, const BackwardTask& t, double* ws) {
-    key_block<double, double>(bp, t, ws);
+    key_pass_block<double, double>(bp, t, ws);
 }
 void query_block_f64(const BackwardParams& bp, const BackwardTask& t, double* ws) {
     query_block<double, double>(bp, t, ws);
 }
 
-const BackwardKernels kBackward = {key_block_f32, key_block_f64, query_block_f32, query_block_f64};
+const BackwardKernels kBackward = {group_f32, group_f64, key_block_f32, key_block_f64,
+                                   query_block_f32, query_block_f64};
 
 }  // namespace bwd
 }  // namespace

@@ -68,7 +68,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     delta = np.einsum("bhtd,bhtd->bht", dout4.astype(acc, copy=False),
                       out4.astype(acc, copy=False))
     delta = np.ascontiguousarray(delta, dtype=acc)
-    dq = np.empty((B, H, Tq, D), acc)
+    dq = np.empty((B, H, Tq, _ext.backward_head_dim(D)), acc)  # rows padded for the kernels
     dk = np.empty((B, Hkv, Tk, D), acc)
     dv = np.empty((B, Hkv, Tk, Dv), acc)
     opts = call.options
@@ -77,6 +77,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
                        window_right=call.window[1], num_threads=call.num_threads,
                        query_offset=call.query_offset, softcap=opts.softcap, alibi=opts.alibi,
                        sinks=opts.sinks, mask=opts.mask, backward=(dout4, delta, dq, dk, dv))
+    dq = np.ascontiguousarray(dq[..., :D])
     grads = tuple(g.astype(call.dtype, copy=False).reshape(np.shape(x))
                   for g, x in ((dq, q), (dk, k), (dv, v)))
     if opts.sinks is None:

@@ -104,10 +104,13 @@ cdef extern from "backward.hpp" namespace "attnfast":
         int64_t dout_batch_stride, dout_head_stride, dout_row_stride
         const void* delta
         void* dq
+        int64_t dq_row_stride
         void* dk
         void* dv
 
     void attention_backward(const BackwardParams&) except + nogil
+    int64_t backward_padded(int64_t n) noexcept nogil
+    bint backward_fused(int64_t groups, int64_t threads) noexcept nogil
 
 
 cdef extern from "<signal.h>":
@@ -415,7 +418,8 @@ cdef _run_backward(AttentionParams* p, cnp.ndarray dout, cnp.ndarray delta, cnp.
                    cnp.ndarray dk, cnp.ndarray dv):
     """attention_backward over the forward problem p (whose lse is set): dout 4-D like out,
     last axis contiguous, of q's dtype; delta (B, H, Tq), dq, dk, dv contiguous, of the
-    accumulator type (float64 for float64 inputs, else float32), written in place."""
+    accumulator type (float64 for float64 inputs, else float32), written in place; dq's
+    last axis padded to backward_head_dim(D) (its extra columns are scratch)."""
     cdef BackwardParams bp
     if p.lse == NULL:
         raise TypeError("attnfast._ext: the backward needs the forward's lse")
@@ -428,10 +432,22 @@ cdef _run_backward(AttentionParams* p, cnp.ndarray dout, cnp.ndarray delta, cnp.
         _stride(dout, 0), _stride(dout, 1), _stride(dout, 2))
     bp.delta = cnp.PyArray_DATA(delta)
     bp.dq = cnp.PyArray_DATA(dq)
+    bp.dq_row_stride = dq.shape[dq.ndim - 1]
     bp.dk = cnp.PyArray_DATA(dk)
     bp.dv = cnp.PyArray_DATA(dv)
     with nogil:
         attention_backward(bp)
+
+
+def backward_head_dim(int64_t head_dim):
+    """The row length of the backward's dq buffer: head_dim padded to whole vectors."""
+    return backward_padded(head_dim)
+
+
+def backward_schedule(int64_t groups, int64_t threads):
+    """Which schedule attention_backward runs for batch * kv_heads = groups on `threads`
+    threads: "fused" (dk, dv, dq in one task per group) or "two-pass" (same bits)."""
+    return "fused" if backward_fused(groups, threads) else "two-pass"
 
 
 def runtime_info():
