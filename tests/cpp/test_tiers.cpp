@@ -6,7 +6,9 @@
 // over a 16-bit or int8 cache and 16-bit q over an int8 cache (the float32-accumulated paths:
 // checked against the reference of the stored values, outputs to the rounding of q's dtype),
 // the score options (softcap, ALiBi, bool and additive masks, sinks), the NaN contract, and
-// that 1 and 3 threads give identical bits; and the benchmarks' read kernel (read_probe).
+// that 1 and 3 threads give identical bits; the backward (attention_backward: float32 and
+// float64 gradients against a float64 reference, 1 and 3 threads bit-identical); and the
+// benchmarks' read kernel (read_probe).
 // Built with -DATTNFAST_BUILD_TESTS=ON, run by
 // ctest (under qemu-user for cross builds: tools/run_cpp_tests.sh).
 //
@@ -27,6 +29,7 @@
 #include <vector>
 
 #include "attnfast.hpp"
+#include "backward.hpp"
 
 namespace {
 
@@ -783,6 +786,126 @@ long run_int4_cases(long& checks) {
     return failures;
 }
 
+// attention_backward on the active tier, accumulator type A (float32 or float64 inputs):
+// B = 2, H = 4, Hkv = 2 (GQA), Tq = 70, Tk = 90 (bottom-right causal, window_left 50),
+// softcap 4, D = 40 and Dv = 20 (padded to whole vectors inside), against the float64
+// gradients of a materialised softmax written here. Threads 1 and 3 run the two schedules
+// (fused / two-pass: 4 groups), which must give the same bits. Returns the failures.
+template <class A>
+long run_backward_case(uint64_t seed, long& checks) {
+    const int64_t B = 2, H = 4, Hkv = 2, Tq = 70, Tk = 90, D = 40, Dv = 20, wl = 50;
+    const double cap = 4.0, scale = 1.0 / std::sqrt(static_cast<double>(D));
+    const double tol = sizeof(A) == 4 ? 1e-4 : 1e-10;  // of the largest |gradient|
+    Rng rng{seed};
+    auto fill = [&](std::vector<A>& x, int64_t n, double amp) {
+        x.resize(static_cast<size_t>(n));
+        for (A& e : x) e = static_cast<A>(rng.next(amp));
+    };
+    std::vector<A> q, k, v, dout;
+    fill(q, B * H * Tq * D, 2.0), fill(k, B * Hkv * Tk * D, 2.0), fill(v, B * Hkv * Tk * Dv, 1.0);
+    fill(dout, B * H * Tq * Dv, 1.0);
+    std::vector<A> out(static_cast<size_t>(B * H * Tq * Dv)), lse(static_cast<size_t>(B * H * Tq));
+    attnfast::AttentionParams p = attnfast::default_params();
+    p.dtype = p.kv_dtype = dtype_of<A>();
+    p.q = q.data(), p.k = k.data(), p.v = v.data(), p.out = out.data(), p.lse = lse.data();
+    p.q_batch_stride = H * Tq * D, p.q_head_stride = Tq * D, p.q_row_stride = D;
+    p.k_batch_stride = Hkv * Tk * D, p.k_head_stride = Tk * D, p.k_row_stride = D;
+    p.v_batch_stride = Hkv * Tk * Dv, p.v_head_stride = Tk * Dv, p.v_row_stride = Dv;
+    p.out_batch_stride = H * Tq * Dv, p.out_head_stride = Tq * Dv, p.out_row_stride = Dv;
+    p.lse_batch_stride = H * Tq, p.lse_head_stride = Tq, p.lse_row_stride = 1;
+    p.batch = B, p.heads = H, p.kv_heads = Hkv, p.seqlen_q = Tq, p.seqlen_k = Tk;
+    p.head_dim = D, p.head_dim_v = Dv, p.scale = scale, p.causal = true, p.window_left = wl;
+    p.softcap = cap, p.num_threads = 1;
+    std::vector<A> delta(static_cast<size_t>(B * H * Tq));
+    const int64_t Dp = attnfast::backward_padded(D);
+    std::vector<A> dq[2], dk[2], dv[2];
+    try {
+        attnfast::attention_forward(p);
+        for (int64_t r = 0; r < B * H * Tq; ++r) {
+            double sum = 0;
+            for (int64_t e = 0; e < Dv; ++e) sum += static_cast<double>(dout[r * Dv + e]) * out[r * Dv + e];
+            delta[r] = static_cast<A>(sum);
+        }
+        for (int run = 0; run < 2; ++run) {
+            dq[run].assign(static_cast<size_t>(B * H * Tq * Dp), A(0));
+            dk[run].assign(static_cast<size_t>(B * Hkv * Tk * D), A(0));
+            dv[run].assign(static_cast<size_t>(B * Hkv * Tk * Dv), A(0));
+            attnfast::BackwardParams bp;
+            bp.attn = p;
+            bp.attn.num_threads = run == 0 ? 1 : 3;
+            bp.dout = dout.data();
+            bp.dout_batch_stride = H * Tq * Dv, bp.dout_head_stride = Tq * Dv, bp.dout_row_stride = Dv;
+            bp.delta = delta.data();
+            bp.dq = dq[run].data(), bp.dq_row_stride = Dp, bp.dk = dk[run].data(), bp.dv = dv[run].data();
+            attnfast::attention_backward(bp);
+        }
+    } catch (const std::exception& e) {
+        std::printf("  FAIL backward (%s): threw: %s\n", sizeof(A) == 4 ? "f32" : "f64", e.what());
+        return 1;
+    }
+    // The reference: s = scale q.k, softcapped, P over the visible keys, dS = P (dP - rowsum(P dP)) (1 - tanh^2).
+    std::vector<double> rq(static_cast<size_t>(B * H * Tq * D)), rk(dk[0].size()), rv(dv[0].size());
+    std::vector<double> pr(static_cast<size_t>(Tk)), th(pr.size()), dp(pr.size());
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < H; ++h)
+            for (int64_t i = 0; i < Tq; ++i) {
+                const int64_t g = h / (H / Hkv), a = i + Tk - Tq;
+                const A* qi = &q[((b * H + h) * Tq + i) * D];
+                const A* di = &dout[((b * H + h) * Tq + i) * Dv];
+                double m = -kInf, l = 0;
+                for (int64_t j = 0; j < Tk; ++j) {
+                    const A* kj = &k[((b * Hkv + g) * Tk + j) * D];
+                    double dot = 0;
+                    for (int64_t e = 0; e < D; ++e) dot += static_cast<double>(qi[e]) * kj[e];
+                    th[j] = std::tanh(scale * dot / cap);
+                    pr[j] = j <= a && j >= a - wl ? cap * th[j] : -kInf;
+                    m = std::max(m, pr[j]);
+                }
+                for (int64_t j = 0; j < Tk; ++j) l += pr[j] == -kInf ? 0 : std::exp(pr[j] - m);
+                double dsum = 0;
+                for (int64_t j = 0; j < Tk; ++j) {
+                    pr[j] = pr[j] == -kInf ? 0 : std::exp(pr[j] - m) / l;
+                    const A* vj = &v[((b * Hkv + g) * Tk + j) * Dv];
+                    dp[j] = 0;
+                    for (int64_t e = 0; e < Dv; ++e) dp[j] += static_cast<double>(di[e]) * vj[e];
+                    dsum += pr[j] * dp[j];
+                }
+                for (int64_t j = 0; j < Tk; ++j) {
+                    if (pr[j] == 0) continue;
+                    const double ds = pr[j] * (dp[j] - dsum) * (1 - th[j] * th[j]) * scale;
+                    const int64_t kr = (b * Hkv + g) * Tk + j;
+                    for (int64_t e = 0; e < D; ++e) {
+                        rq[((b * H + h) * Tq + i) * D + e] += ds * k[kr * D + e];
+                        rk[kr * D + e] += ds * qi[e];
+                    }
+                    for (int64_t e = 0; e < Dv; ++e) rv[kr * Dv + e] += pr[j] * di[e];
+                }
+            }
+    long failures = 0;
+    auto compare = [&](const char* name, const std::vector<A>& got, const std::vector<A>& got3,
+                       const std::vector<double>& want, int64_t width, int64_t stride) {
+        ++checks;
+        double big = 0, err = 0;
+        bool same_bits = true;
+        for (size_t r = 0; r < want.size() / width; ++r)
+            for (int64_t e = 0; e < width; ++e) {
+                const A x = got[r * stride + e], x3 = got3[r * stride + e];
+                big = std::max(big, std::fabs(want[r * width + e]));
+                err = std::max(err, std::isnan(x) ? kInf : std::fabs(x - want[r * width + e]));
+                same_bits = same_bits && std::memcmp(&x, &x3, sizeof x) == 0;
+            }
+        if (err > tol * big || !same_bits) {
+            std::printf("  FAIL backward %s (%s): max error %.3g of max |%s| %.3g; 1 and 3 threads %s\n", name,
+                        sizeof(A) == 4 ? "f32" : "f64", err, name, big, same_bits ? "agree" : "DIFFER");
+            ++failures;
+        }
+    };
+    compare("dq", dq[0], dq[1], rq, D, Dp);
+    compare("dk", dk[0], dk[1], rk, D, D);
+    compare("dv", dv[0], dv[1], rv, Dv, Dv);
+    return failures;
+}
+
 // All cases on the active tier, in every dtype combination.
 void run_tier(const std::string& tier, bool nan_only, Stats& total) {
     Stats st;
@@ -797,6 +920,8 @@ void run_tier(const std::string& tier, bool nan_only, Stats& total) {
         st.failures += round_trip_16bit<F16>("f16") ? 0 : 1;
         st.failures += round_trip_16bit<Bf16>("bf16", g_bf16_rounds_p) ? 0 : 1;
         st.failures += run_int4_cases(st.checks);
+        st.failures += run_backward_case<float>(91, st.checks);
+        st.failures += run_backward_case<double>(92, st.checks);
     }
     st.checks += nan_checked;
     const bool known = nan_known_to_fail(tier);
