@@ -4,9 +4,9 @@
 // the scores the forward saw.
 //
 // FlashAttention-2's backward over tiles of Bt query rows x Bt keys. Per tile pair:
-//   S  = qs K^T   -> P = exp(S' - lse)       (S' = S after the score options)
-//   dP = dO V^T   -> dS = P (dP - delta) softcap'(S)
-//   dV += P^T dO,  dK += dS^T qs,  dQ += dS K
+//   S  = q (scale K)^T   -> P = exp(S' - lse)       (S' = S after the score options)
+//   dP = dO V^T          -> dS = P (dP - delta) softcap'(S)
+//   dV += P^T dO,  dK += dS^T q,  dQ += dS K     (dK and dQ times scale when written)
 // Every product is one register-blocked micro-GEMM (gemm below): C (+)= A B with B's rows
 // contiguous and A read by broadcasts at any strides, so P^T and dS^T need no transpose.
 // Widths (D, Dv) are padded to whole vectors (kBackwardPad) inside the tiles and in dq.
@@ -35,26 +35,43 @@ constexpr int64_t Bt = kBackwardTile;
 // a * b + c, one rounding where the ISA has FMA (GCC's vector types convert to the
 // intrinsics' types of the same element type and size). Without FMA (the SSE2 tier):
 // multiply, then add, as `a * b + c` compiles under -ffp-contract=off (ISO C++). splat: x in
-// every lane (one broadcast; GCC builds it lane by lane from a loop).
+// every lane (one broadcast; GCC builds it lane by lane from a loop). loadu / storeu: one
+// unaligned vector move each (GCC's generic tuning splits a memcpy'd 32-byte store in two).
 #if ATTNFAST_SIMD_BYTES == 64 && defined(__AVX512F__)
 inline Vec<float> fmadd(Vec<float> a, Vec<float> b, Vec<float> c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec<double> fmadd(Vec<double> a, Vec<double> b, Vec<double> c) { return _mm512_fmadd_pd(a, b, c); }
 inline Vec<float> splat(float x) { return _mm512_set1_ps(x); }
 inline Vec<double> splat(double x) { return _mm512_set1_pd(x); }
+inline Vec<float> loadu(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec<double> loadu(const double* p) { return _mm512_loadu_pd(p); }
+inline void storeu(float* p, Vec<float> x) { _mm512_storeu_ps(p, x); }
+inline void storeu(double* p, Vec<double> x) { _mm512_storeu_pd(p, x); }
 #elif ATTNFAST_SIMD_BYTES == 32 && defined(__FMA__)
 inline Vec<float> fmadd(Vec<float> a, Vec<float> b, Vec<float> c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec<double> fmadd(Vec<double> a, Vec<double> b, Vec<double> c) { return _mm256_fmadd_pd(a, b, c); }
 inline Vec<float> splat(float x) { return _mm256_set1_ps(x); }
 inline Vec<double> splat(double x) { return _mm256_set1_pd(x); }
+inline Vec<float> loadu(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec<double> loadu(const double* p) { return _mm256_loadu_pd(p); }
+inline void storeu(float* p, Vec<float> x) { _mm256_storeu_ps(p, x); }
+inline void storeu(double* p, Vec<double> x) { _mm256_storeu_pd(p, x); }
 #elif ATTNFAST_SIMD_BYTES == 16 && defined(__aarch64__)
 inline Vec<float> fmadd(Vec<float> a, Vec<float> b, Vec<float> c) { return vfmaq_f32(c, a, b); }
 inline Vec<double> fmadd(Vec<double> a, Vec<double> b, Vec<double> c) { return vfmaq_f64(c, a, b); }
 inline Vec<float> splat(float x) { return vdupq_n_f32(x); }
 inline Vec<double> splat(double x) { return vdupq_n_f64(x); }
+inline Vec<float> loadu(const float* p) { return vld1q_f32(p); }
+inline Vec<double> loadu(const double* p) { return vld1q_f64(p); }
+inline void storeu(float* p, Vec<float> x) { vst1q_f32(p, x); }
+inline void storeu(double* p, Vec<double> x) { vst1q_f64(p, x); }
 #elif ATTNFAST_SIMD_BYTES == 16 && defined(__SSE2__)
 template <class V> inline V fmadd(V a, V b, V c) { return a * b + c; }
 inline Vec<float> splat(float x) { return _mm_set1_ps(x); }
 inline Vec<double> splat(double x) { return _mm_set1_pd(x); }
+inline Vec<float> loadu(const float* p) { return _mm_loadu_ps(p); }
+inline Vec<double> loadu(const double* p) { return _mm_loadu_pd(p); }
+inline void storeu(float* p, Vec<float> x) { _mm_storeu_ps(p, x); }
+inline void storeu(double* p, Vec<double> x) { _mm_storeu_pd(p, x); }
 #else
 #error "the backward's micro-GEMM needs a vector vocabulary for this ISA"
 #endif
@@ -70,55 +87,56 @@ constexpr int kMR = 6, kNV = 2;
 
 // c[m][0, NV lanes) (+)= sum_{k < K} a[m * a_rs + k * a_ks] * b[k * ldb + 0, NV lanes) for
 // m < MR: each element one chain of fused multiply-adds in increasing k.
-template <class A, int MR, int NV>
+template <class A, int MR, int NV, bool kAccumulate>
 void micro(const A* __restrict a, int64_t a_rs, int64_t a_ks, const A* __restrict b, int64_t ldb,
-           A* __restrict c, int64_t ldc, int64_t K, bool accumulate) {
+           A* __restrict c, int64_t ldc, int64_t K) {
     constexpr int64_t L = vec_lanes<A>();
     Vec<A> acc[MR][NV];
     for (int m = 0; m < MR; ++m)
-        for (int v = 0; v < NV; ++v) acc[m][v] = accumulate ? vload(c + m * ldc + v * L) : Vec<A>{};
+        for (int v = 0; v < NV; ++v) acc[m][v] = kAccumulate ? loadu(c + m * ldc + v * L) : Vec<A>{};
 #pragma GCC unroll 4  // +8-12 % in a 64 x 64 x 64 harness on Zen 3 (fewer loop branches per FMA)
     for (int64_t k = 0; k < K; ++k) {
         Vec<A> bv[NV];
-        for (int v = 0; v < NV; ++v) bv[v] = vload(b + k * ldb + v * L);
+        for (int v = 0; v < NV; ++v) bv[v] = loadu(b + k * ldb + v * L);
         for (int m = 0; m < MR; ++m) {
             const Vec<A> am = splat(a[m * a_rs + k * a_ks]);
             for (int v = 0; v < NV; ++v) acc[m][v] = fmadd(am, bv[v], acc[m][v]);
         }
     }
     for (int m = 0; m < MR; ++m)
-        for (int v = 0; v < NV; ++v) vstore(c + m * ldc + v * L, acc[m][v]);
+        for (int v = 0; v < NV; ++v) storeu(c + m * ldc + v * L, acc[m][v]);
 }
 
 // micro<A, mr, nv>, chosen at run time for 1 <= mr <= MR, 1 <= nv <= NV.
-template <class A, int MR, int NV>
+template <class A, bool kAccumulate, int MR, int NV>
 inline void micro_nv(int64_t nv, const A* a, int64_t a_rs, int64_t a_ks, const A* b, int64_t ldb,
-                     A* c, int64_t ldc, int64_t K, bool accumulate) {
+                     A* c, int64_t ldc, int64_t K) {
     if constexpr (NV > 1)
-        if (nv < NV) return micro_nv<A, MR, NV - 1>(nv, a, a_rs, a_ks, b, ldb, c, ldc, K, accumulate);
-    micro<A, MR, NV>(a, a_rs, a_ks, b, ldb, c, ldc, K, accumulate);
+        if (nv < NV) return micro_nv<A, kAccumulate, MR, NV - 1>(nv, a, a_rs, a_ks, b, ldb, c, ldc, K);
+    micro<A, MR, NV, kAccumulate>(a, a_rs, a_ks, b, ldb, c, ldc, K);
 }
-template <class A, int MR>
+template <class A, bool kAccumulate, int MR>
 inline void micro_any(int64_t mr, int64_t nv, const A* a, int64_t a_rs, int64_t a_ks, const A* b,
-                      int64_t ldb, A* c, int64_t ldc, int64_t K, bool accumulate) {
+                      int64_t ldb, A* c, int64_t ldc, int64_t K) {
     if constexpr (MR > 1)
-        if (mr < MR) return micro_any<A, MR - 1>(mr, nv, a, a_rs, a_ks, b, ldb, c, ldc, K, accumulate);
-    micro_nv<A, MR, kNV>(nv, a, a_rs, a_ks, b, ldb, c, ldc, K, accumulate);
+        if (mr < MR) return micro_any<A, kAccumulate, MR - 1>(mr, nv, a, a_rs, a_ks, b, ldb, c, ldc, K);
+    micro_nv<A, kAccumulate, MR, kNV>(nv, a, a_rs, a_ks, b, ldb, c, ldc, K);
 }
 
 // c (rows x n, rows ldc apart) (+)= a (rows x K, a(m, k) = a[m * a_rs + k * a_ks]) times
-// b (K x n, rows ldb apart); n a multiple of the vector lanes.
-template <class A>
+// b (K x n, rows ldb apart); n a multiple of the vector lanes. kAccumulate: add to c (else
+// overwrite it).
+template <class A, bool kAccumulate>
 void gemm(const A* a, int64_t a_rs, int64_t a_ks, const A* b, int64_t ldb, A* c, int64_t ldc,
-          int64_t rows, int64_t n, int64_t K, bool accumulate) {
+          int64_t rows, int64_t n, int64_t K) {
     constexpr int64_t L = vec_lanes<A>();
     const int64_t vectors = n / L;
     for (int64_t v0 = 0; v0 < vectors; v0 += kNV) {
         const int64_t nv = vectors - v0 < kNV ? vectors - v0 : kNV;
         for (int64_t m0 = 0; m0 < rows; m0 += kMR) {
             const int64_t mr = rows - m0 < kMR ? rows - m0 : kMR;
-            micro_any<A, kMR>(mr, nv, a + m0 * a_rs, a_rs, a_ks, b + v0 * L, ldb,
-                              c + m0 * ldc + v0 * L, ldc, K, accumulate);
+            micro_any<A, kAccumulate, kMR>(mr, nv, a + m0 * a_rs, a_rs, a_ks, b + v0 * L, ldb,
+                                           c + m0 * ldc + v0 * L, ldc, K);
         }
     }
 }
@@ -142,11 +160,12 @@ void load_tile(const T* rows, int64_t row_stride, int64_t n, int64_t dim, int64_
     for (int64_t e = n * ld; e < Bt * ld; ++e) x[e] = 0;
 }
 template <class T, class A>
-void load_tile_transposed(const T* rows, int64_t row_stride, int64_t n, int64_t dim, A* __restrict xt) {
+void load_tile_transposed(const T* rows, int64_t row_stride, int64_t n, int64_t dim, A mul,
+                          A* __restrict xt) {
     for (int64_t e = 0; e < dim * Bt; ++e) xt[e] = 0;
     for (int64_t r = 0; r < n; ++r) {
         const T* row = rows + r * row_stride;
-        for (int64_t e = 0; e < dim; ++e) xt[e * Bt + r] = load_acc<A>(row[e]);
+        for (int64_t e = 0; e < dim; ++e) xt[e * Bt + r] = load_acc<A>(row[e]) * mul;
     }
 }
 
@@ -165,15 +184,19 @@ inline bool span_meets(const KeyRange& span, int64_t j0, int64_t nc) {
 template <class A>
 struct Tiles {
     int64_t dp, dvp;  // D and Dv padded to whole vectors
-    A* kt;            // K^T: dp x Bt (rows >= D unused)
+    A* kt;            // scale K^T: dp x Bt (rows >= D unused)
     A* vt;            // V^T: dvp x Bt
     A* kr;            // K rows: Bt x dp (the dq product's B)
     A* dk;            // dK accumulators of the key block: Bt x dp
     A* dv;            // dV accumulators: Bt x dvp
-    A* qs;            // scaled q rows of the query block: Bt x dp
-    A* dout;          // dout rows: Bt x dvp
+    A* qs;            // q rows of the query block, when copied: Bt x dp
+    A* dout;          // dout rows, when copied: Bt x dvp
     A* p;             // P: Bt x Bt
     A* ds;            // dP, then dS: Bt x Bt
+    // The products' q and dout rows (load_queries): in place, or the copies above.
+    const A* q_rows;
+    const A* dout_rows;
+    int64_t q_ld, dout_ld;  // elements between their rows
 
     Tiles(const AttentionParams& a, A* ws) {
         dp = backward_padded(a.head_dim);
@@ -197,20 +220,38 @@ void load_keys(const BackwardParams& bp, int64_t b, int64_t g, int64_t j0, int64
     const AttentionParams& a = bp.attn;
     const T* k = rows_at<T>(a.k, a.k_batch_stride, a.k_head_stride, a.k_row_stride, b, g, j0);
     const T* v = rows_at<T>(a.v, a.v_batch_stride, a.v_head_stride, a.v_row_stride, b, g, j0);
-    load_tile_transposed<T, A>(k, a.k_row_stride, nc, a.head_dim, t.kt);
-    load_tile_transposed<T, A>(v, a.v_row_stride, nc, a.head_dim_v, t.vt);
+    load_tile_transposed<T, A>(k, a.k_row_stride, nc, a.head_dim, static_cast<A>(a.scale), t.kt);
+    load_tile_transposed<T, A>(v, a.v_row_stride, nc, a.head_dim_v, A(1), t.vt);
     if (with_kr) load_tile<T, A>(k, a.k_row_stride, nc, a.head_dim, t.dp, A(1), t.kr);
 }
 
-// Query rows [i0, i0 + nr) of head h into qs (scaled) and dout.
+// Query rows [i0, i0 + nr) of head h: q and dout as the products read them. Rows of the
+// accumulator type whose width is already whole vectors are read in place (no copy per tile
+// pair); others are converted into the tiles qs and dout, padded with zeros.
 template <class T, class A>
 void load_queries(const BackwardParams& bp, int64_t b, int64_t h, int64_t i0, int64_t nr, Tiles<A>& t) {
     const AttentionParams& a = bp.attn;
     const T* q = rows_at<T>(a.q, a.q_batch_stride, a.q_head_stride, a.q_row_stride, b, h, i0);
     const T* d = rows_at<T>(bp.dout, bp.dout_batch_stride, bp.dout_head_stride,
-                               bp.dout_row_stride, b, h, i0);
-    load_tile<T, A>(q, a.q_row_stride, nr, a.head_dim, t.dp, static_cast<A>(a.scale), t.qs);
-    load_tile<T, A>(d, bp.dout_row_stride, nr, a.head_dim_v, t.dvp, A(1), t.dout);
+                            bp.dout_row_stride, b, h, i0);
+    if constexpr (sizeof(T) == sizeof(A)) {  // T is A
+        if (a.head_dim == t.dp) {
+            t.q_rows = reinterpret_cast<const A*>(q), t.q_ld = a.q_row_stride;
+        } else {
+            load_tile<T, A>(q, a.q_row_stride, nr, a.head_dim, t.dp, A(1), t.qs);
+            t.q_rows = t.qs, t.q_ld = t.dp;
+        }
+        if (a.head_dim_v == t.dvp) {
+            t.dout_rows = reinterpret_cast<const A*>(d), t.dout_ld = bp.dout_row_stride;
+        } else {
+            load_tile<T, A>(d, bp.dout_row_stride, nr, a.head_dim_v, t.dvp, A(1), t.dout);
+            t.dout_rows = t.dout, t.dout_ld = t.dvp;
+        }
+    } else {
+        load_tile<T, A>(q, a.q_row_stride, nr, a.head_dim, t.dp, A(1), t.qs);
+        load_tile<T, A>(d, bp.dout_row_stride, nr, a.head_dim_v, t.dvp, A(1), t.dout);
+        t.q_rows = t.qs, t.q_ld = t.dp, t.dout_rows = t.dout, t.dout_ld = t.dvp;
+    }
 }
 
 // The last step of one row of a tile pair, s = its scores after the score options, g = its
@@ -260,15 +301,15 @@ inline void softcap_row(double* __restrict s, double* __restrict slope, double c
 }
 
 // For query rows [i0, i0 + nr) of head h and keys [j0, j0 + nc) (tiles loaded): t.p = the
-// probabilities exp(s - lse) the forward used, t.ds = dL/ds of the scaled score s = qs . k
-// (before softcap): P * (dP - delta) * softcap'(s). Rows >= nr and columns >= nc are 0; so
+// probabilities exp(s - lse) the forward used, t.ds = dL/ds of the scaled score s = q . k
+// scale (before softcap): P * (dP - delta) * softcap'(s). Rows >= nr and columns >= nc are 0; so
 // are keys a row does not see, and rows whose lse is -inf (they saw no key and no sink).
 template <class A>
 void probs_and_dscores(const BackwardParams& bp, int64_t batch, int64_t head, int64_t i0,
                        int64_t nr, int64_t j0, int64_t nc, int64_t seqlen_k, Tiles<A>& t) {
     const AttentionParams& a = bp.attn;
-    gemm<A>(t.qs, t.dp, 1, t.kt, Bt, t.p, Bt, nr, Bt, a.head_dim, false);        // S
-    gemm<A>(t.dout, t.dvp, 1, t.vt, Bt, t.ds, Bt, nr, Bt, a.head_dim_v, false);  // dP
+    gemm<A, false>(t.q_rows, t.q_ld, 1, t.kt, Bt, t.p, Bt, nr, Bt, a.head_dim);              // S
+    gemm<A, false>(t.dout_rows, t.dout_ld, 1, t.vt, Bt, t.ds, Bt, nr, Bt, a.head_dim_v);   // dP
     const A* lse = static_cast<const A*>(a.lse) + batch * a.lse_batch_stride + head * a.lse_head_stride;
     const A* delta = static_cast<const A*>(bp.delta) + (batch * a.heads + head) * a.seqlen_q;
     alignas(64) A slope[Bt];
@@ -322,17 +363,18 @@ void key_block(const BackwardParams& bp, int64_t b, int64_t g, int64_t j0, int64
                 if (!span_meets(rows_key_span(a, i0, nr, seqlen_k), j0, nc)) continue;
                 load_queries<T, A>(bp, b, h, i0, nr, t);
                 probs_and_dscores<A>(bp, b, h, i0, nr, j0, nc, seqlen_k, t);
-                gemm<A>(t.p, 1, Bt, t.dout, t.dvp, t.dv, t.dvp, nc, t.dvp, nr, true);  // dV += P^T dO
-                gemm<A>(t.ds, 1, Bt, t.qs, t.dp, t.dk, t.dp, nc, t.dp, nr, true);      // dK += dS^T qs
+                gemm<A, true>(t.p, 1, Bt, t.dout_rows, t.dout_ld, t.dv, t.dvp, nc, t.dvp, nr);  // dV += P^T dO
+                gemm<A, true>(t.ds, 1, Bt, t.q_rows, t.q_ld, t.dk, t.dp, nc, t.dp, nr);         // dK += dS^T q
                 if (with_dq)                                                            // dQ += dS K
-                    gemm<A>(t.ds, Bt, 1, t.kr, t.dp, dq_rows<A>(bp, b, h, i0), bp.dq_row_stride,
-                            nr, t.dp, nc, true);
+                    gemm<A, true>(t.ds, Bt, 1, t.kr, t.dp, dq_rows<A>(bp, b, h, i0), bp.dq_row_stride,
+                                  nr, t.dp, nc);
             }
     }
     A* dk = static_cast<A*>(bp.dk) + ((b * a.kv_heads + g) * a.seqlen_k + j0) * D;
     A* dv = static_cast<A*>(bp.dv) + ((b * a.kv_heads + g) * a.seqlen_k + j0) * Dv;
+    const A scale = static_cast<A>(a.scale);  // dK = scale dS^T q
     for (int64_t j = 0; j < j_end - j0; ++j) {
-        for (int64_t e = 0; e < D; ++e) dk[j * D + e] = t.dk[j * t.dp + e];
+        for (int64_t e = 0; e < D; ++e) dk[j * D + e] = t.dk[j * t.dp + e] * scale;
         for (int64_t e = 0; e < Dv; ++e) dv[j * Dv + e] = t.dv[j * t.dvp + e];
     }
 }
@@ -379,8 +421,8 @@ void query_block(const BackwardParams& bp, const BackwardTask& task, A* ws) {
             const int64_t nc = seqlen_k - j0 < Bt ? seqlen_k - j0 : Bt;
             load_keys<T, A>(bp, b, g, j0, nc, true, t);
             probs_and_dscores<A>(bp, b, h, i0, nr, j0, nc, seqlen_k, t);
-            gemm<A>(t.ds, Bt, 1, t.kr, t.dp, dq_rows<A>(bp, b, h, i0), bp.dq_row_stride, nr,
-                    t.dp, nc, true);
+            gemm<A, true>(t.ds, Bt, 1, t.kr, t.dp, dq_rows<A>(bp, b, h, i0), bp.dq_row_stride, nr,
+                          t.dp, nc);
         }
     }
     finish_dq<A>(bp, b, h, i0, nr);
