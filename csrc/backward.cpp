@@ -109,6 +109,17 @@ void run_schedule(const BackwardParams& bp,
 
 }  // namespace
 
+int64_t backward_key_blocks(const AttentionParams& p) {
+    const int64_t accumulator = p.dtype == DType::kF64 ? 8 : 4;
+    const int64_t per_block = kBackwardTile * (3 * backward_padded(p.head_dim) +
+                                               2 * backward_padded(p.head_dim_v)) * accumulator;
+    // The key tiles may spill from L2: on Zen 3 (512 KiB L2), T = 4096, D = 128, float32,
+    // 8 blocks (1.25 MiB of key tiles) ran 4-10 % faster than 4, 4 10 % faster than 2, 2 up
+    // to 9 % faster than 1 (bench/HISTORY.md 25): the query side's traffic costs more.
+    const int64_t fit = cache_sizes().l2 * 3 / per_block;
+    return fit < 1 ? 1 : (fit > kBackwardKeyBlocks ? kBackwardKeyBlocks : fit);
+}
+
 void attention_backward(const BackwardParams& bp) {
     const AttentionParams& p = bp.attn;
     require(p.batch >= 0 && p.heads >= 0 && p.seqlen_q >= 0 && p.seqlen_k >= 0, "negative size");

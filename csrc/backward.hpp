@@ -62,11 +62,19 @@ struct BackwardTask {
     int64_t end;
 };
 
-// Scratch one thread needs for any task, in accumulator elements: the tiles of K^T, V^T,
-// K, dK, dV, scaled q, dout (widths padded) and P, dS (bwd::Tiles).
+// The fused schedule sweeps the query blocks once for up to this many key blocks at a time
+// (fewer reads of q, dout and dq per product), as many as 3x the L2 cache holds with
+// their tiles (backward_key_blocks, from the cache size: never the thread count; the bits
+// do not depend on it either, as each gradient element keeps its order).
+constexpr int64_t kBackwardKeyBlocks = 8;
+int64_t backward_key_blocks(const AttentionParams& p);
+
+// Scratch one thread needs for any task, in accumulator elements: per key block the tiles
+// of K^T, V^T, K, dK, dV, then one query block's q, dout (copies, widths padded) and P, dS
+// (bwd::Tiles).
 static inline int64_t backward_workspace_elems(const AttentionParams& p) {
-    const int64_t t = kBackwardTile;
-    return t * (4 * backward_padded(p.head_dim) + 3 * backward_padded(p.head_dim_v)) + 2 * t * t;
+    const int64_t t = kBackwardTile, dp = backward_padded(p.head_dim), dvp = backward_padded(p.head_dim_v);
+    return kBackwardKeyBlocks * t * (3 * dp + 2 * dvp) + t * (dp + dvp) + 2 * t * t;
 }
 
 // One per kernel tier (csrc/kernels/backward.inl compiled by each isa_*.cpp).

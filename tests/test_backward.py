@@ -195,6 +195,33 @@ def test_both_schedules_give_the_same_bits(rng, dtype):
         assert err < {8: 1e-12, 4: 1e-5, 2: 2e-2}[dt.itemsize]
 
 
+_KEY_BLOCKS_CHILD = """
+import sys, numpy as np, attnfast
+rng = np.random.default_rng(7)
+q, k, v, dout = (rng.standard_normal(s).astype(np.float32) for s in
+                 [(1, 4, 300, 128), (1, 2, 330, 128), (1, 2, 330, 64), (1, 4, 300, 64)])
+out, lse = attnfast.attention(q, k, v, causal=True, softcap=5.0, return_lse=True)
+grads = attnfast.attention_backward(dout, q, k, v, out, lse, causal=True, softcap=5.0,
+                                    num_threads=int(sys.argv[1]))
+sys.stdout.write("".join(g.tobytes().hex() for g in grads))
+"""
+
+
+def test_key_blocks_per_sweep_do_not_change_the_bits():
+    """The fused schedule sweeps the query blocks once per group of key blocks, as many as
+    the L2 cache size allows (ATTNFAST_L2_BYTES forces it: 128 KiB gives 2 blocks at
+    D = 128, 8 MiB the most); every gradient element keeps its order, so its bits."""
+    import os
+    import subprocess
+    import sys
+    outputs = []
+    for l2, threads in ((131072, 1), (8 << 20, 1), (8 << 20, 2)):
+        env = dict(os.environ, ATTNFAST_L2_BYTES=str(l2))
+        outputs.append(subprocess.run([sys.executable, "-c", _KEY_BLOCKS_CHILD, str(threads)],
+                                      env=env, capture_output=True, text=True, check=True).stdout)
+    assert len(outputs[0]) > 1000 and outputs[0] == outputs[1] == outputs[2]
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_every_tier(tier, rng, dtype):
     """Each kernel tier's micro-GEMMs and exponentials: padded head dims (72, 20), GQA,

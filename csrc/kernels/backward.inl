@@ -17,8 +17,11 @@
 // block (7 products: S and dP twice). Each dQ element is the same chain of fused
 // multiply-adds over the same key tiles in the same order in both.
 #include "../backward.hpp"
-#include "../simd/simd.hpp"
 
+#if defined(__SSE2__) || defined(__aarch64__)
+#define ATTNFAST_BWD_SIMD_LAYER 1  // csrc/simd/ has a header for this ISA
+#include "../simd/simd.hpp"
+#endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #elif defined(__aarch64__)
@@ -72,8 +75,15 @@ inline Vec<float> loadu(const float* p) { return _mm_loadu_ps(p); }
 inline Vec<double> loadu(const double* p) { return _mm_loadu_pd(p); }
 inline void storeu(float* p, Vec<float> x) { _mm_storeu_ps(p, x); }
 inline void storeu(double* p, Vec<double> x) { _mm_storeu_pd(p, x); }
-#else
-#error "the backward's micro-GEMM needs a vector vocabulary for this ISA"
+#else  // another architecture's baseline: GCC's generic vectors
+template <class V> inline V fmadd(V a, V b, V c) { return a * b + c; }
+template <class A> inline Vec<A> splat(A x) {
+    Vec<A> v;
+    for (int64_t i = 0; i < vec_lanes<A>(); ++i) v[i] = x;
+    return v;
+}
+template <class A> inline Vec<A> loadu(const A* p) { return vload(p); }
+template <class A> inline void storeu(A* p, Vec<A> x) { vstore(p, x); }
 #endif
 
 // Accumulator block of the micro-GEMM: kMR rows x kNV vectors, within the vector registers
@@ -180,15 +190,24 @@ inline bool span_meets(const KeyRange& span, int64_t j0, int64_t nc) {
     return span.end > j0 && span.begin < j0 + nc;
 }
 
-// One thread's tiles, in accumulator elements (backward_workspace_elems counts them).
+// One key block's tiles: its keys [j0, j_end) (nc of them in the batch entry; <= 0: none).
+template <class A>
+struct KeyTiles {
+    A* kt;  // scale K^T: dp x Bt (rows >= D unused)
+    A* vt;  // V^T: dvp x Bt
+    A* kr;  // K rows: Bt x dp (the dq product's B)
+    A* dk;  // dK accumulators: Bt x dp
+    A* dv;  // dV accumulators: Bt x dvp
+    int64_t j0, j_end, nc;
+};
+
+// One thread's tiles, in accumulator elements (backward_workspace_elems counts them): the
+// key tiles of up to kBackwardKeyBlocks key blocks, swept together over the query blocks
+// (backward_key_blocks), and one query block's.
 template <class A>
 struct Tiles {
     int64_t dp, dvp;  // D and Dv padded to whole vectors
-    A* kt;            // scale K^T: dp x Bt (rows >= D unused)
-    A* vt;            // V^T: dvp x Bt
-    A* kr;            // K rows: Bt x dp (the dq product's B)
-    A* dk;            // dK accumulators of the key block: Bt x dp
-    A* dv;            // dV accumulators: Bt x dvp
+    KeyTiles<A> keys[kBackwardKeyBlocks];
     A* qs;            // q rows of the query block, when copied: Bt x dp
     A* dout;          // dout rows, when copied: Bt x dvp
     A* p;             // P: Bt x Bt
@@ -201,28 +220,30 @@ struct Tiles {
     Tiles(const AttentionParams& a, A* ws) {
         dp = backward_padded(a.head_dim);
         dvp = backward_padded(a.head_dim_v);
-        kt = ws;
-        vt = kt + dp * Bt;
-        kr = vt + dvp * Bt;
-        dk = kr + Bt * dp;
-        dv = dk + Bt * dp;
-        qs = dv + Bt * dvp;
+        for (KeyTiles<A>& k : keys) {
+            k.kt = ws;
+            k.vt = k.kt + dp * Bt;
+            k.kr = k.vt + dvp * Bt;
+            k.dk = k.kr + Bt * dp;
+            k.dv = k.dk + Bt * dp;
+            ws = k.dv + Bt * dvp;
+        }
+        qs = ws;
         dout = qs + Bt * dp;
         p = dout + Bt * dvp;
         ds = p + Bt * Bt;
     }
 };
 
-// Keys [j0, j0 + nc) of kv head g into kt, vt (and kr when the dq product runs).
+// Keys [kb.j0, kb.j0 + kb.nc) of kv head g into kb's kt, vt (and kr when the dq product runs).
 template <class T, class A>
-void load_keys(const BackwardParams& bp, int64_t b, int64_t g, int64_t j0, int64_t nc,
-               bool with_kr, Tiles<A>& t) {
+void load_keys(const BackwardParams& bp, int64_t b, int64_t g, bool with_kr, int64_t dp, KeyTiles<A>& kb) {
     const AttentionParams& a = bp.attn;
-    const T* k = rows_at<T>(a.k, a.k_batch_stride, a.k_head_stride, a.k_row_stride, b, g, j0);
-    const T* v = rows_at<T>(a.v, a.v_batch_stride, a.v_head_stride, a.v_row_stride, b, g, j0);
-    load_tile_transposed<T, A>(k, a.k_row_stride, nc, a.head_dim, static_cast<A>(a.scale), t.kt);
-    load_tile_transposed<T, A>(v, a.v_row_stride, nc, a.head_dim_v, A(1), t.vt);
-    if (with_kr) load_tile<T, A>(k, a.k_row_stride, nc, a.head_dim, t.dp, A(1), t.kr);
+    const T* k = rows_at<T>(a.k, a.k_batch_stride, a.k_head_stride, a.k_row_stride, b, g, kb.j0);
+    const T* v = rows_at<T>(a.v, a.v_batch_stride, a.v_head_stride, a.v_row_stride, b, g, kb.j0);
+    load_tile_transposed<T, A>(k, a.k_row_stride, kb.nc, a.head_dim, static_cast<A>(a.scale), kb.kt);
+    load_tile_transposed<T, A>(v, a.v_row_stride, kb.nc, a.head_dim_v, A(1), kb.vt);
+    if (with_kr) load_tile<T, A>(k, a.k_row_stride, kb.nc, a.head_dim, dp, A(1), kb.kr);
 }
 
 // Query rows [i0, i0 + nr) of head h: q and dout as the products read them. Rows of the
@@ -258,6 +279,17 @@ void load_queries(const BackwardParams& bp, int64_t b, int64_t h, int64_t i0, in
 // dP, columns [lo, end) visible: s = P = exp(s - l), g = dS = P (g - d) slope (slope:
 // softcap's derivative, or none), other columns 0. float32 on the SIMD layer (exp2_neg,
 // the forward's exponential; the tiles are vector-aligned), float64 lane by lane.
+template <class A>
+inline void finish_row(A* __restrict s, A* __restrict g, const A* __restrict slope, A l, A d,
+                       int64_t lo, int64_t end) {
+    for (int64_t j = 0; j < Bt; ++j) {
+        const bool seen = j >= lo && j < end;
+        const A pj = seen ? exp_acc(s[j] - l) : A(0);
+        g[j] = seen ? pj * (g[j] - d) * (slope ? slope[j] : A(1)) : A(0);
+        s[j] = pj;
+    }
+}
+#if ATTNFAST_BWD_SIMD_LAYER
 inline void finish_row(float* __restrict s, float* __restrict g, const float* __restrict slope,
                        float l, float d, int64_t lo, int64_t end) {
     namespace v = simd;
@@ -272,18 +304,19 @@ inline void finish_row(float* __restrict s, float* __restrict g, const float* __
     for (int64_t j = 0; j < lo; ++j) s[j] = g[j] = 0;
     for (int64_t j = end; j < Bt; ++j) s[j] = g[j] = 0;
 }
-inline void finish_row(double* __restrict s, double* __restrict g, const double* __restrict slope,
-                       double l, double d, int64_t lo, int64_t end) {
-    for (int64_t j = 0; j < Bt; ++j) {
-        const bool seen = j >= lo && j < end;
-        const double pj = seen ? exp_acc(s[j] - l) : 0.0;
-        g[j] = seen ? pj * (g[j] - d) * (slope ? slope[j] : 1.0) : 0.0;
-        s[j] = pj;
-    }
-}
+#endif
 
 // Softcap on a row of scores, keeping its derivative: s = cap tanh(s / cap), slope = 1 -
 // tanh^2 (float32: the SIMD layer's tanh, as the forward's).
+template <class A>
+inline void softcap_row(A* __restrict s, A* __restrict slope, A cap, A inv_cap) {
+    for (int64_t j = 0; j < Bt; ++j) {
+        const A th = tanh_acc(s[j] * inv_cap);
+        s[j] = cap * th;
+        slope[j] = 1 - th * th;
+    }
+}
+#if ATTNFAST_BWD_SIMD_LAYER
 inline void softcap_row(float* __restrict s, float* __restrict slope, float cap, float inv_cap) {
     namespace v = simd;
     for (int64_t j = 0; j < Bt; j += v::W) {
@@ -292,13 +325,7 @@ inline void softcap_row(float* __restrict s, float* __restrict slope, float cap,
         v::vstore(slope + j, v::vfnma(th, th, v::vset(1.0f)));
     }
 }
-inline void softcap_row(double* __restrict s, double* __restrict slope, double cap, double inv_cap) {
-    for (int64_t j = 0; j < Bt; ++j) {
-        const double th = tanh_acc(s[j] * inv_cap);
-        s[j] = cap * th;
-        slope[j] = 1 - th * th;
-    }
-}
+#endif
 
 // For query rows [i0, i0 + nr) of head h and keys [j0, j0 + nc) (tiles loaded): t.p = the
 // probabilities exp(s - lse) the forward used, t.ds = dL/ds of the scaled score s = q . k
@@ -306,10 +333,11 @@ inline void softcap_row(double* __restrict s, double* __restrict slope, double c
 // are keys a row does not see, and rows whose lse is -inf (they saw no key and no sink).
 template <class A>
 void probs_and_dscores(const BackwardParams& bp, int64_t batch, int64_t head, int64_t i0,
-                       int64_t nr, int64_t j0, int64_t nc, int64_t seqlen_k, Tiles<A>& t) {
+                       int64_t nr, const KeyTiles<A>& kb, int64_t seqlen_k, Tiles<A>& t) {
     const AttentionParams& a = bp.attn;
-    gemm<A, false>(t.q_rows, t.q_ld, 1, t.kt, Bt, t.p, Bt, nr, Bt, a.head_dim);              // S
-    gemm<A, false>(t.dout_rows, t.dout_ld, 1, t.vt, Bt, t.ds, Bt, nr, Bt, a.head_dim_v);   // dP
+    const int64_t j0 = kb.j0, nc = kb.nc;
+    gemm<A, false>(t.q_rows, t.q_ld, 1, kb.kt, Bt, t.p, Bt, nr, Bt, a.head_dim);              // S
+    gemm<A, false>(t.dout_rows, t.dout_ld, 1, kb.vt, Bt, t.ds, Bt, nr, Bt, a.head_dim_v);   // dP
     const A* lse = static_cast<const A*>(a.lse) + batch * a.lse_batch_stride + head * a.lse_head_stride;
     const A* delta = static_cast<const A*>(bp.delta) + (batch * a.heads + head) * a.seqlen_q;
     alignas(64) A slope[Bt];
@@ -343,39 +371,55 @@ inline A* dq_rows(const BackwardParams& bp, int64_t b, int64_t h, int64_t i0) {
     return static_cast<A*>(bp.dq) + ((b * a.heads + h) * a.seqlen_q + i0) * bp.dq_row_stride;
 }
 
-// dk, dv rows [j0, j_end) of kv head g (every query head of the group, every query block
-// that sees the keys, in a fixed order); with_dq: also dq += dS K into the dq rows of those
-// query blocks (unscaled: finish_dq scales).
+// dk, dv rows [j_begin, j_end) of kv head g, in key blocks of Bt (at most
+// kBackwardKeyBlocks): every query head of the group, every query block that sees the keys,
+// in a fixed order, each query block read once for all the key blocks; with_dq: also dq +=
+// dS K into the dq rows of those query blocks, key blocks in increasing order (unscaled:
+// finish_dq scales).
 template <class T, class A>
-void key_block(const BackwardParams& bp, int64_t b, int64_t g, int64_t j0, int64_t j_end,
-               bool with_dq, Tiles<A>& t) {
+void key_blocks(const BackwardParams& bp, int64_t b, int64_t g, int64_t j_begin, int64_t j_end,
+                bool with_dq, Tiles<A>& t) {
     const AttentionParams& a = bp.attn;
     const int64_t D = a.head_dim, Dv = a.head_dim_v;
-    for (int64_t e = 0; e < Bt * (t.dp + t.dvp); ++e) t.dk[e] = 0;  // dk, dv
     const int64_t seqlen_k = batch_seqlen_k(a, b);
-    const int64_t nc = j_end < seqlen_k ? j_end - j0 : seqlen_k - j0;  // keys past seqlen_k: 0
-    if (nc > 0) {
-        load_keys<T, A>(bp, b, g, j0, nc, with_dq, t);
-        const int64_t group = a.heads / a.kv_heads;
-        for (int64_t h = g * group; h < (g + 1) * group; ++h)
-            for (int64_t i0 = 0; i0 < a.seqlen_q; i0 += Bt) {
-                const int64_t nr = a.seqlen_q - i0 < Bt ? a.seqlen_q - i0 : Bt;
-                if (!span_meets(rows_key_span(a, i0, nr, seqlen_k), j0, nc)) continue;
-                load_queries<T, A>(bp, b, h, i0, nr, t);
-                probs_and_dscores<A>(bp, b, h, i0, nr, j0, nc, seqlen_k, t);
-                gemm<A, true>(t.p, 1, Bt, t.dout_rows, t.dout_ld, t.dv, t.dvp, nc, t.dvp, nr);  // dV += P^T dO
-                gemm<A, true>(t.ds, 1, Bt, t.q_rows, t.q_ld, t.dk, t.dp, nc, t.dp, nr);         // dK += dS^T q
-                if (with_dq)                                                            // dQ += dS K
-                    gemm<A, true>(t.ds, Bt, 1, t.kr, t.dp, dq_rows<A>(bp, b, h, i0), bp.dq_row_stride,
-                                  nr, t.dp, nc);
-            }
+    const int64_t blocks = (j_end - j_begin + Bt - 1) / Bt;
+    for (int64_t s = 0; s < blocks; ++s) {
+        KeyTiles<A>& kb = t.keys[s];
+        kb.j0 = j_begin + s * Bt;
+        kb.j_end = kb.j0 + Bt < j_end ? kb.j0 + Bt : j_end;
+        kb.nc = (kb.j_end < seqlen_k ? kb.j_end : seqlen_k) - kb.j0;  // keys past seqlen_k: 0
+        for (int64_t e = 0; e < Bt * t.dp; ++e) kb.dk[e] = 0;
+        for (int64_t e = 0; e < Bt * t.dvp; ++e) kb.dv[e] = 0;
+        if (kb.nc > 0) load_keys<T, A>(bp, b, g, with_dq, t.dp, kb);
     }
-    A* dk = static_cast<A*>(bp.dk) + ((b * a.kv_heads + g) * a.seqlen_k + j0) * D;
-    A* dv = static_cast<A*>(bp.dv) + ((b * a.kv_heads + g) * a.seqlen_k + j0) * Dv;
+    const int64_t group = a.heads / a.kv_heads;
+    for (int64_t h = g * group; h < (g + 1) * group; ++h)
+        for (int64_t i0 = 0; i0 < a.seqlen_q; i0 += Bt) {
+            const int64_t nr = a.seqlen_q - i0 < Bt ? a.seqlen_q - i0 : Bt;
+            const KeyRange span = rows_key_span(a, i0, nr, seqlen_k);
+            bool loaded = false;
+            for (int64_t s = 0; s < blocks; ++s) {
+                const KeyTiles<A>& kb = t.keys[s];
+                if (kb.nc <= 0 || !span_meets(span, kb.j0, kb.nc)) continue;
+                if (!loaded) load_queries<T, A>(bp, b, h, i0, nr, t);
+                loaded = true;
+                probs_and_dscores<A>(bp, b, h, i0, nr, kb, seqlen_k, t);
+                gemm<A, true>(t.p, 1, Bt, t.dout_rows, t.dout_ld, kb.dv, t.dvp, kb.nc, t.dvp, nr);  // dV += P^T dO
+                gemm<A, true>(t.ds, 1, Bt, t.q_rows, t.q_ld, kb.dk, t.dp, kb.nc, t.dp, nr);         // dK += dS^T q
+                if (with_dq)                                                                          // dQ += dS K
+                    gemm<A, true>(t.ds, Bt, 1, kb.kr, t.dp, dq_rows<A>(bp, b, h, i0), bp.dq_row_stride,
+                                  nr, t.dp, kb.nc);
+            }
+        }
     const A scale = static_cast<A>(a.scale);  // dK = scale dS^T q
-    for (int64_t j = 0; j < j_end - j0; ++j) {
-        for (int64_t e = 0; e < D; ++e) dk[j * D + e] = t.dk[j * t.dp + e] * scale;
-        for (int64_t e = 0; e < Dv; ++e) dv[j * Dv + e] = t.dv[j * t.dvp + e];
+    for (int64_t s = 0; s < blocks; ++s) {
+        const KeyTiles<A>& kb = t.keys[s];
+        A* dk = static_cast<A*>(bp.dk) + ((b * a.kv_heads + g) * a.seqlen_k + kb.j0) * D;
+        A* dv = static_cast<A*>(bp.dv) + ((b * a.kv_heads + g) * a.seqlen_k + kb.j0) * Dv;
+        for (int64_t j = 0; j < kb.j_end - kb.j0; ++j) {
+            for (int64_t e = 0; e < D; ++e) dk[j * D + e] = kb.dk[j * t.dp + e] * scale;
+            for (int64_t e = 0; e < Dv; ++e) dv[j * Dv + e] = kb.dv[j * t.dvp + e];
+        }
     }
 }
 
@@ -399,8 +443,9 @@ void group(const BackwardParams& bp, int64_t b, int64_t g, A* ws) {
     Tiles<A> t(a, ws);
     const int64_t group_size = a.heads / a.kv_heads;
     for (int64_t h = g * group_size; h < (g + 1) * group_size; ++h) clear_dq<A>(bp, b, h, 0, a.seqlen_q);
-    for (int64_t j0 = 0; j0 < a.seqlen_k; j0 += Bt)
-        key_block<T, A>(bp, b, g, j0, j0 + Bt < a.seqlen_k ? j0 + Bt : a.seqlen_k, true, t);
+    const int64_t step = Bt * backward_key_blocks(a);
+    for (int64_t j0 = 0; j0 < a.seqlen_k; j0 += step)
+        key_blocks<T, A>(bp, b, g, j0, j0 + step < a.seqlen_k ? j0 + step : a.seqlen_k, true, t);
     for (int64_t h = g * group_size; h < (g + 1) * group_size; ++h) finish_dq<A>(bp, b, h, 0, a.seqlen_q);
 }
 
@@ -417,12 +462,13 @@ void query_block(const BackwardParams& bp, const BackwardTask& task, A* ws) {
     const KeyRange span = rows_key_span(a, i0, nr, seqlen_k);
     if (span.end > span.begin) {
         load_queries<T, A>(bp, b, h, i0, nr, t);
-        for (int64_t j0 = span.begin / Bt * Bt; j0 < span.end; j0 += Bt) {
-            const int64_t nc = seqlen_k - j0 < Bt ? seqlen_k - j0 : Bt;
-            load_keys<T, A>(bp, b, g, j0, nc, true, t);
-            probs_and_dscores<A>(bp, b, h, i0, nr, j0, nc, seqlen_k, t);
-            gemm<A, true>(t.ds, Bt, 1, t.kr, t.dp, dq_rows<A>(bp, b, h, i0), bp.dq_row_stride, nr,
-                          t.dp, nc);
+        KeyTiles<A>& kb = t.keys[0];
+        for (kb.j0 = span.begin / Bt * Bt; kb.j0 < span.end; kb.j0 += Bt) {
+            kb.nc = seqlen_k - kb.j0 < Bt ? seqlen_k - kb.j0 : Bt;
+            load_keys<T, A>(bp, b, g, true, t.dp, kb);
+            probs_and_dscores<A>(bp, b, h, i0, nr, kb, seqlen_k, t);
+            gemm<A, true>(t.ds, Bt, 1, kb.kr, t.dp, dq_rows<A>(bp, b, h, i0), bp.dq_row_stride, nr,
+                          t.dp, kb.nc);
         }
     }
     finish_dq<A>(bp, b, h, i0, nr);
@@ -432,7 +478,7 @@ void query_block(const BackwardParams& bp, const BackwardTask& task, A* ws) {
 template <class T, class A>
 void key_pass_block(const BackwardParams& bp, const BackwardTask& task, A* ws) {
     Tiles<A> t(bp.attn, ws);
-    key_block<T, A>(bp, task.batch, task.head, task.begin, task.end, false, t);
+    key_blocks<T, A>(bp, task.batch, task.head, task.begin, task.end, false, t);
 }
 
 #define ATTNFAST_BWD_BY_DTYPE(fn, ...)                                          \
@@ -468,6 +514,7 @@ const BackwardKernels kBackward = {group_f32, group_f64, key_block_f32, key_bloc
 }  // namespace
 
 const BackwardKernels* backward_kernels() { return &bwd::kBackward; }
+#undef ATTNFAST_BWD_SIMD_LAYER
 
 }  // namespace ATTNFAST_KERNEL_NS
 }  // namespace attnfast
