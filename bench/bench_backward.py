@@ -5,8 +5,9 @@
 
 Medians of interleaved repetitions (attnfast, torch, attnfast, ...). FLOPs: forward
 4 * B * H * Tq * Tk * D (halved under causal), backward 2.5x that (FlashAttention-2's
-count); "of GEMM" is the backward's FLOP rate over the best float32 1024^3 matmul of torch
-and NumPy on the same threads (best of 7 each). Also says whether torch's dq is bit-identical on 1 and 2 threads.
+count); "of GEMM" is the backward's FLOP rate over the best float32 2048^3 matmul of torch
+and NumPy on the same threads (best of 7 each, measured once at the start). Also says
+whether torch's dq is bit-identical on 1 and 2 threads.
 """
 import argparse
 import json
@@ -24,11 +25,11 @@ import attnfast
 
 def gemm_flops(threads, dtype):
     """The machine's float32 GEMM limit on `threads` threads: the best of 7 runs of a
-    1024^3 matmul in torch and in NumPy's BLAS (whichever is faster on this CPU)."""
+    2048^3 matmul in torch and in NumPy's BLAS (whichever is faster on this CPU)."""
     from threadpoolctl import threadpool_limits
     torch.set_num_threads(threads)
-    a = torch.randn(1024, 1024, dtype=dtype)
-    b = torch.randn(1024, 1024, dtype=dtype)
+    a = torch.randn(2048, 2048, dtype=dtype)
+    b = torch.randn(2048, 2048, dtype=dtype)
     an, bn = a.numpy(), b.numpy()
     best = float("inf")
     with threadpool_limits(threads):
@@ -38,7 +39,7 @@ def gemm_flops(threads, dtype):
                 t0 = time.perf_counter()
                 run()
                 best = min(best, time.perf_counter() - t0)
-    return 2 * 1024 ** 3 / best
+    return 2 * 2048 ** 3 / best
 
 
 def numpy_of(t):
@@ -137,11 +138,11 @@ def main():
         print(json.dumps(memory(args.memory, H=args.memory_heads)))
         return
     print("torch CPU SDPA backward bit-identical on 1 and 2 threads:", torch_thread_invariant())
+    gemm = {t: gemm_flops(t, torch.float32) for t in args.threads}
     for threads in args.threads:
-        print(f"GEMM float32 on {threads} thread(s): {gemm_flops(threads, torch.float32) / 1e9:.0f} GFLOP/s")
+        print(f"GEMM float32 on {threads} thread(s): {gemm[threads] / 1e9:.0f} GFLOP/s")
     print("| T | D | causal | dtype | threads | bwd attnfast ms | bwd torch ms | ratio | fwd+bwd attnfast ms | fwd+bwd torch ms | ratio | bwd GFLOP/s | of GEMM |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    gemm = {t: gemm_flops(t, torch.float32) for t in args.threads}
     for T in args.T:
         for D in args.D:
             for causal in args.causal:
