@@ -186,8 +186,10 @@ inline KeyRange rows_key_span(const AttentionParams& p, int64_t first, int64_t n
     const KeyRange bottom = visible_keys(p, first + n - 1, seqlen_k);
     return {top.begin, bottom.end > top.begin ? bottom.end : top.begin};
 }
+// Whether rows with that span see any of keys [j0, j0 + nc) (an empty span sees none: its
+// rows must not even multiply zeros by the keys, as the dq pass never does).
 inline bool span_meets(const KeyRange& span, int64_t j0, int64_t nc) {
-    return span.end > j0 && span.begin < j0 + nc;
+    return span.end > span.begin && span.end > j0 && span.begin < j0 + nc;
 }
 
 // One key block's tiles: its keys [j0, j_end) (nc of them in the batch entry; <= 0: none).
