@@ -246,6 +246,41 @@ def test_nan_in_nan_out(rng):
     assert np.isnan(dk[0, 0]).any() and np.isfinite(dk[0, 1]).all()
 
 
+@pytest.mark.parametrize("where", ["k", "q", "dout"])
+def test_a_non_finite_input_reaches_only_what_meets_it(rng, where):
+    """A NaN in one key, query or dout row under a causal mask: the gradients of rows and
+    keys that never meet it (as the forward's rows never see it) stay finite and right, on
+    both schedules with the same bits; those that meet it are NaN."""
+    from attnfast import _ext
+    q, k, v, dout = inputs(rng, 1, 4, 2, 150, 150, 32, 32)
+    bad = {"k": (k, (0, 0, 100, 7)), "q": (q, (0, 1, 60, 3)), "dout": (dout, (0, 1, 60, 3))}
+    array, at = bad[where]
+    clean = [x.copy() for x in (q, k, v, dout)]
+    array[at] = np.nan
+    assert _ext.backward_schedule(2, 1) == "fused" and _ext.backward_schedule(2, 3) == "two-pass"
+    got = run(q, k, v, dout, causal=True, num_threads=1)
+    two_pass = run(q, k, v, dout, causal=True, num_threads=3)
+    for a, b in zip(got, two_pass):
+        assert np.array_equal(a.view(np.uint64), b.view(np.uint64))
+    _, *want = reference_grads(*clean, causal=True)  # what does not meet the NaN: unchanged
+    dq, dk, dv = got
+    if where == "k":  # rows >= 100 of heads 0, 1 see key 100, and so every key of kv head 0
+        nan_dq = np.zeros(dq.shape, bool)
+        nan_dq[0, :2, 100:] = True
+        nan_kv = np.zeros(dk.shape[:3], bool)
+        nan_kv[0, 0] = True
+    else:  # row 60 of head 1 meets keys 0..60 of kv head 0
+        nan_dq = np.zeros(dq.shape, bool)
+        nan_dq[0, 1, 60] = True
+        nan_kv = np.zeros(dk.shape[:3], bool)
+        nan_kv[0, 0, :61] = True
+    assert np.isnan(dq[nan_dq]).all()
+    np.testing.assert_allclose(dq[~nan_dq], want[0][~nan_dq], rtol=1e-9, atol=1e-12)
+    for g, w in ((dk, want[1]), (dv, want[2])):
+        assert np.isnan(g[nan_kv]).any(axis=-1).all()
+        np.testing.assert_allclose(g[~nan_kv], w[~nan_kv], rtol=1e-9, atol=1e-12)
+
+
 def test_errors_name_the_argument(rng):
     q, k, v, dout = inputs(rng, 1, 2, 2, 20, 20, 8, 8)
     out, lse = attnfast.attention(q, k, v, return_lse=True)

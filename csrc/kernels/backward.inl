@@ -151,6 +151,60 @@ void gemm(const A* a, int64_t a_rs, int64_t a_ks, const A* b, int64_t ldb, A* c,
     }
 }
 
+// x * y + z rounded as fmadd rounds each lane: once with FMA, twice without (SSE2).
+#if defined(__FMA__) || defined(__aarch64__)
+inline float madd(float x, float y, float z) { return __builtin_fmaf(x, y, z); }
+inline double madd(double x, double y, double z) { return __builtin_fma(x, y, z); }
+#else
+template <class A> inline A madd(A x, A y, A z) { return x * y + z; }
+#endif
+
+// gemm<A, true> one element at a time, skipping zero coefficients a(m, k). A tile pair runs
+// its product this way when the product's B rows hold an inf or a NaN, so that a key or a
+// query a row never sees (a zero coefficient: a masked P or dS) does not poison the row
+// through 0 x inf = NaN, as the forward's rows are not poisoned by keys they do not see.
+// Each element is the same chain in the same order as gemm's, and a skipped term adds
+// exactly nothing (the sums start at +0), so every finite element keeps its bits.
+template <class A>
+void gemm_skipping_zeros(const A* a, int64_t a_rs, int64_t a_ks, const A* b, int64_t ldb, A* c,
+                         int64_t ldc, int64_t rows, int64_t n, int64_t K) {
+    for (int64_t m = 0; m < rows; ++m)
+        for (int64_t k = 0; k < K; ++k) {
+            const A x = a[m * a_rs + k * a_ks];
+            if (x == A(0)) continue;
+            for (int64_t e = 0; e < n; ++e) c[m * ldc + e] = madd(x, b[k * ldb + e], c[m * ldc + e]);
+        }
+}
+
+// c (+)= a b as above, by gemm_skipping_zeros when b holds a non-finite value.
+template <class A>
+inline void accumulate_product(bool b_nonfinite, const A* a, int64_t a_rs, int64_t a_ks, const A* b,
+                               int64_t ldb, A* c, int64_t ldc, int64_t rows, int64_t n, int64_t K) {
+    if (b_nonfinite) gemm_skipping_zeros<A>(a, a_rs, a_ks, b, ldb, c, ldc, rows, n, K);
+    else gemm<A, true>(a, a_rs, a_ks, b, ldb, c, ldc, rows, n, K);
+}
+
+// Whether rows [0, n) of `dim` values, row_stride apart, hold an inf or a NaN.
+template <class T>
+inline bool any_nonfinite(const T* rows, int64_t row_stride, int64_t n, int64_t dim) {
+    bool bad = false;
+    for (int64_t r = 0; r < n; ++r)
+        for (int64_t e = 0; e < dim; ++e) {
+            const float x = static_cast<float>(widen(rows[r * row_stride + e]));
+            bad |= !(x - x == 0.0f);
+        }
+    return bad;
+}
+inline bool any_nonfinite(const double* rows, int64_t row_stride, int64_t n, int64_t dim) {
+    bool bad = false;
+    for (int64_t r = 0; r < n; ++r)
+        for (int64_t e = 0; e < dim; ++e) {
+            const double x = rows[r * row_stride + e];
+            bad |= !(x - x == 0.0);
+        }
+    return bad;
+}
+
 // Rows [first, first + n) of one (batch, head) of a (B, H, T, dim) tensor, as A times `mul`:
 // into x (Bt rows, ld apart; columns [dim, ld) and rows [n, Bt) zero), or transposed into
 // xt (dim rows of Bt; columns >= n zero).
@@ -201,6 +255,7 @@ struct KeyTiles {
     A* dk;  // dK accumulators: Bt x dp
     A* dv;  // dV accumulators: Bt x dvp
     int64_t j0, j_end, nc;
+    bool k_nonfinite;  // an inf or NaN among its K rows (the dq product's B)
 };
 
 // One thread's tiles, in accumulator elements (backward_workspace_elems counts them): the
@@ -218,6 +273,7 @@ struct Tiles {
     const A* q_rows;
     const A* dout_rows;
     int64_t q_ld, dout_ld;  // elements between their rows
+    bool q_nonfinite, dout_nonfinite;  // an inf or NaN among them (the dK, dV products' B)
 
     Tiles(const AttentionParams& a, A* ws) {
         dp = backward_padded(a.head_dim);
@@ -246,6 +302,7 @@ void load_keys(const BackwardParams& bp, int64_t b, int64_t g, bool with_kr, int
     load_tile_transposed<T, A>(k, a.k_row_stride, kb.nc, a.head_dim, static_cast<A>(a.scale), kb.kt);
     load_tile_transposed<T, A>(v, a.v_row_stride, kb.nc, a.head_dim_v, A(1), kb.vt);
     if (with_kr) load_tile<T, A>(k, a.k_row_stride, kb.nc, a.head_dim, dp, A(1), kb.kr);
+    kb.k_nonfinite = any_nonfinite(k, a.k_row_stride, kb.nc, a.head_dim);
 }
 
 // Query rows [i0, i0 + nr) of head h: q and dout as the products read them. Rows of the
@@ -275,6 +332,8 @@ void load_queries(const BackwardParams& bp, int64_t b, int64_t h, int64_t i0, in
         load_tile<T, A>(d, bp.dout_row_stride, nr, a.head_dim_v, t.dvp, A(1), t.dout);
         t.q_rows = t.qs, t.q_ld = t.dp, t.dout_rows = t.dout, t.dout_ld = t.dvp;
     }
+    t.q_nonfinite = any_nonfinite(q, a.q_row_stride, nr, a.head_dim);
+    t.dout_nonfinite = any_nonfinite(d, bp.dout_row_stride, nr, a.head_dim_v);
 }
 
 // The last step of one row of a tile pair, s = its scores after the score options, g = its
@@ -406,11 +465,13 @@ void key_blocks(const BackwardParams& bp, int64_t b, int64_t g, int64_t j_begin,
                 if (!loaded) load_queries<T, A>(bp, b, h, i0, nr, t);
                 loaded = true;
                 probs_and_dscores<A>(bp, b, h, i0, nr, kb, seqlen_k, t);
-                gemm<A, true>(t.p, 1, Bt, t.dout_rows, t.dout_ld, kb.dv, t.dvp, kb.nc, t.dvp, nr);  // dV += P^T dO
-                gemm<A, true>(t.ds, 1, Bt, t.q_rows, t.q_ld, kb.dk, t.dp, kb.nc, t.dp, nr);         // dK += dS^T q
-                if (with_dq)                                                                          // dQ += dS K
-                    gemm<A, true>(t.ds, Bt, 1, kb.kr, t.dp, dq_rows<A>(bp, b, h, i0), bp.dq_row_stride,
-                                  nr, t.dp, kb.nc);
+                accumulate_product<A>(t.dout_nonfinite, t.p, 1, Bt, t.dout_rows, t.dout_ld, kb.dv,  // dV += P^T dO
+                                      t.dvp, kb.nc, t.dvp, nr);
+                accumulate_product<A>(t.q_nonfinite, t.ds, 1, Bt, t.q_rows, t.q_ld, kb.dk, t.dp,  // dK += dS^T q
+                                      kb.nc, t.dp, nr);
+                if (with_dq)                                                                       // dQ += dS K
+                    accumulate_product<A>(kb.k_nonfinite, t.ds, Bt, 1, kb.kr, t.dp, dq_rows<A>(bp, b, h, i0),
+                                          bp.dq_row_stride, nr, t.dp, kb.nc);
             }
         }
     const A scale = static_cast<A>(a.scale);  // dK = scale dS^T q
@@ -469,8 +530,8 @@ void query_block(const BackwardParams& bp, const BackwardTask& task, A* ws) {
             kb.nc = seqlen_k - kb.j0 < Bt ? seqlen_k - kb.j0 : Bt;
             load_keys<T, A>(bp, b, g, true, t.dp, kb);
             probs_and_dscores<A>(bp, b, h, i0, nr, kb, seqlen_k, t);
-            gemm<A, true>(t.ds, Bt, 1, kb.kr, t.dp, dq_rows<A>(bp, b, h, i0), bp.dq_row_stride, nr,
-                          t.dp, kb.nc);
+            accumulate_product<A>(kb.k_nonfinite, t.ds, Bt, 1, kb.kr, t.dp, dq_rows<A>(bp, b, h, i0),
+                                  bp.dq_row_stride, nr, t.dp, kb.nc);
         }
     }
     finish_dq<A>(bp, b, h, i0, nr);
