@@ -184,35 +184,27 @@ inline void accumulate_product(bool b_nonfinite, const A* a, int64_t a_rs, int64
     else gemm<A, true>(a, a_rs, a_ks, b, ldb, c, ldc, rows, n, K);
 }
 
-// Whether rows [0, n) of `dim` values, row_stride apart, hold an inf or a NaN.
+// Whether rows [0, n) of `dim` values, row_stride apart, hold an inf or a NaN (x - x is
+// 0 exactly for every finite x, widened exactly from any storage type).
 template <class T>
 inline bool any_nonfinite(const T* rows, int64_t row_stride, int64_t n, int64_t dim) {
     bool bad = false;
     for (int64_t r = 0; r < n; ++r)
         for (int64_t e = 0; e < dim; ++e) {
-            const float x = static_cast<float>(widen(rows[r * row_stride + e]));
-            bad |= !(x - x == 0.0f);
-        }
-    return bad;
-}
-inline bool any_nonfinite(const double* rows, int64_t row_stride, int64_t n, int64_t dim) {
-    bool bad = false;
-    for (int64_t r = 0; r < n; ++r)
-        for (int64_t e = 0; e < dim; ++e) {
-            const double x = rows[r * row_stride + e];
-            bad |= !(x - x == 0.0);
+            const auto x = widen(rows[r * row_stride + e]);
+            bad |= !(x - x == 0);
         }
     return bad;
 }
 
-// Rows [first, first + n) of one (batch, head) of a (B, H, T, dim) tensor, as A times `mul`:
-// into x (Bt rows, ld apart; columns [dim, ld) and rows [n, Bt) zero), or transposed into
-// xt (dim rows of Bt; columns >= n zero).
+// Row `first` of one (batch, head) of a (B, H, T, dim) tensor with the given strides.
 template <class T>
 inline const T* rows_at(const void* data, int64_t batch_stride, int64_t head_stride,
                         int64_t row_stride, int64_t batch, int64_t head, int64_t first) {
     return static_cast<const T*>(data) + batch * batch_stride + head * head_stride + first * row_stride;
 }
+// Rows [0, n) (row_stride apart) as A times `mul`: into x (Bt rows, ld apart; columns
+// [dim, ld) and rows [n, Bt) zero), or transposed into xt (dim rows of Bt; columns >= n zero).
 template <class T, class A>
 void load_tile(const T* rows, int64_t row_stride, int64_t n, int64_t dim, int64_t ld, A mul, A* __restrict x) {
     for (int64_t r = 0; r < n; ++r) {
