@@ -70,9 +70,16 @@ constexpr int kRows = 12;       // keys (S) or output columns (PV) per micro-til
 // from memory as an FMA operand). Measured on a Sapphire Rapids core held to AVX2 against
 // the AVX-512 tier's shape 2 x 6 (Bq = 16): +10-50% (per-round medians, noisy shared
 // machine); 3 x 4 (Bq = 24) in between. Each K/V value loaded from L1 now feeds 4 vector
-// FMAs instead of 2.
-constexpr int kQueryVecs = 4;   // Bq = 32 rows
-constexpr int kRows = 3;
+// FMAs instead of 2. On AMD Zen 3 (2 loads per cycle, so the 4 query vectors re-read as
+// FMA operands for every key looked load-bound) 2 x 6 and 3 x 4 were tried against it
+// (H = 8, D = 64 / 128, T = 1k / 4k, full and causal, 1 thread, 4-5 interleaved rounds):
+// best times within 2 % of each other, rounds spread +-15 % by a noisy host; 4 x 3 stays.
+#ifndef ATTNFAST_AVX2_QUERY_VECS  // (overridable only to measure other shapes)
+#define ATTNFAST_AVX2_QUERY_VECS 4
+#define ATTNFAST_AVX2_ROWS 3
+#endif
+constexpr int kQueryVecs = ATTNFAST_AVX2_QUERY_VECS;  // Bq = 32 rows
+constexpr int kRows = ATTNFAST_AVX2_ROWS;
 #else  // SSE2
 // 12 accumulators; without FMA each product needs a temporary (two-operand SSE), and the
 // broadcast K / V value a register, so of the 4 query vectors GCC keeps 2 in registers and
