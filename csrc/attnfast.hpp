@@ -10,7 +10,7 @@ namespace attnfast {
 // values, each row with one float32 scale (k_scale / v_scale); or kQ4, 4-bit values in blocks
 // of 32 that carry their own float16 scale and minimum (value = scale * n + minimum; a row of
 // D values is ceil(D / 32) blocks of 20 bytes, strides counted in bytes; see
-// kernels/storage_types.inl for the byte order).
+// simd/storage.hpp for the byte order).
 enum class DType : int32_t { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kI8 = 4, kF8E4M3 = 5, kQ4 = 6 };
 
 // How `mask` is read: bool (one byte, nonzero = keep) or added to the scores.

@@ -1,7 +1,7 @@
 // The backward kernels (csrc/backward.hpp), compiled by every kernels/isa_*.cpp with its own
-// flags; included after block_attention.inl and decode_attention.inl, whose score options
-// (RowOptions, visible_keys), exp and vector types it reuses, so the backward sees exactly
-// the scores the forward saw.
+// flags. It reuses block_attention.inl's and decode_attention.inl's score options
+// (RowOptions, visible_keys) and exp, so the backward sees exactly the scores the forward
+// saw, and the typed vector layer (csrc/simd/typed.hpp: Vec<A>, fmadd, splat, loadu, storeu).
 //
 // FlashAttention-2's backward over tiles of Bt query rows x Bt keys. Per tile pair:
 //   S  = q (scale K)^T   -> P = exp(S' - lse)       (S' = S after the score options)
@@ -16,75 +16,22 @@
 // and dQ (5 products per tile pair); or a dK/dV pass per key block and a dQ pass per query
 // block (7 products: S and dP twice). Each dQ element is the same chain of fused
 // multiply-adds over the same key tiles in the same order in both.
+#pragma once
 #include "../backward.hpp"
+#include "block_attention.inl"
+#include "decode_attention.inl"
+#include "../simd/typed.hpp"
 
 #if defined(__SSE2__) || defined(__aarch64__)
 #define ATTNFAST_BWD_SIMD_LAYER 1  // csrc/simd/ has a header for this ISA
 #include "../simd/simd.hpp"
 #endif
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#elif defined(__aarch64__)
-#include <arm_neon.h>
-#endif
-
 namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {
 namespace {
 namespace bwd {
 
 constexpr int64_t Bt = kBackwardTile;
-
-// a * b + c, one rounding where the ISA has FMA (GCC's vector types convert to the
-// intrinsics' types of the same element type and size). Without FMA (the SSE2 tier):
-// multiply, then add, as `a * b + c` compiles under -ffp-contract=off (ISO C++). splat: x in
-// every lane (one broadcast; GCC builds it lane by lane from a loop). loadu / storeu: one
-// unaligned vector move each (GCC's generic tuning splits a memcpy'd 32-byte store in two).
-#if ATTNFAST_SIMD_BYTES == 64 && defined(__AVX512F__)
-inline Vec<float> fmadd(Vec<float> a, Vec<float> b, Vec<float> c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec<double> fmadd(Vec<double> a, Vec<double> b, Vec<double> c) { return _mm512_fmadd_pd(a, b, c); }
-inline Vec<float> splat(float x) { return _mm512_set1_ps(x); }
-inline Vec<double> splat(double x) { return _mm512_set1_pd(x); }
-inline Vec<float> loadu(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec<double> loadu(const double* p) { return _mm512_loadu_pd(p); }
-inline void storeu(float* p, Vec<float> x) { _mm512_storeu_ps(p, x); }
-inline void storeu(double* p, Vec<double> x) { _mm512_storeu_pd(p, x); }
-#elif ATTNFAST_SIMD_BYTES == 32 && defined(__FMA__)
-inline Vec<float> fmadd(Vec<float> a, Vec<float> b, Vec<float> c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec<double> fmadd(Vec<double> a, Vec<double> b, Vec<double> c) { return _mm256_fmadd_pd(a, b, c); }
-inline Vec<float> splat(float x) { return _mm256_set1_ps(x); }
-inline Vec<double> splat(double x) { return _mm256_set1_pd(x); }
-inline Vec<float> loadu(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec<double> loadu(const double* p) { return _mm256_loadu_pd(p); }
-inline void storeu(float* p, Vec<float> x) { _mm256_storeu_ps(p, x); }
-inline void storeu(double* p, Vec<double> x) { _mm256_storeu_pd(p, x); }
-#elif ATTNFAST_SIMD_BYTES == 16 && defined(__aarch64__)
-inline Vec<float> fmadd(Vec<float> a, Vec<float> b, Vec<float> c) { return vfmaq_f32(c, a, b); }
-inline Vec<double> fmadd(Vec<double> a, Vec<double> b, Vec<double> c) { return vfmaq_f64(c, a, b); }
-inline Vec<float> splat(float x) { return vdupq_n_f32(x); }
-inline Vec<double> splat(double x) { return vdupq_n_f64(x); }
-inline Vec<float> loadu(const float* p) { return vld1q_f32(p); }
-inline Vec<double> loadu(const double* p) { return vld1q_f64(p); }
-inline void storeu(float* p, Vec<float> x) { vst1q_f32(p, x); }
-inline void storeu(double* p, Vec<double> x) { vst1q_f64(p, x); }
-#elif ATTNFAST_SIMD_BYTES == 16 && defined(__SSE2__)
-template <class V> inline V fmadd(V a, V b, V c) { return a * b + c; }
-inline Vec<float> splat(float x) { return _mm_set1_ps(x); }
-inline Vec<double> splat(double x) { return _mm_set1_pd(x); }
-inline Vec<float> loadu(const float* p) { return _mm_loadu_ps(p); }
-inline Vec<double> loadu(const double* p) { return _mm_loadu_pd(p); }
-inline void storeu(float* p, Vec<float> x) { _mm_storeu_ps(p, x); }
-inline void storeu(double* p, Vec<double> x) { _mm_storeu_pd(p, x); }
-#else  // another architecture's baseline: GCC's generic vectors
-template <class V> inline V fmadd(V a, V b, V c) { return a * b + c; }
-template <class A> inline Vec<A> splat(A x) {
-    Vec<A> v;
-    for (int64_t i = 0; i < vec_lanes<A>(); ++i) v[i] = x;
-    return v;
-}
-template <class A> inline Vec<A> loadu(const A* p) { return vload(p); }
-template <class A> inline void storeu(A* p, Vec<A> x) { vstore(p, x); }
-#endif
 
 // Accumulator block of the micro-GEMM: kMR rows x kNV vectors, within the vector registers
 // with the kNV B vectors and a broadcast (16 registers on x86 below AVX-512: 6 x 2; 32 on

@@ -15,9 +15,11 @@
 //     (vpunpck{l,h}wd) so each 32-bit lane holds (v[j][c], v[j+1][c]) for one column c;
 //     the accumulators then hold columns in a fixed permuted order within each group of 32,
 //     undone once when the chunk finishes.
+#pragma once
 #if !defined(__AVX512BF16__)
 #error "bf16_decode.inl needs AVX512_BF16"
 #endif
+#include "simd_decode.inl"
 
 namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {

@@ -17,9 +17,11 @@
 // An odd D and the score options softcap / ALiBi / mask take the tier's widening kernel
 // (simd_prefill.inl: see prefill_kernel); sinks are applied by the shared finish. A paged
 // pool is read in place, row by row through the tile's row addresses (simd::find_tile_rows).
+#pragma once
 #if !defined(__AVX512BF16__)
 #error "bf16_prefill.inl needs AVX512_BF16"
 #endif
+#include "simd_prefill.inl"
 
 namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {

@@ -8,6 +8,7 @@
 //
 // Loops are written with compile-time trip counts and lane-wise partial sums so the
 // compiler vectorises them for the ISA of the including file.
+#pragma once
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -18,7 +19,7 @@
 #error "define ATTNFAST_KERNEL_NS before including block_attention.inl"
 #endif
 
-#include "storage_types.inl"
+#include "../simd/storage.hpp"
 
 namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {

@@ -4,6 +4,7 @@
 // decode_kernel) in ATTNFAST_PREFILL_KERNEL / ATTNFAST_DECODE_KERNEL; otherwise the shared
 // templates run (float64 always does). Every tier also gets the benchmarks' read kernel
 // (read_fold.inl).
+#pragma once
 #ifndef ATTNFAST_KERNEL_NS
 #error "define ATTNFAST_KERNEL_NS and include the kernel .inl files before export_table.inl"
 #endif

@@ -24,10 +24,12 @@
 // bandwidth-shaped kernels: latent_decode_kernel declines them). float32 arithmetic; K/V
 // float32, bfloat16 or float16 (widened exactly), q float32 or 16 bits (widened exactly).
 // Rounding depends only on the shapes (never the thread count).
+#pragma once
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "latent_decode.inl needs AVX2+FMA or AVX-512F"
 #endif
 #include "../simd/simd.hpp"
+#include "simd_decode.inl"  // its widening loads (vld_kv), decode_attention.inl through it
 
 namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {

@@ -5,6 +5,8 @@
 // two than the 16-byte loads the baseline build makes of the plain loop, and 64-byte ones are
 // no faster than 32-byte ones (up to 19 % slower; RESULTS 15.1). So 32-byte loads wherever AVX2
 // is there, four independent chains so the loads, not the XORs, limit it.
+#pragma once
+#include <cstdint>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif

@@ -28,6 +28,7 @@
 // Rounding depends only on the shapes (never the thread count).
 //
 // No std:: templates here (see block_attention.inl).
+#pragma once
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "simd_decode.inl needs AVX2+FMA or AVX-512F"
 #endif
@@ -37,6 +38,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 #include "../simd/simd.hpp"
+#include "decode_attention.inl"
 
 namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {
@@ -202,7 +204,7 @@ inline V vld_kv(const fp8_t* p) {  // as the AVX-512 one, 8 lanes
 #endif
 // W values d, d + 1, .. (d a multiple of W) of a stored K/V row, widened to float32: element
 // pointers step values for every storage type but int4, whose rows are blocks of 32
-// (storage_types.inl), dequantised here in registers: the block's header broadcast from
+// (simd/storage.hpp), dequantised here in registers: the block's header broadcast from
 // memory, its bfloat16 scale and minimum made float32 by a shift and a mask (no shuffles);
 // the block's bytes zero-extended to 32-bit lanes (vpmovzxbd), masked to the low nibbles or
 // shifted down to the high ones, vcvtdq2ps, one FMA. (Measured: float16 headers cost more

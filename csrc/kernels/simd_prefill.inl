@@ -27,6 +27,7 @@
 // cache sizes), never on the thread count.
 //
 // No std:: templates here (see block_attention.inl).
+#pragma once
 
 // GCC 12 warns about the deliberately undefined pass-through operand inside
 // _mm512_max_ps (_mm512_undefined_ps); a false positive.
@@ -35,6 +36,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 #include "../simd/simd.hpp"
+#include "block_attention.inl"
 
 namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {
@@ -603,7 +605,7 @@ inline Chunk chunk_load(const float* p) { return _mm256_load_ps(p); }  // aligne
 inline void chunk_store(float* p, Chunk x) { _mm256_store_ps(p, x); }   // aligned
 inline void chunk_storeu(float* p, Chunk x) { _mm256_storeu_ps(p, x); }
 // kChunk consecutive elements of a row widened to float32 (exact), and float32 narrowed to
-// the output type (round to nearest even, NaN kept, as storage_types.inl's scalars).
+// the output type (round to nearest even, NaN kept, as simd/storage.hpp's scalars).
 inline Chunk widen_chunk(const float* x) { return _mm256_loadu_ps(x); }
 inline Chunk widen_chunk(const f16_t* x) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
 inline Chunk widen_chunk(const bf16_t* x) {
@@ -651,9 +653,9 @@ inline Chunk widen_chunk(const int8_t* x) {
 }
 inline void narrow_chunk(float* y, Chunk x) { vst1q_f32(y, x); }
 // fcvtn rounds to nearest even (the FPCR default) and quiets a NaN keeping its upper payload
-// bits, as storage_types.inl's narrow_f16.
+// bits, as simd/storage.hpp's narrow_f16.
 inline void narrow_chunk(f16_t* y, Chunk x) { vst1_u16(reinterpret_cast<uint16_t*>(y), vreinterpret_u16_f16(vcvt_f16_f32(x))); }
-inline void narrow_chunk(bf16_t* y, Chunk x) {  // storage_types.inl's narrow_bf16, 4 lanes
+inline void narrow_chunk(bf16_t* y, Chunk x) {  // simd/storage.hpp's narrow_bf16, 4 lanes
     const uint32x4_t u = vreinterpretq_u32_f32(x);
     const uint32x4_t hi = vshrq_n_u32(u, 16);
     const uint32x4_t bias = vaddq_u32(vdupq_n_u32(0x7FFF), vandq_u32(hi, vdupq_n_u32(1)));
@@ -703,7 +705,7 @@ inline Chunk widen_chunk(const int8_t* x) {  // each byte into all four of its l
     return _mm_cvtepi32_ps(_mm_srai_epi32(b, 24));
 }
 inline void narrow_chunk(float* y, Chunk x) { _mm_storeu_ps(y, x); }
-inline void narrow_chunk(f16_t* y, Chunk x) {  // no F16C: storage_types.inl's scalar rounding
+inline void narrow_chunk(f16_t* y, Chunk x) {  // no F16C: simd/storage.hpp's scalar rounding
     alignas(16) float f[4];
     _mm_store_ps(f, x);
     for (int c = 0; c < 4; ++c) y[c] = narrow_f16(f[c]);

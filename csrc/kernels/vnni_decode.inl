@@ -16,9 +16,11 @@
 //     exact in float32 and the transpose-reduce tree adds them without rounding: a score is
 //     sq * (dot - 128 sum qi), one rounding, then the key's row scale (chunk()).
 // NaN / inf in q: the row's scale is NaN, so are its scores (the NaN rule holds).
+#pragma once
 #if !defined(__AVX512VNNI__)
 #error "vnni_decode.inl needs AVX512-VNNI"
 #endif
+#include "bf16_decode.inl"
 #include <cstdlib>
 #include <cstring>
 

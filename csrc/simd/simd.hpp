@@ -18,11 +18,14 @@
 //                        the predicates and blends of the online softmax
 //   exp2_neg tanh_vec    (math.hpp)
 // Every operation rounds as its instruction does: results depend on the ISA (the header),
-// never on the thread count.
+// never on the thread count. Beside it: typed.hpp (vectors of float or double lanes for the
+// kernels templated over the accumulator type) and storage.hpp (the storage types).
 #pragma once
 #ifndef ATTNFAST_KERNEL_NS
 #error "include csrc/simd/simd.hpp from a kernel translation unit (kernels/isa_*.cpp)"
 #endif
+
+#include <cstdint>
 
 #if defined(__aarch64__)
 #include "neon.hpp"

@@ -77,7 +77,7 @@ const double kNaN = std::numeric_limits<double>::quiet_NaN();
 const double kInf = std::numeric_limits<double>::infinity();
 
 // Storage types of the 16-bit and int8 paths, as attnfast reads them (bit patterns), with
-// conversions written here, independently of the kernels' (csrc/kernels/storage_types.inl).
+// conversions written here, independently of the kernels' (csrc/simd/storage.hpp).
 // Encoding is only for making test data (any nearby value will do: the reference reads the
 // stored values back); decoding is exact.
 struct Bf16 {  // bfloat16: the upper half of a float32

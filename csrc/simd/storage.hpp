@@ -1,10 +1,12 @@
 // Storage types of the reduced-precision paths and their conversions to and from the float32
 // accumulator: bfloat16, IEEE float16 and int8 (a KV cache with one float32 scale per row).
-// Included by block_attention.inl inside each ISA file's namespace, so every tier compiles
-// them with its own flags (float16 uses F16C's conversions where the tier has them).
+// Part of the SIMD layer; included by its typed vocabulary (typed.hpp) and the kernel files,
+// inside each tier's namespace, so every tier compiles them with its own flags (float16 uses
+// F16C's conversions where the tier has them).
 //
 // Values are only ever widened to float32 for arithmetic; they are narrowed once, when the
 // output is stored (round to nearest even; NaN stays NaN).
+#pragma once
 #include <cstdint>
 #include <cstring>
 #if defined(__F16C__) || defined(__AVX2__)
