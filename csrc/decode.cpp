@@ -6,6 +6,7 @@
 // (H / Hkv) * Tq query rows of its KV head, so every K/V byte is read once per step. A
 // second pass merges each (batch, kv head)'s chunks by their (max, sum) in chunk order:
 // bit-identical results for any number of threads.
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -114,13 +115,13 @@ void run_decode(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMerge
     });
 }
 
-// The decode chunk kernel of a call: float64 the template's; a latent cache read by many
-// query rows the tier's compute-shaped kernel, where it has one that takes the call; else
-// the tier's (bandwidth-shaped) choice.
+// The decode chunk kernel of a call: float64 the template's; many query rows per KV head
+// the tier's GEMM-shaped kernel, where it has one that takes the call; else the tier's
+// (bandwidth-shaped) choice.
 DecodeKernel choose_decode(const KernelTable& kernels, const AttentionParams& p) {
     if (p.dtype == DType::kF64) return {"template_f64", nullptr};
-    const DecodeKernel latent = kernels.latent_decode_kernel(p);
-    if (latent.chunk) return latent;
+    const DecodeKernel gemm = kernels.gemm_decode_kernel(p);
+    if (gemm.chunk) return gemm;
     return kernels.decode_kernel(p);
 }
 
@@ -263,6 +264,16 @@ std::vector<AttentionParams> decode_row_blocks(const AttentionParams& p) {
             add_rows(batch_entry(p, b), batch_seqlen_k(p, b) - T);
     }
     return blocks;
+}
+
+bool runs_on_decode_path(const AttentionParams& p) {
+    if (takes_decode_path(p)) return true;
+    if (p.dtype == DType::kF64 || p.seqlen_k < kDecodeMinKeysPerQuery * p.seqlen_q) return false;
+    const KernelTable& kernels = active_kernels();
+    if (p.seqlen_q <= kGemmDecodeMaxQueryRows && kernels.gemm_decode_kernel(p).chunk) return true;
+    // (the templates' decode is no match for the prefill kernels)
+    return p.seqlen_q <= kFewRowsDecodeMaxQueryRows && decode_rows(p) < kGemmDecodeMinRows &&
+           std::strncmp(kernels.decode_kernel(p).name, "template", 8) != 0;
 }
 
 void decode_forward(const AttentionParams& p) {

@@ -11,11 +11,16 @@ namespace attnfast {
 // Throws std::invalid_argument for params the kernels cannot run (prefill.cpp).
 void check_params(const AttentionParams& p);
 
-// Short queries (takes_decode_path): split-KV, GQA-grouped decode (decode.cpp).
+// Whether checked params run on the decode path: short queries (takes_decode_path), and
+// longer ones where a decode kernel of the active tier beats prefill on them (see
+// kGemmDecodeMaxQueryRows, kernels/kernel_table.hpp). decode.cpp.
+bool runs_on_decode_path(const AttentionParams& p);
+
+// Split-KV, GQA-grouped decode (decode.cpp), for params runs_on_decode_path takes.
 // `p` has been checked by attention_forward.
 void decode_forward(const AttentionParams& p);
 
-// A checked prompt (not takes_decode_path) over a decode_only_format cache, as the decode
+// A checked prompt (not runs_on_decode_path) over a decode_only_format cache, as the decode
 // problems it runs as: blocks of kQuantizedRowBlock query rows (per batch entry when aligned
 // bottom-right), each keeping its rows' key positions through an explicit query offset
 // (decode.cpp).

@@ -205,7 +205,7 @@ void attention_forward_batch(const AttentionParams* problems, int64_t count) {
     // A prompt over a float8 / int4 cache runs as decode problems of its row blocks.
     std::vector<AttentionParams> expanded;
     for (int64_t i = 0; i < count; ++i) {
-        if (!takes_decode_path(problems[i]) && decode_only_format(problems[i].kv_dtype)) {
+        if (!runs_on_decode_path(problems[i]) && decode_only_format(problems[i].kv_dtype)) {
             for (const AttentionParams& block : decode_row_blocks(problems[i])) expanded.push_back(block);
         } else {
             expanded.push_back(problems[i]);
@@ -220,7 +220,7 @@ void attention_forward_batch(const AttentionParams* problems, int64_t count) {
     int64_t ws_bytes = 64;
     for (int pass = 0; pass < 2; ++pass)
         for (int64_t i = 0; i < count; ++i) {
-            const bool decode_loop = takes_decode_path(problems[i]) || decode_only_format(problems[i].kv_dtype);
+            const bool decode_loop = runs_on_decode_path(problems[i]) || decode_only_format(problems[i].kv_dtype);
             if (decode_loop != (pass == 1)) continue;
             works.push_back(pass == 0 ? make_prefill_work(problems[i]) : make_decode_work(problems[i]));
             const ProblemWork& w = *works.back();
@@ -250,7 +250,7 @@ void attention_forward_batch(const AttentionParams* problems, int64_t count) {
 
 void attention_forward(const AttentionParams& p) {
     check_params(p);
-    if (takes_decode_path(p)) {
+    if (runs_on_decode_path(p)) {
         decode_forward(p);
         return;
     }
@@ -278,7 +278,7 @@ CallPlan plan_prefill(const AttentionParams& p) {
 
 CallPlan plan_attention(const AttentionParams& p) {
     check_params(p);
-    if (takes_decode_path(p)) return plan_decode(p);
+    if (runs_on_decode_path(p)) return plan_decode(p);
     if (decode_only_format(p.kv_dtype)) {  // its first block of rows: the others split alike
         const std::vector<AttentionParams> blocks = decode_row_blocks(p);
         return plan_decode(blocks.empty() ? p : blocks.front());

@@ -188,8 +188,9 @@ def test_the_checks_are_attentions():
 
 
 def test_regime_per_tier_from_rows_per_kv_read(tier):
-    """The planner's regime: the latent kernel (compute-shaped) for an MLA latent cache with
-    many rows per KV read on the x86 SIMD tiers; bandwidth-shaped decode otherwise."""
+    """The planner's regime: the GEMM-shaped decode kernel (compute) for many rows per KV
+    read on the x86 SIMD tiers -- "latent_decode" for an MLA latent cache, "gemm_decode" for
+    separate K and V from 32 rows; bandwidth-shaped decode otherwise."""
     q, k, _ = _arrays(1, 128, 1, 1, 4096, 576)
     v = k[..., :512]
     plan = af.explain(q, k, v)
@@ -202,6 +203,12 @@ def test_regime_per_tier_from_rows_per_kv_read(tier):
     few = af.explain(q[:, :4], k, v)  # 4 rows per read: bandwidth-shaped
     assert few["regime"] == "bandwidth" and few["rows_per_kv_read"] == 4
     copy = af.explain(q, k, np.ascontiguousarray(v))  # V a separate array
-    assert copy["latent_kv"] is False and copy["regime"] == "bandwidth"
+    assert copy["latent_kv"] is False
+    if tier in X86_SIMD:
+        assert copy["kernel"] == "gemm_decode" and copy["regime"] == "compute"
+    else:
+        assert copy["regime"] == "bandwidth"
+    gqa = af.explain(q[:, :16], k, np.ascontiguousarray(v))  # 16 rows: bandwidth-shaped
+    assert gqa["regime"] == "bandwidth" and gqa["rows_per_kv_read"] == 16
     prefill = af.explain(np.zeros((1, 8, 64, 64), np.float32), *_arrays(1, 8, 8, 1, 64, 64)[1:])
     assert prefill["regime"] == "compute" and prefill["rows_per_kv_read"] is None

@@ -16,8 +16,8 @@
 #ifndef ATTNFAST_DECODE_KERNEL
 #define ATTNFAST_DECODE_KERNEL template_decode
 #endif
-#ifndef ATTNFAST_LATENT_DECODE_KERNEL
-#define ATTNFAST_LATENT_DECODE_KERNEL no_latent_decode
+#ifndef ATTNFAST_GEMM_DECODE_KERNEL
+#define ATTNFAST_GEMM_DECODE_KERNEL no_gemm_decode
 #endif
 
 namespace attnfast {
@@ -29,7 +29,7 @@ namespace {
 #endif
 
 // A tier without a latent kernel: its decode kernels run latent calls too (V read as an array).
-[[maybe_unused]] DecodeKernel no_latent_decode(const AttentionParams&) { return {nullptr, nullptr}; }
+[[maybe_unused]] DecodeKernel no_gemm_decode(const AttentionParams&) { return {nullptr, nullptr}; }
 
 const KernelTable kTable = {
     ATTNFAST_KERNEL_NAME,
@@ -38,7 +38,7 @@ const KernelTable kTable = {
     ATTNFAST_DECODE_KERNEL, decode_chunk_f64,
     decode_merge_any, decode_merge_f64,
     read_fold,
-    ATTNFAST_LATENT_DECODE_KERNEL,
+    ATTNFAST_GEMM_DECODE_KERNEL,
 };
 
 }  // namespace

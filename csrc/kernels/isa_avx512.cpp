@@ -13,8 +13,8 @@
 #define ATTNFAST_LOWP_INSTRUCTIONS \
     "bfloat16 (16-bit shift), float16 (F16C vcvtph2ps) and int8 (vpmovsxbd) widened to float32: in " \
     "registers as decode loads them, into a float32 copy of each K/V super-tile in prefill; float32 FMA"
-#include "latent_decode.inl"
-#define ATTNFAST_LATENT_DECODE_KERNEL latent_decode::latent_decode_kernel  // MLA, many rows
+#include "gemm_decode.inl"
+#define ATTNFAST_GEMM_DECODE_KERNEL gemm_decode::gemm_decode_kernel  // many rows per KV head (MLA, GQA)
 #include "backward.inl"  // the backward kernels, with this tier's flags
 #include "export_table.inl"
 

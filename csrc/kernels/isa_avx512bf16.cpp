@@ -19,8 +19,8 @@
     "bfloat16 q with bfloat16 K/V: vdpbf16ps (prefill and decode); int8 cache decode: Q.K with " \
     "vpdpbusd over q quantised to int8 per row (ATTNFAST_INT8_DOT=widen: widened); other 16-bit, " \
     "int8 and float8 values widened to float32 as in avx512 (F16C vcvtph2ps, vpmovsxbd); float32 FMA"
-#include "latent_decode.inl"
-#define ATTNFAST_LATENT_DECODE_KERNEL latent_decode::latent_decode_kernel  // MLA, many rows
+#include "gemm_decode.inl"
+#define ATTNFAST_GEMM_DECODE_KERNEL gemm_decode::gemm_decode_kernel  // many rows per KV head (MLA, GQA)
 #include "backward.inl"  // the backward kernels, with this tier's flags
 #include "export_table.inl"
 

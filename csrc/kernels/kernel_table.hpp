@@ -50,6 +50,21 @@ constexpr int64_t kDecodeMaxQueryRows = 16;
 static inline bool takes_decode_path(const AttentionParams& p) {
     return p.seqlen_q <= kDecodeMaxQueryRows;
 }
+// Longer queries take the decode path too where it is faster (runs_on_decode_path,
+// decode.cpp), over at least kDecodeMinKeysPerQuery keys per query row: up to
+// kGemmDecodeMaxQueryRows rows when the tier's GEMM-shaped decode takes them (from
+// kGemmDecodeMinRows rows per KV head: from there it beats the bandwidth-shaped decode, which
+// serves kDecodeGroupRows rows per pass), and up to kFewRowsDecodeMaxQueryRows rows with
+// fewer rows per KV head than that, on a hand-written decode kernel. The prefill kernel
+// computes whole blocks of 32 query rows per head, so 17 rows cost it as much as 32: the
+// decode path removes that step. Measured on Zen 3 (avx2; bench/HISTORY.md 27): 32/8 heads,
+// L = 16k, Tq = 17, float32: 11 ms per row on prefill, 5.4-6.2 on gemm_decode; 8/8, Tq = 17:
+// 2.6 on prefill, 2.2-2.3 on simd_decode; 8/8 at Tq = 24: prefill ahead again (1.8-2.0
+// against 2.0-2.4).
+constexpr int64_t kGemmDecodeMinRows = 32;
+constexpr int64_t kGemmDecodeMaxQueryRows = 64;
+constexpr int64_t kFewRowsDecodeMaxQueryRows = 20;
+constexpr int64_t kDecodeMinKeysPerQuery = 8;
 // Query rows per decode call when a longer query reads a float8 or int4 cache, which has no
 // prefill kernel (decode_only_format): each block re-reads the cache once.
 constexpr int64_t kQuantizedRowBlock = 64;
@@ -209,10 +224,10 @@ struct KernelTable {
     // The benchmarks' read kernel (read_fold.inl): XOR of the whole 8-byte words of
     // data[0, bytes), with this tier's loads.
     uint64_t (*read_fold)(const void* data, int64_t bytes);
-    // The compute-shaped decode kernel for a latent cache with many query rows per KV head
-    // (latent_decode.inl), or {nullptr} when it does not take the call (or the tier has
-    // none): decode.cpp then runs decode_kernel's choice.
-    DecodeKernel (*latent_decode_kernel)(const AttentionParams&);
+    // The compute-shaped decode kernel for many query rows per KV head (gemm_decode.inl: a
+    // latent cache, or GQA with several query tokens), or {nullptr} when it does not take
+    // the call (or the tier has none): decode.cpp then runs decode_kernel's choice.
+    DecodeKernel (*gemm_decode_kernel)(const AttentionParams&);
 };
 
 // One per ISA file; each returns nullptr when that tier was not compiled in.

@@ -61,9 +61,11 @@ def explain(q, k, v, *, cache_seqlens=None, k_new=None, v_new=None, k_scale=None
         Threads the call would run on when no other call is running.
     ``regime`` : str
         ``"bandwidth"``: a decode kernel that streams K/V once per step with a dot product per
-        query row (bound by memory); ``"compute"``: the prefill kernels, and the
-        ``"latent_decode"`` kernel the planner picks for an MLA latent cache read by many
-        query rows (bound by arithmetic: the rows blocked as a small GEMM).
+        query row (bound by memory); ``"compute"``: the prefill kernels, and the GEMM-shaped
+        decode kernels the planner picks for many query rows per KV head (bound by
+        arithmetic: the rows blocked as a small GEMM): ``"latent_decode"`` for an MLA latent
+        cache, ``"gemm_decode"`` for separate K and V from 32 rows (GQA with several query
+        tokens: trees, multi-token prediction, stacked shared-prefix forks).
     ``latent_kv`` : bool
         ``v`` is a prefix view of ``k``'s last axis (``v = k[..., :Dv]``, the same memory):
         each latent row is read once for both products.

@@ -1,32 +1,38 @@
-// Compute-shaped decode for MLA latent caches (DeepSeek-V2/V3, Kimi K2): V is a prefix view
-// of K's last axis (v = k[..., :Dv], the same memory: kv_is_latent), and many query rows
-// (16-128 heads per KV head after weight absorption, times 1-4 query tokens) read each
-// latent row. There every key costs rows x (D + Dv) multiply-adds for D (+ nothing) bytes
-// read, so the step is bound by arithmetic, not memory, and the bandwidth-shaped decode
-// kernel (a dot product per row and key) leaves most of the FMA units idle.
+// GEMM-shaped decode: many query rows per KV head reading each K/V row once. Two kinds of
+// call have them:
+//   * MLA latent caches (DeepSeek-V2/V3, Kimi K2): V is a prefix view of K's last axis
+//     (v = k[..., :Dv], the same memory: kv_is_latent) and 16-128 heads per KV head after
+//     weight absorption, times 1-4 query tokens, read each latent row (kernel
+//     "latent_decode");
+//   * GQA with several query tokens: speculative-tree verification, multi-token prediction,
+//     shared-prefix decoding's stacked forks (H / Hkv heads x Tq tokens; kernel
+//     "gemm_decode", chosen from kGemmDecodeMinRows rows per KV head).
+// There every key costs rows x (D + Dv) multiply-adds for (D + Dv) values read (D for a
+// latent row), so the step is bound by arithmetic, not memory, and the bandwidth-shaped
+// decode kernel (a dot product per row and key) leaves most of the FMA units idle.
 //
 // This kernel runs the two products as small GEMMs with the query rows in the vector lanes:
 //   * the scaled queries are staged transposed by blocks of NV x W rows, so one vector holds
-//     W rows' d-th elements; each 64-key tile's latent rows are copied (16-bit: widened) to
-//     float32 in one sequential pass over the cache; the scores of a register block of
-//     (NV x W rows) x NK keys are NV x NK accumulators, each step one vector load per row
-//     vector and one broadcast per key element, d in blocks of kDBlock over all the tile's
-//     keys (the block's queries stay in L1);
+//     W rows' d-th elements; each 64-key tile's K rows (and V rows, unless latent) are copied
+//     (16-bit: widened) to float32 in one sequential pass over the cache; the scores of a
+//     register block of (NV x W rows) x NK keys are NV x NK accumulators, each step one
+//     vector load per row vector and one broadcast per key element, d in blocks of kDBlock
+//     over all the tile's keys (the block's queries stay in L1);
 //   * the online softmax runs W rows at a time (lanes over rows: no horizontal reductions),
 //     the probabilities stay in the same [key][row] layout;
 //   * P.V is the same shape: accumulators over (NK value columns) x (NV x W rows), kept
 //     transposed (acct[dv][r]) across the chunk, each step one vector of probabilities and
-//     one broadcast of a V element -- the V element being the K row's prefix, so each
-//     latent row is read from memory once for both products.
+//     one broadcast of a V element -- for a latent cache the K row's prefix, so each latent
+//     row is read from memory once for both products.
 // Same task and result contract as decode_chunk (decode_attention.inl): one chunk of keys of
 // one (batch, kv head), all its query rows; the shared merge finishes (sinks, lse, out).
 // The score options it takes: scale, causal, window, softcap (ALiBi and masks keep the
-// bandwidth-shaped kernels: latent_decode_kernel declines them). float32 arithmetic; K/V
+// bandwidth-shaped kernels: gemm_decode_kernel declines them). float32 arithmetic; K/V
 // float32, bfloat16 or float16 (widened exactly), q float32 or 16 bits (widened exactly).
 // Rounding depends only on the shapes (never the thread count).
 #pragma once
 #if !defined(__AVX2__) || !defined(__FMA__)
-#error "latent_decode.inl needs AVX2+FMA or AVX-512F"
+#error "gemm_decode.inl needs AVX2+FMA or AVX-512F"
 #endif
 #include "../simd/simd.hpp"
 #include "simd_decode.inl"  // its widening loads (vld_kv), decode_attention.inl through it
@@ -34,7 +40,7 @@
 namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {
 namespace {
-namespace latent_decode {
+namespace gemm_decode {
 
 using simd::Vec;
 using simd::W;
@@ -51,7 +57,7 @@ constexpr int64_t kTileKeys = 64;
 // accumulators on AVX-512 (32 registers), 8 on AVX2 (16).
 constexpr int kNV = 2;
 constexpr int kNK = W == 16 ? 8 : 6;
-// Fewest query rows per KV head for which this kernel is chosen: one whole vector.
+// Fewest query rows per KV head for which a latent call takes this kernel: one whole vector.
 constexpr int64_t kMinRows = W;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -60,13 +66,17 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 inline int64_t padded_rows(const AttentionParams& p) { return round_up(decode_rows(p), W); }
 // Elements of a widened K row in the tile buffer.
 inline int64_t widened_stride(const AttentionParams& p) { return round_up(p.head_dim, W); }
+// Elements of a widened V row in the tile buffer: none when V is K's prefix (latent).
+inline int64_t widened_v_stride(const AttentionParams& p) {
+    return kv_is_latent(p) ? 0 : round_up(p.head_dim_v, W);
+}
 
 // Workspace floats per thread (see chunk() for the layout), plus a vector for alignment.
 int64_t workspace_elems(const AttentionParams& p) {
     const int64_t rp = padded_rows(p);
     const int64_t merge = p.head_dim_v;
     const int64_t task = rp * (p.head_dim + p.head_dim_v + kTileKeys + 5) +
-                         kTileKeys * widened_stride(p) + 2 * W;
+                         kTileKeys * (widened_stride(p) + widened_v_stride(p)) + 2 * W;
     return task > merge ? task : merge;
 }
 
@@ -184,6 +194,10 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
     int32_t* hi = lo + rp;
     float* kw = reinterpret_cast<float*>(hi + rp);
     const int64_t kws = widened_stride(p);
+    // vw (tile x widened_v_stride) the tile's V rows when V is not K's prefix.
+    const bool latent = kv_is_latent(p);
+    float* vw = latent ? kw : kw + kTileKeys * kws;
+    const int64_t vws = latent ? kws : widened_v_stride(p);
 
     const TQ* q = static_cast<const TQ*>(p.q) + task.batch * p.q_batch_stride;
     const float scale = static_cast<float>(p.scale);
@@ -221,22 +235,27 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
 
     const KeyRows<T> k = key_rows<T>(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
                                      task.batch, task.kv_head);
+    const KeyRows<T> v = key_rows<T>(p, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
+                                     task.batch, task.kv_head);
     const bool capped = p.softcap > 0;
     const Vec cap = simd::vset(static_cast<float>(p.softcap));
     const Vec inv_cap = simd::vset(capped ? static_cast<float>(1.0 / p.softcap) : 0.0f);
     const Vec log2e = simd::vset(kLog2e);
 
-    // Cache lines of one stored latent row, and score-block calls per tile (full tiles).
+    // Cache lines of one stored K row, and score-block calls per tile (full tiles).
     const int64_t row_lines = (D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
     const int64_t score_calls = (full_rows / (kNV * W) + (rp - full_rows) / W) *
                                 ((D + kDBlock - 1) / kDBlock) * ((kTileKeys + kNK - 1) / kNK);
     for (int64_t t0 = used_lo; t0 < used_hi; t0 += kTileKeys) {
         const int64_t nt = used_hi - t0 < kTileKeys ? used_hi - t0 : kTileKeys;
-        // The tile's latent rows, as float32, in one sequential pass over the cache.
+        // The tile's rows, as float32, in one sequential pass over the cache.
         for (int64_t j = 0; j < nt; ++j) widen_row(k.at(kb + t0 + j), D, kw + j * kws);
-        // The next tile's rows, prefetched into L2 a few lines per score block while this
+        if (!latent)
+            for (int64_t j = 0; j < nt; ++j) widen_row(v.at(kb + t0 + j), Dv, vw + j * vws);
+        // The next tile's K rows, prefetched into L2 a few lines per score block while this
         // tile computes, so that its copy does not wait for memory (hardware prefetchers
-        // stop at page boundaries and do not run ahead by a whole tile).
+        // stop at page boundaries and do not run ahead by a whole tile). (Its V rows too:
+        // measured no faster for GQA on Zen 3, not kept.)
         const int64_t next_t0 = t0 + kTileKeys;
         const int64_t next_lines = next_t0 < used_hi ? (used_hi - next_t0 < kTileKeys ? used_hi - next_t0 : kTileKeys) * row_lines : 0;
         const int64_t lines_per_call = (next_lines + score_calls - 1) / score_calls;
@@ -285,14 +304,14 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
             simd::vstore(l + r, simd::vfma(simd::vload(l + r), c, sum));
             simd::vstore(m + r, m_new);
         }
-        // P.V, the V rows being the K rows' first Dv elements (already in cache).
+        // P.V: a latent cache's V rows are the K rows' first Dv elements (already in cache).
         for (int64_t r = 0; r < full_rows; r += kNV * W)
             for (int64_t d0 = 0; d0 < Dv; d0 += kNK)
-                value_block<kNV, kNK>(acct + r, rp, st + r, corr + r, kw, kws, nt, d0,
+                value_block<kNV, kNK>(acct + r, rp, st + r, corr + r, vw, vws, nt, d0,
                                       Dv - d0 < kNK ? Dv - d0 : kNK);
         for (int64_t r = full_rows; r < rp; r += W)
             for (int64_t d0 = 0; d0 < Dv; d0 += kNK)
-                value_block<1, kNK>(acct + r, rp, st + r, corr + r, kw, kws, nt, d0,
+                value_block<1, kNK>(acct + r, rp, st + r, corr + r, vw, vws, nt, d0,
                                     Dv - d0 < kNK ? Dv - d0 : kNK);
     }
     // The chunk's partial result in the merge's layout: rows x Dv, max and sum per row.
@@ -319,22 +338,30 @@ void chunk_any(const AttentionParams& p, const DecodeTask& task, float* ws, floa
     else chunk_for_kv<float>(p, task, ws, acc, m, l);
 }
 
-// KernelTable::latent_decode_kernel: this kernel for a latent call it covers, else
-// {nullptr} (the tier's decode_kernel runs it).
-DecodeKernel latent_decode_kernel(const AttentionParams& p) {
+// KernelTable::gemm_decode_kernel: this kernel for a call it covers, else {nullptr} (the
+// tier's decode_kernel runs it). A latent cache from one vector of rows; separate K and V
+// from kGemmDecodeMinRows (kernel_table.hpp).
+DecodeKernel gemm_decode_kernel(const AttentionParams& p) {
     const bool dtypes = p.dtype != DType::kF64 &&
                         (p.kv_dtype == DType::kF32 || p.kv_dtype == DType::kBF16 ||
                          p.kv_dtype == DType::kF16);
-    if (!kv_is_latent(p) || !dtypes || p.alibi_slopes || p.mask || decode_rows(p) < kMinRows)
+    const bool latent = kv_is_latent(p);
+    if (!dtypes || p.alibi_slopes || p.mask || decode_rows(p) < (latent ? kMinRows : kGemmDecodeMinRows))
         return {nullptr, nullptr};
-    DecodeKernel kernel{"latent_decode", chunk_any};
+#if defined(__AVX512BF16__)
+    // bfloat16 q, K and V have vdpbf16ps kernels here (bf16_decode.inl, bf16_prefill.inl), at
+    // twice the float32 FMA rate; this kernel has not been measured against them: they keep
+    // those calls.
+    if (!latent && p.dtype == DType::kBF16 && p.kv_dtype == DType::kBF16) return {nullptr, nullptr};
+#endif
+    DecodeKernel kernel{latent ? "latent_decode" : "gemm_decode", chunk_any};
     kernel.chunk_keys = kChunkKeys;
     kernel.workspace_elems = workspace_elems;
     kernel.compute_shaped = true;
     return kernel;
 }
 
-}  // namespace latent_decode
+}  // namespace gemm_decode
 }  // namespace
 }  // namespace ATTNFAST_KERNEL_NS
 }  // namespace attnfast
