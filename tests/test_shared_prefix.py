@@ -264,3 +264,25 @@ def test_out_argument_and_additive_mask(rng, small_prefix):
                                               mask=mask[0][..., :k.shape[1]])
         np.testing.assert_allclose(out[i], ref, **TOLERANCE[F32])
         np.testing.assert_allclose(lse[i], ref_lse, **TOLERANCE[F32])
+
+
+def test_many_forks_stack_into_one_gemm_shaped_call(rng, monkeypatch):
+    """48 forks at one query head per KV head: 48 stacked rows per KV head, one prefix call
+    where the planner runs it on the GEMM-shaped decode kernel (x86 SIMD tiers), else calls
+    of 16 rows; the result is the reference's either way."""
+    cache, ids = forked(rng, prompt=1024, own=[i % 3 for i in range(48)], n=48, Hkv=2, D=16,
+                        num_blocks=400)
+    q = rand(rng, (48, 2, 1, 16))
+    prefix_rows = []
+    run_part = _shared_prefix.run_part
+
+    def counting(attn, q_part, part, **kw):
+        if kw.get("seqlen_k") == 1024 and q_part.shape[0] == 1:
+            prefix_rows.append(q_part.shape[2])
+        return run_part(attn, q_part, part, **kw)
+
+    monkeypatch.setattr(_shared_prefix, "run_part", counting)
+    out, lse = cache.attend(ids, q, return_lse=True)
+    check_against_reference(cache, ids, q, out, lse)
+    gemm = af._ext.runtime_info()["isa"] in ("avx2", "avx512", "avx512bf16")
+    assert prefix_rows == ([48] if gemm else [16, 16, 16])

@@ -10,7 +10,8 @@ import dataclasses
 
 import numpy as np
 
-from ._api import merge_attention_states, run_kernels
+from . import _ext
+from ._api import kernel_call, merge_attention_states, run_kernels
 from ._checks import FLOAT64, ScoreOptions
 
 
@@ -21,17 +22,32 @@ def compute_queries(attn) -> np.ndarray:
     return attn.q if attn.q.dtype == FLOAT64 else attn.q.astype(np.float32)
 
 
+def _part_call(attn, q, *, seqlen_k, causal, window, query_offset, options):
+    if options is None:
+        options = ScoreOptions(attn.options.softcap)
+    return dataclasses.replace(attn, q=q, batch=q.shape[0], seqlen_q=q.shape[2],
+                               seqlen_k=seqlen_k, dtype=q.dtype, causal=causal, window=window,
+                               query_offset=query_offset, options=options)
+
+
 def run_part(attn, q, part, *, seqlen_k, causal=False, window=(-1, -1), query_offset=None,
              options=None):
     """(out, lse) of one kernel call: `attn`'s scale and thread count with q (n, H, Tq, D),
     one `part` as run_kernels takes it (slice(None) rows), the given key count, alignment
     and options (default: every key of the part visible, softcap only)."""
-    if options is None:
-        options = ScoreOptions(attn.options.softcap)
-    sub = dataclasses.replace(attn, q=q, batch=q.shape[0], seqlen_q=q.shape[2],
-                              seqlen_k=seqlen_k, dtype=q.dtype, causal=causal, window=window,
-                              query_offset=query_offset, options=options)
+    sub = _part_call(attn, q, seqlen_k=seqlen_k, causal=causal, window=window,
+                     query_offset=query_offset, options=options)
     return run_kernels(sub, None, True, [part])
+
+
+def plan_part(attn, q, part, *, seqlen_k, causal=False, window=(-1, -1), query_offset=None,
+              options=None) -> dict:
+    """What run_part with these arguments would run (attnfast.explain's dict), computing
+    nothing."""
+    sub = _part_call(attn, q, seqlen_k=seqlen_k, causal=causal, window=window,
+                     query_offset=query_offset, options=options)
+    args, kwargs = kernel_call(sub, part)
+    return _ext.plan_attention(*args, **kwargs)
 
 
 def start_result(attn, user_out, return_lse):

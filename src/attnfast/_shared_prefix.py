@@ -15,7 +15,7 @@ import numpy as np
 
 from ._api import run_kernels
 from ._checks import ScoreOptions
-from ._compose import compute_queries, finish, merge_into, run_part, start_result
+from ._compose import compute_queries, finish, merge_into, plan_part, run_part, start_result
 
 __all__ = ["SharedGroup", "plan_shared_prefix", "run_paged_kernels", "stats"]
 
@@ -24,8 +24,13 @@ __all__ = ["SharedGroup", "plan_shared_prefix", "run_paged_kernels", "stats"]
 MIN_PREFIX_KEYS = 1024
 MIN_GROUP = 2
 # Query rows stacked into one prefix call: csrc/kernels/kernel_table.hpp's
-# kDecodeMaxQueryRows, so the stacked call stays on the bandwidth-bound decode kernel.
+# kDecodeMaxQueryRows, so the stacked call stays on the decode path; up to
+# kGemmDecodeMaxQueryRows where the planner runs such a call on the GEMM-shaped decode kernel
+# (on Zen 3, 64 forks at 8/8 heads: one 64-row call there against four 16-row calls on the
+# bandwidth kernel, bench/HISTORY.md 27.3).
 MAX_STACKED_ROWS = 16
+MAX_GEMM_STACKED_ROWS = 64
+GEMM_KERNELS = ("gemm_decode", "latent_decode")
 
 # Counters for tests and benchmarks: calls that took the shared path, and groups served.
 stats = {"shared_calls": 0, "groups": 0}
@@ -151,18 +156,23 @@ def run_paged_kernels(call, user_out, return_lse, k_pool, v_pool, k_scale, v_sca
 def _stacked_prefix(attn, q, k_pool, v_pool, k_scale, v_scale, prefix_blocks, prefix_keys):
     """(out, lse) of the n sequences' queries q (n, H, Tq, D) over the shared prefix blocks,
     every key visible: their rows stacked as one batch entry's query positions, at most
-    MAX_STACKED_ROWS to a kernel call."""
+    MAX_STACKED_ROWS to a kernel call (MAX_GEMM_STACKED_ROWS where that call runs on the
+    GEMM-shaped decode kernel)."""
     n, H, Tq, _ = q.shape
     table = np.ascontiguousarray(prefix_blocks[None], np.int64)
     per_call = max(1, MAX_STACKED_ROWS // Tq)
+    wide = max(1, MAX_GEMM_STACKED_ROWS // Tq)
+    part = (slice(None), k_pool, v_pool, np.array([prefix_keys], np.int64), k_scale, v_scale, table)
+    if n > per_call and wide > per_call:
+        probe = np.zeros((1, H, min(n, wide) * Tq, q.shape[3]), q.dtype)
+        if plan_part(attn, probe, part, seqlen_k=prefix_keys)["kernel"] in GEMM_KERNELS:
+            per_call = wide
     outs, lses = [], []
     for s in range(0, n, per_call):
         chunk = q[s:s + per_call]
         m = chunk.shape[0]
         stacked = np.ascontiguousarray(chunk.transpose(1, 0, 2, 3)).reshape(1, H, m * Tq, -1)
-        o, l = run_part(attn, stacked, (slice(None), k_pool, v_pool,
-                                        np.array([prefix_keys], np.int64), k_scale, v_scale,
-                                        table), seqlen_k=prefix_keys)
+        o, l = run_part(attn, stacked, part, seqlen_k=prefix_keys)
         outs.append(o.reshape(H, m, Tq, -1).transpose(1, 0, 2, 3))
         lses.append(l.reshape(H, m, Tq).transpose(1, 0, 2))
     return np.concatenate(outs), np.concatenate(lses)
