@@ -286,3 +286,10 @@ def test_many_forks_stack_into_one_gemm_shaped_call(rng, monkeypatch):
     check_against_reference(cache, ids, q, out, lse)
     gemm = af._ext.runtime_info()["isa"] in ("avx2", "avx512", "avx512bf16")
     assert prefix_rows == ([48] if gemm else [16, 16, 16])
+    # 70 forks: two equal calls of 35 rows (no short last call), or 16-row calls.
+    cache, ids = forked(rng, prompt=1024, own=[1] * 70, n=70, Hkv=2, D=16, num_blocks=400)
+    q = rand(rng, (70, 2, 1, 16))
+    prefix_rows.clear()
+    out = cache.attend(ids, q)
+    check_against_reference(cache, ids, q, out)
+    assert prefix_rows == ([35, 35] if gemm else [16, 16, 16, 16, 6])

@@ -166,7 +166,9 @@ def _stacked_prefix(attn, q, k_pool, v_pool, k_scale, v_scale, prefix_blocks, pr
     if n > per_call and wide > per_call:
         probe = np.zeros((1, H, min(n, wide) * Tq, q.shape[3]), q.dtype)
         if plan_part(attn, probe, part, seqlen_k=prefix_keys)["kernel"] in GEMM_KERNELS:
-            per_call = wide
+            # Calls of equal size: no short last call falling below the kernel's rows.
+            calls = -(-n // wide)
+            per_call = -(-n // calls)
     outs, lses = [], []
     for s in range(0, n, per_call):
         chunk = q[s:s + per_call]
