@@ -100,8 +100,9 @@ struct AttentionParams {
 AttentionParams default_params();
 
 // Streaming (FlashAttention-style) attention. Never allocates in proportion to Tq * Tk.
-// Queries of up to kDecodeMaxQueryRows rows (kernels/kernel_table.hpp) take the decode path
-// (decode.cpp: GQA-grouped, split-KV, bandwidth-bound); longer ones the prefill tiling, but
+// Queries of up to kDecodeMaxQueryRows rows (kernels/kernel_table.hpp), and up to
+// kGemmDecodeMaxQueryRows over long caches where a decode kernel beats prefill, take the
+// decode path (decode.cpp: GQA-grouped, split-KV); longer ones the prefill tiling, but
 // over a float8 or int4 cache (decode_only_format: no prefill kernel reads them) the decode
 // loop in blocks of kQuantizedRowBlock query rows, each with its own causal offset.
 // Throws std::invalid_argument for a params struct the kernels cannot run
@@ -119,9 +120,10 @@ void attention_forward_batch(const AttentionParams* params, int64_t count);
 // What attention_forward would do for a params struct, computing nothing (attnfast.explain).
 struct CallPlan {
     const char* tier;     // the kernel tier in use (isa_selected())
-    bool decode;          // the decode path (Tq <= kDecodeMaxQueryRows), else prefill
-    // The micro-kernel: "simd_prefill", "bf16_prefill", "simd_decode", "bf16_decode" (the
-    // hand-written ones), "template_prefill", "template_decode", or "template_f64" (float64).
+    bool decode;          // the decode path (runs_on_decode_path), else prefill
+    // The micro-kernel: "simd_prefill", "bf16_prefill", "simd_decode", "bf16_decode",
+    // "gemm_decode", "latent_decode" (the hand-written ones), "template_prefill",
+    // "template_decode", or "template_f64" (float64): the templates' names start "template".
     const char* kernel;
     bool paged;           // reads a paged KV cache (block_table)
     int64_t chunk_keys;   // decode: keys per chunk of the split-KV (0 for prefill)

@@ -1,4 +1,5 @@
-// Decode driver: a short query (1 to kDecodeMaxQueryRows rows) against a long KV cache.
+// Decode driver: a short query (runs_on_decode_path: up to kDecodeMaxQueryRows rows, or up to
+// kGemmDecodeMaxQueryRows where a decode kernel beats prefill) against a long KV cache.
 //
 // Work is split into (batch, kv head, chunk of keys) tasks. A chunk's size depends only on
 // the head dims and dtype, and chunk boundaries sit at fixed key positions, so the set of

@@ -1,4 +1,4 @@
-// Decode kernels: a short query (Tq <= kDecodeMaxQueryRows) against a long KV cache, the
+// Decode kernels: a short query (decode.cpp: runs_on_decode_path) against a long KV cache, the
 // templates every ISA file compiles with its own flags, inside its per-ISA namespace. Uses
 // block_attention.inl's helpers (exp_acc, log_acc, load_acc, store_from_acc, neg_inf, max_of,
 // kLanes) and the typed vector layer (csrc/simd/typed.hpp).

@@ -28,7 +28,7 @@ namespace {
 #define ATTNFAST_LOWP_INSTRUCTIONS "16-bit and int8 values widened to float32 in plain C++"
 #endif
 
-// A tier without a latent kernel: its decode kernels run latent calls too (V read as an array).
+// A tier without a GEMM-shaped decode kernel: its decode kernels run those calls too.
 [[maybe_unused]] DecodeKernel no_gemm_decode(const AttentionParams&) { return {nullptr, nullptr}; }
 
 const KernelTable kTable = {
