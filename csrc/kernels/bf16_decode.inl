@@ -110,7 +110,7 @@ inline void pv_rows(float* acc, int64_t Dv, const bf16_t* p, int64_t ps, const b
 
 // simd_decode::chunk's arithmetic for bfloat16 q and K/V (see the top of this file).
 template <int ND>
-struct Bf16Path {
+struct Bf16Path : simd_decode::VectorSoftmax {
     using Q = bf16_t;
     using KV = bf16_t;
     // A staged row is D bfloat16 values: D / 2 floats of workspace.
@@ -189,9 +189,9 @@ inline bool covers(const AttentionParams& p) {
 // One chunk, for a call covers() takes.
 void chunk(const AttentionParams& p, const DecodeTask& task, float* ws, float* acc, float* m,
            float* l) {
-    if (p.head_dim == 128) simd_decode::chunk<Bf16Path<4>>(p, task, ws, acc, m, l);
-    else if (p.head_dim == 64) simd_decode::chunk<Bf16Path<2>>(p, task, ws, acc, m, l);
-    else simd_decode::chunk<Bf16Path<0>>(p, task, ws, acc, m, l);
+    if (p.head_dim == 128) decode_loop<Bf16Path<4>>(p, task, ws, acc, m, l);
+    else if (p.head_dim == 64) decode_loop<Bf16Path<2>>(p, task, ws, acc, m, l);
+    else decode_loop<Bf16Path<0>>(p, task, ws, acc, m, l);
 }
 
 // KernelTable::decode_kernel of this tier: this kernel where it covers the call, else the

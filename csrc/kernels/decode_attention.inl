@@ -187,47 +187,186 @@ struct AddValueRows {  // acc rows += probabilities x value rows, for one block 
     }
 };
 
-// TQ: type of q; TKV: type of k and v (see attend_block); A: the accumulator.
-template <class TQ, class TKV, class A>
-void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace, A* acc,
-                  A* m, A* l) {
-    using T = TKV;
+// How decode_loop does its arithmetic, as a policy (simd_decode.inl's WidenPath, Bf16Path
+// and VnniPath are the hand-written ones). This one, the shared template, runs on every tier
+// and for float64: plain C++ over the typed vectors (simd/typed.hpp), any D and Dv, each
+// key's row dotted with every query row (dot_rows), the softmax in scalar exp.
+//   Acc            the accumulator type (float, or double for float64)
+//   Q, KV          the types of q and of the stored K/V rows
+//   kScoreKeys     keys per scores() call
+//   kScaleFold     what the widened K/V lanes leave in the row scales (stored = fold x lanes)
+//   query_stride   workspace elements per staged query row; stage_query stages one
+//   scores         scores of keys [j, j + nk) for the n staged rows (the V rows of those
+//                  keys prefetched first when vj is set: vj + j * vsb, v_row_bytes each)
+//   score_options  softcap, ALiBi and mask on one row's scores [b, e)
+//   range_max, exp_shift_zero   the softmax's two passes over a row's block of scores
+//   weights_ready  a row's probabilities of one block are final (a layout change may follow)
+//   values         acc rows += probabilities x `keys` V rows; finish: the chunk is done
+template <class TQ, class T, class A>
+struct TemplatePath {
+    using Acc = A;
+    using Q = TQ;
+    using KV = T;
+    static constexpr int64_t kScoreKeys = 16;
+    static constexpr float kScaleFold = 1.0f;
+    static int64_t query_stride(const AttentionParams& p) { return decode_query_stride(p); }
+    static void stage_query(A* qs, const TQ* qrow, int64_t D, A scale) {
+        constexpr int64_t lanes = kDecodeVectorBytes / static_cast<int64_t>(sizeof(A));
+        for (int64_t d = 0; d < D; ++d) qs[d] = load_acc<A>(qrow[d]) * scale;
+        for (int64_t d = D; d < (D + lanes - 1) / lanes * lanes; ++d) qs[d] = 0;  // dot_rows reads it
+    }
+    static void scores(int64_t n, const A* qs, int64_t qstride, const T* kj, int64_t ks,
+                       int64_t nk, int64_t D, A* sj, int64_t ss, const char* vj, int64_t vsb,
+                       int64_t v_row_bytes, A /*scale: in the staged rows*/) {
+        for (int64_t j = 0; j < nk; ++j) {
+            if (vj)
+                for (int64_t off = 0; off < v_row_bytes; off += 64) __builtin_prefetch(vj + j * vsb + off, 0, 2);
+            for_row_blocks(n, ScoreRows<T, A>{qs, qstride, kj + j * ks, D, sj + j, ss});
+        }
+    }
+    static void score_options(const AttentionParams& p, int64_t batch, int64_t head, int64_t pos,
+                              int64_t seqlen_k, A* srow, int64_t b, int64_t e, int64_t key0) {
+        RowOptions<A>(p, batch, head, pos, seqlen_k).apply(srow + b, key0 + b, e - b);
+    }
+    static A range_max(const A* x, int64_t b, int64_t e) { return attnfast::ATTNFAST_KERNEL_NS::range_max(x + b, e - b); }
+    static A exp_shift_zero(A* x, int64_t n, int64_t b, int64_t e, A m) {
+        for (int64_t c = 0; c < b; ++c) x[c] = 0;
+        for (int64_t c = e; c < n; ++c) x[c] = 0;
+        return range_exp_sum(x + b, e - b, m);
+    }
+    static void weights_ready(A*, int64_t) {}
+    static void values(int64_t n, A* acc, int64_t Dv, const A* s_block, int64_t ss, int64_t c0,
+                       const T* vrun, int64_t vs, int64_t keys) {
+        for_row_blocks(n, AddValueRows<T, A>{acc, Dv, s_block + c0, ss, vrun, vs, 0, keys});
+    }
+    static void finish(A*, int64_t, int64_t) {}
+};
+
+// Keys per call of the V pass when one row block holds every row (see decode_loop).
+constexpr int64_t kValueRunKeys = 128;
+// With two or more query rows per KV head (see decode_loop): keys per block, and keys per
+// call of the V pass, each call preceded by the prefetch of as many of the next block's K rows.
+constexpr int64_t kPipelinedKeyBlock = 128;
+constexpr int64_t kPipelinedValueRun = 16;
+// float32 K/V on a core whose L2 is below kSmallL2Bytes (AMD Zen 3: 512 KiB), where the
+// streams above measured slower (bench/HISTORY.md 24, tier avx2): one row reads each block's
+// K and then its V as two plain streams (no V prefetch during the K pass, V runs of
+// kSmallL2ValueRun keys), and two or more rows pipeline blocks of kSmallL2PipelinedBlock keys
+// with one V run per block. The 1-2 MiB L2 of Zen 4 and Emerald Rapids keep the passes above,
+// measured faster there (RESULTS 13.4, 14.1).
+constexpr int64_t kSmallL2Bytes = 1 << 20;
+constexpr int64_t kSmallL2ValueRun = 16;
+constexpr int64_t kSmallL2PipelinedBlock = 32;
+
+// Rows [first, last) of `rows` started towards L2, each row_bytes long.
+template <class T>
+inline void prefetch_rows(const KeyRows<T>& rows, int64_t first, int64_t last, int64_t row_bytes) {
+    for (int64_t x = first; x < last; ++x) {
+        const char* row = reinterpret_cast<const char*>(rows.at(x));
+        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off, 0, 2);
+    }
+}
+
+// The online softmax of one query row over one block of its scores, srow[0, width), of
+// which it sees [b, e): folds the block into the row's running max m, sum l and
+// accumulator acc_row (Dv, rescaled when m grows) and leaves in srow the block's weights
+// exp(s - m), 0 outside [b, e). Returns false (weights all 0, state untouched) when the row
+// sees nothing in the block. A NaN score makes m, l and with them the row's out NaN.
+template <class Path, class A>
+inline bool softmax_block(A* srow, int64_t width, int64_t b, int64_t e, A& m, A& l, A* acc_row,
+                          int64_t Dv) {
+    const A block_max = b < e ? Path::range_max(srow, b, e) : neg_inf<A>();
+    if (block_max == neg_inf<A>()) {
+        for (int64_t c = 0; c < width; ++c) srow[c] = 0;
+        return false;
+    }
+    const A m_new = m > block_max ? m : block_max;
+    if (m != m_new && m != neg_inf<A>()) {  // (exp(-inf) = 0 needs no pass over acc_row)
+        const A correction = exp_acc(m - m_new);
+        l *= correction;
+        for (int64_t c = 0; c < Dv; ++c) acc_row[c] *= correction;
+    }
+    m = m_new;
+    l += Path::exp_shift_zero(srow, width, b, e, m_new);
+    return true;
+}
+
+// The decode loop: one chunk of keys, [task.key_begin, task.key_end), of one (batch, kv head)
+// for all its (H / Hkv) x Tq query rows, with the arithmetic of Path (above). Writes the
+// chunk's unnormalised acc (rows x Dv), row max m and row sum l (decode_merge finishes them).
+// Rows go in groups of kDecodeGroupRows; for each group, blocks of keys: one pass over the
+// block's K rows writes every row's scores, then per row the key scales, the NaN rule, the
+// score options and the online softmax, then one pass over the block's V rows.
+template <class Path>
+void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path::Acc* workspace,
+                 typename Path::Acc* acc, typename Path::Acc* m, typename Path::Acc* l) {
+    using A = typename Path::Acc;
+    using TQ = typename Path::Q;
+    using T = typename Path::KV;
     const int64_t D = p.head_dim, Dv = p.head_dim_v, tq = p.seqlen_q;
     const int64_t group = p.heads / p.kv_heads;
     const int64_t rows = group * tq;
-    const int64_t keys = task.key_end - task.key_begin;  // <= decode_chunk_keys(p)
+    const int64_t keys = task.key_end - task.key_begin;
     const int64_t ss = kDecodeScoreStride;
+    static_assert(kDecodeScoreStride >= kDecodeKeyBlock + 16, "score rows hold a block plus one vector");
 
-    const int64_t qs_stride = decode_query_stride(p);  // D rounded up to the vector lanes
-    A* qs = workspace;               // kGroupRows rows qs_stride apart, times scale, 0-padded
-    A* s = qs + kGroupRows * qs_stride;  // kGroupRows rows ss apart: one key block's scores
-    int64_t lo[kGroupRows], hi[kGroupRows];  // each row's visible keys, chunk-relative
+    const int64_t qstride = Path::query_stride(p);
+    A* qs = workspace;
+    A* s = qs + kDecodeGroupRows * qstride;
+    // int8 / float8 cache: one block's K and V row scales, contiguous (see decode_workspace_elems)
+    A* k_scale_block = s + kDecodeGroupRows * ss;
+    A* v_scale_block = k_scale_block + kDecodeKeyBlock;
+    int64_t lo[kDecodeGroupRows], hi[kDecodeGroupRows];  // each row's visible keys, chunk-relative
 
     const TQ* q = static_cast<const TQ*>(p.q) + task.batch * p.q_batch_stride;
-    // int8 / float8 cache: row scales by key position (else all 1)
-    const RowScales k_scale = row_scales(p, p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride,
-                                         p.k_scale_row_stride, task.batch, task.kv_head);
-    const RowScales v_scale = row_scales(p, p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride,
-                                         p.v_scale_row_stride, task.batch, task.kv_head);
-    // Key rows by key position (contiguous, or through a paged cache's block table)
+    // K/V rows and row scales by key position (kb + chunk-relative key): one run, or one per
+    // block of a paged cache; each group of keys below stays within one run.
     const KeyRows<T> k = key_rows<T>(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
                                      task.batch, task.kv_head);
     const KeyRows<T> v = key_rows<T>(p, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
                                      task.batch, task.kv_head);
-    const int64_t kb = task.key_begin;  // chunk-relative key c is key kb + c
+    const RowScales k_scale = row_scales(p, p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride,
+                                         p.k_scale_row_stride, task.batch, task.kv_head);
+    const RowScales v_scale = row_scales(p, p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride,
+                                         p.v_scale_row_stride, task.batch, task.kv_head);
+    const int64_t kb = task.key_begin;
     const A scale = static_cast<A>(p.scale);
     const int64_t v_row_bytes = kv_row_bytes<T>(Dv);
     const bool options = p.softcap > 0 || p.alibi_slopes || p.mask;
 
-    for (int64_t r0 = 0; r0 < rows; r0 += kGroupRows) {
-        const int64_t n = rows - r0 < kGroupRows ? rows - r0 : kGroupRows;
-        int64_t used_lo = keys, used_hi = 0;  // keys some row of the group sees
+    for (int64_t r0 = 0; r0 < rows; r0 += kDecodeGroupRows) {
+        const int64_t n = rows - r0 < kDecodeGroupRows ? rows - r0 : kDecodeGroupRows;
+        // One query row (8/8 heads): blocks of kDecodeKeyBlock keys. The K pass, with the V
+        // rows prefetched beside it, streams at the memory rate and the V pass reads V from L2
+        // in runs of kValueRunKeys (longer runs measured faster than 32: Zen 4, tier avx2,
+        // +5-15 % GB/s; RESULTS 13.4).
+        // Two or more rows (GQA: 32/8 heads): each key costs rows x (D + Dv) FMAs, on one core
+        // more than half the memory time, and DRAM would sit idle during the V pass. So the
+        // passes are pipelined: short blocks, and each V run first prefetches as many of the
+        // next block's K rows (the task's keys first, then the head's next keys, which a
+        // following task of this thread reads), so memory streams while the FMAs run; the
+        // next K pass then finds its rows in L2. Measured on Zen 4 (RESULTS 14.1), at 32/8
+        // heads: one core +18-43 % (float32, both x86 tiers), +48 % (bfloat16); two cores
+        // +4-23 %; at 16/8 and 64/8 +5-28 % on one core, within noise on two. At one row
+        // within noise, and with an int8 cache (a quarter of the bytes per key, so the
+        // widening arithmetic, not memory, bounds it) 8-21 % slower: neither is pipelined.
+        // (Run lengths change no addition, so no bits; the block length changes the online
+        // softmax's rescaling points, the same for any thread count.)
+        // (The small-L2 choice, a property of the machine, is the same for any thread count.)
+        const bool pipelined = n >= 2 && sizeof(T) >= 2;
+        const bool small_l2 = sizeof(T) == 4 && cache_sizes().l2 < kSmallL2Bytes;
+        const bool prefetch_v = pipelined || !small_l2;
+        const int64_t key_block = !pipelined ? kDecodeKeyBlock : (small_l2 ? kSmallL2PipelinedBlock : kPipelinedKeyBlock);
+        const int64_t value_keys = pipelined ? (small_l2 ? kSmallL2PipelinedBlock : kPipelinedValueRun)
+                                             : (small_l2 ? kSmallL2ValueRun : (n <= 4 ? kValueRunKeys : kValueSubKeys));
+        const int64_t prefetch_end = task.seqlen_k - kb;  // chunk-relative end of the head's keys
+        const int64_t k_row_bytes = kv_row_bytes<T>(D);
+        int64_t used_lo = keys, used_hi = 0;
         for (int64_t rr = 0; rr < n; ++rr) {
             const int64_t r = r0 + rr;
             const int64_t head = task.kv_head * group + r / tq, pos = r % tq;
             const TQ* qrow = q + head * p.q_head_stride + pos * p.q_row_stride;
-            for (int64_t d = 0; d < D; ++d) qs[rr * qs_stride + d] = load_acc<A>(qrow[d]) * scale;
-            for (int64_t d = D; d < qs_stride; ++d) qs[rr * qs_stride + d] = 0;
+            Path::stage_query(qs + rr * qstride, qrow, D, scale);
             const KeyRange vis = visible_keys(p, pos, task.seqlen_k);
             const int64_t b = vis.begin > task.key_begin ? vis.begin : task.key_begin;
             const int64_t e = vis.end < task.key_end ? vis.end : task.key_end;
@@ -243,78 +382,57 @@ void decode_chunk(const AttentionParams& p, const DecodeTask& task, A* workspace
             l[r] = 0;
         }
 
-        // Blocks of kDecodeKeyBlock keys, each: scores (one pass over its K rows), an online
-        // softmax update per row, then a pass over its V rows.
-        for (int64_t j0 = used_lo; j0 < used_hi; j0 += kDecodeKeyBlock) {
-            const int64_t j1 = j0 + kDecodeKeyBlock < used_hi ? j0 + kDecodeKeyBlock : used_hi;
-            for (int64_t ja = j0; ja < j1;) {  // runs of keys within one block (paged)
-                const int64_t jb = k.run_end(kb + ja, kb + j1) - kb;
-                const T* krow = k.at(kb + ja);
-                const T* vrow = v.at(kb + ja);
-                for (int64_t j = ja; j < jb; ++j, krow += k.row_stride, vrow += v.row_stride) {
-                    // Start this key's V row towards L2 now, so the V stream is fetched
-                    // alongside the K stream instead of after it (a block's V, at most half
-                    // of the chunk's bytes, stays in L2 until its pass). Measured on one core
-                    // of an AMD EPYC: +30% GB/s; the hardware prefetcher alone stalls at each
-                    // switch. (Interleaving K and V in smaller blocks, or prefetching the next
-                    // chunk's K during the V pass, measured slower.)
-                    const char* vbytes = reinterpret_cast<const char*>(vrow);
-                    for (int64_t off = 0; off < v_row_bytes; off += 64) __builtin_prefetch(vbytes + off, 0, 2);
-                    // Each key row is loaded once and dotted with all n query rows.
-                    for_row_blocks(n, ScoreRows<T, A>{qs, qs_stride, krow, D, s + (j - j0), ss});
-                }
-                ja = jb;
+        for (int64_t j0 = used_lo; j0 < used_hi; j0 += key_block) {
+            const int64_t j1 = j0 + key_block < used_hi ? j0 + key_block : used_hi;
+            // Scores, kScoreKeys keys at a time for every row; the V rows of those keys
+            // start towards the cache beside them, unless prefetch_v is off.
+            const int64_t vsb = p.v_row_stride * static_cast<int64_t>(sizeof(T));
+            for (int64_t j = j0, nk = 0; j < j1; j += nk) {
+                nk = k.run_end(kb + j, kb + (j1 - j < Path::kScoreKeys ? j1 : j + Path::kScoreKeys)) - kb - j;
+                const T* kj = k.at(kb + j);
+                const char* vj = prefetch_v ? reinterpret_cast<const char*>(v.at(kb + j)) : nullptr;
+                Path::scores(n, qs, qstride, kj, k.row_stride, nk, D, s + (j - j0), ss, vj, vsb,
+                             v_row_bytes, scale);
             }
+            if (k_scale.scale)  // one block's scales, gathered once for all rows
+                for (int64_t c = 0; c < j1 - j0; ++c) {  // (kScaleFold: a power of two, exact)
+                    k_scale_block[c] = k_scale.at(kb + j0 + c) * Path::kScaleFold;
+                    v_scale_block[c] = v_scale.at(kb + j0 + c) * Path::kScaleFold;
+                }
 
             for (int64_t rr = 0; rr < n; ++rr) {
                 const int64_t r = r0 + rr;
                 A* srow = s + rr * ss;  // column c is key j0 + c
                 const int64_t b = (lo[rr] > j0 ? lo[rr] : j0) - j0;
                 const int64_t e = (hi[rr] < j1 ? hi[rr] : j1) - j0;
-                nonfinite_to_nan(srow + b, e - b);
                 if (k_scale.scale)  // int8 K: the score of key j is k_scale[j] * (q . k_int8[j])
-                    for (int64_t c = b; c < e; ++c) srow[c] *= static_cast<A>(k_scale.at(kb + j0 + c));
+                    for (int64_t c = b; c < e; ++c) srow[c] *= k_scale_block[c];
+                nonfinite_to_nan(srow + b, e - b);  // -inf from an infinite input: NaN
                 if (options && b < e) {
                     const int64_t head = task.kv_head * group + r / tq, pos = r % tq;
-                    RowOptions<A>(p, task.batch, head, pos, task.seqlen_k)
-                        .apply(srow + b, task.key_begin + j0 + b, e - b);
+                    Path::score_options(p, task.batch, head, pos, task.seqlen_k, srow, b, e, task.key_begin + j0);
                 }
-                A block_max = neg_inf<A>();
-                if (b < e) block_max = range_max(srow + b, e - b);
-                if (block_max == neg_inf<A>()) {  // sees nothing in this block: weight 0
-                    for (int64_t c = 0; c < j1 - j0; ++c) srow[c] = 0;
+                if (!softmax_block<Path>(srow, j1 - j0, b, e, m[r], l[r], acc + r * Dv, Dv)) {
+                    Path::weights_ready(srow, j1 - j0);  // sees nothing in this block: weight 0
                     continue;
                 }
-                const A m_new = max_of(m[r], block_max);
-                const A correction = exp_acc(m[r] - m_new);  // 0 while m[r] is -inf
-                if (correction != A(1)) {
-                    l[r] *= correction;
-                    A* acc_row = acc + r * Dv;
-                    for (int64_t c = 0; c < Dv; ++c) acc_row[c] *= correction;
-                }
-                m[r] = m_new;
-                l[r] += range_exp_sum(srow + b, e - b, m_new);
-                // Keys this row does not see weigh exactly 0 in the pass over V (which walks
-                // the keys any row sees; only a non-finite value there could leak in).
-                for (int64_t c = 0; c < b; ++c) srow[c] = 0;
-                for (int64_t c = e; c < j1 - j0; ++c) srow[c] = 0;
                 if (v_scale.scale)  // int8 V: the weight of v_int8[j] is p[j] * v_scale[j]
-                    for (int64_t c = b; c < e; ++c) srow[c] *= static_cast<A>(v_scale.at(kb + j0 + c));
+                    for (int64_t c = b; c < e; ++c) srow[c] *= v_scale_block[c];
+                Path::weights_ready(srow, j1 - j0);
             }
 
-            // Value rows in sub-blocks that stay in L1 while every row block walks them; each
-            // is loaded once per row block and added to that block's accumulators. A paged
-            // cache's block boundaries cut the sub-blocks further: the sums run over the same
-            // keys in the same order, so the bits are those of a contiguous cache.
-            for (int64_t v0 = j0; v0 < j1;) {
-                int64_t v1 = v0 + kValueSubKeys < j1 ? v0 + kValueSubKeys : j1;
-                v1 = v.run_end(kb + v0, kb + v1) - kb;
-                for_row_blocks(n, AddValueRows<T, A>{acc + r0 * Dv, Dv, s + (v0 - j0), ss,
-                                                     v.at(kb + v0), v.row_stride, 0, v1 - v0});
-                v0 = v1;
+            // (A paged cache's block ends cut the sub-blocks further: same keys, same order.)
+            for (int64_t v0 = j0, v1 = j0; v0 < j1; v0 = v1) {
+                v1 = v.run_end(kb + v0, kb + (v0 + value_keys < j1 ? v0 + value_keys : j1)) - kb;
+                if (pipelined) {
+                    const int64_t x0 = j1 + (v0 - j0), x1 = j1 + (v1 - j0);
+                    prefetch_rows(k, kb + x0, kb + (x1 < prefetch_end ? x1 : prefetch_end), k_row_bytes);
+                }
+                Path::values(n, acc + r0 * Dv, Dv, s, ss, v0 - j0, v.at(kb + v0), v.row_stride, v1 - v0);
             }
         }
     }
+    Path::finish(acc, rows, Dv);
 }
 
 // T: type of out (that of q).
@@ -365,32 +483,32 @@ void decode_merge(const AttentionParams& p, int64_t batch, int64_t kv_head, int6
 
 void decode_chunk_f64(const AttentionParams& p, const DecodeTask& t, double* ws, double* acc,
                       double* m, double* l) {
-    decode_chunk<double, double, double>(p, t, ws, acc, m, l);
+    decode_loop<TemplatePath<double, double, double>>(p, t, ws, acc, m, l);
 }
 // Every float32-accumulated combination, as attend_block_any.
 void decode_chunk_any(const AttentionParams& p, const DecodeTask& t, float* ws, float* acc,
                        float* m, float* l) {
     const DType q = p.dtype, kv = p.kv_dtype;
     if (kv == DType::kBF16) {
-        if (q == DType::kBF16) decode_chunk<bf16_t, bf16_t, float>(p, t, ws, acc, m, l);
-        else decode_chunk<float, bf16_t, float>(p, t, ws, acc, m, l);
+        if (q == DType::kBF16) decode_loop<TemplatePath<bf16_t, bf16_t, float>>(p, t, ws, acc, m, l);
+        else decode_loop<TemplatePath<float, bf16_t, float>>(p, t, ws, acc, m, l);
     } else if (kv == DType::kF16) {
-        if (q == DType::kF16) decode_chunk<f16_t, f16_t, float>(p, t, ws, acc, m, l);
-        else decode_chunk<float, f16_t, float>(p, t, ws, acc, m, l);
+        if (q == DType::kF16) decode_loop<TemplatePath<f16_t, f16_t, float>>(p, t, ws, acc, m, l);
+        else decode_loop<TemplatePath<float, f16_t, float>>(p, t, ws, acc, m, l);
     } else if (kv == DType::kF32) {
-        decode_chunk<float, float, float>(p, t, ws, acc, m, l);
+        decode_loop<TemplatePath<float, float, float>>(p, t, ws, acc, m, l);
     } else if (kv == DType::kF8E4M3) {
-        if (q == DType::kBF16) decode_chunk<bf16_t, fp8_t, float>(p, t, ws, acc, m, l);
-        else if (q == DType::kF16) decode_chunk<f16_t, fp8_t, float>(p, t, ws, acc, m, l);
-        else decode_chunk<float, fp8_t, float>(p, t, ws, acc, m, l);
+        if (q == DType::kBF16) decode_loop<TemplatePath<bf16_t, fp8_t, float>>(p, t, ws, acc, m, l);
+        else if (q == DType::kF16) decode_loop<TemplatePath<f16_t, fp8_t, float>>(p, t, ws, acc, m, l);
+        else decode_loop<TemplatePath<float, fp8_t, float>>(p, t, ws, acc, m, l);
     } else if (kv == DType::kQ4) {
-        if (q == DType::kBF16) decode_chunk<bf16_t, q4_t, float>(p, t, ws, acc, m, l);
-        else if (q == DType::kF16) decode_chunk<f16_t, q4_t, float>(p, t, ws, acc, m, l);
-        else decode_chunk<float, q4_t, float>(p, t, ws, acc, m, l);
+        if (q == DType::kBF16) decode_loop<TemplatePath<bf16_t, q4_t, float>>(p, t, ws, acc, m, l);
+        else if (q == DType::kF16) decode_loop<TemplatePath<f16_t, q4_t, float>>(p, t, ws, acc, m, l);
+        else decode_loop<TemplatePath<float, q4_t, float>>(p, t, ws, acc, m, l);
     } else {  // kI8
-        if (q == DType::kBF16) decode_chunk<bf16_t, int8_t, float>(p, t, ws, acc, m, l);
-        else if (q == DType::kF16) decode_chunk<f16_t, int8_t, float>(p, t, ws, acc, m, l);
-        else decode_chunk<float, int8_t, float>(p, t, ws, acc, m, l);
+        if (q == DType::kBF16) decode_loop<TemplatePath<bf16_t, int8_t, float>>(p, t, ws, acc, m, l);
+        else if (q == DType::kF16) decode_loop<TemplatePath<f16_t, int8_t, float>>(p, t, ws, acc, m, l);
+        else decode_loop<TemplatePath<float, int8_t, float>>(p, t, ws, acc, m, l);
     }
 }
 // The decode of tiers without a hand-written one, and of the calls theirs does not cover

@@ -170,7 +170,7 @@ inline V vld_kv(const f16_t* p) {
 inline V vld_kv(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-// float8 e4m3fn, times 2^-8 (kScaleFold: the row scale carries the 2^8): each byte moved into
+// float8 e4m3fn, times 2^-8 (kWidenScaleFold: the row scale carries the 2^8): each byte moved into
 // a float16's bits, s.eeee.mmm -> s.0eeee.mmm0000000, which is the e4m3 value over 2^8 with
 // every subnormal exact (both formats' subnormals are 0.m times their smallest normal), then
 // vcvtph2ps; S.1111.111 (NaN in e4m3fn, a finite 1.875 in float16) is set to NaN.
@@ -262,9 +262,9 @@ inline void vld_kv_block(const q4_t* row, int64_t d, V* out) {
     out[3] = vfma(_mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4)), scale, minimum);
 #endif
 }
-// What vld_kv leaves in the row scales: the stored value is kScaleFold<T> * (vld_kv's lanes).
-template <class T> constexpr float kScaleFold = 1.0f;
-template <> constexpr float kScaleFold<fp8_t> = 256.0f;
+// What vld_kv leaves in the row scales: the stored value is kWidenScaleFold<T> * (vld_kv's lanes).
+template <class T> constexpr float kWidenScaleFold = 1.0f;
+template <> constexpr float kWidenScaleFold<fp8_t> = 256.0f;
 
 // s[r * ss + j] = q[r] . k[j] for RB query rows (q rows qs apart, D a multiple of W) and
 // the first `keys` (<= W / RB) of W / RB keys (key rows ks apart). Missing keys repeat the
@@ -480,15 +480,32 @@ struct ScoreBlock {  // scores of RB rows against up to W keys, in groups of W /
     }
 };
 
-// How chunk() does its arithmetic, as a policy: staging a query row, scoring W keys for
-// every row, the probabilities of a block being ready, adding V rows, finishing the chunk.
-// This one widens every K/V vector to float32 and runs float32 FMAs (any storage type T,
+// The softmax side of the hand-written policies (decode_loop's Path; see TemplatePath):
+// float32 rows, W keys scored per call, the vector max / exp passes and score options above.
+struct VectorSoftmax {
+    using Acc = float;
+    static constexpr int64_t kScoreKeys = W;
+    static constexpr float kScaleFold = 1.0f;
+    static void score_options(const AttentionParams& p, int64_t batch, int64_t head, int64_t pos,
+                              int64_t seqlen_k, float* srow, int64_t b, int64_t e, int64_t key0) {
+        RowScoreOptions(p, batch, head, pos, seqlen_k).apply(p, srow, b, e, key0);
+    }
+    static float range_max(const float* x, int64_t b, int64_t e) { return simd_decode::range_max(x, b, e); }
+    static float exp_shift_zero(float* x, int64_t n, int64_t b, int64_t e, float m) {
+        return simd_decode::exp_shift_zero(x, n, b, e, m);
+    }
+};
+
+// decode_loop's arithmetic policy (see TemplatePath, decode_attention.inl): staging a query
+// row, scoring W keys for every row, the probabilities of a block being ready, adding V
+// rows, finishing the chunk. This one widens every K/V vector to float32 and runs float32 FMAs (any storage type T,
 // q of type TQ); bf16_decode.inl has a vdpbf16ps one for bfloat16 q and K/V.
 // ND: D / W when the score loops are unrolled for it (0: any multiple of W).
 template <int ND, class TQ, class T>
-struct WidenPath {
+struct WidenPath : VectorSoftmax {
     using Q = TQ;
     using KV = T;
+    static constexpr float kScaleFold = kWidenScaleFold<T>;
     // Workspace floats per staged query row (D rounded up to whole vectors).
     static int64_t query_stride(const AttentionParams& p) { return decode_query_stride(p); }
     static void stage_query(float* qs, const TQ* qrow, int64_t D, float scale) {
@@ -532,182 +549,6 @@ struct WidenPath {
     static void finish(float*, int64_t, int64_t) {}
 };
 
-// Keys per call of the V pass when one row block holds every row (see chunk()).
-constexpr int64_t kValueRunKeys = 128;
-// With two or more query rows per KV head (see chunk()): keys per block, and keys per call of
-// the V pass, each call preceded by the prefetch of as many of the next block's K rows.
-constexpr int64_t kPipelinedKeyBlock = 128;
-constexpr int64_t kPipelinedValueRun = 16;
-// float32 K/V on a core whose L2 is below kSmallL2Bytes (AMD Zen 3: 512 KiB), where the
-// streams above measured slower (bench/HISTORY.md 24, tier avx2): one row reads each block's
-// K and then its V as two plain streams (no V prefetch during the K pass, V runs of
-// kSmallL2ValueRun keys), and two or more rows pipeline blocks of kSmallL2PipelinedBlock keys
-// with one V run per block. The 1-2 MiB L2 of Zen 4 and Emerald Rapids keep the passes above,
-// measured faster there (RESULTS 13.4, 14.1).
-constexpr int64_t kSmallL2Bytes = 1 << 20;
-constexpr int64_t kSmallL2ValueRun = 16;
-constexpr int64_t kSmallL2PipelinedBlock = 32;
-
-// Rows [first, last) of `rows` started towards L2, each row_bytes long.
-template <class T>
-inline void prefetch_rows(const KeyRows<T>& rows, int64_t first, int64_t last, int64_t row_bytes) {
-    for (int64_t x = first; x < last; ++x) {
-        const char* row = reinterpret_cast<const char*>(rows.at(x));
-        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off, 0, 2);
-    }
-}
-
-// One chunk of keys for all rows of a (batch, kv head), with the arithmetic of Path.
-template <class Path>
-void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, float* acc,
-           float* m, float* l) {
-    using TQ = typename Path::Q;
-    using T = typename Path::KV;
-    const int64_t D = p.head_dim, Dv = p.head_dim_v, tq = p.seqlen_q;
-    const int64_t group = p.heads / p.kv_heads;
-    const int64_t rows = group * tq;
-    const int64_t keys = task.key_end - task.key_begin;
-    const int64_t ss = kDecodeScoreStride;
-    static_assert(kDecodeScoreStride >= kDecodeKeyBlock + W, "score rows hold a block plus one vector");
-
-    const int64_t qstride = Path::query_stride(p);
-    float* qs = workspace;
-    float* s = qs + kDecodeGroupRows * qstride;
-    // int8 cache: one block's K and V row scales, contiguous (see decode_workspace_elems)
-    float* k_scale_block = s + kDecodeGroupRows * ss;
-    float* v_scale_block = k_scale_block + kDecodeKeyBlock;
-    int64_t lo[kDecodeGroupRows], hi[kDecodeGroupRows];
-
-    const TQ* q = static_cast<const TQ*>(p.q) + task.batch * p.q_batch_stride;
-    // K/V rows and int8 row scales by key position (kb + chunk-relative key): one run, or
-    // one per block of a paged cache; each group of keys below stays within one run.
-    const KeyRows<T> k = key_rows<T>(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
-                                     task.batch, task.kv_head);
-    const KeyRows<T> v = key_rows<T>(p, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
-                                     task.batch, task.kv_head);
-    const RowScales k_scale = row_scales(p, p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride,
-                                         p.k_scale_row_stride, task.batch, task.kv_head);
-    const RowScales v_scale = row_scales(p, p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride,
-                                         p.v_scale_row_stride, task.batch, task.kv_head);
-    const int64_t kb = task.key_begin;
-    const float scale = static_cast<float>(p.scale);
-    const int64_t v_row_bytes = kv_row_bytes<T>(Dv);
-    const bool options = p.softcap > 0 || p.alibi_slopes || p.mask;
-
-    for (int64_t r0 = 0; r0 < rows; r0 += kDecodeGroupRows) {
-        const int64_t n = rows - r0 < kDecodeGroupRows ? rows - r0 : kDecodeGroupRows;
-        // One query row (8/8 heads): blocks of kDecodeKeyBlock keys. The K pass, with the V
-        // rows prefetched beside it, streams at the memory rate and the V pass reads V from L2
-        // in runs of kValueRunKeys (longer runs measured faster than 32: Zen 4, tier avx2,
-        // +5-15 % GB/s; RESULTS 13.4).
-        // Two or more rows (GQA: 32/8 heads): each key costs rows x (D + Dv) FMAs, on one core
-        // more than half the memory time, and DRAM would sit idle during the V pass. So the
-        // passes are pipelined: short blocks, and each V run first prefetches as many of the
-        // next block's K rows (the task's keys first, then the head's next keys, which a
-        // following task of this thread reads), so memory streams while the FMAs run; the
-        // next K pass then finds its rows in L2. Measured on Zen 4 (RESULTS 14.1), at 32/8
-        // heads: one core +18-43 % (float32, both x86 tiers), +48 % (bfloat16); two cores
-        // +4-23 %; at 16/8 and 64/8 +5-28 % on one core, within noise on two. At one row
-        // within noise, and with an int8 cache (a quarter of the bytes per key, so the
-        // widening arithmetic, not memory, bounds it) 8-21 % slower: neither is pipelined.
-        // (Run lengths change no addition, so no bits; the block length changes the online
-        // softmax's rescaling points, the same for any thread count.)
-        // (The small-L2 choice, a property of the machine, is the same for any thread count.)
-        const bool pipelined = n >= 2 && sizeof(T) >= 2;
-        const bool small_l2 = sizeof(T) == 4 && cache_sizes().l2 < kSmallL2Bytes;
-        const bool prefetch_v = pipelined || !small_l2;
-        const int64_t key_block = !pipelined ? kDecodeKeyBlock : (small_l2 ? kSmallL2PipelinedBlock : kPipelinedKeyBlock);
-        const int64_t value_keys = pipelined ? (small_l2 ? kSmallL2PipelinedBlock : kPipelinedValueRun)
-                                             : (small_l2 ? kSmallL2ValueRun : (n <= 4 ? kValueRunKeys : kValueSubKeys));
-        const int64_t prefetch_end = task.seqlen_k - kb;  // chunk-relative end of the head's keys
-        const int64_t k_row_bytes = kv_row_bytes<T>(D);
-        int64_t used_lo = keys, used_hi = 0;
-        for (int64_t rr = 0; rr < n; ++rr) {
-            const int64_t r = r0 + rr;
-            const int64_t head = task.kv_head * group + r / tq, pos = r % tq;
-            const TQ* qrow = q + head * p.q_head_stride + pos * p.q_row_stride;
-            Path::stage_query(qs + rr * qstride, qrow, D, scale);
-            const KeyRange vis = visible_keys(p, pos, task.seqlen_k);
-            const int64_t b = vis.begin > task.key_begin ? vis.begin : task.key_begin;
-            const int64_t e = vis.end < task.key_end ? vis.end : task.key_end;
-            lo[rr] = b - task.key_begin;
-            hi[rr] = e > b ? e - task.key_begin : lo[rr];
-            if (lo[rr] < hi[rr]) {
-                used_lo = lo[rr] < used_lo ? lo[rr] : used_lo;
-                used_hi = hi[rr] > used_hi ? hi[rr] : used_hi;
-            }
-            float* acc_row = acc + r * Dv;
-            for (int64_t e2 = 0; e2 < Dv; ++e2) acc_row[e2] = 0;
-            m[r] = -__builtin_inff();
-            l[r] = 0;
-        }
-
-        for (int64_t j0 = used_lo; j0 < used_hi; j0 += key_block) {
-            const int64_t j1 = j0 + key_block < used_hi ? j0 + key_block : used_hi;
-            // Scores, W keys at a time for every row block; the first row block also
-            // starts those keys' V rows towards the cache (see decode_chunk), unless
-            // prefetch_v is off.
-            const int64_t vsb = p.v_row_stride * static_cast<int64_t>(sizeof(T));
-            for (int64_t j = j0, nk = 0; j < j1; j += nk) {
-                nk = k.run_end(kb + j, kb + (j1 - j < W ? j1 : j + W)) - kb - j;
-                const T* kj = k.at(kb + j);
-                const char* vj = prefetch_v ? reinterpret_cast<const char*>(v.at(kb + j)) : nullptr;
-                Path::scores(n, qs, qstride, kj, k.row_stride, nk, D, s + (j - j0), ss, vj, vsb,
-                             v_row_bytes, scale);
-            }
-            if (k_scale.scale)  // one block's scales, gathered once for all rows
-                for (int64_t c = 0; c < j1 - j0; ++c) {  // (kScaleFold: a power of two, exact)
-                    k_scale_block[c] = k_scale.at(kb + j0 + c) * kScaleFold<T>;
-                    v_scale_block[c] = v_scale.at(kb + j0 + c) * kScaleFold<T>;
-                }
-
-            for (int64_t rr = 0; rr < n; ++rr) {
-                const int64_t r = r0 + rr;
-                float* srow = s + rr * ss;  // column c is key j0 + c
-                const int64_t b = (lo[rr] > j0 ? lo[rr] : j0) - j0;
-                const int64_t e = (hi[rr] < j1 ? hi[rr] : j1) - j0;
-                if (k_scale.scale)  // int8 K: the score of key j is k_scale[j] * (q . k_int8[j])
-                    for (int64_t c = b; c < e; ++c) srow[c] *= k_scale_block[c];
-                nonfinite_to_nan(srow + b, e - b);  // -inf from an infinite input: NaN
-                if (options && b < e) {
-                    const int64_t head = task.kv_head * group + r / tq, pos = r % tq;
-                    RowScoreOptions(p, task.batch, head, pos, task.seqlen_k).apply(p, srow, b, e, task.key_begin + j0);
-                }
-                const float block_max = b < e ? range_max(srow, b, e) : -__builtin_inff();
-                if (block_max == -__builtin_inff()) {  // sees nothing in this block: weight 0
-                    for (int64_t c = 0; c < j1 - j0; ++c) srow[c] = 0;
-                    Path::weights_ready(srow, j1 - j0);
-                    continue;
-                }
-                const float m_new = m[r] > block_max ? m[r] : block_max;
-                if (m[r] != m_new && m[r] != -__builtin_inff()) {
-                    const float correction = exp_acc(m[r] - m_new);
-                    l[r] *= correction;
-                    float* acc_row = acc + r * Dv;
-                    const V cv = vset(correction);
-                    for (int64_t c = 0; c < Dv; c += W) vst(acc_row + c, vmul(cv, vld(acc_row + c)));
-                }
-                m[r] = m_new;
-                l[r] += exp_shift_zero(srow, j1 - j0, b, e, m_new);
-                if (v_scale.scale)  // int8 V: the weight of v_int8[j] is p[j] * v_scale[j]
-                    for (int64_t c = b; c < e; ++c) srow[c] *= v_scale_block[c];
-                Path::weights_ready(srow, j1 - j0);
-            }
-
-            // (A paged cache's block ends cut the sub-blocks further: same keys, same order.)
-            for (int64_t v0 = j0, v1 = j0; v0 < j1; v0 = v1) {
-                v1 = v.run_end(kb + v0, kb + (v0 + value_keys < j1 ? v0 + value_keys : j1)) - kb;
-                if (pipelined) {
-                    const int64_t x0 = j1 + (v0 - j0), x1 = j1 + (v1 - j0);
-                    prefetch_rows(k, kb + x0, kb + (x1 < prefetch_end ? x1 : prefetch_end), k_row_bytes);
-                }
-                Path::values(n, acc + r0 * Dv, Dv, s, ss, v0 - j0, v.at(kb + v0), v.row_stride, v1 - v0);
-            }
-        }
-    }
-    Path::finish(acc, rows, Dv);
-}
-
 // Whether this kernel takes the call (else the shared template): every vector of D and Dv
 // whole (any score option: RowScoreOptions; sinks only the merge sees).
 inline bool covers(const AttentionParams& p) {
@@ -717,9 +558,9 @@ inline bool covers(const AttentionParams& p) {
 template <class TQ, class T>
 void chunk_for(const AttentionParams& p, const DecodeTask& task, float* workspace, float* acc,
                float* m, float* l) {
-    if (p.head_dim == 128) chunk<WidenPath<128 / W, TQ, T>>(p, task, workspace, acc, m, l);
-    else if (p.head_dim == 64) chunk<WidenPath<64 / W, TQ, T>>(p, task, workspace, acc, m, l);
-    else chunk<WidenPath<0, TQ, T>>(p, task, workspace, acc, m, l);
+    if (p.head_dim == 128) decode_loop<WidenPath<128 / W, TQ, T>>(p, task, workspace, acc, m, l);
+    else if (p.head_dim == 64) decode_loop<WidenPath<64 / W, TQ, T>>(p, task, workspace, acc, m, l);
+    else decode_loop<WidenPath<0, TQ, T>>(p, task, workspace, acc, m, l);
 }
 
 // Every float32-accumulated dtype combination, for a call this kernel covers.

@@ -90,7 +90,7 @@ struct ScoreBlock {  // RB rows against up to W keys, in groups of W / RB keys
 // chunk()'s arithmetic policy: int8 query bytes and vpdpbusd for the scores; the values
 // (int8 V rows, weights already times the V row scales) as simd_decode's WidenPath.
 template <int ND, class TQ>
-struct VnniPath {
+struct VnniPath : simd_decode::VectorSoftmax {
     using Q = TQ;
     using KV = int8_t;
     using Widen = simd_decode::WidenPath<(ND * 64) / W, TQ, int8_t>;
@@ -159,9 +159,9 @@ inline bool takes(const AttentionParams& p) {
 template <class TQ>
 void chunk_for(const AttentionParams& p, const DecodeTask& task, float* ws, float* acc,
                float* m, float* l) {
-    if (p.head_dim == 128) simd_decode::chunk<VnniPath<2, TQ>>(p, task, ws, acc, m, l);
-    else if (p.head_dim == 64) simd_decode::chunk<VnniPath<1, TQ>>(p, task, ws, acc, m, l);
-    else simd_decode::chunk<VnniPath<0, TQ>>(p, task, ws, acc, m, l);
+    if (p.head_dim == 128) decode_loop<VnniPath<2, TQ>>(p, task, ws, acc, m, l);
+    else if (p.head_dim == 64) decode_loop<VnniPath<1, TQ>>(p, task, ws, acc, m, l);
+    else decode_loop<VnniPath<0, TQ>>(p, task, ws, acc, m, l);
 }
 
 void chunk_any(const AttentionParams& p, const DecodeTask& task, float* ws, float* acc,
