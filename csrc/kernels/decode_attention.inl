@@ -1,12 +1,15 @@
-// Decode kernels: a short query (decode.cpp: runs_on_decode_path) against a long KV cache, the
-// templates every ISA file compiles with its own flags, inside its per-ISA namespace. Uses
-// block_attention.inl's helpers (exp_acc, log_acc, load_acc, store_from_acc, neg_inf, max_of,
-// kLanes) and the typed vector layer (csrc/simd/typed.hpp).
+// Decode: a short query (decode.cpp: runs_on_decode_path) against a long KV cache, compiled
+// by every ISA file with its own flags, inside its per-ISA namespace. Uses block_attention.inl's
+// helpers (exp_acc, log_acc, load_acc, store_from_acc, neg_inf, max_of, kLanes, RowOptions,
+// KeyRows, RowScales) and the typed vector layer (csrc/simd/typed.hpp).
 //
 // Decoding is bandwidth-bound: each cached K/V byte is used by only (H / Hkv) * Tq query
 // rows. So one task takes one chunk of keys of one (batch, kv head) and serves all the query
 // rows of that KV head with one pass over K (scores into a small per-chunk buffer), a
-// softmax per row, and one pass over V. The driver (decode.cpp) merges the chunks.
+// softmax per row, and one pass over V; decode_merge (or the driver's shared-prefix merge)
+// then combines the chunks. The loop is written once (decode_loop, with its online-softmax
+// step softmax_block) over an arithmetic policy: TemplatePath here (plain C++, every tier,
+// float64), the hand-written ones in simd_decode.inl, bf16_decode.inl and vnni_decode.inl.
 //
 // No std:: templates here (see block_attention.inl).
 #pragma once
@@ -16,8 +19,6 @@
 namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {
 namespace {
-
-constexpr int64_t kGroupRows = kDecodeGroupRows;
 
 // Sums the kLanes partial sums pairwise in a fixed tree (vectorises, fixed order).
 // (Spelled out level by level: constant trip counts let the compiler keep it in registers.)
@@ -194,6 +195,7 @@ struct AddValueRows {  // acc rows += probabilities x value rows, for one block 
 //   Acc            the accumulator type (float, or double for float64)
 //   Q, KV          the types of q and of the stored K/V rows
 //   kScoreKeys     keys per scores() call
+//   kTunedStreams  whether the loop's pipelined / small-L2 streams apply (see decode_loop)
 //   kScaleFold     what the widened K/V lanes leave in the row scales (stored = fold x lanes)
 //   query_stride   workspace elements per staged query row; stage_query stages one
 //   scores         scores of keys [j, j + nk) for the n staged rows (the V rows of those
@@ -207,7 +209,8 @@ struct TemplatePath {
     using Acc = A;
     using Q = TQ;
     using KV = T;
-    static constexpr int64_t kScoreKeys = 16;
+    static constexpr int64_t kScoreKeys = kDecodeKeyBlock;  // one call per run of keys
+    static constexpr bool kTunedStreams = false;
     static constexpr float kScaleFold = 1.0f;
     static int64_t query_stride(const AttentionParams& p) { return decode_query_stride(p); }
     static void stage_query(A* qs, const TQ* qrow, int64_t D, A scale) {
@@ -265,30 +268,6 @@ inline void prefetch_rows(const KeyRows<T>& rows, int64_t first, int64_t last, i
         const char* row = reinterpret_cast<const char*>(rows.at(x));
         for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off, 0, 2);
     }
-}
-
-// The online softmax of one query row over one block of its scores, srow[0, width), of
-// which it sees [b, e): folds the block into the row's running max m, sum l and
-// accumulator acc_row (Dv, rescaled when m grows) and leaves in srow the block's weights
-// exp(s - m), 0 outside [b, e). Returns false (weights all 0, state untouched) when the row
-// sees nothing in the block. A NaN score makes m, l and with them the row's out NaN.
-template <class Path, class A>
-inline bool softmax_block(A* srow, int64_t width, int64_t b, int64_t e, A& m, A& l, A* acc_row,
-                          int64_t Dv) {
-    const A block_max = b < e ? Path::range_max(srow, b, e) : neg_inf<A>();
-    if (block_max == neg_inf<A>()) {
-        for (int64_t c = 0; c < width; ++c) srow[c] = 0;
-        return false;
-    }
-    const A m_new = m > block_max ? m : block_max;
-    if (m != m_new && m != neg_inf<A>()) {  // (exp(-inf) = 0 needs no pass over acc_row)
-        const A correction = exp_acc(m - m_new);
-        l *= correction;
-        for (int64_t c = 0; c < Dv; ++c) acc_row[c] *= correction;
-    }
-    m = m_new;
-    l += Path::exp_shift_zero(srow, width, b, e, m_new);
-    return true;
 }
 
 // The decode loop: one chunk of keys, [task.key_begin, task.key_end), of one (batch, kv head)
@@ -353,11 +332,15 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
         // (Run lengths change no addition, so no bits; the block length changes the online
         // softmax's rescaling points, the same for any thread count.)
         // (The small-L2 choice, a property of the machine, is the same for any thread count.)
-        const bool pipelined = n >= 2 && sizeof(T) >= 2;
-        const bool small_l2 = sizeof(T) == 4 && cache_sizes().l2 < kSmallL2Bytes;
+        // (Path::kTunedStreams: these streams were tuned on the hand-written policies; the
+        // template's per-key dot products keep one long block with V prefetched beside K and
+        // the V pass in L1-sized runs of kValueSubKeys.)
+        const bool pipelined = Path::kTunedStreams && n >= 2 && sizeof(T) >= 2;
+        const bool small_l2 = Path::kTunedStreams && sizeof(T) == 4 && cache_sizes().l2 < kSmallL2Bytes;
         const bool prefetch_v = pipelined || !small_l2;
         const int64_t key_block = !pipelined ? kDecodeKeyBlock : (small_l2 ? kSmallL2PipelinedBlock : kPipelinedKeyBlock);
-        const int64_t value_keys = pipelined ? (small_l2 ? kSmallL2PipelinedBlock : kPipelinedValueRun)
+        const int64_t value_keys = !Path::kTunedStreams ? kValueSubKeys
+                                 : pipelined ? (small_l2 ? kSmallL2PipelinedBlock : kPipelinedValueRun)
                                              : (small_l2 ? kSmallL2ValueRun : (n <= 4 ? kValueRunKeys : kValueSubKeys));
         const int64_t prefetch_end = task.seqlen_k - kb;  // chunk-relative end of the head's keys
         const int64_t k_row_bytes = kv_row_bytes<T>(D);

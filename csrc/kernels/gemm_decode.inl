@@ -24,7 +24,7 @@
 //     transposed (acct[dv][r]) across the chunk, each step one vector of probabilities and
 //     one broadcast of a V element -- for a latent cache the K row's prefix, so each latent
 //     row is read from memory once for both products.
-// Same task and result contract as decode_chunk (decode_attention.inl): one chunk of keys of
+// Same task and result contract as decode_loop (decode_attention.inl): one chunk of keys of
 // one (batch, kv head), all its query rows; the shared merge finishes (sinks, lse, out).
 // The score options it takes: scale, causal, window, softcap (ALiBi and masks keep the
 // bandwidth-shaped kernels: gemm_decode_kernel declines them). float32 arithmetic; K/V

@@ -1,30 +1,24 @@
-// Hand-written decode kernel for the x86 SIMD tiers (AVX-512: W = 16 lanes; AVX2+FMA: W = 8),
-// float32 arithmetic over K/V stored as float32, bfloat16, float16, int8 or float8 e4m3fn
-// (one float32 scale per row), q as float32 or 16 bits. Included by kernels/isa_avx512.cpp,
-// isa_avx512bf16.cpp and isa_avx2.cpp after decode_attention.inl (its template is the
-// fallback); exp2_neg, tanh_vec and a few operations come from the SIMD layer (csrc/simd/).
-// Shapes it does not cover (D or Dv not a multiple of W) and the generic tier keep the
-// shared template decode_chunk<TQ, TKV, float>; the score options softcap / ALiBi / mask are
-// applied to each row's block of scores (RowScoreOptions).
+// Hand-written decode policies for the x86 SIMD tiers (AVX-512: W = 16 lanes; AVX2+FMA: W = 8):
+// float32 arithmetic over K/V stored as float32, bfloat16, float16, int8, float8 e4m3fn (one
+// float32 scale per row) or int4 blocks, q as float32 or 16 bits. The loop, the online softmax
+// and the task contract are decode_attention.inl's (decode_loop, softmax_block); this file gives
+// it WidenPath, the arithmetic, and VectorSoftmax, the vector max / exp passes and score
+// options (RowScoreOptions) it runs with. Included by kernels/isa_avx512.cpp,
+// isa_avx512bf16.cpp and isa_avx2.cpp; shapes it does not cover (D or Dv not a multiple of W)
+// and the tiers without it run decode_loop with the template policy (TemplatePath).
 //
-// 16-bit and int8 K/V are widened to float32 in registers as each vector is loaded (F16C's
-// vcvtph2ps, a 16-bit shift for bfloat16, vpmovsxbd + vcvtdq2ps for int8), never copied into
-// a float32 array; int8 row scales multiply the scores (K) and the probabilities (V) of a
-// block, as in the template.
+// 16-bit, int8, float8 and int4 K/V are widened to float32 in registers as each vector is
+// loaded (F16C's vcvtph2ps, a 16-bit shift for bfloat16, vpmovsxbd + vcvtdq2ps for int8), never
+// copied into a float32 array; row scales multiply the scores (K) and the probabilities (V) of
+// a block, in the loop.
 //
-// Same task and result contract as decode_chunk (one chunk of keys of one (batch, kv head),
-// all its query rows): one pass over a block's K rows writes its scores, a vectorised online
-// softmax per row, one pass over its V rows. What differs is the instruction mix:
+// What differs from the template policy is the instruction mix:
 //   * scores: W dot products at a time (row blocks of 4, 2 or 1 query rows x W / rows
 //     keys), each in its own accumulator, then one transpose-reduce tree turns the W
 //     accumulators into one vector of W scores, instead of a horizontal sum per (row, key).
 //     Each K vector loaded serves every row of the row block.
-//   * softmax and rescaling in whole vectors (exp2_neg), no scalar exp per key.
+//   * softmax in whole vectors (exp2_neg), no scalar exp per key.
 //   * P·V with all accumulators in registers.
-// The memory access order is the template's: keys one after the other, each key's V row
-// prefetched just before its K row is read. With two or more query rows per KV head the
-// passes are also pipelined: short key blocks, and the V pass of one block prefetches the
-// next block's K rows (see chunk()), so that DRAM keeps streaming during the FMAs.
 // Rounding depends only on the shapes (never the thread count).
 //
 // No std:: templates here (see block_attention.inl).
@@ -272,7 +266,7 @@ template <> constexpr float kWidenScaleFold<fp8_t> = 256.0f;
 // walk the keys one after the other (ascending addresses: streamed from memory, 16 rows
 // walked side by side measured up to 40% slower, though faster from cache); ND = 0 takes any
 // D. When vpf is set, each key's V row (vpf + j * vsb, vrow_bytes long) is prefetched
-// before its K row is read (see decode_chunk: the V stream then flows alongside K).
+// before its K row is read (see decode_loop: the V stream then flows alongside K).
 template <int RB, int ND, class T>
 inline void score_keys(const float* __restrict q, int64_t qs, const T* __restrict k,
                        int64_t ks, int64_t keys, int64_t D, float* __restrict s, int64_t ss,
@@ -485,6 +479,7 @@ struct ScoreBlock {  // scores of RB rows against up to W keys, in groups of W /
 struct VectorSoftmax {
     using Acc = float;
     static constexpr int64_t kScoreKeys = W;
+    static constexpr bool kTunedStreams = true;
     static constexpr float kScaleFold = 1.0f;
     static void score_options(const AttentionParams& p, int64_t batch, int64_t head, int64_t pos,
                               int64_t seqlen_k, float* srow, int64_t b, int64_t e, int64_t key0) {
