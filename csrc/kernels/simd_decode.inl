@@ -406,34 +406,16 @@ inline float exp_shift_zero(float* x, int64_t n, int64_t b, int64_t e, float m) 
     return hsum(sum);
 }
 
-// The score options of one query row (softcap, ALiBi, mask: AttentionParams' order) on its
-// scores srow[b, e) (scaled, natural-log units; column c is key key0 + c), W at a time:
-// the last vector may run past e (score rows have room; exp_shift_zero ignores those lanes).
-// softcap with simd_prefill's tanh_vec; the mask read through its strides.
-struct RowScoreOptions {
-    float cap = 0, inv_cap = 0;  // softcap (0: off)
-    float slope = 0;             // ALiBi slope (0: off)
-    int64_t aligned = 0;         // i', the row's key position
-    const void* mask = nullptr;  // the row's mask entries, col_stride apart
-    int64_t col_stride = 0;
+// The score options of one query row (RowOptions, block_attention.inl: the same fields, read
+// once) applied to its scores srow[b, e) (scaled, natural-log units; column c is key key0 + c),
+// W at a time: the last vector may run past e (score rows have room; exp_shift_zero ignores
+// those lanes). softcap with simd_prefill's tanh_vec; the mask read through its strides.
+struct RowScoreOptions : RowOptions<float> {
+    using RowOptions<float>::RowOptions;
 
-    RowScoreOptions(const AttentionParams& p, int64_t batch, int64_t head, int64_t pos, int64_t seqlen_k) {
-        if (p.softcap > 0) cap = static_cast<float>(p.softcap), inv_cap = static_cast<float>(1.0 / p.softcap);
-        if (p.alibi_slopes) slope = p.alibi_slopes[batch * p.alibi_batch_stride + head];
-        aligned = aligned_row(p, pos, seqlen_k);
-        if (p.mask) {
-            const int64_t at = batch * p.mask_batch_stride + head * p.mask_head_stride + pos * p.mask_row_stride;
-            const int64_t bytes = p.mask_kind == MaskKind::kBool ? 1 : (p.mask_dtype == DType::kF64 ? 8 : 4);
-            mask = static_cast<const char*>(p.mask) + at * bytes;
-            col_stride = p.mask_col_stride;
-        }
-    }
-    template <class M>
-    const M* mask_at(int64_t key) const { return static_cast<const M*>(mask) + key * col_stride; }
-
-    void apply(const AttentionParams& p, float* srow, int64_t b, int64_t e, int64_t key0) const {
-        if (cap != 0) {
-            const V c = vset(cap), ic = vset(inv_cap);
+    void apply(float* srow, int64_t b, int64_t e, int64_t key0) const {
+        if (softcap != 0) {
+            const V c = vset(softcap), ic = vset(inv_softcap);
             for (int64_t x = b; x < e; x += W) vst(srow + x, vmul(c, simd::tanh_vec(vmul(vld(srow + x), ic))));
         }
         if (slope != 0) {  // |i' - j| exactly while below 2^24
@@ -445,19 +427,18 @@ struct RowScoreOptions {
                 vst(srow + x, simd::vfnma(sl, dist, vld(srow + x)));
             }
         }
-        if (!mask) return;
-        if (p.mask_kind == MaskKind::kBool) {
+        if (bool_mask) {
             for (int64_t x = b; x < e; ++x)
-                if (!*mask_at<uint8_t>(key0 + x)) srow[x] = -__builtin_inff();
-        } else if (p.mask_dtype == DType::kF64) {
-            for (int64_t x = b; x < e; ++x) srow[x] += static_cast<float>(*mask_at<double>(key0 + x));
-        } else if (col_stride == 1) {
-            const float* m = mask_at<float>(key0);
+                if (!bool_mask[(key0 + x) * col_stride]) srow[x] = -__builtin_inff();
+        } else if (add_mask_f64) {
+            for (int64_t x = b; x < e; ++x) srow[x] += static_cast<float>(add_mask_f64[(key0 + x) * col_stride]);
+        } else if (add_mask_f32 && col_stride == 1) {
+            const float* m = add_mask_f32 + key0;
             int64_t x = b;
             for (; x + W <= e; x += W) vst(srow + x, simd::vadd(vld(srow + x), vld(m + x)));
             for (; x < e; ++x) srow[x] += m[x];
-        } else {
-            for (int64_t x = b; x < e; ++x) srow[x] += *mask_at<float>(key0 + x);
+        } else if (add_mask_f32) {
+            for (int64_t x = b; x < e; ++x) srow[x] += add_mask_f32[(key0 + x) * col_stride];
         }
     }
 };
@@ -483,7 +464,7 @@ struct VectorSoftmax {
     static constexpr float kScaleFold = 1.0f;
     static void score_options(const AttentionParams& p, int64_t batch, int64_t head, int64_t pos,
                               int64_t seqlen_k, float* srow, int64_t b, int64_t e, int64_t key0) {
-        RowScoreOptions(p, batch, head, pos, seqlen_k).apply(p, srow, b, e, key0);
+        RowScoreOptions(p, batch, head, pos, seqlen_k).apply(srow, b, e, key0);
     }
     static float range_max(const float* x, int64_t b, int64_t e) { return simd_decode::range_max(x, b, e); }
     static float exp_shift_zero(float* x, int64_t n, int64_t b, int64_t e, float m) {
