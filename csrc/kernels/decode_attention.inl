@@ -471,31 +471,46 @@ void decode_chunk_f64(const AttentionParams& p, const DecodeTask& t, double* ws,
                       double* m, double* l) {
     decode_loop<TemplatePath<double, double, double>>(p, t, ws, acc, m, l);
 }
-// Every float32-accumulated combination, as attend_block_any.
-void decode_chunk_any(const AttentionParams& p, const DecodeTask& t, float* ws, float* acc,
-                       float* m, float* l) {
+// Runs Chunk::run<TQ, TKV>(p, t, ws, acc, m, l) for the call's q and K/V storage types: every
+// float32-accumulated combination (float32; 16-bit q with its own K/V type; float32 q over a
+// 16-bit cache; float32 or 16-bit q over an int8, float8 or int4 cache). Every decode kernel's
+// entry point goes through it, so each one instantiates the same combinations.
+template <class Chunk>
+inline void for_storage_types(const AttentionParams& p, const DecodeTask& t, float* ws, float* acc,
+                              float* m, float* l) {
     const DType q = p.dtype, kv = p.kv_dtype;
     if (kv == DType::kBF16) {
-        if (q == DType::kBF16) decode_loop<TemplatePath<bf16_t, bf16_t, float>>(p, t, ws, acc, m, l);
-        else decode_loop<TemplatePath<float, bf16_t, float>>(p, t, ws, acc, m, l);
+        if (q == DType::kBF16) Chunk::template run<bf16_t, bf16_t>(p, t, ws, acc, m, l);
+        else Chunk::template run<float, bf16_t>(p, t, ws, acc, m, l);
     } else if (kv == DType::kF16) {
-        if (q == DType::kF16) decode_loop<TemplatePath<f16_t, f16_t, float>>(p, t, ws, acc, m, l);
-        else decode_loop<TemplatePath<float, f16_t, float>>(p, t, ws, acc, m, l);
+        if (q == DType::kF16) Chunk::template run<f16_t, f16_t>(p, t, ws, acc, m, l);
+        else Chunk::template run<float, f16_t>(p, t, ws, acc, m, l);
     } else if (kv == DType::kF32) {
-        decode_loop<TemplatePath<float, float, float>>(p, t, ws, acc, m, l);
+        Chunk::template run<float, float>(p, t, ws, acc, m, l);
     } else if (kv == DType::kF8E4M3) {
-        if (q == DType::kBF16) decode_loop<TemplatePath<bf16_t, fp8_t, float>>(p, t, ws, acc, m, l);
-        else if (q == DType::kF16) decode_loop<TemplatePath<f16_t, fp8_t, float>>(p, t, ws, acc, m, l);
-        else decode_loop<TemplatePath<float, fp8_t, float>>(p, t, ws, acc, m, l);
+        if (q == DType::kBF16) Chunk::template run<bf16_t, fp8_t>(p, t, ws, acc, m, l);
+        else if (q == DType::kF16) Chunk::template run<f16_t, fp8_t>(p, t, ws, acc, m, l);
+        else Chunk::template run<float, fp8_t>(p, t, ws, acc, m, l);
     } else if (kv == DType::kQ4) {
-        if (q == DType::kBF16) decode_loop<TemplatePath<bf16_t, q4_t, float>>(p, t, ws, acc, m, l);
-        else if (q == DType::kF16) decode_loop<TemplatePath<f16_t, q4_t, float>>(p, t, ws, acc, m, l);
-        else decode_loop<TemplatePath<float, q4_t, float>>(p, t, ws, acc, m, l);
+        if (q == DType::kBF16) Chunk::template run<bf16_t, q4_t>(p, t, ws, acc, m, l);
+        else if (q == DType::kF16) Chunk::template run<f16_t, q4_t>(p, t, ws, acc, m, l);
+        else Chunk::template run<float, q4_t>(p, t, ws, acc, m, l);
     } else {  // kI8
-        if (q == DType::kBF16) decode_loop<TemplatePath<bf16_t, int8_t, float>>(p, t, ws, acc, m, l);
-        else if (q == DType::kF16) decode_loop<TemplatePath<f16_t, int8_t, float>>(p, t, ws, acc, m, l);
-        else decode_loop<TemplatePath<float, int8_t, float>>(p, t, ws, acc, m, l);
+        if (q == DType::kBF16) Chunk::template run<bf16_t, int8_t>(p, t, ws, acc, m, l);
+        else if (q == DType::kF16) Chunk::template run<f16_t, int8_t>(p, t, ws, acc, m, l);
+        else Chunk::template run<float, int8_t>(p, t, ws, acc, m, l);
     }
+}
+
+struct TemplateChunk {  // decode_loop with the template policy
+    template <class TQ, class T>
+    static void run(const AttentionParams& p, const DecodeTask& t, float* ws, float* acc, float* m, float* l) {
+        decode_loop<TemplatePath<TQ, T, float>>(p, t, ws, acc, m, l);
+    }
+};
+void decode_chunk_any(const AttentionParams& p, const DecodeTask& t, float* ws, float* acc,
+                       float* m, float* l) {
+    for_storage_types<TemplateChunk>(p, t, ws, acc, m, l);
 }
 // The decode of tiers without a hand-written one, and of the calls theirs does not cover
 // (KernelTable::decode_kernel).

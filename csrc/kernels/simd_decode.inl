@@ -531,39 +531,20 @@ inline bool covers(const AttentionParams& p) {
     return p.head_dim % W == 0 && p.head_dim_v % W == 0;
 }
 
-template <class TQ, class T>
-void chunk_for(const AttentionParams& p, const DecodeTask& task, float* workspace, float* acc,
-               float* m, float* l) {
-    if (p.head_dim == 128) decode_loop<WidenPath<128 / W, TQ, T>>(p, task, workspace, acc, m, l);
-    else if (p.head_dim == 64) decode_loop<WidenPath<64 / W, TQ, T>>(p, task, workspace, acc, m, l);
-    else decode_loop<WidenPath<0, TQ, T>>(p, task, workspace, acc, m, l);
-}
-
-// Every float32-accumulated dtype combination, for a call this kernel covers.
+// decode_loop with WidenPath (its score loops unrolled for D = 128 and 64), for every dtype
+// combination of a call this kernel covers (for_storage_types).
+struct WidenChunk {
+    template <class TQ, class T>
+    static void run(const AttentionParams& p, const DecodeTask& task, float* ws, float* acc, float* m,
+                    float* l) {
+        if (p.head_dim == 128) decode_loop<WidenPath<128 / W, TQ, T>>(p, task, ws, acc, m, l);
+        else if (p.head_dim == 64) decode_loop<WidenPath<64 / W, TQ, T>>(p, task, ws, acc, m, l);
+        else decode_loop<WidenPath<0, TQ, T>>(p, task, ws, acc, m, l);
+    }
+};
 void chunk_any(const AttentionParams& p, const DecodeTask& task, float* ws, float* acc,
                float* m, float* l) {
-    const DType q = p.dtype, kv = p.kv_dtype;
-    if (kv == DType::kBF16) {
-        if (q == DType::kBF16) chunk_for<bf16_t, bf16_t>(p, task, ws, acc, m, l);
-        else chunk_for<float, bf16_t>(p, task, ws, acc, m, l);
-    } else if (kv == DType::kF16) {
-        if (q == DType::kF16) chunk_for<f16_t, f16_t>(p, task, ws, acc, m, l);
-        else chunk_for<float, f16_t>(p, task, ws, acc, m, l);
-    } else if (kv == DType::kF32) {
-        chunk_for<float, float>(p, task, ws, acc, m, l);
-    } else if (kv == DType::kF8E4M3) {
-        if (q == DType::kBF16) chunk_for<bf16_t, fp8_t>(p, task, ws, acc, m, l);
-        else if (q == DType::kF16) chunk_for<f16_t, fp8_t>(p, task, ws, acc, m, l);
-        else chunk_for<float, fp8_t>(p, task, ws, acc, m, l);
-    } else if (kv == DType::kQ4) {
-        if (q == DType::kBF16) chunk_for<bf16_t, q4_t>(p, task, ws, acc, m, l);
-        else if (q == DType::kF16) chunk_for<f16_t, q4_t>(p, task, ws, acc, m, l);
-        else chunk_for<float, q4_t>(p, task, ws, acc, m, l);
-    } else {  // kI8
-        if (q == DType::kBF16) chunk_for<bf16_t, int8_t>(p, task, ws, acc, m, l);
-        else if (q == DType::kF16) chunk_for<f16_t, int8_t>(p, task, ws, acc, m, l);
-        else chunk_for<float, int8_t>(p, task, ws, acc, m, l);
-    }
+    for_storage_types<WidenChunk>(p, task, ws, acc, m, l);
 }
 
 // KernelTable::decode_kernel: this kernel where it covers the call, else the template.
