@@ -255,8 +255,11 @@ constexpr int64_t kPipelinedValueRun = 16;
 // streams above measured slower (bench/HISTORY.md 24, tier avx2): one row reads each block's
 // K and then its V as two plain streams (no V prefetch during the K pass, V runs of
 // kSmallL2ValueRun keys), and two or more rows pipeline blocks of kSmallL2PipelinedBlock keys
-// with one V run per block. The 1-2 MiB L2 of Zen 4 and Emerald Rapids keep the passes above,
-// measured faster there (RESULTS 13.4, 14.1).
+// with one V run per block. 16-bit K/V read by one row take the plain streams too (Zen 3,
+// bfloat16, 8/8 heads: 61-63 -> 64-67 % of the read kernel on one thread, 63 -> 70-73 % on
+// two; HISTORY.md 28.1); with more rows they keep the pipelined blocks (measured slower with
+// the small ones). The 1-2 MiB L2 of Zen 4 and Emerald Rapids keep the passes above, measured
+// faster there (RESULTS 13.4, 14.1).
 constexpr int64_t kSmallL2Bytes = 1 << 20;
 constexpr int64_t kSmallL2ValueRun = 16;
 constexpr int64_t kSmallL2PipelinedBlock = 32;
@@ -339,7 +342,8 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
         // template's per-key dot products keep one long block with V prefetched beside K and
         // the V pass in L1-sized runs of kValueSubKeys.)
         const bool pipelined = Path::kTunedStreams && n >= 2 && sizeof(T) >= 2;
-        const bool small_l2 = Path::kTunedStreams && sizeof(T) == 4 && cache_sizes().l2 < kSmallL2Bytes;
+        const bool small_l2 = Path::kTunedStreams && (sizeof(T) == 4 || (sizeof(T) == 2 && n == 1)) &&
+                              cache_sizes().l2 < kSmallL2Bytes;
         const bool prefetch_v = pipelined || !small_l2;
         const int64_t key_block = !pipelined ? kDecodeKeyBlock : (small_l2 ? kSmallL2PipelinedBlock : kPipelinedKeyBlock);
         const int64_t value_keys = !Path::kTunedStreams ? kValueSubKeys
