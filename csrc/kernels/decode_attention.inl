@@ -256,8 +256,8 @@ constexpr int64_t kPipelinedValueRun = 16;
 // K and then its V as two plain streams (no V prefetch during the K pass, V runs of
 // kSmallL2ValueRun keys), and two or more rows pipeline blocks of kSmallL2PipelinedBlock keys
 // with one V run per block. 16-bit K/V read by one row take the plain streams too (Zen 3,
-// bfloat16, 8/8 heads: 61-63 -> 64-67 % of the read kernel on one thread, 63 -> 70-73 % on
-// two; HISTORY.md 28.1); with more rows they keep the pipelined blocks (measured slower with
+// bfloat16, 8/8 heads, medians: 61.5-63 -> 63.5-66.5 % of the read kernel on one thread,
+// 62.5-63 -> 70-73 % on two; HISTORY.md 28.1); with more rows they keep the pipelined blocks (measured slower with
 // the small ones). The 1-2 MiB L2 of Zen 4 and Emerald Rapids keep the passes above, measured
 // faster there (RESULTS 13.4, 14.1).
 constexpr int64_t kSmallL2Bytes = 1 << 20;
