@@ -1,6 +1,6 @@
 // bfloat16 decode with AVX512_BF16's vdpbf16ps, for bfloat16 q over a bfloat16 cache (a
-// model run in bfloat16). Included by kernels/isa_avx512bf16.cpp after simd_decode.inl, whose
-// chunk() it drives with its own arithmetic policy (Bf16Path); every other call goes to the
+// model run in bfloat16). Included by kernels/isa_avx512bf16.cpp after simd_decode.inl; it runs
+// the one decode loop (decode_loop) with its own arithmetic policy (Bf16Path); every other call goes to the
 // widening kernel of this tier.
 //
 // Why: widening costs two instructions per 16 K or V values on top of the float32 FMAs,
@@ -108,7 +108,7 @@ inline void pv_rows(float* acc, int64_t Dv, const bf16_t* p, int64_t ps, const b
     for (; e < Dv; e += 32) pv_tile<RB, 1>(acc + e, Dv, p, ps, v + e, vs, keys);
 }
 
-// simd_decode::chunk's arithmetic for bfloat16 q and K/V (see the top of this file).
+// decode_loop's arithmetic for bfloat16 q and K/V (see the top of this file).
 template <int ND>
 struct Bf16Path : simd_decode::VectorSoftmax {
     using Q = bf16_t;

@@ -275,7 +275,8 @@ inline void add_sink(A sink, A& m, A& l, A* acc, int64_t dim_v) {
 // Written once for the template prefill (attend_block: whole tiles, unseen keys at -inf) and
 // every policy of the decode loop; Path gives the two passes over the scores, range_max and
 // exp_shift_zero (see TemplatePath, decode_attention.inl). Always inlined: called as a
-// function, the template decode measured ~10 % slower at 8/8 heads (tier generic, Zen 3).
+// function, the template decode spent 12 % more cycles at 8/8 heads (tier generic, Zen 3;
+// HISTORY.md 28).
 template <class Path, class A>
 __attribute__((always_inline)) inline bool softmax_block(A* srow, int64_t width, int64_t b,
                                                          int64_t e, A& m, A& l, A* acc_row,

@@ -474,8 +474,9 @@ struct VectorSoftmax {
 
 // decode_loop's arithmetic policy (see TemplatePath, decode_attention.inl): staging a query
 // row, scoring W keys for every row, the probabilities of a block being ready, adding V
-// rows, finishing the chunk. This one widens every K/V vector to float32 and runs float32 FMAs (any storage type T,
-// q of type TQ); bf16_decode.inl has a vdpbf16ps one for bfloat16 q and K/V.
+// rows, finishing the chunk. This one widens every K/V vector to float32 and runs float32
+// FMAs (any storage type T, q of type TQ); bf16_decode.inl has a vdpbf16ps one for bfloat16
+// q and K/V.
 // ND: D / W when the score loops are unrolled for it (0: any multiple of W).
 template <int ND, class TQ, class T>
 struct WidenPath : VectorSoftmax {

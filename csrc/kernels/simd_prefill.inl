@@ -1058,7 +1058,7 @@ inline ScoreOptions score_options(const AttentionParams& p) {
     return o;
 }
 
-// What run_task leaves to a prefill kernel, as a policy (as simd_decode.inl's chunk() takes
+// What run_task leaves to a prefill kernel, as a policy (as decode_loop takes
 // WidenPath): Q and KV, the storage types of q / out and of k / v; kWidened, whether each
 // K/V super-tile is widened into a float32 copy that b.k and b.v then point into (else they
 // point into the caller's arrays, strides in elements); the constructor, given the task's

@@ -1,6 +1,6 @@
 // int8 decode with AVX512-VNNI's vpdpbusd for Q·Kᵀ over an int8 cache. Included by
-// kernels/isa_avx512bf16.cpp after simd_decode.inl, whose chunk() it drives with its own
-// arithmetic policy (VnniPath); P·V and every other call stay on the widening kernels.
+// kernels/isa_avx512bf16.cpp after simd_decode.inl; it runs the one decode loop (decode_loop)
+// with its own arithmetic policy (VnniPath); P·V and every other call stay on the widening kernels.
 //
 // Why: widening int8 K costs a vpmovsxbd, a vcvtdq2ps and an FMA per 16 values and query
 // row, so an int8 step is compute-bound at a fraction of memory speed. vpdpbusd does 64
@@ -14,7 +14,7 @@
 //     sum (k + 128) qi = sum k qi + 128 sum qi, the last term one number per query row;
 //   * the sums are integers below 2^24 (|sum| <= 255 * 127 * D, D <= 512 here), so they are
 //     exact in float32 and the transpose-reduce tree adds them without rounding: a score is
-//     sq * (dot - 128 sum qi), one rounding, then the key's row scale (chunk()).
+//     sq * (dot - 128 sum qi), one rounding, then the key's row scale (decode_loop).
 // NaN / inf in q: the row's scale is NaN, so are its scores (the NaN rule holds).
 #pragma once
 #if !defined(__AVX512VNNI__)
@@ -87,7 +87,7 @@ struct ScoreBlock {  // RB rows against up to W keys, in groups of W / RB keys
     }
 };
 
-// chunk()'s arithmetic policy: int8 query bytes and vpdpbusd for the scores; the values
+// decode_loop's arithmetic policy: int8 query bytes and vpdpbusd for the scores; the values
 // (int8 V rows, weights already times the V row scales) as simd_decode's WidenPath.
 template <int ND, class TQ>
 struct VnniPath : simd_decode::VectorSoftmax {
