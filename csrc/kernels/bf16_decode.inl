@@ -53,8 +53,8 @@ inline void score_keys(const bf16_t* __restrict q, int64_t qs, const bf16_t* __r
                 acc[r * KB + j] = _mm512_dpbf16_ps(acc[r * KB + j], load_pairs(q + r * qs + c * 32), kv);
         }
     }
-    const __m512 dots = _mm512_mul_ps(simd_decode::transpose_reduce(acc), _mm512_set1_ps(scale));
-    for (int r = 0; r < RB; ++r) simd_decode::store_lanes(s + r * ss - r * KB, dots, r * KB, keys);
+    const __m512 dots = _mm512_mul_ps(simd::transpose_reduce(acc), _mm512_set1_ps(scale));
+    for (int r = 0; r < RB; ++r) simd::store_lanes(s + r * ss - r * KB, dots, r * KB, keys);
 }
 
 // Weights of keys j and j + 1 as one 32-bit word (any alignment: a run of keys may start

@@ -31,11 +31,11 @@
 // float32, bfloat16 or float16 (widened exactly), q float32 or 16 bits (widened exactly).
 // Rounding depends only on the shapes (never the thread count).
 #pragma once
-#if !defined(__AVX2__) || !defined(__FMA__)
-#error "gemm_decode.inl needs AVX2+FMA or AVX-512F"
+#if !(defined(__AVX2__) && defined(__FMA__)) && !defined(__aarch64__)
+#error "gemm_decode.inl needs AVX2+FMA, AVX-512F or AArch64 NEON"
 #endif
 #include "../simd/simd.hpp"
-#include "simd_decode.inl"  // its widening loads (vld_kv), decode_attention.inl through it
+#include "decode_attention.inl"
 
 namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {
@@ -54,9 +54,13 @@ constexpr int64_t kChunkKeys = 2048;
 // stay in L2 between the score pass and the P.V pass.
 constexpr int64_t kTileKeys = 64;
 // Register blocks: NV row vectors x NK keys (scores) or value columns (P.V); 16
-// accumulators on AVX-512 (32 registers), 8 on AVX2 (16).
+// accumulators with 32 registers (AVX-512, NEON), 12 with 16 (AVX2).
 constexpr int kNV = 2;
-constexpr int kNK = W == 16 ? 8 : 6;
+#if defined(__AVX512F__) || defined(__aarch64__)
+constexpr int kNK = 8;
+#else
+constexpr int kNK = 6;
+#endif
 // Fewest query rows per KV head for which a latent call takes this kernel: one whole vector.
 constexpr int64_t kMinRows = W;
 
@@ -161,7 +165,7 @@ inline void value_block(float* __restrict acct, int64_t rp, const float* __restr
 template <class T>
 inline void widen_row(const T* __restrict src, int64_t n, float* __restrict dst) {
     int64_t d = 0;
-    for (; d + W <= n; d += W) simd::vstore(dst + d, simd_decode::vld_kv(src + d));
+    for (; d + W <= n; d += W) simd::vstore(dst + d, simd::vwiden(src + d));
     for (; d < n; ++d) dst[d] = widen(src[d]);
 }
 

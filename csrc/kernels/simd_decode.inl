@@ -23,8 +23,8 @@
 //
 // No std:: templates here (see block_attention.inl).
 #pragma once
-#if !defined(__AVX2__) || !defined(__FMA__)
-#error "simd_decode.inl needs AVX2+FMA or AVX-512F"
+#if !(defined(__AVX2__) && defined(__FMA__)) && !defined(__aarch64__)
+#error "simd_decode.inl needs AVX2+FMA, AVX-512F or AArch64 NEON"
 #endif
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -41,189 +41,22 @@ namespace simd_decode {
 
 constexpr float kLog2e = 1.44269504088896340736f;
 
-#if defined(__AVX512F__)
-constexpr int W = 16;  // float lanes of a zmm register
-using V = __m512;
-inline V vld(const float* p) { return _mm512_loadu_ps(p); }
-inline void vst(float* p, V x) { _mm512_storeu_ps(p, x); }
-inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-inline V vzero() { return _mm512_setzero_ps(); }
-inline V vset(float x) { return _mm512_set1_ps(x); }
-inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+// The SIMD layer's vocabulary (csrc/simd/).
+using V = simd::Vec;
+using simd::W;
+using simd::vfma;
+using simd::vloadu;
+using simd::vmul;
+using simd::vset;
+using simd::vstoreu;
+using simd::vzero;
 
-// out lane n = sum of the lanes of x[n], n < 16, in a fixed tree: pairs interleaved within
-// 128-bit lanes, then 64-bit pairs, then 128-bit lanes across registers.
-inline __m512 transpose_reduce(const __m512* x) {
-    __m512 t[8], u[4], w[2];
-    for (int i = 0; i < 8; ++i)
-        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]),
-                             _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
-    for (int i = 0; i < 4; ++i) {
-        const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
-        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    for (int i = 0; i < 2; ++i)
-        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
-                         _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-}
-// s[c] = lane c of x for first <= c < first + n (lanes are < W).
-inline void store_lanes(float* s, V x, int first, int64_t n) {
-    _mm512_mask_storeu_ps(s, static_cast<__mmask16>(((1u << n) - 1u) << first), x);
-}
-inline float hmax(V x) { return _mm512_reduce_max_ps(x); }
-inline float hsum(V x) { return _mm512_reduce_add_ps(x); }
-// Lanes c (counting from c0) with b <= c0 + c < e: x, others 0 (x may be garbage there).
-inline V keep_range(V x, int64_t c0, int64_t b, int64_t e) {
-    const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                         _mm512_set1_epi32(static_cast<int32_t>(c0)));
-    const __mmask16 keep = _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(b)), idx, _MM_CMPINT_LE) &
-                           _mm512_cmp_epi32_mask(idx, _mm512_set1_epi32(static_cast<int32_t>(e)), _MM_CMPINT_LT);
-    return _mm512_maskz_mov_ps(keep, x);
-}
-#else  // AVX2 + FMA: 16 ymm registers
-constexpr int W = 8;
-using V = __m256;
-inline V vld(const float* p) { return _mm256_loadu_ps(p); }
-inline void vst(float* p, V x) { _mm256_storeu_ps(p, x); }
-inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-inline V vzero() { return _mm256_setzero_ps(); }
-inline V vset(float x) { return _mm256_set1_ps(x); }
-inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
-
-// out lane n = sum of the lanes of x[n], n < 8: pairs interleaved within 128-bit lanes,
-// then 64-bit pairs, then the two 128-bit halves.
-inline __m256 transpose_reduce(const __m256* x) {
-    __m256 t[4], u[2];
-    for (int i = 0; i < 4; ++i)
-        t[i] = _mm256_add_ps(_mm256_unpacklo_ps(x[2 * i], x[2 * i + 1]),
-                             _mm256_unpackhi_ps(x[2 * i], x[2 * i + 1]));
-    for (int i = 0; i < 2; ++i) {
-        const __m256d a = _mm256_castps_pd(t[2 * i]), b = _mm256_castps_pd(t[2 * i + 1]);
-        u[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)),
-                             _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
-    }
-    return _mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20),
-                         _mm256_permute2f128_ps(u[0], u[1], 0x31));
-}
-inline __m256i lanes_in(int64_t c0, int64_t b, int64_t e) {  // b <= c0 + lane < e
-    const __m256i idx = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                                         _mm256_set1_epi32(static_cast<int32_t>(c0)));
-    return _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(b)), idx),
-                               _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(e)), idx));
-}
-inline void store_lanes(float* s, V x, int first, int64_t n) {
-    _mm256_maskstore_ps(s, lanes_in(0, first, first + n), x);
-}
-// The same for n == KB lanes starting at first (a multiple of KB): plain stores (a masked
-// store costs several uops on Intel and is microcoded on AMD Zen).
-template <int KB>
-inline void store_group(float* s, V x, int first) {
-    if constexpr (KB == 8) {
-        _mm256_storeu_ps(s, x);
-    } else {
-        const __m128 half = first < 4 ? _mm256_castps256_ps128(x) : _mm256_extractf128_ps(x, 1);
-        if constexpr (KB == 4) {
-            _mm_storeu_ps(s + first, half);
-        } else {
-            static_assert(KB == 2, "W / RB keys per group");
-            if ((first & 3) == 0) _mm_storel_pi(reinterpret_cast<__m64*>(s + first), half);
-            else _mm_storeh_pi(reinterpret_cast<__m64*>(s + first), half);
-        }
-    }
-}
-inline float hmax(V x) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
-inline float hsum(V x) {  // fixed tree: halves, then (0 + 2) + (1 + 3)
-    __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_add_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
-inline V keep_range(V x, int64_t c0, int64_t b, int64_t e) {
-    return _mm256_and_ps(_mm256_castsi256_ps(lanes_in(c0, b, e)), x);
-}
-#endif
-
-// W stored K/V elements from p, widened to float32 (exact for every storage type).
-inline V vld_kv(const float* p) { return vld(p); }
-#if defined(__AVX512F__)
-inline V vld_kv(const bf16_t* p) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline V vld_kv(const f16_t* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline V vld_kv(const int8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-// float8 e4m3fn, times 2^-8 (kWidenScaleFold: the row scale carries the 2^8): each byte moved into
-// a float16's bits, s.eeee.mmm -> s.0eeee.mmm0000000, which is the e4m3 value over 2^8 with
-// every subnormal exact (both formats' subnormals are 0.m times their smallest normal), then
-// vcvtph2ps; S.1111.111 (NaN in e4m3fn, a finite 1.875 in float16) is set to NaN.
-inline V vld_kv(const fp8_t* p) {
-    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi16(0x7F));
-    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7),
-                                      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
-    const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7F));
-    return _mm512_mask_mov_ps(_mm512_cvtph_ps(h), nan, _mm512_set1_ps(__builtin_nanf("")));
-}
-#else
-inline V vld_kv(const bf16_t* p) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-inline V vld_kv(const f16_t* p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline V vld_kv(const int8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-inline V vld_kv(const fp8_t* p) {  // as the AVX-512 one, 8 lanes
-    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7F));
-    const __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7),
-                                   _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
-    const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F))));
-    return _mm256_or_ps(_mm256_cvtph_ps(h), nan);  // all ones: a NaN
-}
-#endif
-// W values d, d + 1, .. (d a multiple of W) of a stored K/V row, widened to float32: element
-// pointers step values for every storage type but int4, whose rows are blocks of 32
-// (simd/storage.hpp), dequantised here in registers: the block's header broadcast from
-// memory, its bfloat16 scale and minimum made float32 by a shift and a mask (no shuffles);
-// the block's bytes zero-extended to 32-bit lanes (vpmovzxbd), masked to the low nibbles or
-// shifted down to the high ones, vcvtdq2ps, one FMA. (Measured: float16 headers cost more
-// than the nibbles, their vcvtph2ps and broadcasts all on the shuffle port.)
-template <class T> inline V vld_kv(const T* row, int64_t d) { return vld_kv(row + d); }
+// W values d, d + 1, .. (d a multiple of W) of a stored K/V row, widened to float32
+// (simd::vwiden): element pointers step values for every storage type but int4, whose rows
+// are blocks of 32 (simd/storage.hpp), dequantised in registers.
+template <class T> inline V vld_kv(const T* row, int64_t d) { return simd::vwiden(row + d); }
 inline V vld_kv(const q4_t* row, int64_t d) {
-    const uint8_t* block = &row->byte + (d / kQ4Group) * kQ4BlockBytes;
-    const int64_t i = d % kQ4Group;  // 0 or 16 (AVX2: 0, 8, 16 or 24)
-    int32_t header;
-    __builtin_memcpy(&header, block, 4);
-#if defined(__AVX512F__)
-    const __m512i h = _mm512_set1_epi32(header);
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
-    const __m512i n = i < 16 ? _mm512_and_si512(bytes, _mm512_set1_epi32(15)) : _mm512_srli_epi32(bytes, 4);
-    const V scale = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-    const V minimum = _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
-    return vfma(_mm512_cvtepi32_ps(n), scale, minimum);
-#else
-    const __m256i h = _mm256_set1_epi32(header);
-    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 4 + (i & 15))));
-    const __m256i n = i < 16 ? _mm256_and_si256(bytes, _mm256_set1_epi32(15)) : _mm256_srli_epi32(bytes, 4);
-    const V scale = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-    const V minimum = _mm256_castsi256_ps(_mm256_and_si256(h, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
-    return vfma(_mm256_cvtepi32_ps(n), scale, minimum);
-#endif
+    return simd::vwiden_q4(&row->byte + (d / kQ4Group) * kQ4BlockBytes, d % kQ4Group);
 }
 // Vectors one block of a storage type holds: 1, but an int4 block of 32 values spans 32 / W
 // vectors, whose header and bytes are then decoded once (vld_kv_block).
@@ -233,32 +66,8 @@ template <> struct KvBlock<q4_t> { static constexpr int kVecs = 32 / W; };
 // kVecs * W).
 template <class T> inline void vld_kv_block(const T* row, int64_t d, V* out) { out[0] = vld_kv(row, d); }
 inline void vld_kv_block(const q4_t* row, int64_t d, V* out) {
-    const uint8_t* block = &row->byte + (d / kQ4Group) * kQ4BlockBytes;
-    int32_t header;
-    __builtin_memcpy(&header, block, 4);
-#if defined(__AVX512F__)
-    const __m512i h = _mm512_set1_epi32(header);
-    const V scale = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-    const V minimum = _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
-    out[0] = vfma(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), scale, minimum);
-    out[1] = vfma(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), scale, minimum);
-#else
-    const __m256i h = _mm256_set1_epi32(header);
-    const V scale = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-    const V minimum = _mm256_castsi256_ps(_mm256_and_si256(h, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
-    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 4)));
-    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 12)));
-    const __m256i low = _mm256_set1_epi32(15);
-    out[0] = vfma(_mm256_cvtepi32_ps(_mm256_and_si256(lo, low)), scale, minimum);
-    out[1] = vfma(_mm256_cvtepi32_ps(_mm256_and_si256(hi, low)), scale, minimum);
-    out[2] = vfma(_mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)), scale, minimum);
-    out[3] = vfma(_mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4)), scale, minimum);
-#endif
+    simd::vwiden_q4_block(&row->byte + (d / kQ4Group) * kQ4BlockBytes, out);
 }
-// What vld_kv leaves in the row scales: the stored value is kWidenScaleFold<T> * (vld_kv's lanes).
-template <class T> constexpr float kWidenScaleFold = 1.0f;
-template <> constexpr float kWidenScaleFold<fp8_t> = 256.0f;
 
 // s[r * ss + j] = q[r] . k[j] for RB query rows (q rows qs apart, D a multiple of W) and
 // the first `keys` (<= W / RB) of W / RB keys (key rows ks apart). Missing keys repeat the
@@ -287,26 +96,22 @@ inline void score_keys(const float* __restrict q, int64_t qs, const T* __restric
                 vld_kv_block(kp[j], c * W, kv);
                 for (int u = 0; u < BV; ++u)
                     for (int r = 0; r < RB; ++r)
-                        acc[r * KB + j] = vfma(kv[u], vld(q + r * qs + (c + u) * W), acc[r * KB + j]);
+                        acc[r * KB + j] = vfma(kv[u], vloadu(q + r * qs + (c + u) * W), acc[r * KB + j]);
             }
         } else {
             for (int64_t d = 0; d < D; d += W) {
                 const V kv = vld_kv(kp[j], d);
                 for (int r = 0; r < RB; ++r)
-                    acc[r * KB + j] = vfma(kv, vld(q + r * qs + d), acc[r * KB + j]);
+                    acc[r * KB + j] = vfma(kv, vloadu(q + r * qs + d), acc[r * KB + j]);
             }
         }
     }
-    const V dots = transpose_reduce(acc);  // lane r * KB + j: row r, key j
-#if defined(__AVX512F__)
-    for (int r = 0; r < RB; ++r) store_lanes(s + r * ss - r * KB, dots, r * KB, keys);
-#else
+    const V dots = simd::transpose_reduce(acc);  // lane r * KB + j: row r, key j
     if (keys == KB) {
-        for (int r = 0; r < RB; ++r) store_group<KB>(s + r * ss - r * KB, dots, r * KB);
+        for (int r = 0; r < RB; ++r) simd::store_group<KB>(s + r * ss - r * KB, dots, r * KB);
     } else {
-        for (int r = 0; r < RB; ++r) store_lanes(s + r * ss - r * KB, dots, r * KB, keys);
+        for (int r = 0; r < RB; ++r) simd::store_lanes(s + r * ss - r * KB, dots, r * KB, keys);
     }
-#endif
 }
 
 // acc[r][c] += sum_{j0 <= j < j1} p[r][j] * v[j][col + c] for RB rows and NV vectors of
@@ -317,7 +122,7 @@ inline void pv_tile(float* __restrict acc, int64_t acc_stride, const float* __re
                     int64_t j1) {
     V a[RB][NV];
     for (int r = 0; r < RB; ++r)
-        for (int c = 0; c < NV; ++c) a[r][c] = vld(acc + r * acc_stride + c * W);
+        for (int c = 0; c < NV; ++c) a[r][c] = vloadu(acc + r * acc_stride + c * W);
     for (int64_t j = j0; j < j1; ++j) {
         const T* vrow = v + j * vs;
         V vv[NV];
@@ -333,7 +138,7 @@ inline void pv_tile(float* __restrict acc, int64_t acc_stride, const float* __re
         }
     }
     for (int r = 0; r < RB; ++r)
-        for (int c = 0; c < NV; ++c) vst(acc + r * acc_stride + c * W, a[r][c]);
+        for (int c = 0; c < NV; ++c) vstoreu(acc + r * acc_stride + c * W, a[r][c]);
 }
 
 // All Dv columns (a multiple of W) for RB rows: RB x NV accumulators a tile (16 with 32
@@ -341,7 +146,7 @@ inline void pv_tile(float* __restrict acc, int64_t acc_stride, const float* __re
 template <int RB, class T>
 inline void pv_rows(float* acc, int64_t Dv, const float* p, int64_t ps, const T* v,
                     int64_t vs, int64_t j0, int64_t j1) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__aarch64__)  // 32 registers
     constexpr int NV = 16 / RB > 8 ? 8 : 16 / RB;
 #else
     // RB = 4: 12 accumulators + 3 V vectors + 1 broadcast = 16 registers; measured +3-10%
@@ -353,43 +158,6 @@ inline void pv_rows(float* acc, int64_t Dv, const float* p, int64_t ps, const T*
     for (; e < Dv; e += W) pv_tile<RB, 1, T>(acc + e, Dv, p, ps, v, e, vs, j0, j1);
 }
 
-// Largest of x[b .. e), or NaN when any of them is NaN (max_ps alone may drop a NaN).
-inline float range_max(const float* x, int64_t b, int64_t e) {
-#if defined(__AVX512F__)
-    __m512 mx = _mm512_set1_ps(-__builtin_inff());
-    __mmask16 nan = 0;
-    int64_t c = b;
-    for (; c + W <= e; c += W) {
-        const __m512 xv = _mm512_loadu_ps(x + c);
-        nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
-        mx = _mm512_max_ps(mx, xv);
-    }
-    if (c < e) {
-        const __mmask16 tail = static_cast<__mmask16>((1u << (e - c)) - 1u);
-        const __m512 xv = _mm512_mask_loadu_ps(_mm512_set1_ps(-__builtin_inff()), tail, x + c);
-        nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
-        mx = _mm512_max_ps(mx, xv);
-    }
-    return nan ? __builtin_nanf("") : hmax(mx);
-#else
-    __m256 mx = _mm256_set1_ps(-__builtin_inff());
-    __m256 nan = _mm256_setzero_ps();
-    int64_t c = b;
-    for (; c + W <= e; c += W) {
-        const __m256 xv = _mm256_loadu_ps(x + c);
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
-        mx = _mm256_max_ps(mx, xv);
-    }
-    float m = hmax(mx);
-    bool any_nan = _mm256_movemask_ps(nan) != 0;
-    for (; c < e; ++c) {
-        any_nan = any_nan || x[c] != x[c];
-        m = x[c] > m ? x[c] : m;
-    }
-    return any_nan ? __builtin_nanf("") : m;
-#endif
-}
-
 // x[c] = exp(x[c] - m) for b <= c < e and 0 for the other c < n (n rounded up to W may be
 // written: the score rows have room); returns the sum over [b, e).
 inline float exp_shift_zero(float* x, int64_t n, int64_t b, int64_t e, float m) {
@@ -398,12 +166,12 @@ inline float exp_shift_zero(float* x, int64_t n, int64_t b, int64_t e, float m) 
     V sum = vzero();
     for (int64_t c = 0; c < n; c += W) {
         // Lanes outside [b, e) may hold anything (even NaN): zeroed before and after exp.
-        const V s = keep_range(vld(x + c), c, b, e);
-        const V pr = keep_range(simd::exp2_neg(vmul(simd::vsub(s, mv), log2e)), c, b, e);
-        vst(x + c, pr);
+        const V s = simd::keep_range(vloadu(x + c), c, b, e);
+        const V pr = simd::keep_range(simd::exp2_neg(vmul(simd::vsub(s, mv), log2e)), c, b, e);
+        vstoreu(x + c, pr);
         sum = simd::vadd(sum, pr);
     }
-    return hsum(sum);
+    return simd::hsum(sum);
 }
 
 // The score options of one query row (RowOptions, block_attention.inl: the same fields, read
@@ -416,15 +184,15 @@ struct RowScoreOptions : RowOptions<float> {
     void apply(float* srow, int64_t b, int64_t e, int64_t key0) const {
         if (softcap != 0) {
             const V c = vset(softcap), ic = vset(inv_softcap);
-            for (int64_t x = b; x < e; x += W) vst(srow + x, vmul(c, simd::tanh_vec(vmul(vld(srow + x), ic))));
+            for (int64_t x = b; x < e; x += W) vstoreu(srow + x, vmul(c, simd::tanh_vec(vmul(vloadu(srow + x), ic))));
         }
         if (slope != 0) {  // |i' - j| exactly while below 2^24
             alignas(64) float iota[W];
             for (int i = 0; i < W; ++i) iota[i] = static_cast<float>(i);
-            const V sl = vset(slope), io = vld(iota);
+            const V sl = vset(slope), io = vloadu(iota);
             for (int64_t x = b; x < e; x += W) {
                 const V dist = simd::vabs(simd::vsub(vset(static_cast<float>(aligned - (key0 + x))), io));
-                vst(srow + x, simd::vfnma(sl, dist, vld(srow + x)));
+                vstoreu(srow + x, simd::vfnma(sl, dist, vloadu(srow + x)));
             }
         }
         if (bool_mask) {
@@ -435,7 +203,7 @@ struct RowScoreOptions : RowOptions<float> {
         } else if (add_mask_f32 && col_stride == 1) {
             const float* m = add_mask_f32 + key0;
             int64_t x = b;
-            for (; x + W <= e; x += W) vst(srow + x, simd::vadd(vld(srow + x), vld(m + x)));
+            for (; x + W <= e; x += W) vstoreu(srow + x, simd::vadd(vloadu(srow + x), vloadu(m + x)));
             for (; x < e; ++x) srow[x] += m[x];
         } else if (add_mask_f32) {
             for (int64_t x = b; x < e; ++x) srow[x] += add_mask_f32[(key0 + x) * col_stride];
@@ -466,7 +234,7 @@ struct VectorSoftmax {
                               int64_t seqlen_k, float* srow, int64_t b, int64_t e, int64_t key0) {
         RowScoreOptions(p, batch, head, pos, seqlen_k).apply(srow, b, e, key0);
     }
-    static float range_max(const float* x, int64_t b, int64_t e) { return simd_decode::range_max(x, b, e); }
+    static float range_max(const float* x, int64_t b, int64_t e) { return simd::range_max(x, b, e); }
     static float exp_shift_zero(float* x, int64_t n, int64_t b, int64_t e, float m) {
         return simd_decode::exp_shift_zero(x, n, b, e, m);
     }
@@ -482,7 +250,7 @@ template <int ND, class TQ, class T>
 struct WidenPath : VectorSoftmax {
     using Q = TQ;
     using KV = T;
-    static constexpr float kScaleFold = kWidenScaleFold<T>;
+    static constexpr float kScaleFold = simd::kWidenScaleFold<T>;
     // Workspace floats per staged query row (D rounded up to whole vectors).
     static int64_t query_stride(const AttentionParams& p) { return decode_query_stride(p); }
     static void stage_query(float* qs, const TQ* qrow, int64_t D, float scale) {

@@ -597,131 +597,25 @@ void attend_tile(const Block& b, int64_t tile, int64_t keys, int64_t next_keys, 
 // AVX tiers, 4 in an xmm on SSE2). Q, the output and mask tiles go through registers
 // kChunk x kChunk elements at a time (transpose_chunks).
 #if defined(__AVX2__)
-using Chunk = __m256;
+using Chunk = __m256;  // (on the AVX-512 tier too: the 8-lane conversions of simd/ymm.hpp)
 constexpr int kChunk = 8;
 inline Chunk chunk_set(float x) { return _mm256_set1_ps(x); }
 inline Chunk chunk_mul(Chunk a, Chunk b) { return _mm256_mul_ps(a, b); }
 inline Chunk chunk_load(const float* p) { return _mm256_load_ps(p); }  // aligned
 inline void chunk_store(float* p, Chunk x) { _mm256_store_ps(p, x); }   // aligned
 inline void chunk_storeu(float* p, Chunk x) { _mm256_storeu_ps(p, x); }
-// kChunk consecutive elements of a row widened to float32 (exact), and float32 narrowed to
-// the output type (round to nearest even, NaN kept, as simd/storage.hpp's scalars).
-inline Chunk widen_chunk(const float* x) { return _mm256_loadu_ps(x); }
-inline Chunk widen_chunk(const f16_t* x) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
-inline Chunk widen_chunk(const bf16_t* x) {
-    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-}
-inline Chunk widen_chunk(const int8_t* x) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x))));
-}
-inline void narrow_chunk(float* y, Chunk x) { _mm256_storeu_ps(y, x); }
-inline void narrow_chunk(f16_t* y, Chunk x) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(y), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-inline void narrow_chunk(bf16_t* y, Chunk x) {
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256i hi = _mm256_srli_epi32(u, 16);
-    const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(hi, _mm256_set1_epi32(1)));
-    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)),
-                                           _mm256_set1_epi32(0x7F800000));
-    const __m256i r = _mm256_blendv_epi8(rounded, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(y),
-                     _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
-}
-#elif defined(__aarch64__)
-using Chunk = float32x4_t;
-constexpr int kChunk = 4;
-inline Chunk chunk_set(float x) { return vdupq_n_f32(x); }
-inline Chunk chunk_mul(Chunk a, Chunk b) { return vmulq_f32(a, b); }
-inline Chunk chunk_load(const float* p) { return vld1q_f32(p); }
-inline void chunk_store(float* p, Chunk x) { vst1q_f32(p, x); }
-inline void chunk_storeu(float* p, Chunk x) { vst1q_f32(p, x); }
-inline uint16x4_t load4_halves(const void* x) { return vld1_u16(static_cast<const uint16_t*>(x)); }
-// As the AVX branch: bfloat16 by a 16-bit widening shift (ushll), float16 by fcvtl (exact,
-// subnormals included: FPCR.FZ16 is clear in the Linux and macOS defaults), int8 by two
-// sign-extending widenings (sxtl) and scvtf; exactly 4 elements read (no over-read).
-inline Chunk widen_chunk(const float* x) { return vld1q_f32(x); }
-inline Chunk widen_chunk(const bf16_t* x) { return vreinterpretq_f32_u32(vshll_n_u16(load4_halves(x), 16)); }
-inline Chunk widen_chunk(const f16_t* x) { return vcvt_f32_f16(vreinterpret_f16_u16(load4_halves(x))); }
-inline Chunk widen_chunk(const int8_t* x) {
-    int32_t w;
-    __builtin_memcpy(&w, x, 4);
-    const int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(w)));
-    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
-}
-inline void narrow_chunk(float* y, Chunk x) { vst1q_f32(y, x); }
-// fcvtn rounds to nearest even (the FPCR default) and quiets a NaN keeping its upper payload
-// bits, as simd/storage.hpp's narrow_f16.
-inline void narrow_chunk(f16_t* y, Chunk x) { vst1_u16(reinterpret_cast<uint16_t*>(y), vreinterpret_u16_f16(vcvt_f16_f32(x))); }
-inline void narrow_chunk(bf16_t* y, Chunk x) {  // simd/storage.hpp's narrow_bf16, 4 lanes
-    const uint32x4_t u = vreinterpretq_u32_f32(x);
-    const uint32x4_t hi = vshrq_n_u32(u, 16);
-    const uint32x4_t bias = vaddq_u32(vdupq_n_u32(0x7FFF), vandq_u32(hi, vdupq_n_u32(1)));
-    const uint32x4_t rounded = vshrq_n_u32(vaddq_u32(u, bias), 16);
-    const uint32x4_t nan = vcgtq_u32(vandq_u32(u, vdupq_n_u32(0x7FFFFFFF)), vdupq_n_u32(0x7F800000));
-    const uint32x4_t r = vbslq_u32(nan, vorrq_u32(hi, vdupq_n_u32(0x40)), rounded);
-    vst1_u16(reinterpret_cast<uint16_t*>(y), vmovn_u32(r));
-}
-#else  // SSE2
-using Chunk = __m128;
-constexpr int kChunk = 4;
-inline Chunk chunk_set(float x) { return _mm_set1_ps(x); }
-inline Chunk chunk_mul(Chunk a, Chunk b) { return _mm_mul_ps(a, b); }
-inline Chunk chunk_load(const float* p) { return _mm_load_ps(p); }  // aligned
-inline void chunk_store(float* p, Chunk x) { _mm_store_ps(p, x); }   // aligned
-inline void chunk_storeu(float* p, Chunk x) { _mm_storeu_ps(p, x); }
-inline __m128i load4_bytes(const void* p) {
-    int32_t w;
-    __builtin_memcpy(&w, p, 4);
-    return _mm_cvtsi32_si128(w);
-}
-// As the AVX branch, in SSE2 integer operations (no pmovzx / pmovsx / F16C).
-inline Chunk widen_chunk(const float* x) { return _mm_loadu_ps(x); }
-inline Chunk widen_chunk(const bf16_t* x) {  // the 16 bits into the upper half of each lane
-    return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(x))));
-}
-// float16: the exponent rebiased (+112) and the mantissa shifted into place; inf / NaN get
-// the float32 exponent 255; zeros and subnormals (exponent 0) are m * 2^-24, computed as
-// (2^-14 (1 + m 2^-10)) - 2^-14 so no denormal is ever an operand (exact, whatever DAZ says).
-inline Chunk widen_chunk(const f16_t* x) {
-    const __m128i h = _mm_unpacklo_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x)), _mm_setzero_si128());
-    const __m128i em = _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x7FFF)), 13);
-    const __m128i e = _mm_and_si128(h, _mm_set1_epi32(0x7C00));
-    const __m128i rebias = _mm_set1_epi32(112 << 23);
-    __m128i bits = _mm_add_epi32(em, rebias);
-    bits = _mm_add_epi32(bits, _mm_and_si128(_mm_cmpeq_epi32(e, _mm_set1_epi32(0x7C00)), rebias));
-    const __m128 two_m14 = _mm_castsi128_ps(_mm_set1_epi32(113 << 23));
-    const __m128 small = _mm_sub_ps(_mm_castsi128_ps(_mm_add_epi32(em, _mm_set1_epi32(113 << 23))), two_m14);
-    const __m128 is_small = _mm_castsi128_ps(_mm_cmpeq_epi32(e, _mm_setzero_si128()));
-    const __m128 mag = _mm_or_ps(_mm_and_ps(is_small, small), _mm_andnot_ps(is_small, _mm_castsi128_ps(bits)));
-    return _mm_or_ps(mag, _mm_castsi128_ps(_mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x8000)), 16)));
-}
-inline Chunk widen_chunk(const int8_t* x) {  // each byte into all four of its lane, then >> 24
-    __m128i b = load4_bytes(x);
-    b = _mm_unpacklo_epi8(b, b);
-    b = _mm_unpacklo_epi16(b, b);
-    return _mm_cvtepi32_ps(_mm_srai_epi32(b, 24));
-}
-inline void narrow_chunk(float* y, Chunk x) { _mm_storeu_ps(y, x); }
-inline void narrow_chunk(f16_t* y, Chunk x) {  // no F16C: simd/storage.hpp's scalar rounding
-    alignas(16) float f[4];
-    _mm_store_ps(f, x);
-    for (int c = 0; c < 4; ++c) y[c] = narrow_f16(f[c]);
-}
-inline void narrow_chunk(bf16_t* y, Chunk x) {
-    const __m128i u = _mm_castps_si128(x);
-    const __m128i hi = _mm_srli_epi32(u, 16);
-    const __m128i bias = _mm_add_epi32(_mm_set1_epi32(0x7FFF), _mm_and_si128(hi, _mm_set1_epi32(1)));
-    const __m128i rounded = _mm_srli_epi32(_mm_add_epi32(u, bias), 16);
-    const __m128i nan = _mm_cmpgt_epi32(_mm_and_si128(u, _mm_set1_epi32(0x7FFFFFFF)), _mm_set1_epi32(0x7F800000));
-    __m128i r = _mm_or_si128(_mm_and_si128(nan, _mm_or_si128(hi, _mm_set1_epi32(0x40))), _mm_andnot_si128(nan, rounded));
-    // r is in [0, 0xFFFF]; packssdw saturates signed, so sign-extend its low half first
-    // (no packusdw before SSE4.1): the same 16 bits come out.
-    r = _mm_srai_epi32(_mm_slli_epi32(r, 16), 16);
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(y), _mm_packs_epi32(r, r));
-}
+template <class T> inline Chunk widen_chunk(const T* x) { return widen8(x); }
+template <class T> inline void narrow_chunk(T* y, Chunk x) { narrow8(y, x); }
+#else  // NEON, SSE2: a chunk is one vector of the SIMD layer
+using Chunk = Vec;
+constexpr int kChunk = W;
+inline Chunk chunk_set(float x) { return vset(x); }
+inline Chunk chunk_mul(Chunk a, Chunk b) { return vmul(a, b); }
+inline Chunk chunk_load(const float* p) { return vload(p); }  // aligned
+inline void chunk_store(float* p, Chunk x) { vstore(p, x); }   // aligned
+inline void chunk_storeu(float* p, Chunk x) { vstoreu(p, x); }
+template <class T> inline Chunk widen_chunk(const T* x) { return vwiden(x); }
+template <class T> inline void narrow_chunk(T* y, Chunk x) { vnarrow(y, x); }
 #endif
 inline void narrow1(float* y, float x) { *y = x; }
 inline void narrow1(f16_t* y, float x) { *y = narrow_f16(x); }

@@ -62,7 +62,7 @@ inline void score_keys(const float* __restrict q, int64_t qs, const int8_t* __re
     }
     __m512 dots_f[W];
     for (int n = 0; n < W; ++n) dots_f[n] = _mm512_cvtepi32_ps(acc[n]);  // exact (< 2^24)
-    const __m512 dots = simd_decode::transpose_reduce(dots_f);            // exact integer sums
+    const __m512 dots = simd::transpose_reduce(dots_f);            // exact integer sums
     // lane r * KB + j: row r's scale and correction
     alignas(64) float sq[W], corr[W];
     const int64_t tail = bytes_floats(D);
@@ -72,7 +72,7 @@ inline void score_keys(const float* __restrict q, int64_t qs, const int8_t* __re
             corr[r * KB + j] = q[r * qs + tail + 1];
         }
     const __m512 sc = _mm512_mul_ps(_mm512_sub_ps(dots, _mm512_load_ps(corr)), _mm512_load_ps(sq));
-    for (int r = 0; r < RB; ++r) simd_decode::store_lanes(s + r * ss - r * KB, sc, r * KB, keys);
+    for (int r = 0; r < RB; ++r) simd::store_lanes(s + r * ss - r * KB, sc, r * KB, keys);
 }
 
 template <int RB, int ND>

@@ -6,6 +6,7 @@
 #error "include csrc/simd/simd.hpp from a kernel translation unit (kernels/isa_*.cpp)"
 #endif
 #include <immintrin.h>
+#include "ymm.hpp"  // (8-lane conversions: the prefill's row chunks)
 
 namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {
@@ -59,6 +60,104 @@ inline Vec select(Mask m, Vec yes, Vec no) { return _mm512_mask_blend_ps(m, no, 
 // x where the sign bit of `drop` is clear, else drop (a mask tile's 0 / -inf entries).
 inline Vec keep_unless_sign(Vec x, Vec drop) {
     return _mm512_mask_blend_ps(_mm512_movepi32_mask(_mm512_castps_si512(drop)), x, drop);
+}
+
+// ---- unaligned access, masked tails, reductions (the decode policies' rows of scores)
+inline Vec vloadu(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstoreu(float* p, Vec x) { _mm512_storeu_ps(p, x); }
+// out lane n = sum of the lanes of x[n], n < 16, in a fixed tree: pairs interleaved within
+// 128-bit lanes, then 64-bit pairs, then 128-bit lanes across registers.
+inline Vec transpose_reduce(const Vec* x) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; ++i)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]),
+                             _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {
+        const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; ++i)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
+                         _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+// s[c] = lane c of x for first <= c < first + n (lanes are < W).
+inline void store_lanes(float* s, Vec x, int first, int64_t n) {
+    _mm512_mask_storeu_ps(s, static_cast<__mmask16>(((1u << n) - 1u) << first), x);
+}
+// The same for n == KB lanes starting at first: a masked store is one uop here.
+template <int KB>
+inline void store_group(float* s, Vec x, int first) { store_lanes(s, x, first, KB); }
+inline float hmax(Vec x) { return _mm512_reduce_max_ps(x); }
+inline float hsum(Vec x) { return _mm512_reduce_add_ps(x); }
+// Lanes c (counting from c0) with b <= c0 + c < e: x, others 0 (x may be garbage there).
+inline Vec keep_range(Vec x, int64_t c0, int64_t b, int64_t e) {
+    const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(static_cast<int32_t>(c0)));
+    const __mmask16 keep = _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(b)), idx, _MM_CMPINT_LE) &
+                           _mm512_cmp_epi32_mask(idx, _mm512_set1_epi32(static_cast<int32_t>(e)), _MM_CMPINT_LT);
+    return _mm512_maskz_mov_ps(keep, x);
+}
+// Largest of x[b .. e), or NaN when any of them is NaN (max_ps alone may drop a NaN).
+inline float range_max(const float* x, int64_t b, int64_t e) {
+    __m512 mx = _mm512_set1_ps(-__builtin_inff());
+    __mmask16 nan = 0;
+    int64_t c = b;
+    for (; c + W <= e; c += W) {
+        const __m512 xv = _mm512_loadu_ps(x + c);
+        nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
+        mx = _mm512_max_ps(mx, xv);
+    }
+    if (c < e) {
+        const __mmask16 tail = static_cast<__mmask16>((1u << (e - c)) - 1u);
+        const __m512 xv = _mm512_mask_loadu_ps(_mm512_set1_ps(-__builtin_inff()), tail, x + c);
+        nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
+        mx = _mm512_max_ps(mx, xv);
+    }
+    return nan ? __builtin_nanf("") : hmax(mx);
+}
+
+// ---- widening: W stored elements (unaligned) to float32 lanes, exact (see ymm.hpp)
+inline Vec vwiden(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vwiden(const bf16_t* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline Vec vwiden(const f16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline Vec vwiden(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline Vec vwiden(const fp8_t* p) {  // times 2^-8, as ymm.hpp's widen8
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi16(0x7F));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7),
+                                      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+    const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7F));
+    return _mm512_mask_mov_ps(_mm512_cvtph_ps(h), nan, _mm512_set1_ps(__builtin_nanf("")));
+}
+struct Q4Header {  // as avx2.hpp's
+    Vec scale, minimum;
+    explicit Q4Header(const uint8_t* block) {
+        int32_t header;
+        __builtin_memcpy(&header, block, 4);
+        const __m512i h = _mm512_set1_epi32(header);
+        scale = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+        minimum = _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32(int32_t(0xFFFF0000u))));
+    }
+};
+inline Vec vwiden_q4(const uint8_t* block, int64_t i) {  // values i .. i + W (i: 0 or 16)
+    const Q4Header hd(block);
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
+    const __m512i n = i < 16 ? _mm512_and_si512(bytes, _mm512_set1_epi32(15)) : _mm512_srli_epi32(bytes, 4);
+    return vfma(_mm512_cvtepi32_ps(n), hd.scale, hd.minimum);
+}
+inline void vwiden_q4_block(const uint8_t* block, Vec* out) {
+    const Q4Header hd(block);
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
+    out[0] = vfma(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), hd.scale, hd.minimum);
+    out[1] = vfma(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), hd.scale, hd.minimum);
 }
 
 }  // namespace simd

@@ -17,6 +17,15 @@
 //   key_visible keep_or_neg_inf finite_or_zero neg_inf_to_nan keep_unless_sign
 //                        the predicates and blends of the online softmax
 //   exp2_neg tanh_vec    (math.hpp)
+// and, for rows of scores and stored K/V rows (at any alignment):
+//   vloadu vstoreu       unaligned whole vectors
+//   store_lanes store_group  lanes [first, first + n) of a vector (masked tails)
+//   keep_range           lanes outside a range zeroed
+//   hsum transpose_reduce  fixed-order sums of one vector's lanes / of W vectors' lanes
+//   hmax range_max       max of lanes / of a range, NaN if any element is NaN
+//   vwiden vwiden_q4 vwiden_q4_block  W stored float32 / bfloat16 / float16 / int8 / float8
+//                        e4m3fn (times 2^-8, kWidenScaleFold) / int4 values to float32 lanes,
+//                        exactly, in registers
 // Every operation rounds as its instruction does: results depend on the ISA (the header),
 // never on the thread count. Beside it: typed.hpp (vectors of float or double lanes for the
 // kernels templated over the accumulator type) and storage.hpp (the storage types).
@@ -26,6 +35,8 @@
 #endif
 
 #include <cstdint>
+
+#include "storage.hpp"  // the storage types vwiden reads
 
 #if defined(__aarch64__)
 #include "neon.hpp"
@@ -39,3 +50,15 @@
 #error "the SIMD layer needs SSE2 (x86-64) or AArch64 NEON"
 #endif
 #include "math.hpp"
+
+namespace attnfast {
+namespace ATTNFAST_KERNEL_NS {
+namespace {
+namespace simd {
+// What vwiden leaves in a row's scale: the stored value is kWidenScaleFold<T> * vwiden's lane.
+template <class T> constexpr float kWidenScaleFold = 1.0f;
+template <> constexpr float kWidenScaleFold<fp8_t> = 256.0f;
+}  // namespace simd
+}  // namespace
+}  // namespace ATTNFAST_KERNEL_NS
+}  // namespace attnfast

@@ -52,6 +52,62 @@ inline Vec keep_unless_sign(Vec x, Vec drop) {
     return select(_mm_castsi128_ps(_mm_srai_epi32(_mm_castps_si128(drop), 31)), drop, x);
 }
 
+// ---- unaligned access
+inline Vec vloadu(const float* p) { return _mm_loadu_ps(p); }
+inline void vstoreu(float* p, Vec x) { _mm_storeu_ps(p, x); }
+
+// ---- widening and narrowing: W stored elements (unaligned), float32 lanes; in SSE2 integer
+// operations (no pmovzx / pmovsx / F16C); exactly 4 elements read (no over-read)
+inline __m128i load4_bytes(const void* p) {
+    int32_t w;
+    __builtin_memcpy(&w, p, 4);
+    return _mm_cvtsi32_si128(w);
+}
+inline Vec vwiden(const float* x) { return _mm_loadu_ps(x); }
+inline Vec vwiden(const bf16_t* x) {  // the 16 bits into the upper half of each lane
+    return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(x))));
+}
+// float16: the exponent rebiased (+112) and the mantissa shifted into place; inf / NaN get
+// the float32 exponent 255; zeros and subnormals (exponent 0) are m * 2^-24, computed as
+// (2^-14 (1 + m 2^-10)) - 2^-14 so no denormal is ever an operand (exact, whatever DAZ says).
+inline Vec vwiden(const f16_t* x) {
+    const __m128i h = _mm_unpacklo_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x)), _mm_setzero_si128());
+    const __m128i em = _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x7FFF)), 13);
+    const __m128i e = _mm_and_si128(h, _mm_set1_epi32(0x7C00));
+    const __m128i rebias = _mm_set1_epi32(112 << 23);
+    __m128i bits = _mm_add_epi32(em, rebias);
+    bits = _mm_add_epi32(bits, _mm_and_si128(_mm_cmpeq_epi32(e, _mm_set1_epi32(0x7C00)), rebias));
+    const __m128 two_m14 = _mm_castsi128_ps(_mm_set1_epi32(113 << 23));
+    const __m128 small = _mm_sub_ps(_mm_castsi128_ps(_mm_add_epi32(em, _mm_set1_epi32(113 << 23))), two_m14);
+    const __m128 is_small = _mm_castsi128_ps(_mm_cmpeq_epi32(e, _mm_setzero_si128()));
+    const __m128 mag = _mm_or_ps(_mm_and_ps(is_small, small), _mm_andnot_ps(is_small, _mm_castsi128_ps(bits)));
+    return _mm_or_ps(mag, _mm_castsi128_ps(_mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x8000)), 16)));
+}
+inline Vec vwiden(const int8_t* x) {  // each byte into all four of its lane, then >> 24
+    __m128i b = load4_bytes(x);
+    b = _mm_unpacklo_epi8(b, b);
+    b = _mm_unpacklo_epi16(b, b);
+    return _mm_cvtepi32_ps(_mm_srai_epi32(b, 24));
+}
+inline void vnarrow(float* y, Vec x) { _mm_storeu_ps(y, x); }
+inline void vnarrow(f16_t* y, Vec x) {  // no F16C: simd/storage.hpp's scalar rounding
+    alignas(16) float f[4];
+    _mm_store_ps(f, x);
+    for (int c = 0; c < 4; ++c) y[c] = narrow_f16(f[c]);
+}
+inline void vnarrow(bf16_t* y, Vec x) {
+    const __m128i u = _mm_castps_si128(x);
+    const __m128i hi = _mm_srli_epi32(u, 16);
+    const __m128i bias = _mm_add_epi32(_mm_set1_epi32(0x7FFF), _mm_and_si128(hi, _mm_set1_epi32(1)));
+    const __m128i rounded = _mm_srli_epi32(_mm_add_epi32(u, bias), 16);
+    const __m128i nan = _mm_cmpgt_epi32(_mm_and_si128(u, _mm_set1_epi32(0x7FFFFFFF)), _mm_set1_epi32(0x7F800000));
+    __m128i r = _mm_or_si128(_mm_and_si128(nan, _mm_or_si128(hi, _mm_set1_epi32(0x40))), _mm_andnot_si128(nan, rounded));
+    // r is in [0, 0xFFFF]; packssdw saturates signed, so sign-extend its low half first
+    // (no packusdw before SSE4.1): the same 16 bits come out.
+    r = _mm_srai_epi32(_mm_slli_epi32(r, 16), 16);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(y), _mm_packs_epi32(r, r));
+}
+
 }  // namespace simd
 }  // namespace
 }  // namespace ATTNFAST_KERNEL_NS
