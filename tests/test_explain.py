@@ -23,7 +23,7 @@ TIERS = _ext.runtime_info()["isa_available"]
 X86_SIMD = {"avx2", "avx512", "avx512bf16"}
 SIMD_PREFILL = X86_SIMD | {"neon", "generic"}  # generic: SSE2 on x86-64 only (below)
 KEYS = {"tier", "path", "kernel", "kv_source", "split", "tasks", "threads", "regime",
-        "latent_kv", "rows_per_kv_read"}
+        "latent_kv", "rows_per_kv_read", "shared_prefix"}
 
 
 def _arrays(b, h, hkv, tq, tk, d, dv=None, dtype=np.float32, kv_dtype=None):

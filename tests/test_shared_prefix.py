@@ -293,3 +293,27 @@ def test_many_forks_stack_into_one_gemm_shaped_call(rng, monkeypatch):
     out = cache.attend(ids, q)
     check_against_reference(cache, ids, q, out)
     assert prefix_rows == ([35, 35] if gemm else [16, 16, 16, 16, 6])
+
+
+def test_explain_reports_the_shared_groups_and_the_call_uses_them(rng, small_prefix):
+    cache, ids = forked(rng, prompt=70, own=[0, 5, 30, 0])  # 4 full blocks + 6 tokens shared
+    other = cache.add_sequence()
+    cache.append(other, rand(rng, (2, 40, 16)), rand(rng, (2, 40, 16)))
+    ids = ids + [other]
+    q = rand(rng, (5, 4, 1, 16))
+    table = cache.block_table(ids)
+    lengths = np.array([cache.length(s) for s in ids], np.int32)
+    plan = af.explain(q, cache.k, cache.v, cache_seqlens=lengths, block_table=table)
+    assert plan["kv_source"] == "paged"
+    assert plan["shared_prefix"] == [{"sequences": [0, 1, 2, 3], "blocks": 4, "keys": 4 * BS}]
+    before = shared_calls()
+    out = af.attention_with_kvcache(q, cache.k, cache.v, lengths, block_table=table)
+    assert shared_calls() == before + 1
+    check_against_reference(cache, ids, q, out)
+    # nothing shared: unrelated sequences, ALiBi, no block table
+    assert af.explain(q[4:], cache.k, cache.v, cache_seqlens=lengths[4:],
+                      block_table=table[4:])["shared_prefix"] is None
+    slopes = np.full(4, 0.1, np.float32)
+    assert af.explain(q, cache.k, cache.v, cache_seqlens=lengths, block_table=table,
+                      alibi_slopes=slopes)["shared_prefix"] is None
+    assert af.explain(q[:1], cache.k[:1], cache.v[:1])["shared_prefix"] is None

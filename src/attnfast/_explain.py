@@ -4,6 +4,7 @@ from __future__ import annotations
 from . import _ext
 from ._api import kernel_call
 from ._checks import check_attention, check_kvcache_attention, check_paged_kvcache_attention
+from ._shared_prefix import plan_shared_prefix
 
 __all__ = ["explain"]
 
@@ -72,6 +73,16 @@ def explain(q, k, v, *, cache_seqlens=None, k_new=None, v_new=None, k_scale=None
     ``rows_per_kv_read`` : int or None
         Decode only: the query rows ((H / Hkv) x Tq) one read of a KV row serves, from which
         the regime is chosen; None for prefill.
+    ``shared_prefix`` : list of dict or None
+        Paged calls (``block_table``) only: the groups of sequences whose block-table rows
+        begin with the same full blocks (as :meth:`PagedKVCache.fork` leaves them) and which
+        every query row of theirs sees whole. Each group's shared blocks are read once for
+        all its sequences (their query rows stacked in one call), its sequences' own blocks in
+        a second call, merged exactly by log-sum-exp. Each dict: ``sequences`` (indices into
+        the batch), ``blocks`` and ``keys`` (the shared prefix). The other keys describe the
+        call as if nothing were shared. None when no group qualifies (fewer than two
+        sequences share 1024 keys or more, ALiBi, a window that cuts the prefix) or without
+        a block table.
 
     Examples
     --------
@@ -106,4 +117,13 @@ def explain(q, k, v, *, cache_seqlens=None, k_new=None, v_new=None, k_scale=None
         part = (slice(None), k, v, cache.seqlens_after, cache.k_scale, cache.v_scale,
                 cache.block_table)
     args, kwargs = kernel_call(call, part)
-    return _ext.plan_attention(*args, **kwargs)
+    plan = _ext.plan_attention(*args, **kwargs)
+    plan["shared_prefix"] = None
+    if cache_seqlens is not None and block_table is not None:
+        block_size = k.shape[2]
+        groups = plan_shared_prefix(cache.block_table, cache.seqlens_after, block_size,
+                                    call.seqlen_q, causal=call.causal, window=call.window,
+                                    query_offset=call.query_offset, options=call.options)
+        plan["shared_prefix"] = [{"sequences": list(g.rows), "blocks": g.blocks,
+                                  "keys": g.blocks * block_size} for g in groups] or None
+    return plan

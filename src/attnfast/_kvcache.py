@@ -125,8 +125,8 @@ def _stored_form(k_new, v_new, cache_dtype, row_scaled: bool, key_rotation=None)
     """k_new, v_new as the cache stores them, converted before anything is written:
     (k, v, k row scales, v row scales), the scales None unless int8 / float8 (int4 rows
     carry their own, attnfast._int4). Values beyond
-    a 16-bit dtype's range become +-inf, as the cast gives, with no overflow warning (README,
-    reliability rules): a warning turned into an error must not stop a write half-way."""
+    a 16-bit dtype's range become +-inf, as the cast gives, with no overflow warning
+    (docs/user_guide/reliability.md): a warning turned into an error must not stop a write half-way."""
     if cache_dtype == INT4_STORAGE:  # packed blocks with their own scales (attnfast._int4)
         if key_rotation == "hadamard":
             k_new = hadamard_rotate(k_new)
@@ -238,7 +238,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
         :class:`attnfast.PagedKVCache` manages such a pool. Sequences whose rows begin with
         the same full blocks (at least 1024 keys, every key visible to all their query rows)
         read those blocks once for all of them, merged by log-sum-exp: equal to float32
-        rounding, same bits for any thread count (README, Shared-prefix decoding).
+        rounding, same bits for any thread count (docs/user_guide/paged.md).
     tree_mask : bool array (Tq, Tq) or (B, Tq, Tq), optional, Tq <= 64
         Token-tree verification: the last Tq keys of each sequence (with k_new, the t = Tq
         new ones) are the tree; query i sees every earlier key and new token j iff

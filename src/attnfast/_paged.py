@@ -91,7 +91,7 @@ class PagedKVCache:
         # (num_blocks, Hkv, block_size, D) view the kernels take: a KV head's rows of blocks
         # with consecutive ids are then adjacent in memory, so a sequence whose blocks were
         # taken in order streams like a contiguous cache (scattered short blocks cost more:
-        # see README, Paged KV cache).
+        # see docs/user_guide/paged.md).
         # (int4: rows of packed blocks, attnfast._int4, their length not the head dim)
         self._head_dims = (D, Dv)
         stored = (_int4.packed_size(D), _int4.packed_size(Dv)) if dt == INT4_STORAGE else (D, Dv)
@@ -268,8 +268,8 @@ class PagedKVCache:
         :func:`attnfast.attention_with_kvcache`. A mask's last axis spans the call's key
         positions: ``max_blocks * block_size``, max_blocks being the most blocks any of the
         sequences holds. Sequences sharing leading full blocks (forks) read them once
-        (shared-prefix decoding; README). ``tree_mask`` (Tq x Tq bool): the last Tq tokens of
-        each sequence are a token tree, as in :func:`attnfast.attention_with_kvcache`.
+        (docs/user_guide/paged.md, shared-prefix decoding). ``tree_mask`` (Tq x Tq bool): the
+        last Tq tokens of each sequence are a token tree, as in :func:`attnfast.attention_with_kvcache`.
         Returns out (n, H, Tq, v_head_dim), or (out, lse)."""
         return self._run(seq_ids, q, None, None, causal=causal, scale=scale, window=window,
                          softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,

@@ -20,6 +20,7 @@ import threading
 
 import numpy as np
 
+from . import _int4
 from ._api import merge_attention_states
 from ._checks import (
     FLOAT64,
@@ -118,7 +119,7 @@ class _Shard:
             return None
         layers, seqs, q, offsets, options, alibi, mask = attend
         cache0 = self._caches[layers[0]]
-        if q.dtype in LOWP_DTYPES:  # a float32 q reads 16-bit and int8 caches alike:
+        if q.dtype in LOWP_DTYPES:  # a float32 q reads 16-bit and quantised caches alike:
             q = q.astype(np.float32)  # the shards' results stay float32 until the merge
         nl, n, H, Tq, _ = q.shape
         acc = np.float64 if q.dtype == FLOAT64 else np.float32
@@ -209,7 +210,9 @@ class ShardedKVCache:
     Parameters
     ----------
     batch, kv_heads, head_dim, dtype, v_head_dim
-        As in :class:`attnfast.KVCache` (every storage dtype but int4, int8 included).
+        As in :class:`attnfast.KVCache` (every storage dtype: int8, float8_e4m3fn and int4
+        included; new K/V rows of a quantised cache are float32, float16 or bfloat16, sent as
+        given and quantised by the shard that stores them).
     capacity_per_shard : int
         Tokens per sequence each shard holds.
     num_shards : int
@@ -256,10 +259,6 @@ class ShardedKVCache:
         B, Hkv, D, C, dt, Dv = check_cache_spec(batch, kv_heads, head_dim, capacity_per_shard,
                                                 dtype, v_head_dim)
         check_cache_spec(batch, kv_heads, head_dim, C * S, dtype, v_head_dim)  # total size
-        if dt == INT4_STORAGE:
-            raise NotImplementedError("ShardedKVCache(dtype=\"int4\") is not supported yet; use "
-                                      "int8, float8_e4m3fn or a 16-bit dtype (or a KVCache / "
-                                      "PagedKVCache, which store int4)")
         NL = _positive_int(num_layers, "num_layers")
         if actor_options is None:
             per_shard = [{}] * S
@@ -281,7 +280,10 @@ class ShardedKVCache:
         self._dag = None
         self._lengths = np.zeros((NL, B), dtype=np.int64)
         self._lock = threading.Lock()
-        # zero-stride stand-ins of the whole cache, for the argument checks (no memory)
+        # zero-stride stand-ins of the whole cache, for the argument checks (no memory); an
+        # int4 cache's rows are packed blocks (attnfast._int4), their length not the head dim
+        self._stored_dims = ((_int4.packed_size(D), _int4.packed_size(Dv))
+                             if dt == INT4_STORAGE else (D, Dv))
         self._k_one = np.zeros(1, dt)
         self._v_one = np.zeros(1, dt)
         self._s_one = np.zeros(2, np.float32)  # [0]: k_scale's stand-in, [1]: v_scale's
@@ -317,7 +319,9 @@ class ShardedKVCache:
     kv_heads = property(lambda self: self._kv_heads, doc="KV heads (Hkv).")
     head_dim = property(lambda self: self._head_dim, doc="Head dim of keys (and queries).")
     v_head_dim = property(lambda self: self._v_head_dim, doc="Head dim of values.")
-    dtype = property(lambda self: self._dtype, doc="Storage dtype of the shards' caches.")
+    dtype = property(lambda self: self._dtype,
+                     doc="Storage dtype of the shards' caches (as KVCache.dtype: uint8 for an "
+                         "int4 cache, its packed blocks).")
     num_shards = property(lambda self: self._num_shards, doc="Number of Ray actors.")
     num_layers = property(lambda self: self._num_layers, doc="Layers held.")
     capacity_per_shard = property(lambda self: self._shard_capacity,
@@ -328,9 +332,10 @@ class ShardedKVCache:
                       doc="The shards' Ray actor handles, shard 0 first.")
 
     def __repr__(self) -> str:
+        kind = "'int4'" if self.dtype == INT4_STORAGE else self.dtype
         return (f"ShardedKVCache(batch={self.batch}, kv_heads={self.kv_heads}, "
                 f"head_dim={self.head_dim}, capacity_per_shard={self.capacity_per_shard}, "
-                f"num_shards={self.num_shards}, dtype={self.dtype}, v_head_dim={self.v_head_dim}, "
+                f"num_shards={self.num_shards}, dtype={kind}, v_head_dim={self.v_head_dim}, "
                 f"num_layers={self.num_layers}{'; closed' if self._closed else ''})")
 
     def __enter__(self):
@@ -463,11 +468,12 @@ class ShardedKVCache:
         return result
 
     def _stand_ins(self, n):
-        """Zero-stride arrays shaped like the selected part of the whole cache."""
+        """Zero-stride arrays shaped like the selected part of the whole cache (an int4
+        cache's: rows of packed blocks, as KVCache holds them)."""
         shape = (n, self._kv_heads, self.capacity)
         st = np.lib.stride_tricks.as_strided
-        k = st(self._k_one, shape + (self._head_dim,), (0, 0, 0, 0))
-        v = st(self._v_one, shape + (self._v_head_dim,), (0, 0, 0, 0))
+        k = st(self._k_one, shape + (self._stored_dims[0],), (0, 0, 0, 0))
+        v = st(self._v_one, shape + (self._stored_dims[1],), (0, 0, 0, 0))
         s = ((st(self._s_one[:1], shape, (0, 0, 0)), st(self._s_one[1:], shape, (0, 0, 0)))
              if self._dtype in ROW_SCALED_DTYPES else (None, None))
         return k, v, s
@@ -502,7 +508,8 @@ class ShardedKVCache:
                     v_scale=s_sel[1], query_offset=query_offset, softcap=softcap,
                     alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
                     cache_names=("cache.k", "cache.v"),
-                    scale_names=("cache.k_scale", "cache.v_scale"))
+                    scale_names=("cache.k_scale", "cache.v_scale"),
+                    head_dims=(self._head_dim, self._v_head_dim))
                 calls.append(call)
                 checked.append((call.k_new, call.v_new, call.new_tokens) if call.new_tokens
                                else None)
