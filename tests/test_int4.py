@@ -193,13 +193,63 @@ def test_int4_rejects_bad_input_and_writes_nothing():
         af.KVCache(1, 1, 64, 8, dtype="int4", v_head_dim=32, latent=True)
     with pytest.raises(TypeError, match="dtype=\"int4\""):
         af.KVCache(1, 1, 64, 8, dtype=np.uint8)
-    with pytest.raises(NotImplementedError, match="ShardedKVCache"):
-        from attnfast.distributed import ShardedKVCache
-        ShardedKVCache(1, 1, 64, 8, 2, dtype="int4")
-    # caller-owned uint8 arrays do not say their head dims: refused by name
+    # caller-owned uint8 arrays: rows that do not hold D (or v_head_dim) values are refused
+    # by name, v_head_dim anywhere else too; nothing written
     k = np.zeros((1, 1, 8, 40), np.uint8)
-    with pytest.raises(TypeError, match="KVCache / PagedKVCache"):
-        af.attention_with_kvcache(np.zeros((1, 1, 1, 64), np.float32), k, k.copy(), 0)
+    q = np.zeros((1, 1, 1, 64), np.float32)
+    new = np.ones((1, 1, 1, 64), np.float32)
+    with pytest.raises(ValueError, match="v_cache .* does not hold int4 rows of 96 values"):
+        af.attention_with_kvcache(q, k, k.copy(), 0, new, new, v_head_dim=96)
+    with pytest.raises(ValueError, match="v_head_dim must be an int >= 1"):
+        af.attention_with_kvcache(q, k, k.copy(), 0, v_head_dim=0)
+    with pytest.raises(ValueError, match="v_head_dim is for int4 caches"):
+        af.attention_with_kvcache(q, np.zeros((1, 1, 8, 64), np.float32),
+                                  np.zeros((1, 1, 8, 64), np.float32), 0, v_head_dim=64)
+    assert not k.any()
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("dv", [64, 80])
+def test_int4_attention_with_kvcache_equals_the_cache(tier, paged, dv):
+    """attention_with_kvcache over a caller's int4 arrays (KVCache(dtype="int4")'s packed
+    rows, scales and minimums in place): the same writes and the same bits as the cache."""
+    rng = np.random.default_rng(dv + paged)
+    B, Hkv, H, D, C, n = 2, 2, 8, 64, 256, 150
+    cache = af.KVCache(B, Hkv, D, C, dtype="int4", v_head_dim=dv)
+    cache.append(rng.standard_normal((B, Hkv, n, D)).astype(np.float32),
+                 rng.standard_normal((B, Hkv, n, dv)).astype(np.float32))
+    k, v = cache.k.copy(), cache.v.copy()
+    q = rng.standard_normal((B, H, 1, D)).astype(np.float32)
+    kn = rng.standard_normal((B, Hkv, 1, D)).astype(np.float32)
+    vn = rng.standard_normal((B, Hkv, 1, dv)).astype(np.float32)
+    want = cache.step(q, kn, vn)
+    lengths = np.full(B, n, np.int32)
+    if paged:  # the same rows in a pool of 16-token blocks, sequence b's blocks interleaved
+        bs = 16
+        table = np.arange(B * (C // bs)).reshape(C // bs, B).T.copy()
+        def pool(x):
+            p = np.zeros((B * C // bs, Hkv, bs, x.shape[-1]), np.uint8)
+            for b in range(B):
+                p[table[b]] = x[b].reshape(Hkv, C // bs, bs, -1).transpose(1, 0, 2, 3)
+            return p
+        kp, vp = pool(k), pool(v)
+        got = af.attention_with_kvcache(q, kp, vp, lengths, kn, vn, block_table=table,
+                                        key_rotation="hadamard", v_head_dim=dv)
+        for b in range(B):
+            rows = table[b, n // bs]
+            np.testing.assert_array_equal(kp[rows, :, n % bs], cache.k[b, :, n])
+            np.testing.assert_array_equal(vp[rows, :, n % bs], cache.v[b, :, n])
+    else:
+        got = af.attention_with_kvcache(q, k, v, lengths, kn, vn, key_rotation="hadamard",
+                                        v_head_dim=dv)
+        np.testing.assert_array_equal(k[:, :, :n + 1], cache.k[:, :, :n + 1])
+        np.testing.assert_array_equal(v[:, :, :n + 1], cache.v[:, :, :n + 1])
+    np.testing.assert_array_equal(got, want)
+    plan = af.explain(q, k, v, cache_seqlens=lengths + 1, v_head_dim=dv)
+    assert plan["path"] == "decode"
+    kd, vd = decoded_cache(cache, n + 1)
+    ref, _, _ = reference_attention(rotated(cache, q), kd, vd, causal=True)
+    close(got, ref)
 
 
 @pytest.mark.parametrize("outliers", [False, True])

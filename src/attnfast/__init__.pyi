@@ -105,7 +105,8 @@ def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray
                            v_scale: NDArray[np.float32] | None = ...,
                            block_table: ArrayLike | None = ...,
                            tree_mask: ArrayLike | None = ...,
-                           key_rotation: str | None = ...) -> _Out: ...
+                           key_rotation: str | None = ...,
+                           v_head_dim: int | None = ...) -> _Out: ...
 @overload
 def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray[Any],
                            cache_seqlens: int | ArrayLike, k_new: ArrayLike | None = ...,
@@ -118,7 +119,8 @@ def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray
                            v_scale: NDArray[np.float32] | None = ...,
                            block_table: ArrayLike | None = ...,
                            tree_mask: ArrayLike | None = ...,
-                           key_rotation: str | None = ...) -> _OutLse: ...
+                           key_rotation: str | None = ...,
+                           v_head_dim: int | None = ...) -> _OutLse: ...
 @overload
 def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray[Any],
                            cache_seqlens: int | ArrayLike, k_new: ArrayLike | None = None,
@@ -131,7 +133,8 @@ def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray
                            v_scale: NDArray[np.float32] | None = None,
                            block_table: ArrayLike | None = None,
                            tree_mask: ArrayLike | None = None,
-                           key_rotation: str | None = None) -> _Out | _OutLse: ...
+                           key_rotation: str | None = None,
+                           v_head_dim: int | None = None) -> _Out | _OutLse: ...
 
 class KVCache:
     def __init__(self, batch: int, kv_heads: int, head_dim: int, capacity: int, *,
@@ -325,7 +328,8 @@ def explain(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
             softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
             sinks: ArrayLike | None = None, mask: ArrayLike | None = None,
             return_lse: bool = False, out: NDArray[Any] | None = None,
-            num_threads: int | None = None, query_offset: int | None = None) -> dict[str, Any]: ...
+            num_threads: int | None = None, query_offset: int | None = None,
+            v_head_dim: int | None = None) -> dict[str, Any]: ...
 def explain_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
                    cu_seqlens_k: ArrayLike | None = None, *, seqused_k: ArrayLike | None = None,
                    block_table: ArrayLike | None = None, max_seqlen_q: int | None = None,

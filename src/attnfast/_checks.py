@@ -666,6 +666,27 @@ def _check_array_pair(k_cache, v_cache, names, four_d: str):
     return kd
 
 
+def int4_head_dims(q, k_cache, v_head_dim, name: str = "v_head_dim"):
+    """(D, Dv) of an int4 cache passed as its packed uint8 rows (attention_with_kvcache,
+    explain): D is q's head dim, Dv ``v_head_dim`` (default D). None for any other cache, for
+    which ``v_head_dim`` must be None (their last axes say the head dims)."""
+    if not (isinstance(k_cache, np.ndarray) and k_cache.dtype == INT4_STORAGE):
+        if v_head_dim is not None:
+            raise ValueError(f"{name} is for int4 caches (uint8 arrays of packed rows) only; "
+                             f"the caches' last axes give the head dims, got {name}={v_head_dim!r}")
+        return None
+    shape = getattr(q, "shape", None)
+    if not shape:
+        return None  # q itself is rejected by the checks that follow
+    D = int(shape[-1])
+    if v_head_dim is None:
+        return D, D
+    if isinstance(v_head_dim, (bool, np.bool_)) or not isinstance(v_head_dim, (int, np.integer)) \
+            or v_head_dim < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {v_head_dim!r}")
+    return D, int(v_head_dim)
+
+
 def _check_head_dims(k_cache, v_cache, names, dtype, head_dims) -> tuple[int, int]:
     """(D, Dv) of a cache pair: their last axes, or for int4 storage (uint8) `head_dims`,
     which the packed rows must fit (attnfast._int4.packed_size)."""
@@ -674,7 +695,7 @@ def _check_head_dims(k_cache, v_cache, names, dtype, head_dims) -> tuple[int, in
         if head_dims is None:
             raise TypeError(f"{kn} and {vn} are uint8: int4 caches are used through "
                             "attnfast.KVCache / PagedKVCache(dtype=\"int4\"), which know their "
-                            "head dims")
+                            "head dims, or attention_with_kvcache (v_head_dim= gives Dv)")
         D, Dv = head_dims
         for name, a, dim in ((kn, k_cache, D), (vn, v_cache, Dv)):
             if a.shape[3] != _int4.packed_size(dim):

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from . import _ext
 from ._api import kernel_call
-from ._checks import check_attention, check_kvcache_attention, check_paged_kvcache_attention
+from ._checks import (check_attention, check_kvcache_attention, check_paged_kvcache_attention,
+                      int4_head_dims)
 from ._shared_prefix import plan_shared_prefix
 
 __all__ = ["explain"]
@@ -12,7 +13,7 @@ __all__ = ["explain"]
 def explain(q, k, v, *, cache_seqlens=None, k_new=None, v_new=None, k_scale=None,
             v_scale=None, block_table=None, causal=None, scale=None, window=None,
             softcap=None, alibi_slopes=None, sinks=None, mask=None, return_lse=False,
-            out=None, num_threads=None, query_offset=None):
+            out=None, num_threads=None, query_offset=None, v_head_dim=None):
     """What the kernels would do for a call, computing nothing.
 
     ``explain(q, k, v, **options)`` describes ``attention(q, k, v, **options)``; with
@@ -28,7 +29,7 @@ def explain(q, k, v, *, cache_seqlens=None, k_new=None, v_new=None, k_scale=None
     q, k, v
         As in :func:`attnfast.attention`, or, with ``cache_seqlens``, the caches of
         :func:`attnfast.attention_with_kvcache`.
-    cache_seqlens, k_new, v_new, k_scale, v_scale, block_table : optional
+    cache_seqlens, k_new, v_new, k_scale, v_scale, block_table, v_head_dim : optional
         As in :func:`attnfast.attention_with_kvcache`; ``cache_seqlens`` selects it (the
         others need it).
     causal : bool, optional
@@ -95,7 +96,8 @@ def explain(q, k, v, *, cache_seqlens=None, k_new=None, v_new=None, k_scale=None
     """
     if cache_seqlens is None:
         for name, value in (("k_new", k_new), ("v_new", v_new), ("k_scale", k_scale),
-                            ("v_scale", v_scale), ("block_table", block_table)):
+                            ("v_scale", v_scale), ("block_table", block_table),
+                            ("v_head_dim", v_head_dim)):
             if value is not None:
                 raise TypeError(f"{name} describes a KV-cache call: pass cache_seqlens too")
         call = check_attention(q, k, v, causal=False if causal is None else causal,
@@ -107,7 +109,7 @@ def explain(q, k, v, *, cache_seqlens=None, k_new=None, v_new=None, k_scale=None
         options = dict(causal=True if causal is None else causal, scale=scale, window=window,
                        num_threads=num_threads, k_scale=k_scale, v_scale=v_scale,
                        query_offset=query_offset, softcap=softcap, alibi_slopes=alibi_slopes,
-                       sinks=sinks, mask=mask)
+                       sinks=sinks, mask=mask, head_dims=int4_head_dims(q, k, v_head_dim))
         if block_table is None:
             cache = check_kvcache_attention(q, k, v, cache_seqlens, k_new, v_new, **options)
         else:

@@ -43,6 +43,7 @@ from ._checks import (
     check_truncate,
     check_key_rotation,
     default_key_rotation,
+    int4_head_dims,
 )
 from ._rotation import hadamard_rotate, rotate_queries
 from ._shared_prefix import run_paged_kernels
@@ -185,7 +186,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
                            causal=True, scale=None, window=None, softcap=None,
                            alibi_slopes=None, sinks=None, mask=None, return_lse=False,
                            out=None, num_threads=None, query_offset=None, k_scale=None,
-                           v_scale=None, block_table=None, tree_mask=None, key_rotation=None):
+                           v_scale=None, block_table=None, tree_mask=None, key_rotation=None,
+                           v_head_dim=None):
     """Attention of new queries over a KV cache held in caller-owned arrays.
 
     flash-attn's ``flash_attn_with_kvcache`` in PyTorch SDPA's layout. For each sequence b,
@@ -218,6 +220,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
         With block_table: (num_blocks, Hkv, block_size), paged like the caches. A
         float8_e4m3fn cache (``ml_dtypes.float8_e4m3fn``) has the same scales (scale =
         max|x| / 448).
+        An int4 cache is uint8 arrays of packed rows, ``(B, Hkv, capacity,
+        packed_size(D))``, as :class:`attnfast.KVCache` (dtype="int4") holds them: blocks of
+        32 values, each with its own bfloat16 scale and minimum in the row (no scale arrays;
+        docs: KV-cache formats); new tokens (float32 or 16-bit) are quantised on write.
+    v_head_dim : int, optional
+        int4 caches only (their packed rows do not say it): the values' head dim Dv;
+        default q's head dim D.
     key_rotation : None or "hadamard", default None
         int8 / float8 caches: "hadamard" says the cached keys are stored rotated by the
         orthonormal block Hadamard matrix along D (docs: KV-cache formats): new keys are
@@ -273,9 +282,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     16-bit cache's range are stored as +-inf, without a warning.
     """
     key = None
+    head_dims = int4_head_dims(q, k_cache, v_head_dim)
     if (softcap is None and alibi_slopes is None and sinks is None and mask is None
             and return_lse is False and out is None and k_scale is None and v_scale is None
-            and block_table is None and tree_mask is None and key_rotation is None):
+            and block_table is None and tree_mask is None and key_rotation is None
+            and head_dims is None):
         key = kvcache_key(q, k_cache, v_cache, seqlens_key(cache_seqlens), k_new, v_new,
                           causal, scale, window)
         plan = KVCACHE_PLANS.get(key) if key is not None else None
@@ -291,12 +302,14 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
                                 alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
                                 return_lse=return_lse, out=out, num_threads=num_threads,
                                 query_offset=query_offset, k_scale=k_scale, v_scale=v_scale,
-                                tree_mask=tree_mask, key_rotation=key_rotation)
+                                tree_mask=tree_mask, key_rotation=key_rotation,
+                                head_dims=head_dims)
     call = check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                    causal=causal, scale=scale, window=window,
                                    num_threads=num_threads, k_scale=k_scale, v_scale=v_scale,
                                    query_offset=query_offset, softcap=softcap,
-                                   alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
+                                   alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
+                                   head_dims=head_dims)
     rotation = check_key_rotation(key_rotation, k_cache.dtype)
     user_out = check_out(out, call.attn.out_shape(), call.attn.dtype, _read_and_written(call))
     tree = check_tree_mask(tree_mask, call)
@@ -386,10 +399,11 @@ def run_cache_kernels(call, user_out, return_lse, parts, tree=None, key_rotation
 
 
 def _paged_attention(q, k_pool, v_pool, cache_seqlens, k_new, v_new, block_table, *,
-                     return_lse, out, tree_mask=None, key_rotation=None, **options):
+                     return_lse, out, tree_mask=None, key_rotation=None, head_dims=None,
+                     **options):
     """attention_with_kvcache with a block table (arguments as there, return_lse checked)."""
     call = check_paged_kvcache_attention(q, k_pool, v_pool, cache_seqlens, k_new, v_new,
-                                         block_table, **options)
+                                         block_table, head_dims=head_dims, **options)
     rotation = check_key_rotation(key_rotation, k_pool.dtype)
     user_out = check_out(out, call.attn.out_shape(), call.attn.dtype, _read_and_written(call))
     tree = check_tree_mask(tree_mask, call)
