@@ -226,6 +226,121 @@ def test_storage_dtypes(caches, dtype):
         assert _max_err(a, b) <= 2 ** -7  # within one bfloat16 rounding of each other
 
 
+# Quantised storage: the shards quantise the float rows that land in them. head_dim 16 and
+# v_head_dim 24 are not the length of an int4 row (20 bytes: one packed block), so the
+# caller's checks must use the head dims, not the stored rows' length.
+QUANTISED = {"int4": "int4", "float8": ml_dtypes.float8_e4m3fn}
+QUANT_SPEC = dict(batch=2, kv_heads=2, head_dim=16, v_head_dim=24, capacity_per_shard=32,
+                  num_shards=2)
+
+
+def _quantised_pair(caches, name):
+    """The sharded cache of QUANT_SPEC with this storage, and an empty one-process KVCache
+    of the same dtype and whole capacity."""
+    spec = dict(QUANT_SPEC, dtype=QUANTISED[name])
+    sharded = caches(**spec)
+    local = af.KVCache(spec["batch"], spec["kv_heads"], spec["head_dim"],
+                       spec["capacity_per_shard"] * spec["num_shards"], dtype=QUANTISED[name],
+                       v_head_dim=spec["v_head_dim"])
+    return sharded, local
+
+
+@needs_ray
+@pytest.mark.parametrize("name", sorted(QUANTISED))
+def test_quantised_storage_matches_one_process(caches, name):
+    """int4 / float8_e4m3fn shards: append (a prompt crossing the shard boundary), step
+    (float32, float16 and bfloat16 new rows) and attend equal a one-process KVCache of the
+    same dtype holding the same tokens, to float32 rounding of the merge."""
+    rng = np.random.default_rng(17)
+    sharded, local = _quantised_pair(caches, name)
+    B, Hkv, D, Dv, H, T = 2, 2, 16, 24, 4, 45  # keys in both shards (32 per shard)
+    assert sharded.dtype == local.dtype
+    assert (f"dtype='{name}'" if name == "int4" else "float8") in repr(sharded)
+    k, v = _rand(rng, (B, Hkv, T, D)), _rand(rng, (B, Hkv, T, Dv))
+    for c in (sharded, local):
+        c.append(k, v)
+    q = _rand(rng, (B, H, 5, D))
+    a, la = local.attend(q, return_lse=True)
+    b, lb = sharded.attend(q, return_lse=True)
+    assert b.shape == (B, H, 5, Dv) and b.dtype == np.float32
+    assert _max_err(a, b) <= EXACT and _max_err(la, lb) <= EXACT
+    # the shards really store the quantised format: not the float32 attention
+    exact = af.KVCache(B, Hkv, D, 64, v_head_dim=Dv)
+    exact.append(k, v)
+    assert _max_err(b, exact.attend(q)) > 1e-3
+    for new_dtype in (np.float32, np.float16, ml_dtypes.bfloat16):
+        kt, vt = _rand(rng, (B, Hkv, 1, D), new_dtype), _rand(rng, (B, Hkv, 1, Dv), new_dtype)
+        qt = _rand(rng, (B, H, 1, D))
+        a, la = local.step(qt, kt, vt, return_lse=True)
+        b, lb = sharded.step(qt, kt, vt, return_lse=True)
+        assert _max_err(a, b) <= EXACT and _max_err(la, lb) <= EXACT
+    # one sequence only (batch_index), a chunk of 3 with a window, then attend
+    kt, vt = _rand(rng, (1, Hkv, 3, D)), _rand(rng, (1, Hkv, 3, Dv))
+    qt = _rand(rng, (1, H, 3, D))
+    a = local.step(qt, kt, vt, batch_index=1, window=(20, -1))
+    b = sharded.step(qt, kt, vt, batch_index=1, window=(20, -1))
+    assert _max_err(a, b) <= EXACT
+    assert sharded.lengths.tolist() == local.lengths.tolist() == [T + 3, T + 6]
+    assert sharded.shard_lengths()[:, 0].tolist() == [[32, 32], [T + 3 - 32, T + 6 - 32]]
+    q = _rand(rng, (B, H, 2, D))
+    assert _max_err(local.attend(q), sharded.attend(q)) <= EXACT
+    # a 16-bit q: widened on the shards, one rounding at the end (as the bfloat16 cache test)
+    qb = q[:, :, -1:].astype(ml_dtypes.bfloat16)
+    a, b = local.attend(qb), sharded.attend(qb)
+    assert b.dtype == a.dtype == ml_dtypes.bfloat16
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.all(np.abs(a - b) <= 2 ** -7 * np.maximum(1.0, np.abs(a)))
+
+
+@needs_ray
+def test_int4_bad_input_writes_nothing(caches):
+    """An int4 sharded cache rejects what KVCache(dtype="int4") rejects, with its error,
+    before anything is sent: no shard is called and nothing is written."""
+    from attnfast import _int4
+    rng = np.random.default_rng(19)
+    sharded, local = _quantised_pair(caches, "int4")
+    B, Hkv, D, Dv, H, T = 2, 2, 16, 24, 4, 60
+    k, v = _rand(rng, (B, Hkv, T, D)), _rand(rng, (B, Hkv, T, Dv))
+    for c in (sharded, local):
+        c.append(k, v)
+    q = _rand(rng, (B, H, 1, D))
+    before = sharded.attend(q)
+    assert _max_err(before, local.attend(q)) <= EXACT
+    held = sharded.shard_lengths().tolist()
+    k1, v1 = k[:, :, :1], v[:, :, :1]
+    bad = [
+        (TypeError, "int4 cache must be float32, float16 or bfloat16",
+         lambda c: c.append(k1.astype(np.float64), v1.astype(np.float64))),
+        (TypeError, "int4 cache must be float32, float16 or bfloat16",
+         lambda c: c.step(q, k1.astype(np.float64), v1.astype(np.float64))),
+        (TypeError, "k_new must be", lambda c: c.append(_int4.quantize(k1), _int4.quantize(v1))),
+        (TypeError, "k_new must be", lambda c: c.append(k1.astype(np.int8), v1)),
+        (TypeError, "share a dtype", lambda c: c.append(k1, v1.astype(ml_dtypes.bfloat16))),
+        (ValueError, "k_new must have shape", lambda c: c.append(k1[..., :8], v1)),
+        (ValueError, "k_new must have shape", lambda c: c.step(q, k1[:, :, :, :8], v1)),
+        (ValueError, "v_new must have shape", lambda c: c.step(q, k1, v1[..., :16])),
+        (ValueError, "cache full", lambda c: c.append(k[:, :, :5], v[:, :, :5])),
+        (ValueError, "cache full", lambda c: c.step(q, k[:, :, :5], v[:, :, :5])),
+        (TypeError, "dtype", lambda c: c.attend(q.astype(np.float64))),
+        (ValueError, "head dim", lambda c: c.attend(q[..., :8])),
+    ]
+    sent = []
+    original = sharded._gather
+    sharded._gather = lambda jobs: sent.append(jobs) or original(jobs)
+    try:
+        for error, match, call in bad:
+            for c in (sharded, local):  # the same error from both
+                with pytest.raises(error, match=match):
+                    call(c)
+    finally:
+        del sharded._gather
+    assert sent == []
+    assert sharded.lengths.tolist() == local.lengths.tolist() == [T, T]
+    assert sharded.shard_lengths().tolist() == held
+    after = sharded.attend(q)
+    assert np.array_equal(after, before) and _max_err(after, local.attend(q)) <= EXACT
+
+
 @needs_ray
 def test_multi_layer_one_round_trip(caches):
     """num_layers=3: one call with a leading layer axis serves every layer; layer=i one."""

@@ -1,16 +1,17 @@
-// Hand-written decode policies for the x86 SIMD tiers (AVX-512: W = 16 lanes; AVX2+FMA: W = 8):
+// Hand-written decode policies for the SIMD tiers with FMA (AVX-512: W = 16 lanes; AVX2+FMA:
+// W = 8; NEON: W = 4), written on the SIMD layer (csrc/simd/):
 // float32 arithmetic over K/V stored as float32, bfloat16, float16, int8, float8 e4m3fn (one
 // float32 scale per row) or int4 blocks, q as float32 or 16 bits. The loop, the online softmax
 // and the task contract are decode_attention.inl's (decode_loop, softmax_block); this file gives
 // it WidenPath, the arithmetic, and VectorSoftmax, the vector max / exp passes and score
 // options (RowScoreOptions) it runs with. Included by kernels/isa_avx512.cpp,
-// isa_avx512bf16.cpp and isa_avx2.cpp; shapes it does not cover (D or Dv not a multiple of W)
-// and the tiers without it run decode_loop with the template policy (TemplatePath).
+// isa_avx512bf16.cpp, isa_avx2.cpp and isa_neon.cpp; shapes it does not cover (D or Dv not a
+// multiple of W) and the generic tier run decode_loop with the template policy (TemplatePath).
 //
 // 16-bit, int8, float8 and int4 K/V are widened to float32 in registers as each vector is
-// loaded (F16C's vcvtph2ps, a 16-bit shift for bfloat16, vpmovsxbd + vcvtdq2ps for int8), never
-// copied into a float32 array; row scales multiply the scores (K) and the probabilities (V) of
-// a block, in the loop.
+// loaded (simd::vwiden: F16C's vcvtph2ps or NEON's fcvtl, a 16-bit shift for bfloat16,
+// vpmovsxbd + vcvtdq2ps or sxtl + scvtf for int8), never copied into a float32 array; row
+// scales multiply the scores (K) and the probabilities (V) of a block, in the loop.
 //
 // What differs from the template policy is the instruction mix:
 //   * scores: W dot products at a time (row blocks of 4, 2 or 1 query rows x W / rows

@@ -293,8 +293,9 @@ class ShardedKVCache:
         self._actors = []
         self._closed = False
         try:
+            spec = "int4" if dt == INT4_STORAGE else dt  # (KVCache takes int4 by name)
             for opts in per_shard:
-                self._actors.append(cls.options(**opts).remote(B, Hkv, D, C, dt, Dv, NL))
+                self._actors.append(cls.options(**opts).remote(B, Hkv, D, C, spec, Dv, NL))
             self._gather([(s, a.ping.remote()) for s, a in enumerate(self._actors)])
             if check_flag(compiled, "compiled"):
                 from ray.dag import InputNode, MultiOutputNode
