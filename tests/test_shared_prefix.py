@@ -41,7 +41,9 @@ def forked(rng, *, prompt, own, n=4, Hkv=2, D=16, dtype=np.float32, num_blocks=4
     """A prompt of `prompt` tokens, n - 1 forks of it, then `own[i]` tokens of each."""
     cache = af.PagedKVCache(num_blocks, BS, Hkv, D, dtype=dtype, key_rotation=None)  # stored as given
     a = cache.add_sequence()
-    new_dtype = np.float32 if np.dtype(dtype) == np.int8 else dtype
+    quantised = isinstance(dtype, str) or np.dtype(dtype) in (np.dtype(np.int8),
+                                                              np.dtype(ml_dtypes.float8_e4m3fn))
+    new_dtype = np.float32 if quantised else dtype  # quantised caches take float32 tokens
     cache.append(a, rand(rng, (Hkv, prompt, D), new_dtype), rand(rng, (Hkv, prompt, D), new_dtype))
     ids = [a] + [cache.fork(a) for _ in range(n - 1)]
     for s, t in zip(ids, own):
@@ -317,3 +319,22 @@ def test_explain_reports_the_shared_groups_and_the_call_uses_them(rng, small_pre
     assert af.explain(q, cache.k, cache.v, cache_seqlens=lengths, block_table=table,
                       alibi_slopes=slopes)["shared_prefix"] is None
     assert af.explain(q[:1], cache.k[:1], cache.v[:1])["shared_prefix"] is None
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.float8_e4m3fn, "int4"])
+def test_low_bit_pools_share_and_match_the_unshared_call(rng, small_prefix, monkeypatch, dtype):
+    """float8 and int4 pools take the shared path too: equal to the same call with nothing
+    shared, to float32 rounding (float8 also against the float64 reference of its stored
+    values)."""
+    cache, ids = forked(rng, prompt=80, own=[1, 20, 7, 33], Hkv=2, dtype=dtype)
+    q = rand(rng, (4, 8, 1, 16))
+    before = shared_calls()
+    out, lse = cache.attend(ids, q, return_lse=True)
+    assert shared_calls() == before + 1
+    monkeypatch.setattr(_shared_prefix, "MIN_PREFIX_KEYS", 1 << 30)  # nothing shared
+    alone, alone_lse = cache.attend(ids, q, return_lse=True)
+    assert shared_calls() == before + 1
+    np.testing.assert_allclose(out, alone, **TOLERANCE[F32])
+    np.testing.assert_allclose(lse, alone_lse, rtol=1e-5, atol=1e-5)
+    if dtype != "int4":
+        check_against_reference(cache, ids, q, out, lse)
