@@ -25,16 +25,18 @@ inline __m256 widen8(const int8_t* x) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x))));
 }
 // float8 e4m3fn, times 2^-8 (kWidenScaleFold: the row scale carries the 2^8): each byte moved
-// into a float16's bits, s.eeee.mmm -> s.0eeee.mmm0000000, which is the e4m3 value over 2^8
-// with every subnormal exact (both formats' subnormals are 0.m times their smallest normal),
-// then vcvtph2ps; S.1111.111 (NaN in e4m3fn, a finite 1.875 in float16) is set to NaN.
+// into a float16's bits, s.eeee.mmm -> s.0eeee.mmm0000000 = (byte + (byte & 0x80)) << 7, which
+// is the e4m3 value over 2^8 with every subnormal exact (both formats' subnormals are 0.m times
+// their smallest normal), then vcvtph2ps. S.1111.111 (NaN in e4m3fn) comes out as +-1.875, a
+// magnitude no finite e4m3 value over 2^8 has (the largest is 1.75): those lanes are set to
+// all ones, a NaN (a compare in the float domain: no lane-crossing widening of a 16-bit mask).
 inline __m256 widen8(const fp8_t* p) {
     const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7F));
-    const __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7),
-                                   _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
-    const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F))));
-    return _mm256_or_ps(_mm256_cvtph_ps(h), nan);  // all ones: a NaN
+    const __m128i h = _mm_slli_epi16(_mm_add_epi16(b, _mm_and_si128(b, _mm_set1_epi16(0x80))), 7);
+    const __m256 x = _mm256_cvtph_ps(h);
+    const __m256 nan = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x), _mm256_set1_ps(1.875f),
+                                     _CMP_EQ_OQ);
+    return _mm256_or_ps(x, nan);
 }
 
 // ---- float32 to 8 stored elements
