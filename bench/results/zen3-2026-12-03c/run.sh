@@ -23,3 +23,9 @@ for t in 1 2; do
 done
 python bench/bench_compile.py --threads 1 --seq 512,2048 --repeats 7 > $out/compile.txt 2>&1
 python bench/bench_overhead.py --rounds 3 > $out/overhead.txt 2>&1
+# Later in the session (outputs beside these):
+#   python bench/bench_backward.py --T 4096 --dtypes bfloat16 --threads 2 --reps 2 > $out/backward_4k_bf16.txt
+#   python bench/lowbit_peers.py --rounds 7 --slow-fill-heads 1/1 --json $out/lowbit_peers.json --markdown $out/lowbit_peers.md
+#   python bench/bench_overhead.py --rounds 5 --threads 1 --clock thread > $out/overhead.txt   (the PASSIVE run above was void: OpenMP wake-ups)
+#   gemm_inplace_ab.py / fp8_widen_ab.txt: A/B of two builds in alternating processes (bench/HISTORY.md 29.1, 29.2)
+#   final build: bench_lowbit_decode.py (as above) > $out/lowbit_decode_final.txt; lowbit_peers.py (as above) -> lowbit_peers_final.*
