@@ -666,11 +666,16 @@ def _check_array_pair(k_cache, v_cache, names, four_d: str):
     return kd
 
 
+def is_int4_storage(cache) -> bool:
+    """Whether a caller's cache array holds int4 rows (uint8: attnfast._int4's packed blocks)."""
+    return isinstance(cache, np.ndarray) and cache.dtype == INT4_STORAGE
+
+
 def int4_head_dims(q, k_cache, v_head_dim, name: str = "v_head_dim"):
     """(D, Dv) of an int4 cache passed as its packed uint8 rows (attention_with_kvcache,
     explain): D is q's head dim, Dv ``v_head_dim`` (default D). None for any other cache, for
     which ``v_head_dim`` must be None (their last axes say the head dims)."""
-    if not (isinstance(k_cache, np.ndarray) and k_cache.dtype == INT4_STORAGE):
+    if not is_int4_storage(k_cache):
         if v_head_dim is not None:
             raise ValueError(f"{name} is for int4 caches (uint8 arrays of packed rows) only; "
                              f"the caches' last axes give the head dims, got {name}={v_head_dim!r}")
@@ -829,9 +834,13 @@ def check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, *,
                             query_offset=None, softcap=None, alibi_slopes=None, sinks=None,
                             mask=None,
                             cache_names=("k_cache", "v_cache"),
-                            scale_names=("k_scale", "v_scale"), head_dims=None) -> KVCacheCall:
+                            scale_names=("k_scale", "v_scale"), head_dims=None,
+                            v_head_dim=None) -> KVCacheCall:
     """Everything attention over a KV cache needs, checked before anything is written.
-    head_dims: (D, Dv) of int4 (uint8) caches (KVCache knows them)."""
+    head_dims: (D, Dv) of int4 (uint8) caches (KVCache knows them); without it, a caller's
+    int4 arrays take D from q and Dv from v_head_dim (int4_head_dims)."""
+    if head_dims is None:
+        head_dims = int4_head_dims(q, k_cache, v_head_dim)
     (B, Hkv, C, D), Dv, dtype = check_cache_pair(k_cache, v_cache, names=cache_names,
                                                  head_dims=head_dims)
     kn, vn = cache_names
@@ -1045,10 +1054,13 @@ def check_paged_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_n
                                   alibi_slopes=None, sinks=None, mask=None,
                                   cache_names=("k_cache", "v_cache"),
                                   scale_names=("k_scale", "v_scale"),
-                                  table_name="block_table", head_dims=None) -> KVCacheCall:
+                                  table_name="block_table", head_dims=None,
+                                  v_head_dim=None) -> KVCacheCall:
     """check_kvcache_attention for a paged cache: pools (num_blocks, Hkv, block_size, D|Dv)
     read through block_table (B, max_blocks); the logical capacity is max_blocks *
     block_size. Everything is checked before anything is written."""
+    if head_dims is None:
+        head_dims = int4_head_dims(q, k_cache, v_head_dim)
     (NB, Hkv, BS, D), Dv, dtype = check_paged_pools(k_cache, v_cache, names=cache_names,
                                                     head_dims=head_dims)
     kn, vn = cache_names

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from . import _ext
 from ._api import kernel_call
-from ._checks import (check_attention, check_kvcache_attention, check_paged_kvcache_attention,
-                      int4_head_dims)
+from ._checks import check_attention, check_kvcache_attention, check_paged_kvcache_attention
 from ._shared_prefix import plan_shared_prefix
 
 __all__ = ["explain"]
@@ -109,7 +108,7 @@ def explain(q, k, v, *, cache_seqlens=None, k_new=None, v_new=None, k_scale=None
         options = dict(causal=True if causal is None else causal, scale=scale, window=window,
                        num_threads=num_threads, k_scale=k_scale, v_scale=v_scale,
                        query_offset=query_offset, softcap=softcap, alibi_slopes=alibi_slopes,
-                       sinks=sinks, mask=mask, head_dims=int4_head_dims(q, k, v_head_dim))
+                       sinks=sinks, mask=mask, v_head_dim=v_head_dim)
         if block_table is None:
             cache = check_kvcache_attention(q, k, v, cache_seqlens, k_new, v_new, **options)
         else:

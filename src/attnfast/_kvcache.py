@@ -43,7 +43,7 @@ from ._checks import (
     check_truncate,
     check_key_rotation,
     default_key_rotation,
-    int4_head_dims,
+    is_int4_storage,
 )
 from ._rotation import hadamard_rotate, rotate_queries
 from ._shared_prefix import run_paged_kernels
@@ -282,11 +282,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     16-bit cache's range are stored as +-inf, without a warning.
     """
     key = None
-    head_dims = int4_head_dims(q, k_cache, v_head_dim)
     if (softcap is None and alibi_slopes is None and sinks is None and mask is None
             and return_lse is False and out is None and k_scale is None and v_scale is None
             and block_table is None and tree_mask is None and key_rotation is None
-            and head_dims is None):
+            and v_head_dim is None and not is_int4_storage(k_cache)):
         key = kvcache_key(q, k_cache, v_cache, seqlens_key(cache_seqlens), k_new, v_new,
                           causal, scale, window)
         plan = KVCACHE_PLANS.get(key) if key is not None else None
@@ -303,13 +302,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
                                 return_lse=return_lse, out=out, num_threads=num_threads,
                                 query_offset=query_offset, k_scale=k_scale, v_scale=v_scale,
                                 tree_mask=tree_mask, key_rotation=key_rotation,
-                                head_dims=head_dims)
+                                v_head_dim=v_head_dim)
     call = check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                    causal=causal, scale=scale, window=window,
                                    num_threads=num_threads, k_scale=k_scale, v_scale=v_scale,
                                    query_offset=query_offset, softcap=softcap,
                                    alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
-                                   head_dims=head_dims)
+                                   v_head_dim=v_head_dim)
     rotation = check_key_rotation(key_rotation, k_cache.dtype)
     user_out = check_out(out, call.attn.out_shape(), call.attn.dtype, _read_and_written(call))
     tree = check_tree_mask(tree_mask, call)
@@ -399,11 +398,10 @@ def run_cache_kernels(call, user_out, return_lse, parts, tree=None, key_rotation
 
 
 def _paged_attention(q, k_pool, v_pool, cache_seqlens, k_new, v_new, block_table, *,
-                     return_lse, out, tree_mask=None, key_rotation=None, head_dims=None,
-                     **options):
+                     return_lse, out, tree_mask=None, key_rotation=None, **options):
     """attention_with_kvcache with a block table (arguments as there, return_lse checked)."""
     call = check_paged_kvcache_attention(q, k_pool, v_pool, cache_seqlens, k_new, v_new,
-                                         block_table, head_dims=head_dims, **options)
+                                         block_table, **options)
     rotation = check_key_rotation(key_rotation, k_pool.dtype)
     user_out = check_out(out, call.attn.out_shape(), call.attn.dtype, _read_and_written(call))
     tree = check_tree_mask(tree_mask, call)
