@@ -26,6 +26,10 @@
 //   vwiden vwiden_q4 vwiden_q4_block  W stored float32 / bfloat16 / float16 / int8 / float8
 //                        e4m3fn (times 2^-8, kWidenScaleFold) / int4 values to float32 lanes,
 //                        exactly, in registers
+//   vnarrow              float32 lanes to W stored float32 / float16 / bfloat16 values (round
+//                        to nearest even, NaN kept)
+// (sse2.hpp has the unaligned access and the float32 / bfloat16 / float16 / int8 conversions
+// only: the generic tier's decode runs the template policy, not the kernels that use the rest.)
 // Every operation rounds as its instruction does: results depend on the ISA (the header),
 // never on the thread count. Beside it: typed.hpp (vectors of float or double lanes for the
 // kernels templated over the accumulator type) and storage.hpp (the storage types).
