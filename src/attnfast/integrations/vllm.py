@@ -22,18 +22,24 @@ used as they are; the attention runs in attnfast, on that cache in place:
   transposed (D x block_size, for its kernel's dot products), so a layer that attnfast
   attends also has its cache written by attnfast (:func:`write_kv_cache`: token rows, as
   the values already are): the cache's bytes are laid out for the kernel that reads them.
-- The batch is ragged (``query_start_loc``): every request with one query token (decode) is
-  attended in one batched :func:`attnfast.attention_with_kvcache` call with vLLM's
-  ``block_table``; each request with several (a prompt or a prompt chunk) in a call of its
-  own, causal bottom-right over its ``seq_lens[b]`` cached tokens (so chunked prefill and
-  prefix caching read the earlier chunks from the cache).
+- The batch is ragged (``query_start_loc``): a step of decode rows only is one batched
+  :func:`attnfast.attention_with_kvcache` call with vLLM's ``block_table``; a step with
+  prompts or prompt chunks is one :func:`attnfast.attention_varlen` call over the paged cache
+  (decode rows on the decode kernel, chunks on the prefill kernel, one schedule over the
+  threads), causal bottom-right over each request's ``seq_lens[b]`` cached tokens (so chunked
+  prefill and prefix caching read the earlier chunks from the cache).
 - Sliding window ``w`` (vLLM: the last ``w`` tokens including the query's own) is attnfast's
   ``window=(w - 1, 0)``; logits soft-capping, attention sinks (gpt-oss) and ALiBi slopes are
   attnfast's ``softcap``, ``sinks`` and ``alibi_slopes``.
 
-Decoder attention with a cache in the model's dtype (float32, bfloat16, float16) runs in
-attnfast; layers of other kinds stay wholly vLLM's (cache writing and kernel): an fp8 KV
-cache, encoder, encoder-only and cross attention. A decoder call with per-token (dynamic)
+Decoder attention runs in attnfast with a cache in the model's dtype (float32, bfloat16,
+float16) or an fp8 cache (``kv_cache_dtype="fp8"`` / ``"fp8_e4m3"``: float8_e4m3fn, on any
+CPU; vLLM's own kernel needs AVX-512 or AMX for it). attnfast quantises each cached row (one
+token, one KV head) with its own float32 scale, max|x| / 448 (relative error <= 2^-4 per
+value, the format's), kept beside vLLM's cache, in ``Hkv * block_size`` floats per block
+(4 / D of the cache's bytes, outside vLLM's KV-cache space); the checkpoint's per-tensor
+k/v scales are not needed. Layers of other kinds stay wholly vLLM's (cache writing and
+kernel): an ``fp8_e5m2`` cache, encoder, encoder-only and cross attention. A decoder call with per-token (dynamic)
 causality raises NotImplementedError (vLLM's kernel cannot read attnfast's layout).
 
 Importing this module does not import vLLM or torch; :func:`register` and the backend
@@ -45,17 +51,24 @@ import os
 
 import numpy as np
 
+from .._checks import FLOAT8_E4M3
 from .._interop import to_numpy
+from .._kvcache import quantize_float8
 from .._kvcache import attention_with_kvcache
+from .._varlen import attention_varlen
 
 __all__ = ["ENV_VAR", "register", "register_plugin", "backend_class", "split_kv_cache",
-           "write_kv_cache", "paged_attention", "vllm_write_kv_cache", "vllm_paged_attention"]
+           "new_row_scales", "write_kv_cache", "paged_attention", "vllm_write_kv_cache", "vllm_paged_attention"]
 
 #: Environment variable that makes the vLLM plugin select attnfast (``"1"``: on).
 ENV_VAR = "ATTNFAST_VLLM_BACKEND"
 
 #: Qualified name vLLM resolves for the overridden ``CPU_ATTN`` backend.
 BACKEND_PATH = "attnfast.integrations.vllm.AttnfastCPUBackend"
+
+#: vLLM ``kv_cache_dtype`` names attnfast reads: the model's dtype, or float8_e4m3fn bytes.
+FLOAT8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+CACHE_DTYPES = ("auto",) + FLOAT8_CACHE_DTYPES
 
 
 def register_plugin() -> None:
@@ -79,7 +92,7 @@ def register() -> None:
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
 
 
-def split_kv_cache(kv_cache):
+def split_kv_cache(kv_cache, kv_cache_dtype="auto"):
     """The key and value pools of one layer's vLLM CPU cache, as views (no copy).
 
     Parameters
@@ -87,19 +100,35 @@ def split_kv_cache(kv_cache):
     kv_cache : tensor or array (num_blocks, Hkv, block_size, 2 * D)
         vLLM's CPU layout: in each block, ``block_size`` key rows then ``block_size`` value
         rows of D elements.
+    kv_cache_dtype : {"auto", "fp8", "fp8_e4m3"}, default "auto"
+        vLLM's name for the cache's format: "auto" the model's dtype; the fp8 names a uint8
+        cache of float8_e4m3fn bytes, viewed as ``ml_dtypes.float8_e4m3fn``.
 
     Returns
     -------
     (k_pool, v_pool) : two NumPy views (num_blocks, Hkv, block_size, D), attnfast's paged
     pool layout (block stride ``Hkv * 2 * block_size * D``).
     """
+    if kv_cache_dtype not in CACHE_DTYPES:
+        raise NotImplementedError(f"kv_cache_dtype must be one of {CACHE_DTYPES} for attnfast, "
+                                  f"got {kv_cache_dtype!r}")
     cache = to_numpy(kv_cache, "kv_cache")
+    if kv_cache_dtype in FLOAT8_CACHE_DTYPES:
+        if cache.dtype != np.uint8:
+            raise TypeError(f"an fp8 kv_cache holds uint8 bytes, got dtype {cache.dtype}")
+        cache = cache.view(FLOAT8_E4M3)
     num_blocks, kv_heads, block_size, two_d = cache.shape
     rows = cache.reshape(num_blocks, kv_heads, 2 * block_size, two_d // 2)
     return rows[:, :, :block_size], rows[:, :, block_size:]
 
 
-def write_kv_cache(key, value, k_pool, v_pool, slot_mapping):
+def new_row_scales(k_pool):
+    """Zeroed float32 row scales (num_blocks, Hkv, block_size) for a float8 pool's keys (call
+    twice: keys and values), as :func:`write_kv_cache` and :func:`paged_attention` take them."""
+    return np.zeros(k_pool.shape[:3], np.float32)
+
+
+def write_kv_cache(key, value, k_pool, v_pool, slot_mapping, k_scale=None, v_scale=None):
     """Write new tokens' keys and values into a paged pool, one token row each.
 
     Parameters
@@ -110,22 +139,36 @@ def write_kv_cache(key, value, k_pool, v_pool, slot_mapping):
     slot_mapping : integer tensor or array (num_tokens,)
         Token i goes to row ``slot % block_size`` of block ``slot // block_size``; a negative
         slot (vLLM's padding) is skipped.
+    k_scale, v_scale : float32 arrays (num_blocks, Hkv, block_size), float8 pools only
+        Each row is quantised with its own scale, max|x| / 448 (attnfast's float8 format),
+        written here at the row's place (:func:`new_row_scales` makes them).
     """
     slots = np.asarray(to_numpy(slot_mapping, "slot_mapping"))
     keys, values = to_numpy(key, "key"), to_numpy(value, "value")
+    float8 = k_pool.dtype == FLOAT8_E4M3
+    if float8 != (k_scale is not None and v_scale is not None):
+        raise ValueError("k_scale and v_scale are required with float8 pools and taken with "
+                         f"them only; pools of dtype {k_pool.dtype}, k_scale "
+                         f"{'given' if k_scale is not None else 'None'}, v_scale "
+                         f"{'given' if v_scale is not None else 'None'}")
     tokens = slots.shape[0]
     keep = slots >= 0
     if not keep.all():
         slots, keys, values = slots[keep], keys[:tokens][keep], values[:tokens][keep]
+    keys, values = keys[:slots.shape[0]], values[:slots.shape[0]]
     block_size = k_pool.shape[2]
     blocks, rows = np.divmod(slots, block_size)
-    k_pool[blocks, :, rows] = keys[:slots.shape[0]]
-    v_pool[blocks, :, rows] = values[:slots.shape[0]]
+    if float8:  # quantised first: nothing is written if that fails
+        (keys, key_scales), (values, value_scales) = quantize_float8(keys), quantize_float8(values)
+        k_scale[blocks, :, rows] = key_scales
+        v_scale[blocks, :, rows] = value_scales
+    k_pool[blocks, :, rows] = keys
+    v_pool[blocks, :, rows] = values
 
 
 def paged_attention(query, k_pool, v_pool, output, query_start_loc, seq_lens, block_table, *,
                     scale, causal=True, window=None, softcap=None, alibi_slopes=None,
-                    sinks=None, num_threads=None):
+                    sinks=None, num_threads=None, k_scale=None, v_scale=None):
     """Attention of a ragged vLLM batch over a paged cache that already holds its keys.
 
     Parameters
@@ -144,9 +187,13 @@ def paged_attention(query, k_pool, v_pool, output, query_start_loc, seq_lens, bl
         False lets every query see all ``seq_lens[b]`` keys of its request.
     window, softcap, alibi_slopes, sinks, num_threads
         As in :func:`attnfast.attention_with_kvcache` (window a (left, right) pair).
+    k_scale, v_scale : float32 arrays (num_blocks, Hkv, block_size), float8 pools only
+        The row scales :func:`write_kv_cache` wrote.
 
-    Requests with one query token are attended in one batched call, the others one call
-    each; causal, query i of request b sees key j iff ``j <= i + seq_lens[b] - query_len[b]``.
+    One kernel call: :func:`attnfast.attention_with_kvcache` when every request has one query
+    token, else :func:`attnfast.attention_varlen` (each request bit-identical to a call of
+    its own); causal, query i of request b sees key j iff
+    ``j <= i + seq_lens[b] - query_len[b]``.
     """
     q = to_numpy(query, "query")
     out = to_numpy(output, "output")
@@ -156,7 +203,8 @@ def paged_attention(query, k_pool, v_pool, output, query_start_loc, seq_lens, bl
     num_reqs = lengths.shape[0]
     options = dict(causal=causal, scale=scale, window=window, softcap=softcap,
                    alibi_slopes=to_numpy(alibi_slopes, "alibi_slopes"),
-                   sinks=to_numpy(sinks, "sinks"), num_threads=num_threads)
+                   sinks=to_numpy(sinks, "sinks"), num_threads=num_threads,
+                   k_scale=k_scale, v_scale=v_scale)
     query_lens = np.diff(starts[:num_reqs + 1])
     if query_lens.size and query_lens.max() == 1 and starts[0] == 0:
         # All decode (the steady state): the batch is (B, H, 1, D) as a view, written in place.
@@ -164,18 +212,11 @@ def paged_attention(query, k_pool, v_pool, output, query_start_loc, seq_lens, bl
         attention_with_kvcache(_one_token(q[rows]), k_pool, v_pool, lengths, block_table=table,
                                out=_one_token(out[rows]), **options)
         return output
-    decodes = np.flatnonzero(query_lens == 1)
-    if decodes.size:
-        rows = starts[decodes]
-        # Gathered rows are copies: attend into a fresh array, then scatter into `output`.
-        out[rows] = attention_with_kvcache(_one_token(q[rows]), k_pool, v_pool, lengths[decodes],
-                                           block_table=table[decodes],
-                                           **options)[:, :, 0]
-    for b in np.flatnonzero(query_lens > 1):
-        rows = slice(starts[b], starts[b + 1])
-        attention_with_kvcache(_head_major(q[rows]), k_pool, v_pool, lengths[b:b + 1],
-                               block_table=table[b:b + 1], out=_head_major(out[rows]),
-                               **options)
+    # A mixed step (prompt chunks beside decode rows): one ragged kernel call, each request on
+    # its own path (decode rows on the decode kernel, chunks on the prefill kernel).
+    tokens = int(starts[num_reqs])
+    attention_varlen(q[:tokens], k_pool, v_pool, starts[:num_reqs + 1], seqused_k=lengths,
+                     block_table=table, out=out[:tokens], **options)
     return output
 
 
@@ -263,7 +304,10 @@ def __getattr__(name):
 def _define_classes() -> dict:
     import torch
     from vllm.v1.attention.backend import AttentionType
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+    from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend,
+                                                     CPUAttentionBackendImpl,
+                                                     CPUAttentionMetadataBuilder)
+    from vllm.v1.kv_cache_interface import CrossAttentionSpec, EncoderOnlyAttentionSpec
 
     class AttnfastCPUBackendImpl(CPUAttentionBackendImpl):
         """vLLM's CPU attention implementation with attnfast writing and reading the cache of
@@ -271,12 +315,25 @@ def _define_classes() -> dict:
         vLLM's."""
 
         def _attnfast_owns_cache(self) -> bool:
-            return self.attn_type == AttentionType.DECODER and not self.is_fp8_kv_cache
+            return self.attn_type == AttentionType.DECODER and self.kv_cache_dtype in CACHE_DTYPES
+
+        def _pools(self, kv_cache):
+            """(k_pool, v_pool, k_scale, v_scale) of this layer's cache; the scales (float8
+            only, else None) live beside vLLM's cache, one pair per cache tensor."""
+            k_pool, v_pool = split_kv_cache(kv_cache, self.kv_cache_dtype)
+            if k_pool.dtype != FLOAT8_E4M3:
+                return k_pool, v_pool, None, None
+            scales = getattr(self, "_attnfast_row_scales", None)
+            if scales is None or scales[0] != kv_cache.data_ptr():
+                scales = (kv_cache.data_ptr(), new_row_scales(k_pool), new_row_scales(v_pool))
+                self._attnfast_row_scales = scales
+            return k_pool, v_pool, scales[1], scales[2]
 
         def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
             if not self._attnfast_owns_cache():
                 return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-            write_kv_cache(key, value, *split_kv_cache(kv_cache), slot_mapping)
+            k_pool, v_pool, k_scale, v_scale = self._pools(kv_cache)
+            write_kv_cache(key, value, k_pool, v_pool, slot_mapping, k_scale, v_scale)
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                     output_scale=None, output_block_scale=None):
@@ -288,7 +345,7 @@ def _define_classes() -> dict:
                 raise NotImplementedError("attnfast's vLLM backend: per-token (dynamic) "
                                           "causality is not supported")
             tokens = attn_metadata.num_actual_tokens
-            k_pool, v_pool = split_kv_cache(kv_cache)
+            k_pool, v_pool, k_scale, v_scale = self._pools(kv_cache)
             if self.sinks is not None and self.sinks.dtype != torch.float32:
                 self.sinks = self.sinks.to(torch.float32)  # attnfast takes float32 sinks
             paged_attention(query[:tokens], k_pool, v_pool, output[:tokens],
@@ -298,18 +355,41 @@ def _define_classes() -> dict:
                             window=None if self.sliding_window == -1
                             else (self.sliding_window - 1, 0),
                             softcap=self.logits_soft_cap or None,
-                            alibi_slopes=self.alibi_slopes, sinks=self.sinks)
+                            alibi_slopes=self.alibi_slopes, sinks=self.sinks,
+                            k_scale=k_scale, v_scale=v_scale)
             return output
 
+    class AttnfastCPUMetadataBuilder(CPUAttentionMetadataBuilder):
+        """vLLM's metadata builder. For decoder layers over an fp8 (e4m3) cache, which attnfast
+        reads, it plans as for an unquantised cache: vLLM's planner refuses fp8 on a CPU
+        without AVX-512 or AMX, and attnfast's layers do not read its plan."""
+
+        def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+            cache_config = vllm_config.cache_config
+            cache_dtype = cache_config.cache_dtype
+            decoder = not isinstance(kv_cache_spec, (CrossAttentionSpec, EncoderOnlyAttentionSpec))
+            if decoder and cache_dtype in FLOAT8_CACHE_DTYPES:
+                cache_config.cache_dtype = "auto"
+            try:
+                super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+            finally:
+                cache_config.cache_dtype = cache_dtype
+
     class AttnfastCPUBackend(CPUAttentionBackend):
-        """vLLM's ``CPUAttentionBackend`` (cache layout, metadata builder) with
-        :class:`AttnfastCPUBackendImpl` as its implementation."""
+        """vLLM's ``CPUAttentionBackend`` (cache layout) with :class:`AttnfastCPUBackendImpl`
+        as its implementation and :class:`AttnfastCPUMetadataBuilder` as its builder."""
 
         @staticmethod
         def get_impl_cls():
             return AttnfastCPUBackendImpl
 
-    for cls in (AttnfastCPUBackendImpl, AttnfastCPUBackend):
+        @staticmethod
+        def get_builder_cls():
+            return AttnfastCPUMetadataBuilder
+
+    classes = {"AttnfastCPUBackendImpl": AttnfastCPUBackendImpl,
+               "AttnfastCPUMetadataBuilder": AttnfastCPUMetadataBuilder,
+               "AttnfastCPUBackend": AttnfastCPUBackend}
+    for cls in classes.values():
         cls.__module__ = __name__
-    return {"AttnfastCPUBackendImpl": AttnfastCPUBackendImpl,
-            "AttnfastCPUBackend": AttnfastCPUBackend}
+    return classes
