@@ -215,6 +215,41 @@ def test_tensor_view_matches_numpy_and_shares_memory():
         assert _ext.tensor_view(t) is None
 
 
+def test_array_as_tensor_shares_memory_and_keeps_the_array_alive():
+    torch = pytest.importorskip("torch")
+    import gc
+    import sys
+    import ml_dtypes
+    from attnfast import _interop
+    _interop.is_torch(torch.zeros(1))                       # registers torch with _ext
+    base = np.arange(60, dtype=np.float32).reshape(3, 4, 5)
+    for a in [base, base[:, ::2, 1:], base.transpose(2, 0, 1), base.astype(np.float64),
+              base.astype(np.float16), base.astype(ml_dtypes.bfloat16), base.astype(np.int64),
+              base.astype(np.int32), base.astype(np.int8), base > 7, np.full((), 2.5, np.float32),
+              np.empty((0, 3), np.float32)]:
+        refs = sys.getrefcount(a)
+        t = _ext.array_as_tensor(a)
+        assert t is not None and tuple(t.shape) == a.shape
+        assert tuple(s * a.itemsize for s in t.stride()) == a.strides
+        if a.size:
+            assert t.data_ptr() == a.ctypes.data
+        got = (t.view(torch.int16).numpy().view(a.dtype) if t.dtype == torch.bfloat16
+               else t.numpy())
+        np.testing.assert_array_equal(got, a)
+        assert sys.getrefcount(a) == refs + 1                # the tensor holds the array
+        del t, got
+        gc.collect()
+        assert sys.getrefcount(a) == refs                    # and lets it go
+    # the tensor outlives the caller's reference to the array
+    t = _ext.array_as_tensor(np.full((4, 4), 3.0, np.float32))
+    gc.collect()
+    assert float(t.sum()) == 48.0
+    # refused: the general path (torch.from_numpy, or a TypeError naming the dtype) decides
+    for a in [np.ones(3, ">f4"), np.ones(3, np.complex64), np.ones(3, np.uint8),
+              np.frombuffer(b"\0" * 16, np.float32), np.ones(3, np.float32).tolist()]:
+        assert _ext.array_as_tensor(a) is None
+
+
 def test_torch_calls_take_the_c_paths(rng):
     torch = pytest.importorskip("torch")
     q, kn, vn = (torch.from_numpy(normal(rng, B, h, 1, D)) for h in (H, HKV, HKV))

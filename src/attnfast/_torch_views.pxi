@@ -7,11 +7,15 @@
 # call checks nothing a NumPy view needs (gradients, the negative bit, sparse or nested
 # layouts: it crashes on some of these), so tensor_view reads those flags first and leaves
 # anything unusual to attnfast._interop.to_numpy, which converts or raises naming the argument.
+# Results go back the same way (array_as_tensor): a DLManagedTensorVersioned that owns a
+# reference to the NumPy array, handed to the table's managed_tensor_to_py_object_no_sync
+# (torch.from_numpy parses its arguments in Python, ~1 us; this is a C call).
 # torch is never imported here: attnfast._interop registers the type once it has seen one.
 
 from libc.stdint cimport int32_t, uint8_t, uint16_t, uint32_t
 from cpython.pycapsule cimport PyCapsule_GetPointer
 from cpython.ref cimport PyObject, Py_INCREF
+from libc.stdlib cimport malloc
 from cpython.exc cimport PyErr_Clear
 
 cdef extern from *:
@@ -25,15 +29,69 @@ cdef extern from *:
         int64_t* shape; int64_t* strides; uint64_t byte_offset;
     } attnfast_DLTensor;
     typedef int (*attnfast_DLTensorFromPyObject)(void* py_object, attnfast_DLTensor* out);
+    typedef struct attnfast_DLManagedTensorVersioned {
+        uint32_t major; uint32_t minor;            /* DLPackVersion */
+        void* manager_ctx;
+        void (*deleter)(struct attnfast_DLManagedTensorVersioned* self);
+        uint64_t flags;
+        attnfast_DLTensor dl_tensor;
+    } attnfast_DLManagedTensorVersioned;
+    typedef int (*attnfast_ManagedTensorToPyObject)(attnfast_DLManagedTensorVersioned* tensor,
+                                                    void** out_py_object);
     typedef struct {
         uint32_t major; uint32_t minor;            /* DLPackExchangeAPIHeader.version */
         void* prev_api;
         void* managed_tensor_allocator;
         void* managed_tensor_from_py_object_no_sync;
-        void* managed_tensor_to_py_object_no_sync;
+        attnfast_ManagedTensorToPyObject managed_tensor_to_py_object_no_sync;  /* not NULL */
         attnfast_DLTensorFromPyObject dltensor_from_py_object_no_sync;  /* may be NULL */
         void* current_work_stream;
     } attnfast_DLPackExchangeAPI;
+
+    /* The deleter of attnfast_export's tensors: drops the NumPy array they kept alive. torch
+       may call it from any thread, holding the GIL or not. */
+    static void attnfast_release_export(attnfast_DLManagedTensorVersioned* self) {
+        PyGILState_STATE gil = PyGILState_Ensure();
+        Py_XDECREF((PyObject*) self->manager_ctx);
+        PyGILState_Release(gil);
+        free(self);
+    }
+
+    /* A DLManagedTensorVersioned over `array` (its data, shape, strides in elements), owning
+       a reference to it, in one allocation with its shape and strides; NULL when out of
+       memory. */
+    static attnfast_DLManagedTensorVersioned* attnfast_export(PyArrayObject* array,
+                                                              uint8_t code, uint8_t bits) {
+        int nd = PyArray_NDIM(array), i;
+        npy_intp item = PyArray_ITEMSIZE(array);
+        attnfast_DLManagedTensorVersioned* m = (attnfast_DLManagedTensorVersioned*) malloc(
+            sizeof(attnfast_DLManagedTensorVersioned) + 2 * (nd ? nd : 1) * sizeof(int64_t));
+        if (!m) return NULL;
+        int64_t* shape = (int64_t*) (m + 1);
+        int64_t* strides = shape + (nd ? nd : 1);
+        for (i = 0; i < nd; ++i) {
+            shape[i] = PyArray_DIMS(array)[i];
+            strides[i] = PyArray_STRIDES(array)[i] / item;
+        }
+        m->major = 1; m->minor = 0;
+        Py_INCREF((PyObject*) array);
+        m->manager_ctx = array;
+        m->deleter = attnfast_release_export;
+        m->flags = 0;
+        m->dl_tensor.data = PyArray_DATA(array);
+        m->dl_tensor.device.device_type = 1;   /* kDLCPU */
+        m->dl_tensor.device.device_id = 0;
+        m->dl_tensor.ndim = nd;
+        m->dl_tensor.dtype.code = code; m->dl_tensor.dtype.bits = bits;
+        m->dl_tensor.dtype.lanes = 1;
+        m->dl_tensor.shape = shape;
+        m->dl_tensor.strides = strides;
+        m->dl_tensor.byte_offset = 0;
+        return m;
+    }
+
+    /* A new reference handed over by a C API, as the object Cython then owns. */
+    static PyObject* attnfast_steal(void* new_reference) { return (PyObject*) new_reference; }
     """
     ctypedef struct attnfast_DLDevice:
         int32_t device_type
@@ -50,9 +108,17 @@ cdef extern from *:
         int64_t* strides
         uint64_t byte_offset
     ctypedef int (*attnfast_DLTensorFromPyObject)(void* py_object, attnfast_DLTensor* out)
+    ctypedef struct attnfast_DLManagedTensorVersioned:
+        void (*deleter)(attnfast_DLManagedTensorVersioned* self)
+    ctypedef int (*attnfast_ManagedTensorToPyObject)(attnfast_DLManagedTensorVersioned* tensor,
+                                                     void** out_py_object)
     ctypedef struct attnfast_DLPackExchangeAPI:
         uint32_t major
+        attnfast_ManagedTensorToPyObject managed_tensor_to_py_object_no_sync
         attnfast_DLTensorFromPyObject dltensor_from_py_object_no_sync
+    attnfast_DLManagedTensorVersioned* attnfast_export(cnp.ndarray array, uint8_t code,
+                                                       uint8_t bits)
+    object attnfast_steal(void* new_reference)
 
 cdef extern from *:
     """
@@ -109,7 +175,8 @@ def register_torch(tensor_type, strided, from_numpy):
                 capsule, b"dlpack_exchange_api")
         except (TypeError, ValueError):
             api = NULL
-    if api != NULL and (api.major != 1 or api.dltensor_from_py_object_no_sync == NULL):
+    if api != NULL and (api.major != 1 or api.dltensor_from_py_object_no_sync == NULL
+                        or api.managed_tensor_to_py_object_no_sync == NULL):
         api = NULL      # another major version: its layout may differ
     _tensor_type, _strided, _is_neg, _dl_api = tensor_type, strided, tensor_type.is_neg, api
     _from_numpy = from_numpy
@@ -171,18 +238,52 @@ cdef object _view_of(t):
 
 
 def array_as_tensor(a):
-    """torch.from_numpy(a) for a writeable ndarray of a dtype torch.from_numpy takes as it is
-    (not bfloat16 or float8); None otherwise, or before register_torch (attnfast._interop.
-    wrap_like then converts it the general way)."""
-    cdef int num
-    if _from_numpy is None or type(a) is not np.ndarray:
+    """A torch tensor sharing the memory of `a` (keeping `a` alive), as ``torch.from_numpy(a)``
+    gives, for a writeable ndarray whose strides are whole elements, of a dtype torch takes
+    (float32 / 64 / 16, bfloat16, int64 / 32 / 8, bool); None otherwise, or before
+    register_torch (attnfast._interop.wrap_like then converts it the general way)."""
+    cdef int num, i
+    cdef uint8_t code, bits
+    cdef cnp.ndarray arr
+    cdef attnfast_DLManagedTensorVersioned* managed
+    cdef void* tensor = NULL
+    if _dl_api == NULL or type(a) is not np.ndarray:
         return None
-    num = cnp.PyArray_TYPE(<cnp.ndarray> a)
-    if (not (cnp.PyArray_FLAGS(<cnp.ndarray> a) & cnp.NPY_ARRAY_WRITEABLE)
-            or num not in (cnp.NPY_FLOAT32, cnp.NPY_FLOAT64, cnp.NPY_FLOAT16, cnp.NPY_INT64,
-                           cnp.NPY_INT32, cnp.NPY_INT8, cnp.NPY_BOOL)):
+    arr = <cnp.ndarray> a
+    if not (cnp.PyArray_FLAGS(arr) & cnp.NPY_ARRAY_WRITEABLE) or cnp.PyArray_ISBYTESWAPPED(arr):
         return None
-    return _from_numpy(a)
+    num = cnp.PyArray_TYPE(arr)
+    if num == cnp.NPY_FLOAT32:
+        code, bits = _DL_FLOAT, 32
+    elif num == cnp.NPY_FLOAT64:
+        code, bits = _DL_FLOAT, 64
+    elif num == cnp.NPY_FLOAT16:
+        code, bits = _DL_FLOAT, 16
+    elif num == cnp.NPY_INT64:
+        code, bits = _DL_INT, 64
+    elif num == cnp.NPY_INT32:
+        code, bits = _DL_INT, 32
+    elif num == cnp.NPY_INT8:
+        code, bits = _DL_INT, 8
+    elif num == cnp.NPY_BOOL:
+        code, bits = _DL_BOOL, 8
+    elif num == (<cnp.dtype> _BFLOAT16).type_num:
+        code, bits = _DL_BFLOAT, 16
+    else:
+        return None
+    for i in range(cnp.PyArray_NDIM(arr)):
+        if cnp.PyArray_STRIDES(arr)[i] % cnp.PyArray_ITEMSIZE(arr):
+            return None
+    managed = attnfast_export(arr, code, bits)
+    if managed == NULL:
+        raise MemoryError()
+    if _dl_api.managed_tensor_to_py_object_no_sync(managed, &tensor) != 0:
+        # Whether the producer freed `managed` before failing is not specified: it is left
+        # (at worst one array stays alive) rather than risk freeing it twice. The general
+        # path (torch.from_numpy) then runs and raises what is wrong, if anything.
+        PyErr_Clear()
+        return None
+    return attnfast_steal(tensor)
 
 
 def tensor_args(tuple args, Py_ssize_t first):
