@@ -348,11 +348,7 @@ struct PrefetchStream {
             const int64_t off = (line - k_lines) * 64;
             at = v_row + (off < v_bytes ? off : v_bytes - 1);
         }
-#if defined(__aarch64__)
-        __builtin_prefetch(at, 0, 2);  // PRFM PLDL2KEEP
-#else
-        _mm_prefetch(at, _MM_HINT_T1);
-#endif
+        __builtin_prefetch(at, 0, 2);  // to L2: prefetcht1 / PRFM PLDL2KEEP
         if (++line == lines) {
             line = 0;
             --rows_left;
@@ -593,30 +589,18 @@ void attend_tile(const Block& b, int64_t tile, int64_t keys, int64_t next_keys, 
 }
 
 // ---------------------------------------------------------------- storage types
-// A chunk: kChunk consecutive float32 elements of a row in one register (8 in a ymm on both
-// AVX tiers, 4 in an xmm on SSE2). Q, the output and mask tiles go through registers
-// kChunk x kChunk elements at a time (transpose_chunks).
-#if defined(__AVX2__)
-using Chunk = __m256;  // (on the AVX-512 tier too: the 8-lane conversions of simd/ymm.hpp)
-constexpr int kChunk = 8;
-inline Chunk chunk_set(float x) { return _mm256_set1_ps(x); }
-inline Chunk chunk_mul(Chunk a, Chunk b) { return _mm256_mul_ps(a, b); }
-inline Chunk chunk_load(const float* p) { return _mm256_load_ps(p); }  // aligned
-inline void chunk_store(float* p, Chunk x) { _mm256_store_ps(p, x); }   // aligned
-inline void chunk_storeu(float* p, Chunk x) { _mm256_storeu_ps(p, x); }
-template <class T> inline Chunk widen_chunk(const T* x) { return widen8(x); }
-template <class T> inline void narrow_chunk(T* y, Chunk x) { narrow8(y, x); }
-#else  // NEON, SSE2: a chunk is one vector of the SIMD layer
-using Chunk = Vec;
-constexpr int kChunk = W;
-inline Chunk chunk_set(float x) { return vset(x); }
-inline Chunk chunk_mul(Chunk a, Chunk b) { return vmul(a, b); }
-inline Chunk chunk_load(const float* p) { return vload(p); }  // aligned
-inline void chunk_store(float* p, Chunk x) { vstore(p, x); }   // aligned
-inline void chunk_storeu(float* p, Chunk x) { vstoreu(p, x); }
-template <class T> inline Chunk widen_chunk(const T* x) { return vwiden(x); }
-template <class T> inline void narrow_chunk(T* y, Chunk x) { vnarrow(y, x); }
-#endif
+// Q, the output and mask tiles go through registers kChunk x kChunk elements at a time
+// (the SIMD layer's chunks: 8 lanes on both AVX tiers, 4 on NEON and SSE2).
+using simd::Chunk;
+using simd::kChunk;
+using simd::chunk_load;
+using simd::chunk_mul;
+using simd::chunk_set;
+using simd::chunk_store;
+using simd::chunk_storeu;
+using simd::narrow_chunk;
+using simd::transpose_chunks;
+using simd::widen_chunk;
 inline void narrow1(float* y, float x) { *y = x; }
 inline void narrow1(f16_t* y, float x) { *y = narrow_f16(x); }
 inline void narrow1(bf16_t* y, float x) { *y = narrow_bf16(x); }
@@ -647,43 +631,6 @@ void widen_rows(const KeyRows<T>& src, int64_t first, int64_t rows, int64_t dim,
 }
 
 // ---------------------------------------------------------------- one task
-// r[c] <- column c of the kChunk x kChunk block whose rows are r[0..kChunk-1].
-#if defined(__AVX2__)
-inline void transpose_chunks(__m256* r) {
-    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-    const __m256 u0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
-    const __m256 u1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
-    const __m256 u2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
-    const __m256 u3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
-    const __m256 u4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
-    const __m256 u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
-    const __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
-    const __m256 u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
-    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
-    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
-    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
-    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
-    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
-    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
-    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
-    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
-}
-#elif defined(__aarch64__)
-inline void transpose_chunks(float32x4_t* r) {
-    const float32x4x2_t a = vtrnq_f32(r[0], r[1]);  // a0 b0 a2 b2 | a1 b1 a3 b3
-    const float32x4x2_t c = vtrnq_f32(r[2], r[3]);  // c0 d0 c2 d2 | c1 d1 c3 d3
-    r[0] = vcombine_f32(vget_low_f32(a.val[0]), vget_low_f32(c.val[0]));
-    r[1] = vcombine_f32(vget_low_f32(a.val[1]), vget_low_f32(c.val[1]));
-    r[2] = vcombine_f32(vget_high_f32(a.val[0]), vget_high_f32(c.val[0]));
-    r[3] = vcombine_f32(vget_high_f32(a.val[1]), vget_high_f32(c.val[1]));
-}
-#else
-inline void transpose_chunks(__m128* r) { _MM_TRANSPOSE4_PS(r[0], r[1], r[2], r[3]); }
-#endif
-
 // Sets up one sub-block: Qᵀ widened to float32 and scaled into base 2 (exp(x) =
 // 2^(x log2 e)), lanes past the last row 0; empty state.
 template <class TQ>
@@ -777,83 +724,11 @@ void finish_sub_block(const AttentionParams& p, const Block& b, int64_t batch) {
 inline float mask_value(const uint8_t* m) { return *m ? 0.0f : -__builtin_inff(); }
 inline float mask_value(const float* m) { return *m * 1.4426950408889634f; }
 inline float mask_value(const double* m) { return static_cast<float>(*m) * 1.4426950408889634f; }
-#if defined(__AVX2__)
-inline __m256 mask_chunk(const uint8_t* m) {
-    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m)));
-    const __m256i drop = _mm256_cmpeq_epi32(x, _mm256_setzero_si256());
-    return _mm256_and_ps(_mm256_castsi256_ps(drop), _mm256_set1_ps(-__builtin_inff()));
-}
-inline __m256 mask_chunk(const float* m) { return _mm256_mul_ps(_mm256_loadu_ps(m), _mm256_set1_ps(1.4426950408889634f)); }
-inline __m256 mask_chunk(const double* m) {
-    const __m256 x = _mm256_set_m128(_mm256_cvtpd_ps(_mm256_loadu_pd(m + 4)), _mm256_cvtpd_ps(_mm256_loadu_pd(m)));
-    return _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
-}
-#elif defined(__aarch64__)
-inline float32x4_t mask_chunk(const uint8_t* m) {
-    int32_t w;
-    __builtin_memcpy(&w, m, 4);
-    const uint32x4_t x = vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_s32(vdup_n_s32(w)))));
-    return vreinterpretq_f32_u32(vandq_u32(vceqzq_u32(x), vreinterpretq_u32_f32(vdupq_n_f32(-__builtin_inff()))));
-}
-inline float32x4_t mask_chunk(const float* m) { return vmulq_f32(vld1q_f32(m), vdupq_n_f32(1.4426950408889634f)); }
-inline float32x4_t mask_chunk(const double* m) {
-    const float32x4_t x = vcombine_f32(vcvt_f32_f64(vld1q_f64(m)), vcvt_f32_f64(vld1q_f64(m + 2)));
-    return vmulq_f32(x, vdupq_n_f32(1.4426950408889634f));
-}
-#else
-inline __m128 mask_chunk(const uint8_t* m) {
-    const __m128i z = _mm_setzero_si128();
-    const __m128i x = _mm_unpacklo_epi16(_mm_unpacklo_epi8(load4_bytes(m), z), z);
-    return _mm_and_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(x, z)), _mm_set1_ps(-__builtin_inff()));
-}
-inline __m128 mask_chunk(const float* m) { return _mm_mul_ps(_mm_loadu_ps(m), _mm_set1_ps(1.4426950408889634f)); }
-inline __m128 mask_chunk(const double* m) {
-    const __m128 x = _mm_movelh_ps(_mm_cvtpd_ps(_mm_loadu_pd(m)), _mm_cvtpd_ps(_mm_loadu_pd(m + 2)));
-    return _mm_mul_ps(x, _mm_set1_ps(1.4426950408889634f));
-}
-#endif
-
-// What a tile's mask entries hold: `set` ORs the bits of entries that drop (bool: -inf) or
-// are nonzero (additive), `clear` those that keep (bool) .
-#if defined(__AVX2__)
-struct MaskSummary {
-    __m256 set = _mm256_setzero_ps();
-    __m256 clear = _mm256_setzero_ps();
-    void add(__m256 x) {
-        const __m256 nz = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_NEQ_UQ);
-        set = _mm256_or_ps(set, nz);
-        clear = _mm256_or_ps(clear, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_EQ_OQ));
-    }
-    void add(float x) { add(_mm256_set1_ps(x)); }
-    bool any_set() const { return _mm256_movemask_ps(set) != 0; }
-    bool any_clear() const { return _mm256_movemask_ps(clear) != 0; }
-};
-#elif defined(__aarch64__)
-struct MaskSummary {
-    uint32x4_t set = vdupq_n_u32(0);
-    uint32x4_t clear = vdupq_n_u32(0);
-    void add(float32x4_t x) {
-        const uint32x4_t zero = vceqzq_f32(x);  // (NaN: not zero, so counted in set)
-        set = vorrq_u32(set, vmvnq_u32(zero));
-        clear = vorrq_u32(clear, zero);
-    }
-    void add(float x) { add(vdupq_n_f32(x)); }
-    bool any_set() const { return vmaxvq_u32(set) != 0; }
-    bool any_clear() const { return vmaxvq_u32(clear) != 0; }
-};
-#else
-struct MaskSummary {
-    __m128 set = _mm_setzero_ps();
-    __m128 clear = _mm_setzero_ps();
-    void add(__m128 x) {
-        set = _mm_or_ps(set, _mm_cmpneq_ps(x, _mm_setzero_ps()));  // (NaN: unordered, counted)
-        clear = _mm_or_ps(clear, _mm_cmpeq_ps(x, _mm_setzero_ps()));
-    }
-    void add(float x) { add(_mm_set1_ps(x)); }
-    bool any_set() const { return _mm_movemask_ps(set) != 0; }
-    bool any_clear() const { return _mm_movemask_ps(clear) != 0; }
-};
-#endif
+inline Chunk mask_chunk(const uint8_t* m) { return simd::chunk_zero_to_neg_inf(m); }
+inline Chunk mask_chunk(const float* m) { return chunk_mul(widen_chunk(m), chunk_set(1.4426950408889634f)); }
+inline Chunk mask_chunk(const double* m) { return chunk_mul(widen_chunk(m), chunk_set(1.4426950408889634f)); }
+// Whether a mask tile drops or adds anything (lanes nonzero) and keeps anything (zero).
+using MaskSummary = simd::ZeroTally;
 
 // b.mt <- the mask of keys [tile, tile + keys) for the sub-block's Bq lanes, transposed
 // (key-major, like Sᵀ); padding lanes repeat the last row. Read through the mask's strides
@@ -919,12 +794,12 @@ void attend_sub_tile(const AttentionParams& p, const Block& b, int64_t batch, in
         const int64_t at = batch * p.mask_batch_stride + b.head * p.mask_head_stride;
         if (p.mask_kind == MaskKind::kBool) {
             mask_tile(p, b, static_cast<const uint8_t*>(p.mask) + at, tile, keys, sum);
-            if (!sum.any_clear()) return;  // every key dropped
-            if (sum.any_set()) o.mask = TileMask::kDrop;
+            if (!sum.any_zero()) return;  // every key dropped
+            if (sum.any_nonzero()) o.mask = TileMask::kDrop;
         } else {
             if (p.mask_dtype == DType::kF64) mask_tile(p, b, static_cast<const double*>(p.mask) + at, tile, keys, sum);
             else mask_tile(p, b, static_cast<const float*>(p.mask) + at, tile, keys, sum);
-            if (sum.any_set()) o.mask = TileMask::kAdd;
+            if (sum.any_nonzero()) o.mask = TileMask::kAdd;
         }
     }
     if (b.opt.alibi) {

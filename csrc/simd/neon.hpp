@@ -163,6 +163,33 @@ inline void vwiden_q4_block(const uint8_t* block, Vec* out) {  // out[v]: values
     }
 }
 
+// ---- chunk extras (simd.hpp; a chunk is one Vec here)
+inline Vec widen_chunk(const double* x) { return vcombine_f32(vcvt_f32_f64(vld1q_f64(x)), vcvt_f32_f64(vld1q_f64(x + 2))); }
+inline Vec chunk_zero_to_neg_inf(const uint8_t* m) {  // byte 0: -inf, else +0
+    const uint32x4_t x = vmovl_u16(load4_bytes_u16(m));
+    return vreinterpretq_f32_u32(vandq_u32(vceqzq_u32(x), vreinterpretq_u32_f32(vdupq_n_f32(-__builtin_inff()))));
+}
+inline void transpose_chunks(Vec* r) {  // r[c] <- column c of the 4 x 4 block of rows r
+    const float32x4x2_t a = vtrnq_f32(r[0], r[1]);  // a0 b0 a2 b2 | a1 b1 a3 b3
+    const float32x4x2_t c = vtrnq_f32(r[2], r[3]);  // c0 d0 c2 d2 | c1 d1 c3 d3
+    r[0] = vcombine_f32(vget_low_f32(a.val[0]), vget_low_f32(c.val[0]));
+    r[1] = vcombine_f32(vget_low_f32(a.val[1]), vget_low_f32(c.val[1]));
+    r[2] = vcombine_f32(vget_high_f32(a.val[0]), vget_high_f32(c.val[0]));
+    r[3] = vcombine_f32(vget_high_f32(a.val[1]), vget_high_f32(c.val[1]));
+}
+struct ZeroTally {  // whether any lane added was nonzero (NaN counts: not equal) / was zero
+    uint32x4_t nonzero = vdupq_n_u32(0);
+    uint32x4_t zero = vdupq_n_u32(0);
+    void add(Vec x) {
+        const uint32x4_t z = vceqzq_f32(x);
+        nonzero = vorrq_u32(nonzero, vmvnq_u32(z));
+        zero = vorrq_u32(zero, z);
+    }
+    void add(float x) { add(vdupq_n_f32(x)); }
+    bool any_nonzero() const { return vmaxvq_u32(nonzero) != 0; }
+    bool any_zero() const { return vmaxvq_u32(zero) != 0; }
+};
+
 }  // namespace simd
 }  // namespace
 }  // namespace ATTNFAST_KERNEL_NS

@@ -28,6 +28,15 @@
 //                        exactly, in registers
 //   vnarrow              float32 lanes to W stored float32 / float16 / bfloat16 values (round
 //                        to nearest even, NaN kept)
+// and chunks, the unit the prefill transposes its Q, O and mask tiles in: Chunk, kChunk
+// consecutive float32 values of a row in one register (8 in a ymm on both AVX tiers: ymm.hpp;
+// one Vec on NEON and SSE2):
+//   chunk_set chunk_mul chunk_load chunk_store (aligned) chunk_storeu
+//   widen_chunk narrow_chunk  stored values (float32 / 16-bit / int8 / float8; and float64
+//                        rounded to float32) to a chunk and back, as vwiden / vnarrow
+//   chunk_zero_to_neg_inf  kChunk bytes: 0 -> -inf, other -> +0
+//   transpose_chunks     kChunk chunks, rows to columns
+//   ZeroTally            whether any lane added so far was nonzero (NaN counts) / zero
 // (sse2.hpp has the unaligned access and the float32 / bfloat16 / float16 / int8 conversions
 // only: the generic tier's decode runs the template policy, not the kernels that use the rest.)
 // Every operation rounds as its instruction does: results depend on the ISA (the header),
@@ -54,6 +63,26 @@
 #error "the SIMD layer needs SSE2 (x86-64) or AArch64 NEON"
 #endif
 #include "math.hpp"
+
+#if !defined(__AVX2__)  // NEON, SSE2: a chunk is one vector (the AVX tiers': ymm.hpp)
+namespace attnfast {
+namespace ATTNFAST_KERNEL_NS {
+namespace {
+namespace simd {
+using Chunk = Vec;
+constexpr int kChunk = W;
+inline Chunk chunk_set(float x) { return vset(x); }
+inline Chunk chunk_mul(Chunk a, Chunk b) { return vmul(a, b); }
+inline Chunk chunk_load(const float* p) { return vload(p); }  // aligned
+inline void chunk_store(float* p, Chunk x) { vstore(p, x); }   // aligned
+inline void chunk_storeu(float* p, Chunk x) { vstoreu(p, x); }
+template <class T> inline Chunk widen_chunk(const T* x) { return vwiden(x); }
+template <class T> inline void narrow_chunk(T* y, Chunk x) { vnarrow(y, x); }
+}  // namespace simd
+}  // namespace
+}  // namespace ATTNFAST_KERNEL_NS
+}  // namespace attnfast
+#endif
 
 namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {

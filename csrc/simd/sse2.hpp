@@ -108,6 +108,26 @@ inline void vnarrow(bf16_t* y, Vec x) {
     _mm_storel_epi64(reinterpret_cast<__m128i*>(y), _mm_packs_epi32(r, r));
 }
 
+// ---- chunk extras (simd.hpp; a chunk is one Vec here)
+inline Vec widen_chunk(const double* x) { return _mm_movelh_ps(_mm_cvtpd_ps(_mm_loadu_pd(x)), _mm_cvtpd_ps(_mm_loadu_pd(x + 2))); }
+inline Vec chunk_zero_to_neg_inf(const uint8_t* m) {  // byte 0: -inf, else +0
+    const __m128i z = _mm_setzero_si128();
+    const __m128i x = _mm_unpacklo_epi16(_mm_unpacklo_epi8(load4_bytes(m), z), z);
+    return _mm_and_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(x, z)), vset(-__builtin_inff()));
+}
+inline void transpose_chunks(Vec* r) { _MM_TRANSPOSE4_PS(r[0], r[1], r[2], r[3]); }
+struct ZeroTally {  // whether any lane added was nonzero (NaN counts: unordered) / was zero
+    Vec nonzero = _mm_setzero_ps();
+    Vec zero = _mm_setzero_ps();
+    void add(Vec x) {
+        nonzero = _mm_or_ps(nonzero, _mm_cmpneq_ps(x, _mm_setzero_ps()));
+        zero = _mm_or_ps(zero, _mm_cmpeq_ps(x, _mm_setzero_ps()));
+    }
+    void add(float x) { add(vset(x)); }
+    bool any_nonzero() const { return _mm_movemask_ps(nonzero) != 0; }
+    bool any_zero() const { return _mm_movemask_ps(zero) != 0; }
+};
+
 }  // namespace simd
 }  // namespace
 }  // namespace ATTNFAST_KERNEL_NS
