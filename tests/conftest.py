@@ -36,3 +36,13 @@ def parent_sigint(request):
     previous = signal.signal(signal.SIGINT, handler)
     yield request.param
     signal.signal(signal.SIGINT, previous)
+
+
+def simd_decode_lanes(tier):
+    """Lanes W of the tier's hand-written decode (simd_decode, gemm_decode: D and Dv whole
+    vectors of W), or None where decode runs the template policy only (the aarch64 build's
+    generic tier). x86-64's generic tier runs them on SSE2 (W = 4)."""
+    import platform
+    if tier == "generic":
+        return 4 if platform.machine().lower() in ("x86_64", "amd64") else None
+    return {"avx2": 8, "avx512": 16, "avx512bf16": 16, "neon": 4}.get(tier)

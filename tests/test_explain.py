@@ -17,6 +17,7 @@ import attnfast as af
 from attnfast import _ext
 from attnfast._checks import BFLOAT16
 from attnfast._kvcache import quantize_int8
+from conftest import simd_decode_lanes
 from reference import TOLERANCE, reference_attention
 
 TIERS = _ext.runtime_info()["isa_available"]
@@ -69,7 +70,7 @@ def _decode_kernel(tier, q_dtype, kv_dtype, d):
     if (tier == "avx512bf16" and kv_dtype == np.int8 and d % 64 == 0 and d <= 512
             and os.environ.get("ATTNFAST_INT8_DOT") != "widen"):
         return "vnni_int8_decode"  # (every CPU with AVX512_BF16 has AVX512-VNNI)
-    lanes = {"avx2": 8, "avx512": 16, "avx512bf16": 16}.get(tier)
+    lanes = simd_decode_lanes(tier)
     if lanes and d % lanes == 0:
         return "simd_decode"
     return "template_decode"
@@ -162,7 +163,7 @@ def test_kv_cache_calls(tier):
 def test_forcing_a_tier_changes_the_answer():
     if len(TIERS) < 2:
         pytest.skip("one tier on this CPU")
-    q, k, v = _arrays(1, 8, 2, 1, 4096, 128)
+    q, k, v = _arrays(1, 8, 2, 1, 4096, 36)  # D = 36: whole vectors of 4 lanes, not of 8 or 16
     seen = {}
     try:
         for name in TIERS:
@@ -172,8 +173,8 @@ def test_forcing_a_tier_changes_the_answer():
         _ext.force_isa("")
     assert {p["tier"] for p in seen.values()} == set(TIERS)
     if "generic" in seen and TIERS[0] in X86_SIMD:
-        assert seen["generic"]["kernel"] == "template_decode"
-        assert seen[TIERS[0]]["kernel"] == "simd_decode"
+        assert seen["generic"]["kernel"] == "simd_decode"       # SSE2, W = 4
+        assert seen[TIERS[0]]["kernel"] == "template_decode"    # W = 8 or 16
 
 
 def test_the_checks_are_attentions():
@@ -189,22 +190,24 @@ def test_the_checks_are_attentions():
 
 def test_regime_per_tier_from_rows_per_kv_read(tier):
     """The planner's regime: the GEMM-shaped decode kernel (compute) for many rows per KV
-    read on the x86 SIMD tiers -- "latent_decode" for an MLA latent cache, "gemm_decode" for
-    separate K and V from 32 rows; bandwidth-shaped decode otherwise."""
+    read on the tiers with the hand-written decode -- "latent_decode" for an MLA latent cache,
+    "gemm_decode" for separate K and V from 32 rows; bandwidth-shaped decode otherwise."""
+    gemm_tier = simd_decode_lanes(tier) is not None
     q, k, _ = _arrays(1, 128, 1, 1, 4096, 576)
     v = k[..., :512]
     plan = af.explain(q, k, v)
     assert plan["latent_kv"] is True and plan["rows_per_kv_read"] == 128
-    if tier in X86_SIMD:
+    if gemm_tier:
         assert plan["kernel"] == "latent_decode" and plan["regime"] == "compute"
         assert plan["split"]["chunk_keys"] == 2048
     else:
         assert plan["regime"] == "bandwidth"
-    few = af.explain(q[:, :4], k, v)  # 4 rows per read: bandwidth-shaped
-    assert few["regime"] == "bandwidth" and few["rows_per_kv_read"] == 4
+    few = af.explain(q[:, :4], k, v)  # 4 rows per read: one whole vector from W = 4 lanes
+    assert few["rows_per_kv_read"] == 4
+    assert few["regime"] == ("compute" if simd_decode_lanes(tier) == 4 else "bandwidth")
     copy = af.explain(q, k, np.ascontiguousarray(v))  # V a separate array
     assert copy["latent_kv"] is False
-    if tier in X86_SIMD:
+    if gemm_tier:
         assert copy["kernel"] == "gemm_decode" and copy["regime"] == "compute"
     else:
         assert copy["regime"] == "bandwidth"

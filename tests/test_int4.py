@@ -13,6 +13,7 @@ import pytest
 import attnfast as af
 from attnfast import _ext
 from attnfast._rotation import hadamard_rotate
+from conftest import simd_decode_lanes
 from reference import reference_attention
 
 
@@ -98,7 +99,7 @@ def test_int4_kvcache_matches_decoded_reference(tier, heads, kv_heads, tq, d, dv
     close(out, ref)
     # which kernel read it: the hand-written decode where D, Dv are whole vectors, else
     # the template (the query rows of a prompt chunk run through the decode loop too)
-    lanes = {"avx512bf16": 16, "avx512": 16, "avx2": 8}.get(tier)
+    lanes = simd_decode_lanes(tier)
     plan = _ext.plan_attention(q[:, :, :min(tq, 16)], cache.k, cache.v, causal=True,
                                scale=d ** -0.5, window_left=-1, window_right=-1, num_threads=1,
                                seqlens_k=np.full(B, n, np.int64), head_dim_v=dv)

@@ -10,6 +10,7 @@ import pytest
 
 import attnfast as af
 from attnfast import _ext
+from conftest import simd_decode_lanes
 from reference import reference_attention
 
 AVAILABLE_ISAS = _ext.runtime_info()["isa_available"]
@@ -87,8 +88,8 @@ def test_float8_kvcache_matches_dequantised_reference(tier, heads, kv_heads, tq,
     plan = af.explain(q, cache.k, cache.v, cache_seqlens=cache.lengths, k_scale=cache.k_scale,
                       v_scale=cache.v_scale)
     assert plan["path"] == "decode"
-    lanes = {"avx2": 8, "neon": 4}.get(tier, 16)  # the hand-written decode: whole vectors of D, Dv
-    want = "template_decode" if tier == "generic" or dv % lanes or D % lanes else "simd_decode"
+    lanes = simd_decode_lanes(tier)  # the hand-written decode: whole vectors of D, Dv
+    want = "template_decode" if lanes is None or dv % lanes or D % lanes else "simd_decode"
     assert plan["kernel"] == want, plan
 
 

@@ -31,8 +31,8 @@
 // float32, bfloat16 or float16 (widened exactly), q float32 or 16 bits (widened exactly).
 // Rounding depends only on the shapes (never the thread count).
 #pragma once
-#if !(defined(__AVX2__) && defined(__FMA__)) && !defined(__aarch64__)
-#error "gemm_decode.inl needs AVX2+FMA, AVX-512F or AArch64 NEON"
+#if !defined(__SSE2__) && !defined(__aarch64__)
+#error "gemm_decode.inl needs the SIMD layer of an x86-64 tier or AArch64 NEON"
 #endif
 #include "../simd/simd.hpp"
 #include "decode_attention.inl"

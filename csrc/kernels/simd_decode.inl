@@ -1,12 +1,13 @@
-// Hand-written decode policies for the SIMD tiers with FMA (AVX-512: W = 16 lanes; AVX2+FMA:
-// W = 8; NEON: W = 4), written on the SIMD layer (csrc/simd/):
+// Hand-written decode policies for the SIMD tiers (AVX-512: W = 16 lanes; AVX2+FMA: W = 8;
+// NEON: W = 4; SSE2, the generic tier on x86-64: W = 4, multiply then add for each FMA),
+// written on the SIMD layer (csrc/simd/):
 // float32 arithmetic over K/V stored as float32, bfloat16, float16, int8, float8 e4m3fn (one
 // float32 scale per row) or int4 blocks, q as float32 or 16 bits. The loop, the online softmax
 // and the task contract are decode_attention.inl's (decode_loop, softmax_block); this file gives
 // it WidenPath, the arithmetic, and VectorSoftmax, the vector max / exp passes and score
-// options (RowScoreOptions) it runs with. Included by kernels/isa_avx512.cpp,
-// isa_avx512bf16.cpp, isa_avx2.cpp and isa_neon.cpp; shapes it does not cover (D or Dv not a
-// multiple of W) and the generic tier run decode_loop with the template policy (TemplatePath).
+// options (RowScoreOptions) it runs with. Included by every tier's kernels/isa_*.cpp but the
+// aarch64 build's generic tier; shapes it does not cover (D or Dv not a multiple of W) and
+// that tier run decode_loop with the template policy (TemplatePath).
 //
 // 16-bit, int8, float8 and int4 K/V are widened to float32 in registers as each vector is
 // loaded (simd::vwiden: F16C's vcvtph2ps or NEON's fcvtl, a 16-bit shift for bfloat16,
@@ -24,8 +25,8 @@
 //
 // No std:: templates here (see block_attention.inl).
 #pragma once
-#if !(defined(__AVX2__) && defined(__FMA__)) && !defined(__aarch64__)
-#error "simd_decode.inl needs AVX2+FMA, AVX-512F or AArch64 NEON"
+#if !defined(__SSE2__) && !defined(__aarch64__)
+#error "simd_decode.inl needs the SIMD layer of an x86-64 tier or AArch64 NEON"
 #endif
 
 #if defined(__GNUC__) && !defined(__clang__)

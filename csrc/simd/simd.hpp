@@ -37,8 +37,6 @@
 //   chunk_zero_to_neg_inf  kChunk bytes: 0 -> -inf, other -> +0
 //   transpose_chunks     kChunk chunks, rows to columns
 //   ZeroTally            whether any lane added so far was nonzero (NaN counts) / zero
-// (sse2.hpp has the unaligned access and the float32 / bfloat16 / float16 / int8 conversions
-// only: the generic tier's decode runs the template policy, not the kernels that use the rest.)
 // Every operation rounds as its instruction does: results depend on the ISA (the header),
 // never on the thread count. Beside it: typed.hpp (vectors of float or double lanes for the
 // kernels templated over the accumulator type) and storage.hpp (the storage types).
