@@ -35,12 +35,14 @@ used as they are; the attention runs in attnfast, on that cache in place:
 Decoder attention runs in attnfast with a cache in the model's dtype (float32, bfloat16,
 float16) or an fp8 cache (``kv_cache_dtype="fp8"`` / ``"fp8_e4m3"``: float8_e4m3fn, on any
 CPU; vLLM's own kernel needs AVX-512 or AMX for it). attnfast quantises each cached row (one
-token, one KV head) with its own float32 scale, max|x| / 448 (relative error <= 2^-4 per
-value, the format's), kept beside vLLM's cache, in ``Hkv * block_size`` floats per block
-(4 / D of the cache's bytes, outside vLLM's KV-cache space); the checkpoint's per-tensor
-k/v scales are not needed. Layers of other kinds stay wholly vLLM's (cache writing and
-kernel): an ``fp8_e5m2`` cache, encoder, encoder-only and cross attention. A decoder call with per-token (dynamic)
-causality raises NotImplementedError (vLLM's kernel cannot read attnfast's layout).
+token, one KV head) with its own float32 scale, max|x| / 448: 3 mantissa bits, so each value
+within 2^-4 of itself (the smallest, subnormal ones within 2^-18 of the row's largest). The
+scales live beside vLLM's cache (:func:`row_scales`): ``Hkv * block_size`` floats a block,
+4 / D of the cache's bytes, outside vLLM's KV-cache space; the checkpoint's per-tensor k/v
+scales are not needed. Layers of other kinds stay wholly vLLM's (cache writing and kernel):
+an ``fp8_e5m2`` cache, encoder, encoder-only and cross attention. A decoder call with
+per-token (dynamic) causality raises NotImplementedError (vLLM's kernel cannot read
+attnfast's layout).
 
 Importing this module does not import vLLM or torch; :func:`register` and the backend
 classes do (the classes are created on first use, see :func:`backend_class`).
@@ -58,7 +60,8 @@ from .._kvcache import attention_with_kvcache
 from .._varlen import attention_varlen
 
 __all__ = ["ENV_VAR", "register", "register_plugin", "backend_class", "split_kv_cache",
-           "new_row_scales", "write_kv_cache", "paged_attention", "vllm_write_kv_cache", "vllm_paged_attention"]
+           "new_row_scales", "row_scales", "write_kv_cache", "paged_attention",
+           "vllm_write_kv_cache", "vllm_paged_attention"]
 
 #: Environment variable that makes the vLLM plugin select attnfast (``"1"``: on).
 ENV_VAR = "ATTNFAST_VLLM_BACKEND"
@@ -126,6 +129,22 @@ def new_row_scales(k_pool):
     """Zeroed float32 row scales (num_blocks, Hkv, block_size) for a float8 pool's keys (call
     twice: keys and values), as :func:`write_kv_cache` and :func:`paged_attention` take them."""
     return np.zeros(k_pool.shape[:3], np.float32)
+
+
+_ROW_SCALES: dict = {}  # data_ptr of a vLLM fp8 cache -> (its shape, k_scale, v_scale)
+
+
+def row_scales(kv_cache, k_pool):
+    """The float32 row scales (k_scale, v_scale) kept for one vLLM fp8 cache tensor, made
+    (zeroed, :func:`new_row_scales`) the first time it is seen. Keyed by the cache's memory,
+    so that layers sharing a cache (vLLM's KV sharing: one layer writes, others read) share
+    its scales too; a new cache at the same address (another engine) gets new ones."""
+    key = kv_cache.data_ptr()
+    entry = _ROW_SCALES.get(key)
+    if entry is None or entry[0] != tuple(kv_cache.shape):
+        entry = _ROW_SCALES[key] = (tuple(kv_cache.shape), new_row_scales(k_pool),
+                                    new_row_scales(k_pool))
+    return entry[1], entry[2]
 
 
 def write_kv_cache(key, value, k_pool, v_pool, slot_mapping, k_scale=None, v_scale=None):
@@ -318,16 +337,12 @@ def _define_classes() -> dict:
             return self.attn_type == AttentionType.DECODER and self.kv_cache_dtype in CACHE_DTYPES
 
         def _pools(self, kv_cache):
-            """(k_pool, v_pool, k_scale, v_scale) of this layer's cache; the scales (float8
-            only, else None) live beside vLLM's cache, one pair per cache tensor."""
+            """(k_pool, v_pool, k_scale, v_scale) of this layer's cache (the scales None
+            unless float8: row_scales)."""
             k_pool, v_pool = split_kv_cache(kv_cache, self.kv_cache_dtype)
             if k_pool.dtype != FLOAT8_E4M3:
                 return k_pool, v_pool, None, None
-            scales = getattr(self, "_attnfast_row_scales", None)
-            if scales is None or scales[0] != kv_cache.data_ptr():
-                scales = (kv_cache.data_ptr(), new_row_scales(k_pool), new_row_scales(v_pool))
-                self._attnfast_row_scales = scales
-            return k_pool, v_pool, scales[1], scales[2]
+            return (k_pool, v_pool) + row_scales(kv_cache, k_pool)
 
         def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
             if not self._attnfast_owns_cache():
