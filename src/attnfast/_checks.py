@@ -897,6 +897,7 @@ def check_truncate(n, lengths: np.ndarray, seq_ids=None) -> np.ndarray:
 _PLAN_LIMIT = 256        # plans per memo; a full memo is emptied (shapes that keep changing)
 ATTENTION_PLANS: dict = {}
 KVCACHE_PLANS: dict = {}
+PAGED_PLANS: dict = {}   # attention_with_kvcache over a paged cache, no new tokens
 
 
 def remember(memo: dict, key, plan) -> None:
@@ -950,6 +951,26 @@ def attention_plan(call: AttentionCall, q, k, v, out, window):
         return None
     return (call.out_shape(), call.dtype, call.scale, call.seqlen_q, call.seqlen_k,
             check_window(window))
+
+
+def paged_key(q, k_pool, v_pool, cache_seqlens, block_table, k_scale, v_scale, out, causal,
+              scale, window):
+    """attention_with_kvcache(block_table=...) without new tokens: the plan key of a call
+    (the arrays' layouts, the lengths' type, the options), or None."""
+    key = kvcache_key(q, k_pool, v_pool, seqlens_key(cache_seqlens), None, None, causal, scale,
+                      window)
+    arrays = None if key is None else _ext.layout_key(block_table, k_scale, v_scale, out)
+    return None if arrays is None else (key, arrays)
+
+
+def paged_plan(call, q, k_scale, v_scale):
+    """What a repeat paged call needs from a call the full path accepted: the checked call
+    itself (its q, lengths and table are replaced per call); None unless the kernels took q
+    and the scales as given."""
+    if (as_float_array(q, "q") is not q or kernel_ready(q) is not q or call.attn.q is not q
+            or call.k_scale is not k_scale or call.v_scale is not v_scale):
+        return None
+    return call
 
 
 def kvcache_plan(q, k_cache, v_cache, k_new, scale, window):

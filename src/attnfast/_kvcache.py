@@ -21,12 +21,15 @@ from ._checks import (
     INT4_STORAGE,
     ROW_SCALED_DTYPES,
     KVCACHE_PLANS,
+    PAGED_PLANS,
     bound_window,
     fast_query_offset,
     fast_tail_in_c,
     fast_threads,
     kvcache_key,
     kvcache_plan,
+    paged_key,
+    paged_plan,
     remember,
     seqlens_key,
     check_batch_index,
@@ -37,6 +40,7 @@ from ._checks import (
     check_kvcache_attention,
     check_latent_spec,
     check_paged_kvcache_attention,
+    check_paged_blocks,
     check_new_tokens,
     check_out,
     check_tree_mask,
@@ -294,6 +298,19 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
                                    causal, num_threads, query_offset)
             if result is not None:
                 return result
+    elif (block_table is not None and k_new is None and v_new is None and softcap is None
+          and alibi_slopes is None and sinks is None and mask is None and return_lse is False
+          and tree_mask is None and key_rotation is None and v_head_dim is None
+          and query_offset is None and not is_int4_storage(k_cache)):
+        # a paged decode step (a serving engine's every layer): its layout accepted before
+        key = paged_key(q, k_cache, v_cache, cache_seqlens, block_table, k_scale, v_scale, out,
+                        causal, scale, window)
+        plan = PAGED_PLANS.get(key) if key is not None else None
+        if plan is not None:
+            result = _paged_fast(plan, q, k_cache, v_cache, cache_seqlens, block_table,
+                                 k_scale, v_scale, out, num_threads)
+            if result is not None:
+                return result
     return_lse = check_flag(return_lse, "return_lse")
     if block_table is not None:
         return _paged_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
@@ -302,7 +319,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
                                 return_lse=return_lse, out=out, num_threads=num_threads,
                                 query_offset=query_offset, k_scale=k_scale, v_scale=v_scale,
                                 tree_mask=tree_mask, key_rotation=key_rotation,
-                                v_head_dim=v_head_dim)
+                                v_head_dim=v_head_dim, plan_key=key)
     call = check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                    causal=causal, scale=scale, window=window,
                                    num_threads=num_threads, k_scale=k_scale, v_scale=v_scale,
@@ -397,9 +414,44 @@ def run_cache_kernels(call, user_out, return_lse, parts, tree=None, key_rotation
     return run_kernels(call.attn, user_out, return_lse, parts)
 
 
+def _paged_fast(call, q, k_pool, v_pool, cache_seqlens, block_table, k_scale, v_scale, out,
+                num_threads):
+    """attention_with_kvcache(block_table=...) without new tokens, for a call whose layout an
+    earlier call had accepted (`call`, that call's checked form: PAGED_PLANS): checks what
+    can differ between such calls (the lengths, the block ids in use, `out` apart from what
+    the call reads), then runs the same kernels (run_paged_kernels: shared prefixes too).
+    None, having done nothing, when anything is unusual: the full path then runs (and raises
+    as always). Nothing is written but `out`."""
+    threads = fast_threads(num_threads)
+    if threads is None:
+        return None
+    attn = call.attn
+    block_size, num_blocks = k_pool.shape[2], k_pool.shape[0]
+    lengths = (np.full(attn.batch, cache_seqlens, np.int64) if type(cache_seqlens) is int
+               else np.ascontiguousarray(cache_seqlens, dtype=np.int64))
+    if attn.batch and (lengths.min() < 0 or lengths.max() > attn.seqlen_k):
+        return None
+    table = np.ascontiguousarray(block_table, dtype=np.int64)
+    try:
+        check_paged_blocks(table, lengths, block_size, num_blocks)
+    except ValueError:
+        return None
+    if out is not None and (not out.flags.writeable or any(
+            a is not None and np.may_share_memory(out, a)
+            for a in (q, k_pool, v_pool, block_table, k_scale, v_scale))):
+        return None  # check_out decides (and raises) exactly
+    fresh = dataclasses.replace(
+        call, attn=dataclasses.replace(attn, q=q, k=k_pool, v=v_pool, num_threads=threads),
+        k_cache=k_pool, v_cache=v_pool, starts=lengths, k_scale=k_scale, v_scale=v_scale,
+        block_table=table)
+    return run_paged_kernels(fresh, out, False, k_pool, v_pool, k_scale, v_scale)
+
+
 def _paged_attention(q, k_pool, v_pool, cache_seqlens, k_new, v_new, block_table, *,
-                     return_lse, out, tree_mask=None, key_rotation=None, **options):
-    """attention_with_kvcache with a block table (arguments as there, return_lse checked)."""
+                     return_lse, out, tree_mask=None, key_rotation=None, plan_key=None,
+                     **options):
+    """attention_with_kvcache with a block table (arguments as there, return_lse checked;
+    plan_key: PAGED_PLANS' key of a call the fast path may repeat, remembered on success)."""
     call = check_paged_kvcache_attention(q, k_pool, v_pool, cache_seqlens, k_new, v_new,
                                          block_table, **options)
     rotation = check_key_rotation(key_rotation, k_pool.dtype)
@@ -412,10 +464,14 @@ def _paged_attention(q, k_pool, v_pool, cache_seqlens, k_new, v_new, block_table
                                 call.v_new, call.k_scale, call.v_scale, undo, rotation)
         parts = [(slice(None), k_pool, v_pool, call.seqlens_after, call.k_scale, call.v_scale,
                   call.block_table)]
-        return run_cache_kernels(call, user_out, return_lse, parts, tree, rotation)
+        result = run_cache_kernels(call, user_out, return_lse, parts, tree, rotation)
     except BaseException:  # the call did not happen: the pools as they were
         undo.restore()
         raise
+    if plan_key is not None:  # accepted: later calls of this layout take the fast path
+        remember(PAGED_PLANS, plan_key, paged_plan(call, q, options.get("k_scale"),
+                                                     options.get("v_scale")))
+    return result
 
 
 def latent_values(cache, k_new, v_new, ndims):
