@@ -190,3 +190,32 @@ def test_explain_varlen_reports_the_mix():
         af.explain_varlen(q, kp, vp, cu_q, cu_q)
     with pytest.raises(ValueError, match="seqused_k"):
         af.explain_varlen(q, kp, vp, cu_q, block_table=table)
+
+
+def test_runs_of_decode_rows_are_one_problem_with_the_same_bits(monkeypatch):
+    """Consecutive one-query sequences (a serving step's decode rows) are checked and run as
+    one problem of that many sequences: bit-identical to one call per sequence, lse too,
+    a row with no keys included."""
+    from attnfast import _varlen
+    checks = []
+    inner = _varlen.check_paged_kvcache_attention
+
+    def counted(q, *args, **kwargs):
+        checks.append(q.shape[0])
+        return inner(q, *args, **kwargs)
+    monkeypatch.setattr(_varlen, "check_paged_kvcache_attention", counted)
+    rng = np.random.default_rng(5)
+    q_lens, k_lens = [1, 1, 1, 40, 1, 0, 1, 1], [300, 5, 700, 90, 64, 10, 0, 129]
+    q, kp, vp, cu_q, used, table, keys, values = ragged_batch(rng, q_lens, k_lens, heads=8)
+    out, lse = af.attention_varlen(q, kp, vp, cu_q, seqused_k=used, block_table=table,
+                                   causal=True, return_lse=True, num_threads=2)
+    assert checks == [3, 1, 1, 2]  # sequences per problem: a run of 3, the chunk, 1, a run of 2
+    ref_out, ref_lse = per_sequence(q, kp, vp, cu_q, used, table, causal=True, num_threads=1)
+    assert np.array_equal(out.view(np.uint8), ref_out.view(np.uint8))
+    assert np.array_equal(lse, ref_lse)
+    assert not out[cu_q[6]].any() and np.isneginf(lse[:, cu_q[6]]).all()  # no keys: zeros, -inf
+    for b in (0, 2, 7):
+        want, want_lse, _ = reference_attention(q[cu_q[b]:cu_q[b + 1]].transpose(1, 0, 2).astype(np.float64),
+                                                keys[b].astype(np.float64),
+                                                values[b].astype(np.float64), causal=True)
+        np.testing.assert_allclose(out[cu_q[b]:cu_q[b + 1]], want.transpose(1, 0, 2), rtol=2e-5, atol=2e-5)

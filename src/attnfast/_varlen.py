@@ -35,6 +35,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, seqused_k=None
       on the prefill kernel, all their tasks on one schedule over the threads; each
       sequence's result is bit-identical to its own
       ``attention_with_kvcache(q_b, k, v, seqused_k[b], block_table=block_table[b:b+1])``.
+      Consecutive one-query sequences (a step's decode rows) are checked and planned
+      together, as one batch.
 
     Parameters
     ----------
@@ -135,10 +137,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, seqused_k=None
 
 def _ragged_problems(q, k_pool, v_pool, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, *,
                      max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes,
-                     sinks, mask, num_threads, k_scale, v_scale):
+                     sinks, mask, num_threads, k_scale, v_scale, group_decodes=False):
     """attention_varlen's ragged batch over a paged pool, checked: (q, dim_v, table, problems,
-    dtype, lse dtype), problems one (q0, q1, call, kernel arguments) per sequence with
-    queries, the arguments its own attention_with_kvcache call would hand the kernels."""
+    dtype, lse dtype), problems one (q0, q1, call, kernel arguments, grouped) per sequence
+    with queries, the arguments its own attention_with_kvcache call would hand the kernels.
+    group_decodes: a run of consecutive one-query sequences (a serving step's decode rows)
+    is one problem of that many sequences (grouped True; rows q0 .. q1, one per sequence),
+    checked once: the decode kernels split keys at fixed positions whatever the batch, so
+    each sequence's bits are those of its own call."""
     if block_table is None:
         raise NotImplementedError("seqused_k is taken with block_table (a paged cache) only; for "
                                   "packed keys pass cu_seqlens_k")
@@ -175,18 +181,30 @@ def _ragged_problems(q, k_pool, v_pool, cu_seqlens_q, cu_seqlens_k, seqused_k, b
     # Each sequence checked and laid out exactly as its own attention_with_kvcache call
     # would be (the same kernel arguments, so the same bits), before anything is computed.
     problems = []
-    for b in range(batch):
+    b = 0
+    while b < batch:
         q0, q1 = int(cu_q[b]), int(cu_q[b + 1])
+        end = b + 1
+        if group_decodes and q1 - q0 == 1 and alibi_slopes is None:
+            while end < batch and cu_q[end + 1] - cu_q[end] == 1:
+                end += 1
         if q1 == q0:
+            b += 1
             continue
+        if end - b > 1:  # one-query sequences b .. end: (end - b, H, 1, D)
+            q1 = q0 + (end - b)
+            rows = q[q0:q1][:, :, None, :]
+        else:
+            rows = q[q0:q1].transpose(1, 0, 2)[None]
         call = check_paged_kvcache_attention(
-            q[q0:q1].transpose(1, 0, 2)[None], k_pool, v_pool, used[b:b + 1], None, None,
-            table[b:b + 1], causal=causal, scale=scale, window=window, num_threads=num_threads,
-            k_scale=k_scale, v_scale=v_scale, softcap=softcap, alibi_slopes=slopes[b],
+            rows, k_pool, v_pool, used[b:end], None, None, table[b:end], causal=causal,
+            scale=scale, window=window, num_threads=num_threads, k_scale=k_scale,
+            v_scale=v_scale, softcap=softcap, alibi_slopes=slopes[b] if end - b == 1 else None,
             sinks=sinks, cache_names=("k", "v"))
         part = (slice(None), k_pool, v_pool, call.seqlens_after, call.k_scale, call.v_scale,
                 call.block_table)
-        problems.append((q0, q1, call, kernel_call(call.attn, part)))
+        problems.append((q0, q1, call, kernel_call(call.attn, part), end - b > 1))
+        b = end
     if problems:
         dtype, lse_dtype = problems[0][2].attn.dtype, problems[0][2].attn.lse_dtype
     else:  # nothing to compute: the dtypes a call would have
@@ -204,7 +222,7 @@ def _paged_varlen(q, k_pool, v_pool, cu_seqlens_q, cu_seqlens_k, seqused_k, bloc
     """attention_varlen with a block table: one kernel call over every sequence."""
     q, dim_v, table, problems, dtype, lse_dtype = _ragged_problems(
         q, k_pool, v_pool, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, k_scale=k_scale,
-        v_scale=v_scale, **options)
+        v_scale=v_scale, group_decodes=True, **options)
     heads = q.shape[1]
     shape = (q.shape[0], heads, dim_v)
     user_out = check_out(out, shape, dtype, [("q", q), ("k", k_pool), ("v", v_pool),
@@ -215,9 +233,13 @@ def _paged_varlen(q, k_pool, v_pool, cu_seqlens_q, cu_seqlens_k, seqused_k, bloc
     target = result if result.strides[-1] == result.itemsize or dim_v == 1 else np.empty(shape, dtype)
     lse = np.full((heads, q.shape[0]), -np.inf, lse_dtype) if return_lse else None
     calls = []
-    for q0, q1, _, ((qb, kb, vb), kw) in problems:
-        calls.append((qb, kb, vb, target[q0:q1].transpose(1, 0, 2)[None],
-                      None if lse is None else lse[:, q0:q1][None], kw))
+    for q0, q1, _, ((qb, kb, vb), kw), grouped in problems:
+        if grouped:  # rows q0 .. q1 are sequences of one query each: (n, H, 1, ..)
+            calls.append((qb, kb, vb, target[q0:q1][:, :, None, :],
+                          None if lse is None else lse[:, q0:q1].T[:, :, None], kw))
+        else:
+            calls.append((qb, kb, vb, target[q0:q1].transpose(1, 0, 2)[None],
+                          None if lse is None else lse[:, q0:q1][None], kw))
     _ext.run_attention_batch(calls, interruptible=kernels_interruptible())
     if target is not result:
         np.copyto(result, target)
@@ -256,13 +278,13 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, seqused_k=None, 
         max_seqlen_k=max_seqlen_k, causal=causal, scale=scale, window=window, softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=sinks, mask=mask, num_threads=num_threads,
         k_scale=k_scale, v_scale=v_scale)
-    plans = [_ext.plan_attention(*args, **kw) for _, _, _, (args, kw) in problems]
+    plans = [_ext.plan_attention(*args, **kw) for _, _, _, (args, kw), _ in problems]
     kernels = {}
     for plan in plans:
         kernels[plan["kernel"]] = kernels.get(plan["kernel"], 0) + 1
     tasks = sum(p["tasks"] for p in plans)
     # the second pass: one merge per KV head of each decode sequence
-    merges = sum(v.shape[1] for p, (_, _, _, ((_, _, v), _)) in zip(plans, problems) if p["split"])
+    merges = sum(v.shape[1] for p, (_, _, _, ((_, _, v), _), _) in zip(plans, problems) if p["split"])
     most = max(tasks, merges)
     threads = min(problems[0][3][1]["num_threads"], most, _ext.processors()) if most else 0
     return {
