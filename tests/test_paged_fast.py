@@ -122,3 +122,21 @@ def test_shared_prefix_still_read_once_on_the_fast_path(rng, count_full_checks):
     assert _shared_prefix.stats["shared_calls"] == shared + 1 and len(count_full_checks) == 1
     PAGED_PLANS.clear()
     np.testing.assert_array_equal(fast, af.attention_with_kvcache(q, k, v, lens + 1, block_table=table))
+
+
+def test_block_id_check_in_c():
+    """_ext.paged_blocks_in_use_ok: lengths in [0, capacity], ids of the blocks in use in
+    [0, num_blocks); entries past a sequence's blocks are not read; anything but int64
+    C-contiguous arrays is declined (the full path decides)."""
+    from attnfast import _ext
+    ok = _ext.paged_blocks_in_use_ok
+    table = np.array([[3, 1, -1], [0, 2, 4]], np.int64)
+    assert ok(table, np.array([32, 48], np.int64), 16, 5, 48)
+    assert ok(table, np.array([0, 0], np.int64), 16, 5, 48)
+    assert not ok(table, np.array([33, 48], np.int64), 16, 5, 48)   # needs the -1 entry
+    assert not ok(table, np.array([32, 48], np.int64), 16, 4, 48)   # id 4 not in a 4-block pool
+    assert not ok(table, np.array([-1, 48], np.int64), 16, 5, 48)
+    assert not ok(table, np.array([32, 49], np.int64), 16, 5, 48)   # beyond capacity
+    assert not ok(table.astype(np.int32), np.array([32, 48], np.int64), 16, 5, 48)
+    assert not ok(np.asfortranarray(table), np.array([32, 48], np.int64), 16, 5, 48)
+    assert not ok(table, np.array([32], np.int64), 16, 5, 48)

@@ -340,3 +340,34 @@ def kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, causal, scale, w
         return None
     options = _option_key(causal, scale, window)
     return None if options is None else (layout, lengths_key, options)
+
+
+def paged_blocks_in_use_ok(cnp.ndarray table, cnp.ndarray lengths, int64_t block_size,
+                           int64_t num_blocks, int64_t capacity):
+    """The paged fast path's per-call values, in one pass (attnfast._kvcache._paged_fast):
+    every length in [0, capacity] and every block id a sequence uses (its first
+    ceil(length / block_size) entries of `table`) in [0, num_blocks). `table` int64 (batch,
+    max_blocks) and `lengths` int64 (batch,), both C-contiguous (else False: the full path)."""
+    cdef int64_t b, i, used, batch, width
+    cdef const int64_t* t
+    cdef const int64_t* n
+    if (cnp.PyArray_TYPE(table) != cnp.NPY_INT64 or cnp.PyArray_TYPE(lengths) != cnp.NPY_INT64
+            or cnp.PyArray_NDIM(table) != 2 or cnp.PyArray_NDIM(lengths) != 1
+            or not cnp.PyArray_IS_C_CONTIGUOUS(table) or not cnp.PyArray_IS_C_CONTIGUOUS(lengths)
+            or block_size <= 0):
+        return False
+    batch, width = cnp.PyArray_DIMS(table)[0], cnp.PyArray_DIMS(table)[1]
+    if cnp.PyArray_DIMS(lengths)[0] != batch:
+        return False
+    t = <const int64_t*> cnp.PyArray_DATA(table)
+    n = <const int64_t*> cnp.PyArray_DATA(lengths)
+    for b in range(batch):
+        if n[b] < 0 or n[b] > capacity:
+            return False
+        used = (n[b] + block_size - 1) // block_size
+        if used > width:
+            return False
+        for i in range(used):
+            if t[b * width + i] < 0 or t[b * width + i] >= num_blocks:
+                return False
+    return True

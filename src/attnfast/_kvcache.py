@@ -40,7 +40,6 @@ from ._checks import (
     check_kvcache_attention,
     check_latent_spec,
     check_paged_kvcache_attention,
-    check_paged_blocks,
     check_new_tokens,
     check_out,
     check_tree_mask,
@@ -429,12 +428,8 @@ def _paged_fast(call, q, k_pool, v_pool, cache_seqlens, block_table, k_scale, v_
     block_size, num_blocks = k_pool.shape[2], k_pool.shape[0]
     lengths = (np.full(attn.batch, cache_seqlens, np.int64) if type(cache_seqlens) is int
                else np.ascontiguousarray(cache_seqlens, dtype=np.int64))
-    if attn.batch and (lengths.min() < 0 or lengths.max() > attn.seqlen_k):
-        return None
     table = np.ascontiguousarray(block_table, dtype=np.int64)
-    try:
-        check_paged_blocks(table, lengths, block_size, num_blocks)
-    except ValueError:
+    if not _ext.paged_blocks_in_use_ok(table, lengths, block_size, num_blocks, attn.seqlen_k):
         return None
     if out is not None and (not out.flags.writeable or any(
             a is not None and np.may_share_memory(out, a)
