@@ -297,11 +297,6 @@ def _one_token(rows):
     return rows[:, :, None, :]
 
 
-def _head_major(rows):
-    """One request's (T, H, D) rows as (1, H, T, D), a view."""
-    return rows.transpose(1, 0, 2)[None]
-
-
 _CLASSES: dict = {}
 
 
