@@ -435,11 +435,20 @@ def _paged_fast(call, q, k_pool, v_pool, cache_seqlens, block_table, k_scale, v_
             a is not None and np.may_share_memory(out, a)
             for a in (q, k_pool, v_pool, block_table, k_scale, v_scale))):
         return None  # check_out decides (and raises) exactly
-    fresh = dataclasses.replace(
-        call, attn=dataclasses.replace(attn, q=q, k=k_pool, v=v_pool, num_threads=threads),
+    fresh = _with_fields(
+        call, attn=_with_fields(attn, q=q, k=k_pool, v=v_pool, num_threads=threads),
         k_cache=k_pool, v_cache=v_pool, starts=lengths, k_scale=k_scale, v_scale=v_scale,
         block_table=table)
     return run_paged_kernels(fresh, out, False, k_pool, v_pool, k_scale, v_scale)
+
+
+def _with_fields(checked, **fields):
+    """A copy of a checked call (dataclass) with some fields replaced: dataclasses.replace
+    without re-running __init__ (every field is already checked; ~10x cheaper per call)."""
+    copy = object.__new__(type(checked))
+    copy.__dict__.update(checked.__dict__)
+    copy.__dict__.update(fields)
+    return copy
 
 
 def _paged_attention(q, k_pool, v_pool, cache_seqlens, k_new, v_new, block_table, *,
