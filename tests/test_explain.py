@@ -35,8 +35,7 @@ def _arrays(b, h, hkv, tq, tk, d, dv=None, dtype=np.float32, kv_dtype=None):
 
 
 def _generic_has_simd_prefill():
-    import platform
-    return platform.machine().lower() in ("x86_64", "amd64")
+    return simd_decode_lanes("generic") is not None  # x86-64's generic: SSE2 kernels
 
 
 def _prefill_kernel(tier, dtype):

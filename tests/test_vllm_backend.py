@@ -61,24 +61,17 @@ def _ragged_step(rng, dtype, kv_cache_dtype="auto", heads=8, kv_heads=2, d=64, b
 
 def _reference_step(q, keys, values, qsl, seq_lens, **options):
     """float64: request b's queries over its first seq_lens[b] keys (rows in slot order),
-    causal bottom-right."""
+    causal bottom-right (reference_attention's alignment)."""
     out = np.zeros(q.shape, np.float64)
     k0 = 0
     for b, n in enumerate(seq_lens):
         rows = slice(qsl[b], qsl[b + 1])
         ks, vs = keys[k0:k0 + n], values[k0:k0 + n]
-        tq = rows.stop - rows.start
-        # bottom-right causal: the visible mask for tq queries at the end of n keys
-        full = reference_attention(q[rows].transpose(1, 0, 2), ks.transpose(1, 0, 2),
-                                   vs.transpose(1, 0, 2), causal=False, mask=_bottom_right(tq, n),
-                                   **options)[0]
-        out[rows] = full.transpose(1, 0, 2)
+        out[rows] = reference_attention(q[rows].transpose(1, 0, 2), ks.transpose(1, 0, 2),
+                                        vs.transpose(1, 0, 2), causal=True,
+                                        **options)[0].transpose(1, 0, 2)
         k0 += n
     return out
-
-
-def _bottom_right(tq, tk):
-    return np.arange(tk)[None, :] <= np.arange(tq)[:, None] + (tk - tq)
 
 
 def test_ragged_step_is_one_varlen_call(monkeypatch):
