@@ -174,68 +174,6 @@ private:
     int64_t slots_ = 0;
 };
 
-// ---- float8 / int4 caches: every query through the decode loop ----
-
-int64_t dtype_bytes(DType t) {
-    switch (t) {
-        case DType::kF64: return 8;
-        case DType::kF16: case DType::kBF16: return 2;
-        case DType::kI8: case DType::kF8E4M3: case DType::kQ4: return 1;  // (int4: strides in bytes)
-        default: return 4;
-    }
-}
-const void* at_bytes(const void* base, int64_t elements, int64_t elem_bytes) {
-    return base ? static_cast<const char*>(base) + elements * elem_bytes : nullptr;
-}
-void* at_bytes(void* base, int64_t elements, int64_t elem_bytes) {
-    return base ? static_cast<char*>(base) + elements * elem_bytes : nullptr;
-}
-
-// The query side of s (q, out, lse, mask) moved `steps` elements along one axis, whose
-// strides in p are the *_step arguments: a block of rows, or a batch entry.
-void move_query_side(AttentionParams& s, const AttentionParams& p, int64_t steps, int64_t q_step,
-                     int64_t out_step, int64_t lse_step, int64_t mask_step) {
-    const int64_t qb = dtype_bytes(p.dtype);
-    s.q = at_bytes(p.q, steps * q_step, qb);
-    s.out = at_bytes(p.out, steps * out_step, qb);
-    s.lse = at_bytes(p.lse, steps * lse_step, 4);
-    if (p.mask) {
-        const int64_t mb = p.mask_kind == MaskKind::kBool ? 1 : dtype_bytes(p.mask_dtype);
-        s.mask = at_bytes(p.mask, steps * mask_step, mb);
-    }
-}
-
-// p restricted to query rows [r0, r0 + n): q, out, lse and mask rows moved, seqlen_q = n,
-// and the rows keep their key positions through an explicit query offset.
-AttentionParams query_rows(const AttentionParams& p, int64_t r0, int64_t n, int64_t offset) {
-    AttentionParams s = p;
-    move_query_side(s, p, r0, p.q_row_stride, p.out_row_stride, p.lse_row_stride, p.mask_row_stride);
-    s.seqlen_q = n;
-    s.has_query_offset = true;
-    s.query_offset = offset + r0;
-    return s;
-}
-
-// p restricted to batch entry b (batch = 1).
-AttentionParams batch_entry(const AttentionParams& p, int64_t b) {
-    AttentionParams s = p;
-    const int64_t kvb = dtype_bytes(p.kv_dtype);
-    s.batch = 1;
-    move_query_side(s, p, b, p.q_batch_stride, p.out_batch_stride, p.lse_batch_stride,
-                    p.mask_batch_stride);
-    if (p.alibi_slopes) s.alibi_slopes = p.alibi_slopes + b * p.alibi_batch_stride;
-    if (p.seqlens_k) s.seqlens_k = p.seqlens_k + b;
-    if (p.block_table) {
-        s.block_table = p.block_table + b * p.block_table_batch_stride;
-    } else {  // contiguous: the entry's rows (a pool's blocks stay where they are)
-        s.k = at_bytes(p.k, b * p.k_batch_stride, kvb);
-        s.v = at_bytes(p.v, b * p.v_batch_stride, kvb);
-        if (p.k_scale) s.k_scale = p.k_scale + b * p.k_scale_batch_stride;
-        if (p.v_scale) s.v_scale = p.v_scale + b * p.v_scale_batch_stride;
-    }
-    return s;
-}
-
 }  // namespace
 
 std::unique_ptr<ProblemWork> make_decode_work(const AttentionParams& p) {

@@ -135,7 +135,7 @@ void run_blocks(const AttentionParams& p,
 }
 
 // `p` as the prefill kernels read it. A paged cache is read in place, tile by tile through
-// the block table (every kernel walks K and V through block_attention.inl's KeyRows; no
+// the block table (every kernel walks K and V through attention_core.inl's KeyRows; no
 // gathered copy): only seqlen_k changes, from the table's capacity to the longest batch
 // entry, the keys the call can read, from which the SIMD kernels size their tiles and task
 // plan (as when the pool was gathered into a contiguous copy that long: the same plan, the
@@ -160,7 +160,7 @@ struct PrefillChoice {
 
 PrefillChoice choose_prefill(const KernelTable& kernels, const AttentionParams& p) {
     if (p.dtype == DType::kF64)
-        return {"template_f64", nullptr, kernels.attend_block_f64, {kBlockRows, block_workspace_elems(p)}};
+        return {"template_f64", nullptr, kernels.attend_block_f64, template_prefill_plan(p)};
     const PrefillKernel kernel = kernels.prefill_kernel(p);
     return {kernel.name, kernel.attend_block, nullptr, kernel.plan(p)};
 }

@@ -1,5 +1,5 @@
 // The backward kernels (csrc/backward.hpp), compiled by every kernels/isa_*.cpp with its own
-// flags. It reuses block_attention.inl's and decode_attention.inl's score options
+// flags. It reuses attention_core.inl's and decode_attention.inl's score options
 // (RowOptions, visible_keys) and exp, so the backward sees exactly the scores the forward
 // saw, and the typed vector layer (csrc/simd/typed.hpp: Vec<A>, fmadd, splat, loadu, storeu).
 //
@@ -18,7 +18,7 @@
 // multiply-adds over the same key tiles in the same order in both.
 #pragma once
 #include "../backward.hpp"
-#include "block_attention.inl"
+#include "attention_core.inl"
 #include "decode_attention.inl"
 #include "../simd/typed.hpp"
 

@@ -1,7 +1,8 @@
 // Decode: a short query (decode.cpp: runs_on_decode_path) against a long KV cache, compiled
-// by every ISA file with its own flags, inside its per-ISA namespace. Uses block_attention.inl's
-// helpers (exp_acc, log_acc, load_acc, store_from_acc, neg_inf, max_of, kLanes, RowOptions,
-// KeyRows, RowScales) and the typed vector layer (csrc/simd/typed.hpp).
+// by every ISA file with its own flags, inside its per-ISA namespace; and the template
+// prefill, the same loop over one block of query rows at a time. Uses attention_core.inl's
+// parts (exp_acc, log_acc, neg_inf, max_of, RowOptions, KeyRows, RowScales, softmax_block),
+// storage.hpp's conversions and the typed vector layer (csrc/simd/typed.hpp).
 //
 // Decoding is bandwidth-bound: each cached K/V byte is used by only (H / Hkv) * Tq query
 // rows. So one task takes one chunk of keys of one (batch, kv head) and serves all the query
@@ -11,14 +12,16 @@
 // step softmax_block) over an arithmetic policy: TemplatePath here (plain C++, every tier,
 // float64), the hand-written ones in simd_decode.inl, bf16_decode.inl and vnni_decode.inl.
 //
-// No std:: templates here (see block_attention.inl).
+// No std:: templates here (see attention_core.inl).
 #pragma once
-#include "block_attention.inl"
+#include "attention_core.inl"
 #include "../simd/typed.hpp"
 
 namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {
 namespace {
+
+constexpr int kLanes = 16;  // partial sums kept per reduction, so reductions vectorise
 
 // Sums the kLanes partial sums pairwise in a fixed tree (vectorises, fixed order).
 // (Spelled out level by level: constant trip counts let the compiler keep it in registers.)
@@ -475,34 +478,34 @@ void decode_chunk_f64(const AttentionParams& p, const DecodeTask& t, double* ws,
                       double* m, double* l) {
     decode_loop<TemplatePath<double, double, double>>(p, t, ws, acc, m, l);
 }
-// Runs Chunk::run<TQ, TKV>(p, t, ws, acc, m, l) for the call's q and K/V storage types: every
+// Runs Fn::run<TQ, TKV>(p, args...) for the call's q and K/V storage types: every
 // float32-accumulated combination (float32; 16-bit q with its own K/V type; float32 q over a
 // 16-bit cache; float32 or 16-bit q over an int8, float8 or int4 cache). Every decode kernel's
-// entry point goes through it, so each one instantiates the same combinations.
-template <class Chunk>
-inline void for_storage_types(const AttentionParams& p, const DecodeTask& t, float* ws, float* acc,
-                              float* m, float* l) {
+// entry point goes through it (and the template prefill's), so each one instantiates the same
+// combinations.
+template <class Fn, class... Args>
+inline void for_storage_types(const AttentionParams& p, const Args&... args) {
     const DType q = p.dtype, kv = p.kv_dtype;
     if (kv == DType::kBF16) {
-        if (q == DType::kBF16) Chunk::template run<bf16_t, bf16_t>(p, t, ws, acc, m, l);
-        else Chunk::template run<float, bf16_t>(p, t, ws, acc, m, l);
+        if (q == DType::kBF16) Fn::template run<bf16_t, bf16_t>(p, args...);
+        else Fn::template run<float, bf16_t>(p, args...);
     } else if (kv == DType::kF16) {
-        if (q == DType::kF16) Chunk::template run<f16_t, f16_t>(p, t, ws, acc, m, l);
-        else Chunk::template run<float, f16_t>(p, t, ws, acc, m, l);
+        if (q == DType::kF16) Fn::template run<f16_t, f16_t>(p, args...);
+        else Fn::template run<float, f16_t>(p, args...);
     } else if (kv == DType::kF32) {
-        Chunk::template run<float, float>(p, t, ws, acc, m, l);
+        Fn::template run<float, float>(p, args...);
     } else if (kv == DType::kF8E4M3) {
-        if (q == DType::kBF16) Chunk::template run<bf16_t, fp8_t>(p, t, ws, acc, m, l);
-        else if (q == DType::kF16) Chunk::template run<f16_t, fp8_t>(p, t, ws, acc, m, l);
-        else Chunk::template run<float, fp8_t>(p, t, ws, acc, m, l);
+        if (q == DType::kBF16) Fn::template run<bf16_t, fp8_t>(p, args...);
+        else if (q == DType::kF16) Fn::template run<f16_t, fp8_t>(p, args...);
+        else Fn::template run<float, fp8_t>(p, args...);
     } else if (kv == DType::kQ4) {
-        if (q == DType::kBF16) Chunk::template run<bf16_t, q4_t>(p, t, ws, acc, m, l);
-        else if (q == DType::kF16) Chunk::template run<f16_t, q4_t>(p, t, ws, acc, m, l);
-        else Chunk::template run<float, q4_t>(p, t, ws, acc, m, l);
+        if (q == DType::kBF16) Fn::template run<bf16_t, q4_t>(p, args...);
+        else if (q == DType::kF16) Fn::template run<f16_t, q4_t>(p, args...);
+        else Fn::template run<float, q4_t>(p, args...);
     } else {  // kI8
-        if (q == DType::kBF16) Chunk::template run<bf16_t, int8_t>(p, t, ws, acc, m, l);
-        else if (q == DType::kF16) Chunk::template run<f16_t, int8_t>(p, t, ws, acc, m, l);
-        else Chunk::template run<float, int8_t>(p, t, ws, acc, m, l);
+        if (q == DType::kBF16) Fn::template run<bf16_t, int8_t>(p, args...);
+        else if (q == DType::kF16) Fn::template run<f16_t, int8_t>(p, args...);
+        else Fn::template run<float, int8_t>(p, args...);
     }
 }
 
@@ -530,6 +533,43 @@ void decode_merge_any(const AttentionParams& p, int64_t b, int64_t g, int64_t ch
 void decode_merge_f64(const AttentionParams& p, int64_t b, int64_t g, int64_t chunks,
                       const double* acc, const double* m, const double* l, double* ws) {
     decode_merge<double, double>(p, b, g, chunks, acc, m, l, ws);
+}
+
+// ---- the template prefill: the decode loop over one block of query rows
+// The prefill of float64, and of the tiers without a hand-written one (the aarch64 build's
+// generic tier): a BlockTask (query rows [row_begin, row_end) of one head, kDecodeGroupRows
+// of them: template_prefill_plan) runs as a decode problem of that one head over every key
+// its rows may see, in one chunk, finished at once by decode_merge: the same streaming online
+// softmax over blocks of keys, in O(rows x Dv) memory, the loop written once.
+template <class TQ, class TKV, class A>
+void template_prefill_block(const AttentionParams& p, const BlockTask& task, A* workspace) {
+    const int64_t rows = task.row_end - task.row_begin, seqlen_k = batch_seqlen_k(p, task.batch);
+    const AttentionParams one = query_rows(one_head(p, task.head), task.row_begin, rows,
+                                           aligned_row(p, 0, seqlen_k));
+    const KeyRange first = visible_keys(one, 0, seqlen_k), last = visible_keys(one, rows - 1, seqlen_k);
+    A* acc = workspace + decode_workspace_elems(one);  // rows x Dv, then m and l (rows each)
+    A* m = acc + rows * p.head_dim_v;
+    A* l = m + rows;
+    decode_loop<TemplatePath<TQ, TKV, A>>(one, DecodeTask{task.batch, 0, first.begin, last.end, seqlen_k},
+                                          workspace, acc, m, l);
+    decode_merge<TQ, A>(one, task.batch, 0, 1, acc, m, l, workspace);
+}
+
+void attend_block_f64(const AttentionParams& p, const BlockTask& t, double* ws) {
+    template_prefill_block<double, double, double>(p, t, ws);
+}
+struct TemplatePrefillBlock {  // template_prefill_block for for_storage_types
+    template <class TQ, class T>
+    static void run(const AttentionParams& p, const BlockTask& t, float* ws) {
+        template_prefill_block<TQ, T, float>(p, t, ws);
+    }
+};
+[[maybe_unused]] void attend_block_any(const AttentionParams& p, const BlockTask& t, float* ws) {
+    for_storage_types<TemplatePrefillBlock>(p, t, ws);
+}
+// The prefill of tiers without a hand-written one (KernelTable::prefill_kernel).
+[[maybe_unused]] PrefillKernel template_prefill(const AttentionParams&) {
+    return {"template_prefill", attend_block_any, template_prefill_plan};
 }
 
 }  // namespace

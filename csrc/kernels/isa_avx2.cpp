@@ -1,11 +1,10 @@
 // Kernel tier "avx2": float32 prefill and decode from the hand-written SIMD kernels
-// (simd_prefill.inl, simd_decode.inl); float64 from the shared auto-vectorised templates; all
-// compiled with this file's flags (CMakeLists.txt).
+// (simd_prefill.inl, simd_decode.inl); float64 (prefill and decode) from the decode loop's
+// template policy (decode_attention.inl); all compiled with this file's flags (CMakeLists.txt).
 #define ATTNFAST_KERNEL_NS isa_avx2
 #define ATTNFAST_KERNEL_NAME "avx2"
 #define ATTNFAST_SIMD_BYTES 32  // vector register width the kernels are tuned for
-#include "block_attention.inl"
-#include "decode_attention.inl"
+#include "decode_attention.inl"  // (with attention_core.inl)
 #include "simd_prefill.inl"
 #include "simd_decode.inl"
 #define ATTNFAST_PREFILL_KERNEL simd::prefill_kernel

@@ -6,8 +6,7 @@
 #define ATTNFAST_KERNEL_NS isa_avx512bf16
 #define ATTNFAST_KERNEL_NAME "avx512bf16"
 #define ATTNFAST_SIMD_BYTES 64  // vector register width the kernels are tuned for
-#include "block_attention.inl"
-#include "decode_attention.inl"
+#include "decode_attention.inl"  // (with attention_core.inl)
 #include "simd_prefill.inl"
 #include "simd_decode.inl"
 #include "bf16_decode.inl"

@@ -5,14 +5,13 @@
 // float32-accumulated prefill (float32, 16-bit and int8 inputs, every score option) from
 // simd_prefill.inl; decode from simd_decode.inl's WidenPath through the one decode loop
 // (K/V of every storage type widened in registers) and from gemm_decode.inl where many query
-// rows share a KV head (MLA, GQA); float64 from the shared templates.
-// Other architectures (the aarch64 build, where neon is the usual tier): the templates only,
+// rows share a KV head (MLA, GQA); float64 from the template policy of the decode loop.
+// Other architectures (the aarch64 build, where neon is the usual tier): the template policy only,
 // so that the portable template policies keep a tier of their own.
 #define ATTNFAST_KERNEL_NS isa_generic
 #define ATTNFAST_KERNEL_NAME "generic"
 #define ATTNFAST_SIMD_BYTES 16  // vector register width the kernels are tuned for
-#include "block_attention.inl"
-#include "decode_attention.inl"
+#include "decode_attention.inl"  // (with attention_core.inl)
 #if defined(__SSE2__)
 #include "simd_prefill.inl"
 #include "simd_decode.inl"

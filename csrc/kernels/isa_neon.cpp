@@ -3,15 +3,14 @@
 // (float32, 16-bit and int8 inputs, every score option, sinks) from simd_prefill.inl in its
 // NEON branch; decode from simd_decode.inl's WidenPath through the one decode loop (K/V of
 // every storage type widened in registers), and from gemm_decode.inl where many query rows
-// share a KV head (MLA, GQA); float64 from the shared templates. Compiled only for aarch64
+// share a KV head (MLA, GQA); float64 from the template policy. Compiled only for aarch64
 // targets (CMakeLists.txt), with the baseline flags: NEON needs no -m flag there.
 // Not timed (no arm64 hardware here): checked against the float64 reference under qemu
 // (tools/run_cpp_tests.sh).
 #define ATTNFAST_KERNEL_NS isa_neon
 #define ATTNFAST_KERNEL_NAME "neon"
 #define ATTNFAST_SIMD_BYTES 16  // vector register width the kernels are tuned for
-#include "block_attention.inl"
-#include "decode_attention.inl"
+#include "decode_attention.inl"  // (with attention_core.inl)
 #include "simd_prefill.inl"
 #include "simd_decode.inl"
 #define ATTNFAST_PREFILL_KERNEL simd::prefill_kernel

@@ -11,13 +11,10 @@
 
 namespace attnfast {
 
-// Query rows per block and keys per KV tile of the streaming prefill. Fixed numbers (not
-// derived from the thread count) so every thread count computes the same bits.
-constexpr int64_t kBlockRows = 64;
-constexpr int64_t kTileKeys = 64;
-
 // One unit of prefill work: query rows [row_begin, row_end) of one (batch, head), or of
 // heads [head, head + head_count) that all read one KV head (GQA; float32 SIMD tiers only).
+// Row blocks are fixed by the plan (PrefillPlan), never by the thread count, so every thread
+// count computes the same bits.
 struct BlockTask {
     int64_t batch;
     int64_t head;
@@ -25,15 +22,6 @@ struct BlockTask {
     int64_t row_end;
     int64_t head_count = 1;
 };
-
-// Scratch one thread needs for one BlockTask, in accumulator elements (float or double).
-static inline int64_t block_workspace_elems(const AttentionParams& p) {
-    return kBlockRows * p.head_dim        // scaled query rows
-         + p.head_dim * kTileKeys         // K tile, packed transposed
-         + kBlockRows * kTileKeys         // scores / probabilities
-         + kBlockRows * p.head_dim_v      // output accumulator
-         + 2 * kBlockRows;                // running max, running sum
-}
 
 // Per-core data cache sizes in bytes, read once from the OS (with safe defaults when it
 // does not say); kernels derive their tile sizes from them.
@@ -160,6 +148,13 @@ struct PrefillPlan {
     int64_t heads_per_task = 1;  // divides heads / kv_heads
 };
 
+// The template prefill's plan (decode_attention.inl: the decode loop over one group of
+// kDecodeGroupRows query rows of one head per task): the decode loop's scratch, then the
+// group's accumulator rows, running max and running sum.
+static inline PrefillPlan template_prefill_plan(const AttentionParams& p) {
+    return {kDecodeGroupRows, decode_workspace_elems(p) + kDecodeGroupRows * (p.head_dim_v + 2)};
+}
+
 // The float32-accumulated prefill kernel that runs a call, as KernelTable::prefill_kernel
 // picks it: its name (attnfast.explain reports it), its task entry point and its plan.
 struct PrefillKernel {
@@ -206,7 +201,7 @@ struct KernelTable {
     // avx512bf16), else the converting templates. The drivers call it once per call, and
     // plan_attention (attnfast.explain) calls the same function, so the two cannot disagree.
     PrefillKernel (*prefill_kernel)(const AttentionParams&);
-    // float64 prefill (the templates; always kBlockRows and block_workspace_elems).
+    // float64 prefill (the template prefill; template_prefill_plan).
     void (*attend_block_f64)(const AttentionParams&, const BlockTask&, double* workspace);
     // The decode chunk kernel for a call accumulating in float32, chosen as prefill_kernel.
     DecodeKernel (*decode_kernel)(const AttentionParams&);
@@ -274,6 +269,88 @@ static inline KeyRange visible_keys(const AttentionParams& p, int64_t row, int64
     if (end < begin) end = begin;
     if (end < 0) end = begin = 0;
     return {begin, end};
+}
+
+
+// ---- views of a call: the same arrays, a part of the problem ----
+
+static inline int64_t dtype_bytes(DType t) {
+    switch (t) {
+        case DType::kF64: return 8;
+        case DType::kF16: case DType::kBF16: return 2;
+        case DType::kI8: case DType::kF8E4M3: case DType::kQ4: return 1;  // (int4: strides in bytes)
+        default: return 4;
+    }
+}
+static inline const void* at_bytes(const void* base, int64_t elements, int64_t elem_bytes) {
+    return base ? static_cast<const char*>(base) + elements * elem_bytes : nullptr;
+}
+static inline void* at_bytes(void* base, int64_t elements, int64_t elem_bytes) {
+    return base ? static_cast<char*>(base) + elements * elem_bytes : nullptr;
+}
+
+// The query side of s (q, out, lse, mask) moved `steps` elements along one axis, whose
+// strides in p are the *_step arguments: a block of rows, or a batch entry.
+static inline void move_query_side(AttentionParams& s, const AttentionParams& p, int64_t steps,
+                                   int64_t q_step, int64_t out_step, int64_t lse_step,
+                                   int64_t mask_step) {
+    const int64_t qb = dtype_bytes(p.dtype);
+    s.q = at_bytes(p.q, steps * q_step, qb);
+    s.out = at_bytes(p.out, steps * out_step, qb);
+    s.lse = at_bytes(p.lse, steps * lse_step, p.dtype == DType::kF64 ? 8 : 4);
+    if (p.mask) {
+        const int64_t mb = p.mask_kind == MaskKind::kBool ? 1 : dtype_bytes(p.mask_dtype);
+        s.mask = at_bytes(p.mask, steps * mask_step, mb);
+    }
+}
+
+// p restricted to query rows [r0, r0 + n): q, out, lse and mask rows moved, seqlen_q = n,
+// and the rows keep their key positions through an explicit query offset.
+static inline AttentionParams query_rows(const AttentionParams& p, int64_t r0, int64_t n,
+                                         int64_t offset) {
+    AttentionParams s = p;
+    move_query_side(s, p, r0, p.q_row_stride, p.out_row_stride, p.lse_row_stride, p.mask_row_stride);
+    s.seqlen_q = n;
+    s.has_query_offset = true;
+    s.query_offset = offset + r0;
+    return s;
+}
+
+// p restricted to batch entry b (batch = 1).
+static inline AttentionParams batch_entry(const AttentionParams& p, int64_t b) {
+    AttentionParams s = p;
+    const int64_t kvb = dtype_bytes(p.kv_dtype);
+    s.batch = 1;
+    move_query_side(s, p, b, p.q_batch_stride, p.out_batch_stride, p.lse_batch_stride,
+                    p.mask_batch_stride);
+    if (p.alibi_slopes) s.alibi_slopes = p.alibi_slopes + b * p.alibi_batch_stride;
+    if (p.seqlens_k) s.seqlens_k = p.seqlens_k + b;
+    if (p.block_table) {
+        s.block_table = p.block_table + b * p.block_table_batch_stride;
+    } else {  // contiguous: the entry's rows (a pool's blocks stay where they are)
+        s.k = at_bytes(p.k, b * p.k_batch_stride, kvb);
+        s.v = at_bytes(p.v, b * p.v_batch_stride, kvb);
+        if (p.k_scale) s.k_scale = p.k_scale + b * p.k_scale_batch_stride;
+        if (p.v_scale) s.v_scale = p.v_scale + b * p.v_scale_batch_stride;
+    }
+    return s;
+}
+
+// p restricted to query head `head` (heads = kv_heads = 1): that head's q, out, lse and
+// mask, ALiBi slopes and sink, and its KV head's K, V and row scales.
+static inline AttentionParams one_head(const AttentionParams& p, int64_t head) {
+    AttentionParams s = p;
+    const int64_t kv_head = head / (p.heads / p.kv_heads), kvb = dtype_bytes(p.kv_dtype);
+    s.heads = s.kv_heads = 1;
+    move_query_side(s, p, head, p.q_head_stride, p.out_head_stride, p.lse_head_stride,
+                    p.mask_head_stride);
+    if (p.alibi_slopes) s.alibi_slopes = p.alibi_slopes + head;
+    if (p.sinks) s.sinks = p.sinks + head;
+    s.k = at_bytes(p.k, kv_head * p.k_head_stride, kvb);
+    s.v = at_bytes(p.v, kv_head * p.v_head_stride, kvb);
+    if (p.k_scale) s.k_scale = p.k_scale + kv_head * p.k_scale_head_stride;
+    if (p.v_scale) s.v_scale = p.v_scale + kv_head * p.v_scale_head_stride;
+    return s;
 }
 
 }  // namespace attnfast

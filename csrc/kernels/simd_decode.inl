@@ -23,7 +23,7 @@
 //   * P·V with all accumulators in registers.
 // Rounding depends only on the shapes (never the thread count).
 //
-// No std:: templates here (see block_attention.inl).
+// No std:: templates here (see attention_core.inl).
 #pragma once
 #if !defined(__SSE2__) && !defined(__aarch64__)
 #error "simd_decode.inl needs the SIMD layer of an x86-64 tier or AArch64 NEON"
@@ -176,7 +176,7 @@ inline float exp_shift_zero(float* x, int64_t n, int64_t b, int64_t e, float m) 
     return simd::hsum(sum);
 }
 
-// The score options of one query row (RowOptions, block_attention.inl: the same fields, read
+// The score options of one query row (RowOptions, attention_core.inl: the same fields, read
 // once) applied to its scores srow[b, e) (scaled, natural-log units; column c is key key0 + c),
 // W at a time: the last vector may run past e (score rows have room; exp_shift_zero ignores
 // those lanes). softcap with simd_prefill's tanh_vec; the mask read through its strides.

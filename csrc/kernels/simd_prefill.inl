@@ -5,10 +5,11 @@
 // ISA-specific helpers left here (widening / narrowing, transposes, mask tiles); everything
 // else is shared.
 // Included by kernels/isa_avx512.cpp, isa_avx2.cpp, (x86-64 only) isa_generic.cpp and
-// isa_neon.cpp after block_attention.inl, inside their ATTNFAST_KERNEL_NS; the intrinsics
+// isa_neon.cpp after attention_core.inl, inside their ATTNFAST_KERNEL_NS; the intrinsics
 // below compile only under those files' flags (the generic tier's: the x86-64 baseline, SSE2
 // and nothing newer; neon's: the AArch64 baseline, which includes Advanced SIMD).
-// float64, and the generic tier on other architectures, keep the auto-vectorised templates.
+// float64, and the generic tier on other architectures, run the template prefill (the decode
+// loop over blocks of query rows, decode_attention.inl).
 //
 // Layout: query rows live in vector lanes. One block holds Bq = kQueryVecs * W query rows:
 //   qt  (D  x Bq)  Qᵀ, pre-multiplied by scale * log2(e) (so the softmax runs in base 2)
@@ -26,7 +27,7 @@
 // Rounding and summation order depend only on the tile sizes (functions of D, Dv and the
 // cache sizes), never on the thread count.
 //
-// No std:: templates here (see block_attention.inl).
+// No std:: templates here (see attention_core.inl).
 #pragma once
 
 // GCC 12 warns about the deliberately undefined pass-through operand inside
@@ -36,7 +37,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 #include "../simd/simd.hpp"
-#include "block_attention.inl"
+#include "attention_core.inl"
 
 namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {
@@ -139,7 +140,7 @@ struct Block {
     int64_t k_stride, v_stride;
     int64_t kv_first = 0;  // key index of row 0 of k and v
     // A paged cache read in place (the rows are not widened into a copy): the pool's K and V
-    // rows (block_attention.inl's KeyRows, strides in bytes), and the current tile's row
+    // rows (attention_core.inl's KeyRows, strides in bytes), and the current tile's row
     // addresses, key tile + j at k_rows[j] / v_rows[j] (filled once per tile by
     // find_tile_rows: the block table is read once per block, never once per key, and the
     // micro-kernels read each row where it lies). k_rows nullptr: the rows are one strided

@@ -1,0 +1,219 @@
+// The parts of the attention algorithm every kernel shares, written once and compiled by
+// every ISA file with its own flags: the accumulator-type math (exp, log, tanh, the
+// NaN-propagating max), the KV sources (KeyRows, RowScales: contiguous rows, or a paged
+// cache's blocks read in place through the block table, and an int8 / float8 cache's row
+// scales), the score transforms (RowOptions: softcap, ALiBi, mask; nonfinite_to_nan, the NaN
+// rule for infinite inputs) and the online-softmax step (softmax_block). Visibility (causal,
+// window) is kernel_table.hpp's visible_keys. Included by kernels/isa_*.cpp and the .inl files
+// that use it, after ATTNFAST_KERNEL_NS is defined (a namespace unique to that file, so the
+// per-ISA copies never merge at link time).
+//
+// No std:: templates here: an inline std function instantiated in an AVX-512 file could be
+// picked by the linker for the baseline build too.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "kernel_table.hpp"
+
+#ifndef ATTNFAST_KERNEL_NS
+#error "define ATTNFAST_KERNEL_NS before including attention_core.inl"
+#endif
+
+#include "../simd/storage.hpp"
+
+namespace attnfast {
+namespace ATTNFAST_KERNEL_NS {
+namespace {
+
+template <class A> inline A neg_inf() { return -static_cast<A>(__builtin_inf()); }
+// max that propagates NaN from either side (a NaN score must reach the row's out and lse,
+// never be dropped by a comparison).
+template <class A> inline A max_of(A a, A b) { return (a > b || a != a) ? a : b; }
+
+// exp for float: Cody-Waite range reduction and a degree-6 polynomial (Cephes' expf
+// coefficients), ~1 ulp on the range softmax uses; flushes to 0 below -87.3 (and for -inf).
+inline float exp_acc(float x) {
+    float xc = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+    xc = xc == xc ? xc : 0.0f;  // NaN: computed on 0 (no undefined int conversion), returned as is
+    const float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+    const float n = (xc * 1.44269504088896341f + round_magic) - round_magic;
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float poly = 1.9875691500e-4f;
+    poly = poly * r + 1.3981999507e-3f;
+    poly = poly * r + 8.3334519073e-3f;
+    poly = poly * r + 4.1665795894e-2f;
+    poly = poly * r + 1.6666665459e-1f;
+    poly = poly * r + 5.0000001201e-1f;
+    const float er = poly * r * r + r + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float two_n;
+    std::memcpy(&two_n, &bits, sizeof two_n);
+    return x < -87.3f ? 0.0f : (x == x ? er * two_n : x);
+}
+inline double exp_acc(double x) { return __builtin_exp(x); }
+
+inline float log_acc(float x) { return __builtin_logf(x); }
+inline double log_acc(double x) { return __builtin_log(x); }
+inline float tanh_acc(float x) { return __builtin_tanhf(x); }
+inline double tanh_acc(double x) { return __builtin_tanh(x); }
+
+
+// Row scales of an int8 K (or V) cache for one (batch, kv head); none for other types.
+inline RowScales row_scales(const float* scale, int64_t batch_stride, int64_t head_stride,
+                            int64_t row_stride, int64_t batch, int64_t kv_head) {
+    RowScales r;
+    if (scale) {
+        r.scale = scale + batch * batch_stride + kv_head * head_stride;
+        r.row_stride = row_stride;
+    }
+    return r;
+}
+
+// The same through a paged cache's block table (row j of the batch entry in block
+// table[j / block_size]); row_scales() when the cache is contiguous.
+inline RowScales row_scales(const AttentionParams& p, const float* scale, int64_t batch_stride,
+                            int64_t head_stride, int64_t row_stride, int64_t batch,
+                            int64_t kv_head) {
+    if (!p.block_table) return row_scales(scale, batch_stride, head_stride, row_stride, batch, kv_head);
+    RowScales r;
+    if (scale) {
+        r.scale = scale + kv_head * head_stride;
+        r.row_stride = row_stride;
+        r.table = p.block_table + batch * p.block_table_batch_stride;
+        r.block_stride = batch_stride;
+        r.block_size = p.block_size;
+    }
+    return r;
+}
+
+// Where the key (or value) rows of one (batch, kv head) live: one strided run, or, in a
+// paged cache (AttentionParams::block_table), one run per block, found through the table.
+// Kernels ask for a row's address once per run (run_end) and step by row_stride inside it,
+// so the table is read once per block, not once per key.
+template <class T>
+struct KeyRows {
+    const T* base;               // contiguous: row 0; paged: the pool at this kv head
+    int64_t row_stride;          // elements between rows of one run
+    const int64_t* table;        // paged: the batch entry's block ids; nullptr: contiguous
+    int64_t block_stride;        // paged: elements between blocks of the pool
+    int64_t block_size;          // paged: rows per block
+
+    const T* at(int64_t j) const {
+        if (!table) return base + j * row_stride;
+        return base + table[j / block_size] * block_stride + j % block_size * row_stride;
+    }
+    // End of the run of rows that starts at j (rows j, j + 1, .. at row_stride steps), at
+    // most `end`: the end of j's block when paged.
+    int64_t run_end(int64_t j, int64_t end) const {
+        if (!table) return end;
+        const int64_t block_end = (j / block_size + 1) * block_size;
+        return block_end < end ? block_end : end;
+    }
+};
+
+// The K (or V) rows of (batch, kv head): data with the tensor's batch (paged: block), head
+// and row strides.
+template <class T>
+inline KeyRows<T> key_rows(const AttentionParams& p, const void* data, int64_t batch_stride,
+                           int64_t head_stride, int64_t row_stride, int64_t batch,
+                           int64_t kv_head) {
+    const T* at_head = static_cast<const T*>(data) + kv_head * head_stride;
+    if (!p.block_table) return KeyRows<T>{at_head + batch * batch_stride, row_stride, nullptr, 0, 1};
+    return KeyRows<T>{at_head, row_stride, p.block_table + batch * p.block_table_batch_stride,
+                      batch_stride, p.block_size};
+}
+
+// A raw score q . k of -inf comes only from an infinite (or overflowing) input: it becomes
+// NaN, so the row's out and lse say so instead of dropping the key as if masked. (+inf
+// already turns into NaN in the softmax.)
+template <class A>
+inline void nonfinite_to_nan(A* __restrict s, int64_t n) {
+    for (int64_t j = 0; j < n; ++j) s[j] = s[j] == neg_inf<A>() ? __builtin_nan("") : s[j];
+}
+
+// The score options of one query row (softcap, ALiBi, mask; see AttentionParams), applied to
+// s[0, n) holding the scaled scores of keys first_key .. first_key + n.
+template <class A>
+struct RowOptions {
+    A softcap = 0;                   // 0: off
+    A inv_softcap = 0;
+    A slope = 0;                     // ALiBi slope of the row's head (0: off)
+    int64_t aligned = 0;             // i', the row's key position
+    MaskKind mask_kind = MaskKind::kNone;
+    const uint8_t* bool_mask = nullptr;  // the row's mask entries, col_stride apart
+    const float* add_mask_f32 = nullptr;
+    const double* add_mask_f64 = nullptr;
+    int64_t col_stride = 0;
+
+    RowOptions(const AttentionParams& p, int64_t batch, int64_t head, int64_t row,
+               int64_t seqlen_k) {
+        if (p.softcap > 0) {
+            softcap = static_cast<A>(p.softcap);
+            inv_softcap = static_cast<A>(1.0 / p.softcap);
+        }
+        if (p.alibi_slopes) slope = static_cast<A>(p.alibi_slopes[batch * p.alibi_batch_stride + head]);
+        aligned = aligned_row(p, row, seqlen_k);
+        if (p.mask) {
+            mask_kind = p.mask_kind;
+            const int64_t at = batch * p.mask_batch_stride + head * p.mask_head_stride + row * p.mask_row_stride;
+            if (p.mask_kind == MaskKind::kBool) bool_mask = static_cast<const uint8_t*>(p.mask) + at;
+            else if (p.mask_dtype == DType::kF64) add_mask_f64 = static_cast<const double*>(p.mask) + at;
+            else add_mask_f32 = static_cast<const float*>(p.mask) + at;
+            col_stride = p.mask_col_stride;
+        }
+    }
+    void apply(A* __restrict s, int64_t first_key, int64_t n) const {
+        if (softcap != A(0))
+            for (int64_t j = 0; j < n; ++j) s[j] = softcap * tanh_acc(s[j] * inv_softcap);
+        if (slope != A(0))
+            for (int64_t j = 0; j < n; ++j) {
+                const int64_t dist = aligned - (first_key + j);
+                s[j] -= slope * static_cast<A>(dist < 0 ? -dist : dist);
+            }
+        if (bool_mask) {
+            for (int64_t j = 0; j < n; ++j)
+                if (!bool_mask[(first_key + j) * col_stride]) s[j] = neg_inf<A>();
+        } else if (add_mask_f32) {
+            for (int64_t j = 0; j < n; ++j) s[j] += static_cast<A>(add_mask_f32[(first_key + j) * col_stride]);
+        } else if (add_mask_f64) {
+            for (int64_t j = 0; j < n; ++j) s[j] += static_cast<A>(add_mask_f64[(first_key + j) * col_stride]);
+        }
+    }
+};
+
+// The online softmax of one query row over one block of its scores, srow[0, width), of
+// which it sees [b, e): folds the block into the row's running max m, sum l and
+// accumulator acc_row (Dv, rescaled when m grows) and leaves in srow the block's weights
+// exp(s - m), 0 outside [b, e). Returns false (weights all 0, state untouched) when the row
+// sees nothing in the block. A NaN score makes m, l and with them the row's out NaN.
+// Written once for every policy of the decode loop (decode_attention.inl, which runs the
+// template prefill too); Path gives the two passes over the scores, range_max and
+// exp_shift_zero (see TemplatePath). Always inlined: called as a
+// function, the template decode spent 12 % more cycles at 8/8 heads (tier generic, Zen 3;
+// HISTORY.md 28).
+template <class Path, class A>
+__attribute__((always_inline)) inline bool softmax_block(A* srow, int64_t width, int64_t b,
+                                                         int64_t e, A& m, A& l, A* acc_row,
+                                                         int64_t Dv) {
+    const A block_max = b < e ? Path::range_max(srow, b, e) : neg_inf<A>();
+    if (block_max == neg_inf<A>()) {
+        for (int64_t c = 0; c < width; ++c) srow[c] = 0;
+        return false;
+    }
+    const A m_new = m > block_max ? m : block_max;
+    if (m != m_new && m != neg_inf<A>()) {  // (exp(-inf) = 0 needs no pass over acc_row)
+        const A correction = exp_acc(m - m_new);
+        l *= correction;
+        for (int64_t c = 0; c < Dv; ++c) acc_row[c] *= correction;
+    }
+    m = m_new;
+    l += Path::exp_shift_zero(srow, width, b, e, m_new);
+    return true;
+}
+
+}  // namespace
+}  // namespace ATTNFAST_KERNEL_NS
+}  // namespace attnfast
