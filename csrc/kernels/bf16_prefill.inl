@@ -60,7 +60,7 @@ PrefillPlan plan(const AttentionParams& p) {
 
 // Sᵀ rows [j0, j0 + R) of the tile at key `tile` (see simd::scores_rows): R keys x Bq lanes,
 // D / 2 pair steps, then scaled into base 2.
-template <int R>
+template <int R, bool kPaged>
 void scores_rows(const simd::Block& b, int64_t tile, int64_t j0, bool partial, float scale2, Vec* tile_max) {
     Vec acc[R][kQueryVecs];
 #pragma GCC unroll 16
@@ -69,7 +69,7 @@ void scores_rows(const simd::Block& b, int64_t tile, int64_t j0, bool partial, f
         for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = simd::vzero();
     const bf16_t* krow[R];
     const bf16_t* k = reinterpret_cast<const bf16_t*>(b.k);
-    if (b.k_rows) {
+    if constexpr (kPaged) {
 #pragma GCC unroll 16
         for (int t = 0; t < R; ++t) krow[t] = reinterpret_cast<const bf16_t*>(b.k_rows[j0 + t]);
     } else {
@@ -104,9 +104,9 @@ void scores_rows(const simd::Block& b, int64_t tile, int64_t j0, bool partial, f
 }
 
 // Oᵀ rows [e0, e0 + R) = corr * Oᵀ + Vᵀ Pᵀ over `pairs` key pairs (corr nullptr: all ones).
-template <int R>
+template <int R, bool kPaged>
 void pv_rows(const simd::Block& b, const Scratch& sc, int64_t pairs, int64_t e0, const Vec* corr,
-             simd::PrefetchStream& pf, int pf_steps) {
+             simd::PrefetchStream<kPaged>& pf, int pf_steps) {
     Vec acc[R][kQueryVecs];
     float* o = b.ot + e0 * Bq;
 #pragma GCC unroll 16
@@ -134,17 +134,17 @@ void pv_rows(const simd::Block& b, const Scratch& sc, int64_t pairs, int64_t e0,
         for (int u = 0; u < kQueryVecs; ++u) simd::vstore(o + t * Bq + u * W, acc[t][u]);
 }
 
-template <int R>
+template <int R, bool kPaged>
 inline void scores_tail(int64_t rows, const simd::Block& b, int64_t tile, int64_t j0, bool partial,
                         float scale2, Vec* tile_max) {
-    if (rows == R) scores_rows<R>(b, tile, j0, partial, scale2, tile_max);
-    else if constexpr (R > 1) scores_tail<R - 1>(rows, b, tile, j0, partial, scale2, tile_max);
+    if (rows == R) scores_rows<R, kPaged>(b, tile, j0, partial, scale2, tile_max);
+    else if constexpr (R > 1) scores_tail<R - 1, kPaged>(rows, b, tile, j0, partial, scale2, tile_max);
 }
-template <int R>
+template <int R, bool kPaged>
 inline void pv_cols(int64_t cols, const simd::Block& b, const Scratch& sc, int64_t pairs, int64_t e0,
-                    const Vec* corr, simd::PrefetchStream& pf, int pf_steps) {
-    if (cols == R) pv_rows<R>(b, sc, pairs, e0, corr, pf, pf_steps);
-    else if constexpr (R > 1) pv_cols<R - 1>(cols, b, sc, pairs, e0, corr, pf, pf_steps);
+                    const Vec* corr, simd::PrefetchStream<kPaged>& pf, int pf_steps) {
+    if (cols == R) pv_rows<R, kPaged>(b, sc, pairs, e0, corr, pf, pf_steps);
+    else if constexpr (R > 1) pv_cols<R - 1, kPaged>(cols, b, sc, pairs, e0, corr, pf, pf_steps);
 }
 
 // V rows [tile, tile + keys) as pairs of rows, one 32-bit word per column; a missing row
@@ -194,15 +194,16 @@ inline void pair_weights(const simd::Block& b, int64_t keys) {
     }
 }
 
-// simd::attend_tile with the bfloat16 micro-kernels. Not inlined into simd::run_task, so
-// that the compiler's choices inside it (which micro-tiles it inlines) stay as measured.
+// simd::attend_tile_rows with the bfloat16 micro-kernels. Not inlined into simd::run_task,
+// so that the compiler's choices inside it (which micro-tiles it inlines) stay as measured.
+template <bool kPaged>
 __attribute__((noinline)) void attend_tile(const simd::Block& b, const Scratch& sc, int64_t tile, int64_t keys,
                                            int64_t next_keys, bool partial, float scale2) {
     Vec tile_max[kQueryVecs];
     for (int u = 0; u < kQueryVecs; ++u) tile_max[u] = simd::vset(-__builtin_inff());
     int64_t j0 = 0;
-    for (; j0 + kRows <= keys; j0 += kRows) scores_rows<kRows>(b, tile, j0, partial, scale2, tile_max);
-    if (j0 < keys) scores_tail<kRows - 1>(keys - j0, b, tile, j0, partial, scale2, tile_max);
+    for (; j0 + kRows <= keys; j0 += kRows) scores_rows<kRows, kPaged>(b, tile, j0, partial, scale2, tile_max);
+    if (j0 < keys) scores_tail<kRows - 1, kPaged>(keys - j0, b, tile, j0, partial, scale2, tile_max);
     pack_values(b, sc, tile, keys);  // (its V rows load while the scores finish)
 
     Vec corr[kQueryVecs];
@@ -211,11 +212,11 @@ __attribute__((noinline)) void attend_tile(const simd::Block& b, const Scratch& 
 
     const int64_t pairs = (keys + 1) / 2;
     const int64_t passes = (b.Dv + kRows - 1) / kRows;
-    simd::PrefetchStream pf;
+    simd::PrefetchStream<kPaged> pf;
     const int pf_steps = simd::prefetch_next_tile(b, tile, next_keys, sizeof(bf16_t), passes * pairs, pf);
     for (int64_t pass = 0, e0 = 0; pass < passes; ++pass) {
         const int64_t cols = b.Dv / passes + (pass < b.Dv % passes ? 1 : 0);
-        pv_cols<kRows>(cols, b, sc, pairs, e0, rescale ? corr : nullptr, pf, pf_steps);
+        pv_cols<kRows, kPaged>(cols, b, sc, pairs, e0, rescale ? corr : nullptr, pf, pf_steps);
         e0 += cols;
     }
 }
@@ -253,8 +254,12 @@ struct Bf16Kernel {
     void attend(const AttentionParams& p, const simd::Block& b, int64_t /*batch*/, int64_t tile, int64_t keys,
                 int64_t next_keys) const {
         const bool partial = simd::tile_ranges(p, b, tile, keys);
-        if (b.k_rows) simd::find_tile_rows(b, tile, keys);
-        attend_tile(b, sc, tile, keys, next_keys, partial, scale2);
+        if (b.k_rows) {
+            simd::find_tile_rows(b, tile, keys);
+            attend_tile<true>(b, sc, tile, keys, next_keys, partial, scale2);
+        } else {
+            attend_tile<false>(b, sc, tile, keys, next_keys, partial, scale2);
+        }
     }
 };
 

@@ -301,7 +301,10 @@ PrefillPlan plan_all_dtypes(const AttentionParams& p) { return plan_for(p, conve
 // Brings the K and V rows of the next tile towards L2, a line or two per step, while the
 // current tile computes. Needed when one head's K and V do not fit in L2 (they then come
 // from L3 and the hardware prefetchers do not follow many strided rows); spread thinly
-// because a burst of prefetches stalls the load pipeline.
+// because a burst of prefetches stalls the load pipeline. kPaged (a paged pool read in
+// place) is a template parameter, as in the micro-kernels below: a run-time test in step()
+// cost the contiguous prefill 10-20 % on the avx2 tier (HISTORY 32).
+template <bool kPaged>
 struct PrefetchStream {
     const char* k_row = nullptr;
     const char* v_row = nullptr;
@@ -321,7 +324,7 @@ struct PrefetchStream {
     PrefetchStream(const Block& b, int64_t first_row, int64_t rows, int64_t elem_bytes) {
         k_stride = b.k_stride * elem_bytes;
         v_stride = b.v_stride * elem_bytes;
-        if (b.k_rows) {
+        if constexpr (kPaged) {
             k_pages = &b.k_pages;
             v_pages = &b.v_pages;
             row = first_row;
@@ -353,7 +356,7 @@ struct PrefetchStream {
         if (++line == lines) {
             line = 0;
             --rows_left;
-            if (k_pages && ++row == run_end) {
+            if (kPaged && ++row == run_end) {
                 if (rows_left > 0) {  // the next block (never looked up past the last row)
                     k_row = k_pages->at(row);
                     v_row = v_pages->at(row);
@@ -369,10 +372,11 @@ struct PrefetchStream {
 
 // pf <- the stream over the `next_keys` K and V rows after the tile at `tile` (none when 0),
 // spread evenly over the `visits` iterations of the tile's PV loops: returns the steps per visit.
+template <bool kPaged>
 inline int prefetch_next_tile(const Block& b, int64_t tile, int64_t next_keys, int64_t elem_bytes,
-                              int64_t visits, PrefetchStream& pf) {
+                              int64_t visits, PrefetchStream<kPaged>& pf) {
     if (next_keys <= 0) return 0;
-    pf = PrefetchStream(b, tile + b.Bk, next_keys, elem_bytes);
+    pf = PrefetchStream<kPaged>(b, tile + b.Bk, next_keys, elem_bytes);
     return static_cast<int>((pf.total_lines() + visits - 1) / visits);
 }
 
@@ -393,8 +397,8 @@ __attribute__((always_inline)) inline void fma_lane(Vec (&acc)[R][kQueryVecs], c
 
 // Sᵀ rows [j0, j0 + R) of the tile starting at key `tile`: scores of R keys against all Bq
 // query lanes; the score options applied (kOptions, as `o` says); masked to -inf outside
-// each lane's range when `partial`; folds the row max.
-template <int R, bool kOptions>
+// each lane's range when `partial`; folds the row max. kPaged: the rows from b.k_rows.
+template <int R, bool kOptions, bool kPaged>
 void scores_rows(const Block& b, int64_t tile, int64_t j0, bool partial, const TileOptions& o, Vec* tile_max) {
     Vec acc[R][kQueryVecs];
 #pragma GCC unroll 16
@@ -402,7 +406,7 @@ void scores_rows(const Block& b, int64_t tile, int64_t j0, bool partial, const T
 #pragma GCC unroll 4
         for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = vzero();
     const float* krow[R];
-    if (b.k_rows) {
+    if constexpr (kPaged) {
 #pragma GCC unroll 16
         for (int t = 0; t < R; ++t) krow[t] = b.k_rows[j0 + t];
     } else {
@@ -462,9 +466,9 @@ void scores_rows(const Block& b, int64_t tile, int64_t j0, bool partial, const T
 
 // Oᵀ rows [e0, e0 + R) = corr * Oᵀ + Vᵀ[e0:e0+R, tile keys] Pᵀ over `keys` keys (corr
 // nullptr: all ones); steps the prefetch stream `pf_steps` times per key.
-template <int R>
+template <int R, bool kPaged>
 void pv_rows(const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* corr,
-             PrefetchStream& pf, int pf_steps) {
+             PrefetchStream<kPaged>& pf, int pf_steps) {
     Vec acc[R][kQueryVecs];
     float* o = b.ot + e0 * Bq;
     if (corr) {
@@ -479,23 +483,30 @@ void pv_rows(const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* 
             for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = vload(o + t * Bq + u * W);
     }
     const float* pt = b.st;
-    // Runs of V rows at v_stride steps: the whole tile, or (paged) the keys of one block.
-    for (int64_t j0 = 0; j0 < keys;) {
-        const int64_t j1 = b.v_rows ? b.run_end(j0, keys) : keys;
-        const float* vrow = (b.v_rows ? b.v_rows[j0] : b.v + (tile - b.kv_first + j0) * b.v_stride) + e0;
-        for (int64_t j = j0; j < j1; ++j, vrow += b.v_stride, pt += Bq) {
-            for (int i = 0; i < pf_steps; ++i) pf.step();
-            Vec pv[kQueryVecs];
+    // One key: acc += V row (R columns from vrow) x Pᵀ row (pt).
+    auto key = [&](const float* vrow) __attribute__((always_inline)) {
+        for (int i = 0; i < pf_steps; ++i) pf.step();
+        Vec pv[kQueryVecs];
 #pragma GCC unroll 4
-            for (int u = 0; u < kQueryVecs; ++u) pv[u] = vload(pt + u * W);
+        for (int u = 0; u < kQueryVecs; ++u) pv[u] = vload(pt + u * W);
 #pragma GCC unroll 16
-            for (int t = 0; t < R; ++t) {
-                const Vec vb = vbcast(vrow + t);
+        for (int t = 0; t < R; ++t) {
+            const Vec vb = vbcast(vrow + t);
 #pragma GCC unroll 4
-                for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = vfma(vb, pv[u], acc[t][u]);
-            }
+            for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = vfma(vb, pv[u], acc[t][u]);
         }
-        j0 = j1;
+        pt += Bq;
+    };
+    if constexpr (kPaged) {  // runs of V rows at v_stride steps: the keys of one block
+        for (int64_t j0 = 0; j0 < keys;) {
+            const int64_t j1 = b.run_end(j0, keys);
+            const float* vrow = b.v_rows[j0] + e0;
+            for (int64_t j = j0; j < j1; ++j, vrow += b.v_stride) key(vrow);
+            j0 = j1;
+        }
+    } else {  // one run: the whole tile (one loop, as the registers were allocated when measured)
+        const float* vrow = b.v + (tile - b.kv_first) * b.v_stride + e0;
+        for (int64_t j = 0; j < keys; ++j, vrow += b.v_stride) key(vrow);
     }
 #pragma GCC unroll 16
     for (int t = 0; t < R; ++t)
@@ -505,23 +516,24 @@ void pv_rows(const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* 
 
 // Remainder micro-tiles (fewer than kRows keys or columns), picked by an if-chain at
 // compile time. (No static table: its constructor would run AVX code at library load.)
-template <int R, bool kOptions>
+template <int R, bool kOptions, bool kPaged>
 inline void scores_tail(int64_t rows, const Block& b, int64_t tile, int64_t j0, bool partial,
                         const TileOptions& o, Vec* tile_max) {
-    if (rows == R) scores_rows<R, kOptions>(b, tile, j0, partial, o, tile_max);
-    else if constexpr (R > 1) scores_tail<R - 1, kOptions>(rows, b, tile, j0, partial, o, tile_max);
+    if (rows == R) scores_rows<R, kOptions, kPaged>(b, tile, j0, partial, o, tile_max);
+    else if constexpr (R > 1) scores_tail<R - 1, kOptions, kPaged>(rows, b, tile, j0, partial, o, tile_max);
 }
-template <int R>
+template <int R, bool kPaged>
 inline void pv_cols(int64_t cols, const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* corr,
-                    PrefetchStream& pf, int pf_steps) {
-    if (cols == R) pv_rows<R>(b, tile, keys, e0, corr, pf, pf_steps);
-    else if constexpr (R > 1) pv_cols<R - 1>(cols, b, tile, keys, e0, corr, pf, pf_steps);
+                    PrefetchStream<kPaged>& pf, int pf_steps) {
+    if (cols == R) pv_rows<R, kPaged>(b, tile, keys, e0, corr, pf, pf_steps);
+    else if constexpr (R > 1) pv_cols<R - 1, kPaged>(cols, b, tile, keys, e0, corr, pf, pf_steps);
 }
 
 // ---------------------------------------------------------------- one KV tile
 // Pᵀ = 2^(Sᵀ - shift) in place over `keys` rows of Sᵀ; adds each row into sum (lane-wise,
-// in key order).
-inline void exp_pass(const Block& b, int64_t keys, const Vec* shift, Vec* sum) {
+// in key order). Always inlined: out of line (once two attend_tile_rows call it), shift and
+// sum went through memory on every key.
+__attribute__((always_inline)) inline void exp_pass(const Block& b, int64_t keys, const Vec* shift, Vec* sum) {
     float* s = b.st;
     for (int64_t j = 0; j < keys; ++j, s += Bq)
 #pragma GCC unroll 4
@@ -555,23 +567,26 @@ __attribute__((always_inline)) inline bool update_softmax(const Block& b, int64_
     return rescale;
 }
 
-template <bool kOptions>
+template <bool kOptions, bool kPaged>
 inline void scores_tile(const Block& b, int64_t tile, int64_t keys, bool partial, const TileOptions& o,
                         Vec* tile_max) {
     int64_t j0 = 0;
-    for (; j0 + kRows <= keys; j0 += kRows) scores_rows<kRows, kOptions>(b, tile, j0, partial, o, tile_max);
-    if (j0 < keys) scores_tail<kRows - 1, kOptions>(keys - j0, b, tile, j0, partial, o, tile_max);
+    for (; j0 + kRows <= keys; j0 += kRows)
+        scores_rows<kRows, kOptions, kPaged>(b, tile, j0, partial, o, tile_max);
+    if (j0 < keys) scores_tail<kRows - 1, kOptions, kPaged>(keys - j0, b, tile, j0, partial, o, tile_max);
 }
 
-// Online-softmax update of the block with keys [tile, tile + keys).
-void attend_tile(const Block& b, int64_t tile, int64_t keys, int64_t next_keys, bool partial,
-                 const TileOptions& o) {
+// Online-softmax update of the block with keys [tile, tile + keys); kPaged: the tile's rows
+// through b.k_rows / b.v_rows (attend_tile below picks).
+template <bool kPaged>
+void attend_tile_rows(const Block& b, int64_t tile, int64_t keys, int64_t next_keys, bool partial,
+                      const TileOptions& o) {
     // 1. Sᵀ = K_tile Qᵀ (scaled, base 2), options applied, masked on partial tiles, with
     //    the tile's row max.
     Vec tile_max[kQueryVecs];
     for (int u = 0; u < kQueryVecs; ++u) tile_max[u] = vset(-__builtin_inff());
-    if (o.any()) scores_tile<true>(b, tile, keys, partial, o, tile_max);
-    else scores_tile<false>(b, tile, keys, partial, o, tile_max);
+    if (o.any()) scores_tile<true, kPaged>(b, tile, keys, partial, o, tile_max);
+    else scores_tile<false, kPaged>(b, tile, keys, partial, o, tile_max);
 
     // 2. New max, rescale factor of the old state, Pᵀ = 2^(Sᵀ - m) in place, row sums.
     Vec corr[kQueryVecs];
@@ -580,13 +595,18 @@ void attend_tile(const Block& b, int64_t tile, int64_t keys, int64_t next_keys, 
     // 3. Oᵀ = corr * Oᵀ + Vᵀ Pᵀ, in passes of near-equal width (Dv = 64: 11+11+11+11+10+10,
     //    not 12 x 5 + 4), prefetching the next tile on the way.
     const int64_t passes = (b.Dv + kRows - 1) / kRows;
-    PrefetchStream pf;
+    PrefetchStream<kPaged> pf;
     const int pf_steps = prefetch_next_tile(b, tile, next_keys, sizeof(float), passes * keys, pf);
     for (int64_t pass = 0, e0 = 0; pass < passes; ++pass) {
         const int64_t cols = b.Dv / passes + (pass < b.Dv % passes ? 1 : 0);
-        pv_cols<kRows>(cols, b, tile, keys, e0, rescale ? corr : nullptr, pf, pf_steps);
+        pv_cols<kRows, kPaged>(cols, b, tile, keys, e0, rescale ? corr : nullptr, pf, pf_steps);
         e0 += cols;
     }
+}
+inline void attend_tile(const Block& b, int64_t tile, int64_t keys, int64_t next_keys, bool partial,
+                        const TileOptions& o) {
+    if (b.k_rows) attend_tile_rows<true>(b, tile, keys, next_keys, partial, o);
+    else attend_tile_rows<false>(b, tile, keys, next_keys, partial, o);
 }
 
 // ---------------------------------------------------------------- storage types
