@@ -100,10 +100,10 @@ void run_decode(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMerge
     std::unique_ptr<A[]> max_sum(new A[slots_sz * rows * 2]);
     A* row_max = max_sum.get();
     A* row_sum = max_sum.get() + slots_sz * rows;
-    std::unique_ptr<A[]> workspace(new A[static_cast<size_t>(ws_elems * threads)]);
+    const ThreadScratch<A> workspace(ws_elems, threads);
 
     parallel::for_each_dynamic(slots, threads, p.interruptible, [&](int64_t slot, int thread_id) {
-        chunk_fn(p, tasks[slot], workspace.get() + ws_elems * thread_id,
+        chunk_fn(p, tasks[slot], workspace.at(thread_id),
                  acc.get() + slot * rows * p.head_dim_v, row_max + slot * rows,
                  row_sum + slot * rows);
     });
@@ -111,8 +111,7 @@ void run_decode(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMerge
         const int64_t b = index / heads_kv, g = index % heads_kv;
         const int64_t base = split.slot_base[b] + g * split.chunk_count[b];
         merge_fn(p, b, g, split.chunk_count[b], acc.get() + base * rows * p.head_dim_v,
-                 row_max + base * rows, row_sum + base * rows,
-                 workspace.get() + ws_elems * thread_id);
+                 row_max + base * rows, row_sum + base * rows, workspace.at(thread_id));
     });
 }
 

@@ -30,6 +30,28 @@ std::vector<AttentionParams> decode_row_blocks(const AttentionParams& p);
 CallPlan plan_prefill(const AttentionParams& p);  // prefill.cpp
 CallPlan plan_decode(const AttentionParams& p);   // decode.cpp
 
+// Per-thread scratch, each thread's part starting on a 64-byte line: the kernels' vector loads
+// of what they stage there (query rows, scores) never straddle two lines. (operator new[] of
+// a large array returns 16 bytes past a page; with that the avx2 tier's 32/8 bfloat16 decode
+// ran 0.85-1.15x from one build to the next as the scratch size moved, HISTORY 32.)
+template <class A>
+class ThreadScratch {
+public:
+    ThreadScratch(int64_t elems, int threads)
+        : stride_((elems + kLine - 1) / kLine * kLine),
+          buf_(new A[static_cast<size_t>(stride_ * (threads > 0 ? threads : 1) + kLine)]) {}
+    A* at(int thread) const {
+        const uintptr_t line = 64;
+        A* base = reinterpret_cast<A*>((reinterpret_cast<uintptr_t>(buf_.get()) + line - 1) & ~(line - 1));
+        return base + stride_ * thread;
+    }
+
+private:
+    static constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(A));  // elements per line
+    int64_t stride_;
+    std::unique_ptr<A[]> buf_;
+};
+
 // One checked problem's work as units a shared schedule runs (attention_forward_batch):
 // the units of phase 0 in any order on any thread, then, once phase 0 of every problem is
 // done, those of phase 1. Each unit computes what the problem's own attention_forward

@@ -113,7 +113,7 @@ void run_blocks(const AttentionParams& p,
     const int threads = p.num_threads < tasks ? p.num_threads : static_cast<int>(tasks);
 
     const int64_t ws_elems = plan.workspace_elems;
-    std::unique_ptr<A[]> workspace(new A[static_cast<size_t>(ws_elems * threads)]);
+    const ThreadScratch<A> workspace(ws_elems, threads);
     auto task_at = [&](int64_t index) { return prefill_task(p, plan, index); };
     // (q's elements are A, or 16 bits under a float32 accumulator)
     const int64_t q_elem = p.dtype == DType::kF16 || p.dtype == DType::kBF16 ? 2 : static_cast<int64_t>(sizeof(A));
@@ -130,7 +130,7 @@ void run_blocks(const AttentionParams& p,
                     for (int64_t off = 0; off < q_row_bytes; off += 64) __builtin_prefetch(row + off, 0, 2);
                 }
         }
-        attend(p, task_at(index), workspace.get() + ws_elems * thread_id);
+        attend(p, task_at(index), workspace.at(thread_id));
     });
 }
 
