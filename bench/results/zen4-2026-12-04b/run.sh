@@ -6,14 +6,15 @@
 #   git worktree add /tmp/base f83a37f && pip wheel --no-build-isolation --no-deps -w /tmp/basewheel /tmp/base
 #   mkdir /tmp/before && cd /tmp/before && python -m zipfile -e /tmp/basewheel/*.whl x && mv x/attnfast attnfast_before
 set -x
+# (the before / after script is the first run's: bench/results/zen4-2026-12-04/before_after.py)
 D=bench/results/zen4-2026-12-04b
 B=${DIR_BEFORE:-/tmp/before}
 lscpu > $D/lscpu.txt
 for isa in avx512bf16 avx512 avx2 generic; do
-  ATTNFAST_ISA=$isa python $D/before_after.py $B decode > $D/decode_before_after_$isa.md 2>&1
+  ATTNFAST_ISA=$isa python bench/results/zen4-2026-12-04/before_after.py $B decode > $D/decode_before_after_$isa.md 2>&1
 done
 for isa in avx512bf16 avx2; do
-  ATTNFAST_ISA=$isa python $D/before_after.py $B prefill --repeats 5 > $D/prefill_before_after_$isa.md 2>&1
+  ATTNFAST_ISA=$isa python bench/results/zen4-2026-12-04/before_after.py $B prefill --repeats 5 > $D/prefill_before_after_$isa.md 2>&1
 done
 python bench/bench_paged_prefill.py --dtypes float32,bfloat16 --repeats 5 > $D/paged_prefill.txt 2>&1
 # The results page's run for this CPU kind (replaces bench/results/zen4-avx512bf16.json).
