@@ -234,16 +234,14 @@ void attention_forward_batch(const AttentionParams* problems, int64_t count) {
     if (most == 0) return;
     const int threads = problems[0].num_threads < most ? problems[0].num_threads : static_cast<int>(most);
     const bool interruptible = problems[0].interruptible;
-    ws_bytes = (ws_bytes + 63) / 64 * 64;  // each thread's scratch on its own lines
-    std::unique_ptr<char[]> scratch(new char[static_cast<size_t>(ws_bytes * threads + 64)]);
-    char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(scratch.get()) + 63) & ~uintptr_t(63));
+    const ThreadScratch<char> scratch(ws_bytes, threads);
     const std::vector<std::pair<int64_t, int64_t>>* phases[2] = {&first, &second};
     for (int phase = 0; phase < 2; ++phase) {
         const auto& units = *phases[phase];
         parallel::for_each_dynamic(static_cast<int64_t>(units.size()), threads, interruptible,
                                    [&](int64_t index, int thread_id) {
             const auto& unit = units[static_cast<size_t>(index)];
-            works[static_cast<size_t>(unit.first)]->run(phase, unit.second, base + ws_bytes * thread_id);
+            works[static_cast<size_t>(unit.first)]->run(phase, unit.second, scratch.at(thread_id));
         });
     }
 }
