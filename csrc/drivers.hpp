@@ -32,8 +32,8 @@ CallPlan plan_decode(const AttentionParams& p);   // decode.cpp
 
 // Per-thread scratch, each thread's part starting on a 64-byte line: the kernels' vector loads
 // of what they stage there (query rows, scores) never straddle two lines. (operator new[] of
-// a large array returns 16 bytes past a page; with that the avx2 tier's 32/8 bfloat16 decode
-// ran 0.85-1.15x from one build to the next as the scratch size moved, HISTORY 32.)
+// a large array returns 16 bytes past a page; 16 bytes off a line, the avx2 tier's 32/8
+// bfloat16 decode measured 7 % slower on Zen 4, HISTORY 32.)
 template <class A>
 class ThreadScratch {
 public:

@@ -302,8 +302,9 @@ PrefillPlan plan_all_dtypes(const AttentionParams& p) { return plan_for(p, conve
 // current tile computes. Needed when one head's K and V do not fit in L2 (they then come
 // from L3 and the hardware prefetchers do not follow many strided rows); spread thinly
 // because a burst of prefetches stalls the load pipeline. kPaged (a paged pool read in
-// place) is a template parameter, as in the micro-kernels below: a run-time test in step()
-// cost the contiguous prefill 10-20 % on the avx2 tier (HISTORY 32).
+// place) is a template parameter, as in the micro-kernels below, so the contiguous loops
+// compile as they did when measured (run-time tests there cost the avx2 tier's prefill
+// 10-20 %: GCC moved Pᵀ out of registers, HISTORY 32).
 template <bool kPaged>
 struct PrefetchStream {
     const char* k_row = nullptr;
