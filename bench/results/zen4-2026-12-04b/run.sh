@@ -21,3 +21,5 @@ python bench/bench_paged_prefill.py --dtypes float32,bfloat16 --repeats 5 > $D/p
 env OMP_WAIT_POLICY=PASSIVE python bench/compare_peers.py --prefill-T 1k,4k --decode-L 16k,64k \
     --dtype float32,bfloat16 --no-progress --markdown $D/peers.md \
     --json bench/results/zen4-avx512bf16.json > $D/peers.txt 2>&1
+# The bfloat16 non-causal prefill against OpenVINO again, the prefill half alone (the full run had T = 4k D = 64 on 2 threads at 0.83x):
+env OMP_WAIT_POLICY=PASSIVE python bench/compare_peers.py --skip decode --prefill-T 1k,4k --causal no --dtype bfloat16 --peers openvino --no-progress --markdown $D/prefill_bf16_openvino.md > $D/prefill_bf16_openvino.txt 2>&1
