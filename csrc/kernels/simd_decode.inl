@@ -125,11 +125,18 @@ inline void pv_tile(float* __restrict acc, int64_t acc_stride, const float* __re
     V a[RB][NV];
     for (int r = 0; r < RB; ++r)
         for (int c = 0; c < NV; ++c) a[r][c] = vloadu(acc + r * acc_stride + c * W);
+    // One value per element (every type but int4): the tile's columns from one moved pointer,
+    // so each vector's load has a constant displacement (with `col` added per vector GCC kept
+    // one offset register per vector and spilled them to vector registers).
+    constexpr bool kPerElement = KvBlock<T>::kVecs == 1;
+    const T* vcol = kPerElement ? v + col : v;
     for (int64_t j = j0; j < j1; ++j) {
         const T* vrow = v + j * vs;
         V vv[NV];
         constexpr int BV = KvBlock<T>::kVecs;
-        if (NV % BV == 0 && col % (BV * W) == 0) {  // (always, but for int4 in odd tiles)
+        if constexpr (kPerElement) {
+            for (int c = 0; c < NV; ++c) vv[c] = vld_kv(vcol + j * vs, c * W);
+        } else if (NV % BV == 0 && col % (BV * W) == 0) {  // (always, but for int4 in odd tiles)
             for (int c = 0; c < NV; c += BV) vld_kv_block(vrow, col + c * W, vv + c);
         } else {
             for (int c = 0; c < NV; ++c) vv[c] = vld_kv(vrow, col + c * W);
