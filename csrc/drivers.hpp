@@ -39,17 +39,15 @@ class ThreadScratch {
 public:
     ThreadScratch(int64_t elems, int threads)
         : stride_((elems + kLine - 1) / kLine * kLine),
-          buf_(new A[static_cast<size_t>(stride_ * (threads > 0 ? threads : 1) + kLine)]) {}
-    A* at(int thread) const {
-        const uintptr_t line = 64;
-        A* base = reinterpret_cast<A*>((reinterpret_cast<uintptr_t>(buf_.get()) + line - 1) & ~(line - 1));
-        return base + stride_ * thread;
-    }
+          buf_(new A[static_cast<size_t>(stride_ * (threads > 0 ? threads : 1) + kLine)]),
+          base_(reinterpret_cast<A*>((reinterpret_cast<uintptr_t>(buf_.get()) + 63) & ~uintptr_t(63))) {}
+    A* at(int thread) const { return base_ + stride_ * thread; }
 
 private:
     static constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(A));  // elements per line
     int64_t stride_;
     std::unique_ptr<A[]> buf_;
+    A* base_;  // buf_'s first 64-byte line
 };
 
 // One checked problem's work as units a shared schedule runs (attention_forward_batch):
