@@ -72,11 +72,14 @@ inline int32_t weight_pair(const bf16_t* p) {
 // 20-23, 28-31} (vpunpck{l,h}wd's order).
 template <int RB, int NG>
 inline void pv_tile(float* __restrict acc, int64_t acc_stride, const bf16_t* __restrict p,
-                    int64_t ps, const bf16_t* __restrict v, int64_t vs, int64_t keys) {
+                    int64_t ps, const bf16_t* __restrict v, int64_t vs, int64_t keys,
+                    const RowPrefetch& kpf = RowPrefetch{}, int64_t l0 = 0, int64_t l1 = 0) {
     __m512 a[RB][2 * NG];
     for (int r = 0; r < RB; ++r)
         for (int c = 0; c < 2 * NG; ++c) a[r][c] = _mm512_loadu_ps(acc + r * acc_stride + c * W);
     for (int64_t j = 0; j < keys; j += 2) {
+        for (int64_t x = j; x < j + 2 && x < kpf.rows; ++x)  // lines [l0, l1) of K rows j, j + 1
+            for (int64_t l = l0; l < l1; ++l) __builtin_prefetch(kpf.first + x * kpf.stride + l * 64, 0, 2);
         const bf16_t* v0 = v + j * vs;
         const bool pair = j + 1 < keys;
         __m512bh lo[NG], hi[NG];
@@ -99,12 +102,16 @@ inline void pv_tile(float* __restrict acc, int64_t acc_stride, const bf16_t* __r
 }
 
 // All Dv columns (a multiple of 32) for RB rows: 16 accumulators a tile, then single groups.
+// kpf: K rows to start towards L2, a share of each row's lines per tile (simd_decode's pv_rows).
 template <int RB>
 inline void pv_rows(float* acc, int64_t Dv, const bf16_t* p, int64_t ps, const bf16_t* v,
-                    int64_t vs, int64_t keys) {
+                    int64_t vs, int64_t keys, const RowPrefetch& kpf = RowPrefetch{}) {
     constexpr int NG = RB == 4 ? 2 : 4;
-    int64_t e = 0;
-    for (; e + NG * 32 <= Dv; e += NG * 32) pv_tile<RB, NG>(acc + e, Dv, p, ps, v + e, vs, keys);
+    const int64_t tiles = Dv / (NG * 32), lines = kpf.rows > 0 ? (kpf.row_bytes + 63) / 64 : 0;
+    if (tiles == 0) prefetch_rows(kpf);
+    int64_t e = 0, t = 0;
+    for (; e + NG * 32 <= Dv; e += NG * 32, ++t)
+        pv_tile<RB, NG>(acc + e, Dv, p, ps, v + e, vs, keys, kpf, lines * t / tiles, lines * (t + 1) / tiles);
     for (; e < Dv; e += 32) pv_tile<RB, 1>(acc + e, Dv, p, ps, v + e, vs, keys);
 }
 
@@ -113,6 +120,7 @@ template <int ND>
 struct Bf16Path : simd_decode::VectorSoftmax {
     using Q = bf16_t;
     using KV = bf16_t;
+    static constexpr bool kSpreadPrefetch = true;
     // A staged row is D bfloat16 values: D / 2 floats of workspace.
     static int64_t query_stride(const AttentionParams& p) { return p.head_dim / 2; }
     static void stage_query(float* qs, const bf16_t* qrow, int64_t D, float) {
@@ -154,17 +162,19 @@ struct Bf16Path : simd_decode::VectorSoftmax {
         if (keys & 1) out[keys].bits = 0;
     }
     static void values(int64_t n, float* acc, int64_t Dv, const float* s_block, int64_t ss,
-                       int64_t c0, const bf16_t* vrun, int64_t vs, int64_t keys) {
+                       int64_t c0, const bf16_t* vrun, int64_t vs, int64_t keys,
+                       const RowPrefetch& kpf = RowPrefetch{}) {
         // row rr's bfloat16 weights start at s_block + rr * ss (2 * ss elements apart)
         const bf16_t* pb = reinterpret_cast<const bf16_t*>(s_block) + c0;
         const int64_t ps = 2 * ss;
         int64_t rb = 0;
-        for (; rb + 4 <= n; rb += 4) pv_rows<4>(acc + rb * Dv, Dv, pb + rb * ps, ps, vrun, vs, keys);
+        for (; rb + 4 <= n; rb += 4)
+            pv_rows<4>(acc + rb * Dv, Dv, pb + rb * ps, ps, vrun, vs, keys, rb == 0 ? kpf : RowPrefetch{});
         if (n - rb >= 2) {
-            pv_rows<2>(acc + rb * Dv, Dv, pb + rb * ps, ps, vrun, vs, keys);
+            pv_rows<2>(acc + rb * Dv, Dv, pb + rb * ps, ps, vrun, vs, keys, rb == 0 ? kpf : RowPrefetch{});
             rb += 2;
         }
-        if (n - rb == 1) pv_rows<1>(acc + rb * Dv, Dv, pb + rb * ps, ps, vrun, vs, keys);
+        if (n - rb == 1) pv_rows<1>(acc + rb * Dv, Dv, pb + rb * ps, ps, vrun, vs, keys, rb == 0 ? kpf : RowPrefetch{});
     }
     // Columns back in order: per group of 32, 128-bit pieces l0..l3 (low half) and h0..h3
     // (high half) become l0 h0 l1 h1 | l2 h2 l3 h3.

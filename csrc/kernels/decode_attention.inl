@@ -199,6 +199,8 @@ struct AddValueRows {  // acc rows += probabilities x value rows, for one block 
 //   Q, KV          the types of q and of the stored K/V rows
 //   kScoreKeys     keys per scores() call
 //   kTunedStreams  whether the loop's pipelined / small-L2 streams apply (see decode_loop)
+//   kSpreadPrefetch  whether values() takes the next K rows to prefetch (a RowPrefetch) and
+//                  spreads them over its V keys; else decode_loop issues them before it
 //   kScaleFold     what the widened K/V lanes leave in the row scales (stored = fold x lanes)
 //   query_stride   workspace elements per staged query row; stage_query stages one
 //   scores         scores of keys [j, j + nk) for the n staged rows (the V rows of those
@@ -206,7 +208,8 @@ struct AddValueRows {  // acc rows += probabilities x value rows, for one block 
 //   score_options  softcap, ALiBi and mask on one row's scores [b, e)
 //   range_max, exp_shift_zero   the softmax's two passes over a row's block of scores
 //   weights_ready  a row's probabilities of one block are final (a layout change may follow)
-//   values         acc rows += probabilities x `keys` V rows; finish: the chunk is done
+//   values         acc rows += probabilities x `keys` V rows (+ kpf, with kSpreadPrefetch);
+//                  finish: the chunk is done
 template <class TQ, class T, class A>
 struct TemplatePath {
     using Acc = A;
@@ -214,6 +217,7 @@ struct TemplatePath {
     using KV = T;
     static constexpr int64_t kScoreKeys = kDecodeKeyBlock;  // one call per run of keys
     static constexpr bool kTunedStreams = false;
+    static constexpr bool kSpreadPrefetch = false;
     static constexpr float kScaleFold = 1.0f;
     static int64_t query_stride(const AttentionParams& p) { return decode_query_stride(p); }
     static void stage_query(A* qs, const TQ* qrow, int64_t D, A scale) {
@@ -269,6 +273,20 @@ constexpr int64_t kPipelinedValueRun = 16;
 constexpr int64_t kSmallL2Bytes = 1 << 20;
 constexpr int64_t kSmallL2ValueRun = 16;
 constexpr int64_t kSmallL2PipelinedBlock = 32;
+
+// Rows first, first + stride, .. (`rows` of them, row_bytes each) to start towards L2 (see
+// decode_loop: a Path with kSpreadPrefetch spreads them over its V pass).
+struct RowPrefetch {
+    const char* first = nullptr;
+    int64_t stride = 0;
+    int64_t rows = 0;
+    int64_t row_bytes = 0;
+};
+
+inline void prefetch_rows(const RowPrefetch& rows) {  // all of them now
+    for (int64_t x = 0; x < rows.rows; ++x)
+        for (int64_t off = 0; off < rows.row_bytes; off += 64) __builtin_prefetch(rows.first + x * rows.stride + off, 0, 2);
+}
 
 // Rows [first, last) of `rows` started towards L2, each row_bytes long.
 template <class T>
@@ -336,8 +354,13 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
         // passes are pipelined: short blocks, and each V run first prefetches as many of the
         // next block's K rows (the task's keys first, then the head's next keys, which a
         // following task of this thread reads), so memory streams while the FMAs run; the
-        // next K pass then finds its rows in L2. Measured on Zen 4 (RESULTS 14.1), at 32/8
-        // heads: one core +18-43 % (float32, both x86 tiers), +48 % (bfloat16); two cores
+        // next K pass then finds its rows in L2. The hand-written Paths (kSpreadPrefetch) issue
+        // those K lines inside the V pass, a few per V key, instead of as one burst before it:
+        // with the burst the one-core speed depended on where the build placed the loops (Zen 4,
+        // float32 32/8: 55 % or 67 % of the read limit from the same source); spread, the x86
+        // tiers run within a few % of each other in every placement tried, 1.1-1.4x the
+        // burst's slow placements and 0.9x its fast one (HISTORY 34). The pipelining itself,
+        // measured on Zen 4 (RESULTS 14.1), at 32/8 heads: one core +18-43 % (float32, both x86 tiers), +48 % (bfloat16); two cores
         // +4-23 %; at 16/8 and 64/8 +5-28 % on one core, within noise on two. At one row
         // within noise, and with an int8 cache (a quarter of the bytes per key, so the
         // widening arithmetic, not memory, bounds it) 8-21 % slower: neither is pipelined.
@@ -420,11 +443,24 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
             // (A paged cache's block ends cut the sub-blocks further: same keys, same order.)
             for (int64_t v0 = j0, v1 = j0; v0 < j1; v0 = v1) {
                 v1 = v.run_end(kb + v0, kb + (v0 + value_keys < j1 ? v0 + value_keys : j1)) - kb;
+                RowPrefetch kpf;
                 if (pipelined) {
                     const int64_t x0 = j1 + (v0 - j0), x1 = j1 + (v1 - j0);
-                    prefetch_rows(k, kb + x0, kb + (x1 < prefetch_end ? x1 : prefetch_end), k_row_bytes);
+                    const int64_t xe = x1 < prefetch_end ? x1 : prefetch_end;
+                    if constexpr (Path::kSpreadPrefetch) {
+                        if (x0 < xe && k.run_end(kb + x0, kb + xe) == kb + xe)
+                            kpf = RowPrefetch{reinterpret_cast<const char*>(k.at(kb + x0)),
+                                              k.row_stride * static_cast<int64_t>(sizeof(T)), xe - x0, k_row_bytes};
+                        else
+                            prefetch_rows(k, kb + x0, kb + xe, k_row_bytes);
+                    } else {
+                        prefetch_rows(k, kb + x0, kb + xe, k_row_bytes);
+                    }
                 }
-                Path::values(n, acc + r0 * Dv, Dv, s, ss, v0 - j0, v.at(kb + v0), v.row_stride, v1 - v0);
+                if constexpr (Path::kSpreadPrefetch)
+                    Path::values(n, acc + r0 * Dv, Dv, s, ss, v0 - j0, v.at(kb + v0), v.row_stride, v1 - v0, kpf);
+                else
+                    Path::values(n, acc + r0 * Dv, Dv, s, ss, v0 - j0, v.at(kb + v0), v.row_stride, v1 - v0);
             }
         }
     }

@@ -117,11 +117,12 @@ inline void score_keys(const float* __restrict q, int64_t qs, const T* __restric
 }
 
 // acc[r][c] += sum_{j0 <= j < j1} p[r][j] * v[j][col + c] for RB rows and NV vectors of
-// columns; accumulators in registers.
+// columns; accumulators in registers. Key j also starts lines [l0, l1) of kpf's row j - j0
+// towards L2 (see decode_loop).
 template <int RB, int NV, class T>
 inline void pv_tile(float* __restrict acc, int64_t acc_stride, const float* __restrict p,
                     int64_t ps, const T* __restrict v, int64_t col, int64_t vs, int64_t j0,
-                    int64_t j1) {
+                    int64_t j1, const RowPrefetch& kpf = RowPrefetch{}, int64_t l0 = 0, int64_t l1 = 0) {
     V a[RB][NV];
     for (int r = 0; r < RB; ++r)
         for (int c = 0; c < NV; ++c) a[r][c] = vloadu(acc + r * acc_stride + c * W);
@@ -131,6 +132,8 @@ inline void pv_tile(float* __restrict acc, int64_t acc_stride, const float* __re
     constexpr bool kPerElement = KvBlock<T>::kVecs == 1;
     const T* vcol = kPerElement ? v + col : v;
     for (int64_t j = j0; j < j1; ++j) {
+        if (j - j0 < kpf.rows)
+            for (int64_t l = l0; l < l1; ++l) __builtin_prefetch(kpf.first + (j - j0) * kpf.stride + l * 64, 0, 2);
         const T* vrow = v + j * vs;
         V vv[NV];
         constexpr int BV = KvBlock<T>::kVecs;
@@ -154,7 +157,7 @@ inline void pv_tile(float* __restrict acc, int64_t acc_stride, const float* __re
 // zmm registers; 8-12 of the 16 ymm registers), then single vectors.
 template <int RB, class T>
 inline void pv_rows(float* acc, int64_t Dv, const float* p, int64_t ps, const T* v,
-                    int64_t vs, int64_t j0, int64_t j1) {
+                    int64_t vs, int64_t j0, int64_t j1, const RowPrefetch& kpf = RowPrefetch{}) {
 #if defined(__AVX512F__) || defined(__aarch64__)  // 32 registers
     constexpr int NV = 16 / RB > 8 ? 8 : 16 / RB;
 #else
@@ -162,8 +165,13 @@ inline void pv_rows(float* acc, int64_t Dv, const float* p, int64_t ps, const T*
     // over 8 accumulators at 32/8 heads (Sapphire Rapids held to AVX2).
     constexpr int NV = RB == 4 ? 3 : (RB == 2 ? 4 : 8);
 #endif
-    int64_t e = 0;
-    for (; e + NV * W <= Dv; e += NV * W) pv_tile<RB, NV, T>(acc + e, Dv, p, ps, v, e, vs, j0, j1);
+    // The lines of kpf's rows go out a share per tile, so each V key of a tile also starts
+    // a few lines of a K row ahead (all at once when Dv holds no whole tile).
+    const int64_t tiles = Dv / (NV * W), lines = kpf.rows > 0 ? (kpf.row_bytes + 63) / 64 : 0;
+    if (tiles == 0) prefetch_rows(kpf);
+    int64_t e = 0, t = 0;
+    for (; e + NV * W <= Dv; e += NV * W, ++t)
+        pv_tile<RB, NV, T>(acc + e, Dv, p, ps, v, e, vs, j0, j1, kpf, lines * t / tiles, lines * (t + 1) / tiles);
     for (; e < Dv; e += W) pv_tile<RB, 1, T>(acc + e, Dv, p, ps, v, e, vs, j0, j1);
 }
 
@@ -238,6 +246,7 @@ struct VectorSoftmax {
     using Acc = float;
     static constexpr int64_t kScoreKeys = W;
     static constexpr bool kTunedStreams = true;
+    static constexpr bool kSpreadPrefetch = false;
     static constexpr float kScaleFold = 1.0f;
     static void score_options(const AttentionParams& p, int64_t batch, int64_t head, int64_t pos,
                               int64_t seqlen_k, float* srow, int64_t b, int64_t e, int64_t key0) {
@@ -260,6 +269,7 @@ struct WidenPath : VectorSoftmax {
     using Q = TQ;
     using KV = T;
     static constexpr float kScaleFold = simd::kWidenScaleFold<T>;
+    static constexpr bool kSpreadPrefetch = true;
     // Workspace floats per staged query row (D rounded up to whole vectors).
     static int64_t query_stride(const AttentionParams& p) { return decode_query_stride(p); }
     static void stage_query(float* qs, const TQ* qrow, int64_t D, float scale) {
@@ -289,15 +299,17 @@ struct WidenPath : VectorSoftmax {
     // acc rows += p rows times `keys` V rows from vrun (rows vs apart), whose weights are
     // columns c0 .. c0 + keys of the block's score rows s_block (ss apart).
     static void values(int64_t n, float* acc, int64_t Dv, const float* s_block, int64_t ss,
-                       int64_t c0, const T* vrun, int64_t vs, int64_t keys) {
+                       int64_t c0, const T* vrun, int64_t vs, int64_t keys,
+                       const RowPrefetch& kpf = RowPrefetch{}) {
         const float* s = s_block + c0;
         int64_t rb = 0;
-        for (; rb + 4 <= n; rb += 4) pv_rows<4>(acc + rb * Dv, Dv, s + rb * ss, ss, vrun, vs, 0, keys);
+        for (; rb + 4 <= n; rb += 4)
+            pv_rows<4>(acc + rb * Dv, Dv, s + rb * ss, ss, vrun, vs, 0, keys, rb == 0 ? kpf : RowPrefetch{});
         if (n - rb >= 2) {
-            pv_rows<2>(acc + rb * Dv, Dv, s + rb * ss, ss, vrun, vs, 0, keys);
+            pv_rows<2>(acc + rb * Dv, Dv, s + rb * ss, ss, vrun, vs, 0, keys, rb == 0 ? kpf : RowPrefetch{});
             rb += 2;
         }
-        if (n - rb == 1) pv_rows<1>(acc + rb * Dv, Dv, s + rb * ss, ss, vrun, vs, 0, keys);
+        if (n - rb == 1) pv_rows<1>(acc + rb * Dv, Dv, s + rb * ss, ss, vrun, vs, 0, keys, rb == 0 ? kpf : RowPrefetch{});
     }
     // The chunk's accumulator rows are final (in whatever layout values() kept them).
     static void finish(float*, int64_t, int64_t) {}
