@@ -70,7 +70,7 @@ inline int32_t weight_pair(const bf16_t* p) {
 // with a zero V vector (its V row is never read, so the weight next to it adds nothing). acc
 // layout per group: 16 lanes of columns {0-3, 8-11, 16-19, 24-27}, then 16 of {4-7, 12-15,
 // 20-23, 28-31} (vpunpck{l,h}wd's order).
-template <int RB, int NG>
+template <int RB, int NG, bool kPrefetch = false>
 inline void pv_tile(float* __restrict acc, int64_t acc_stride, const bf16_t* __restrict p,
                     int64_t ps, const bf16_t* __restrict v, int64_t vs, int64_t keys,
                     const RowPrefetch& kpf = RowPrefetch{}, int64_t l0 = 0, int64_t l1 = 0) {
@@ -78,8 +78,9 @@ inline void pv_tile(float* __restrict acc, int64_t acc_stride, const bf16_t* __r
     for (int r = 0; r < RB; ++r)
         for (int c = 0; c < 2 * NG; ++c) a[r][c] = _mm512_loadu_ps(acc + r * acc_stride + c * W);
     for (int64_t j = 0; j < keys; j += 2) {
-        for (int64_t x = j; x < j + 2 && x < kpf.rows; ++x)  // lines [l0, l1) of K rows j, j + 1
-            for (int64_t l = l0; l < l1; ++l) __builtin_prefetch(kpf.first + x * kpf.stride + l * 64, 0, 2);
+        if constexpr (kPrefetch)  // lines [l0, l1) of kpf's rows j, j + 1
+            for (int64_t x = j; x < j + 2 && x < kpf.rows; ++x)
+                for (int64_t l = l0; l < l1; ++l) __builtin_prefetch(kpf.first + x * kpf.stride + l * 64, 0, 2);
         const bf16_t* v0 = v + j * vs;
         const bool pair = j + 1 < keys;
         __m512bh lo[NG], hi[NG];
@@ -107,11 +108,16 @@ template <int RB>
 inline void pv_rows(float* acc, int64_t Dv, const bf16_t* p, int64_t ps, const bf16_t* v,
                     int64_t vs, int64_t keys, const RowPrefetch& kpf = RowPrefetch{}) {
     constexpr int NG = RB == 4 ? 2 : 4;
-    const int64_t tiles = Dv / (NG * 32), lines = kpf.rows > 0 ? (kpf.row_bytes + 63) / 64 : 0;
-    if (tiles == 0) prefetch_rows(kpf);
-    int64_t e = 0, t = 0;
-    for (; e + NG * 32 <= Dv; e += NG * 32, ++t)
-        pv_tile<RB, NG>(acc + e, Dv, p, ps, v + e, vs, keys, kpf, lines * t / tiles, lines * (t + 1) / tiles);
+    const int64_t tiles = Dv / (NG * 32), lines = (kpf.row_bytes + 63) / 64;
+    int64_t e = 0;
+    if (kpf.rows > 0 && tiles > 0) {
+        for (int64_t t = 0; e + NG * 32 <= Dv; e += NG * 32, ++t)
+            pv_tile<RB, NG, true>(acc + e, Dv, p, ps, v + e, vs, keys, kpf, lines * t / tiles,
+                                  lines * (t + 1) / tiles);
+    } else {
+        prefetch_rows(kpf);  // (none, or Dv holds no whole tile)
+        for (; e + NG * 32 <= Dv; e += NG * 32) pv_tile<RB, NG>(acc + e, Dv, p, ps, v + e, vs, keys);
+    }
     for (; e < Dv; e += 32) pv_tile<RB, 1>(acc + e, Dv, p, ps, v + e, vs, keys);
 }
 

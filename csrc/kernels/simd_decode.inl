@@ -117,9 +117,10 @@ inline void score_keys(const float* __restrict q, int64_t qs, const T* __restric
 }
 
 // acc[r][c] += sum_{j0 <= j < j1} p[r][j] * v[j][col + c] for RB rows and NV vectors of
-// columns; accumulators in registers. Key j also starts lines [l0, l1) of kpf's row j - j0
-// towards L2 (see decode_loop).
-template <int RB, int NV, class T>
+// columns; accumulators in registers. kPrefetch: key j also starts lines [l0, l1) of kpf's
+// row j - j0 towards L2 (see decode_loop; a template parameter, so the tile without it
+// compiles as it did before).
+template <int RB, int NV, class T, bool kPrefetch = false>
 inline void pv_tile(float* __restrict acc, int64_t acc_stride, const float* __restrict p,
                     int64_t ps, const T* __restrict v, int64_t col, int64_t vs, int64_t j0,
                     int64_t j1, const RowPrefetch& kpf = RowPrefetch{}, int64_t l0 = 0, int64_t l1 = 0) {
@@ -132,7 +133,7 @@ inline void pv_tile(float* __restrict acc, int64_t acc_stride, const float* __re
     constexpr bool kPerElement = KvBlock<T>::kVecs == 1;
     const T* vcol = kPerElement ? v + col : v;
     for (int64_t j = j0; j < j1; ++j) {
-        if (j - j0 < kpf.rows)
+        if (kPrefetch && j - j0 < kpf.rows)
             for (int64_t l = l0; l < l1; ++l) __builtin_prefetch(kpf.first + (j - j0) * kpf.stride + l * 64, 0, 2);
         const T* vrow = v + j * vs;
         V vv[NV];
@@ -167,11 +168,16 @@ inline void pv_rows(float* acc, int64_t Dv, const float* p, int64_t ps, const T*
 #endif
     // The lines of kpf's rows go out a share per tile, so each V key of a tile also starts
     // a few lines of a K row ahead (all at once when Dv holds no whole tile).
-    const int64_t tiles = Dv / (NV * W), lines = kpf.rows > 0 ? (kpf.row_bytes + 63) / 64 : 0;
-    if (tiles == 0) prefetch_rows(kpf);
-    int64_t e = 0, t = 0;
-    for (; e + NV * W <= Dv; e += NV * W, ++t)
-        pv_tile<RB, NV, T>(acc + e, Dv, p, ps, v, e, vs, j0, j1, kpf, lines * t / tiles, lines * (t + 1) / tiles);
+    const int64_t tiles = Dv / (NV * W), lines = (kpf.row_bytes + 63) / 64;
+    int64_t e = 0;
+    if (kpf.rows > 0 && tiles > 0) {
+        for (int64_t t = 0; e + NV * W <= Dv; e += NV * W, ++t)
+            pv_tile<RB, NV, T, true>(acc + e, Dv, p, ps, v, e, vs, j0, j1, kpf, lines * t / tiles,
+                                     lines * (t + 1) / tiles);
+    } else {
+        prefetch_rows(kpf);  // (none, or Dv holds no whole tile)
+        for (; e + NV * W <= Dv; e += NV * W) pv_tile<RB, NV, T>(acc + e, Dv, p, ps, v, e, vs, j0, j1);
+    }
     for (; e < Dv; e += W) pv_tile<RB, 1, T>(acc + e, Dv, p, ps, v, e, vs, j0, j1);
 }
 
