@@ -357,9 +357,9 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
         // next K pass then finds its rows in L2. The hand-written Paths (kSpreadPrefetch) issue
         // those K lines inside the V pass, a few per V key, instead of as one burst before it:
         // with the burst the one-core speed depended on where the build placed the loops (Zen 4,
-        // float32 32/8: 55 % or 67 % of the read limit from the same source); spread, the x86
-        // tiers run within ~10 % of each other in the two layouts tried, 1.1-1.5x the burst's
-        // slow placements and 0.9x its fast one (HISTORY 34). The pipelining itself, measured
+        // float32 32/8: 55 % or 67 % of the read limit from the same source); spread, each x86
+        // tier moves by 1-5 % between the two layouts tried (the burst: 1.3x), at 1.1-1.5x the
+        // burst's slow placements and 0.9x its fast one (HISTORY 34). The pipelining itself, measured
         // on Zen 4 (RESULTS 14.1), at 32/8 heads: one core +18-43 % (float32, both x86
         // tiers), +48 % (bfloat16); two cores +4-23 %; at 16/8 and 64/8 +5-28 % on one core,
         // within noise on two. At one row within noise, and with an int8 cache (a quarter of the bytes per key, so the
