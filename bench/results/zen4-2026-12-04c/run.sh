@@ -19,3 +19,8 @@ done
 # Decode against ONNX Runtime's GroupQueryAttention (and the other installed peers), same run:
 env OMP_WAIT_POLICY=PASSIVE python bench/compare_peers.py --skip prefill --decode-L 16k,64k \
     --dtype float32,bfloat16 --no-progress --markdown $D/peers_decode.md > $D/peers_decode.txt 2>&1
+# The results page's run for this CPU kind (replaces bench/results/zen4-avx512bf16.json; then
+# `python -m attnfast.bench.results` regenerates docs/results.md and its plots):
+env OMP_WAIT_POLICY=PASSIVE python bench/compare_peers.py --prefill-T 1k,4k --decode-L 16k,64k \
+    --dtype float32,bfloat16 --no-progress --markdown $D/peers.md \
+    --json bench/results/zen4-avx512bf16.json > $D/peers.txt 2>&1
