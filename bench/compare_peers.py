@@ -9,6 +9,11 @@
 The engines and how each one is run (float32 and 16-bit): bench/peers.py. The timing, machine
 limits, tables and JSON are attnfast.bench's, the same pieces ``attnfast bench`` uses.
 
+The engines of one cell (shape, dtype, thread count) are all prepared, then timed in turns:
+``--rounds`` rounds (default 4), each engine ``--budget / --rounds`` seconds a turn, the order
+rotated every round, so a machine that slows down for a minute (this one's second core comes
+and goes) slows every engine of the cell alike; the ratios compare times of the same minutes.
+
 Every output is checked against an independent float64 reference on a sample of query rows
 (bench_common.py). The machine's limits are measured in the same run at each thread count,
 before and again after that count's engines, each source at its better reading (a shared
@@ -79,6 +84,34 @@ def source_commit() -> str | None:
     return (commit + ("+dirty" if dirty else "")) or None
 
 
+def interleaved_times(calls, *, rounds, budget, min_repeats, settle):
+    """Wall times of each named call, the calls timed in turns.
+
+    ``rounds`` rounds; in each, every call runs for ``budget / rounds`` seconds (at least one
+    call; ``min_repeats`` calls over all rounds), the order rotated from round to round, after
+    a pause of ``settle`` seconds so the previous engine's idle thread pool stops spinning
+    (OpenBLAS and OpenMP pools busy-wait for a while; measured: torch at 2 threads runs at 60 %
+    right after a NumPy GEMM). Each call's first turn starts with an untimed warm-up call.
+
+    Returns a list, per call: its seconds, or the exception its call raised (it is not called
+    again).
+    """
+    per_round = -(-min_repeats // rounds)
+    times = [[] for _ in calls]
+    for r in range(rounds):
+        shift = r % len(calls) if calls else 0
+        for i in list(range(shift, len(calls))) + list(range(shift)):
+            if isinstance(times[i], Exception):
+                continue
+            time.sleep(settle)
+            try:
+                times[i] += time_call(calls[i][1], budget=budget / rounds, min_repeats=per_round,
+                                      warmup=1 if r == 0 else 0)
+            except Exception as exc:  # reported with the engine, not fatal for the others
+                times[i] = exc
+    return times
+
+
 def build_parser():
     """The argument parser of compare_peers.py."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -99,10 +132,13 @@ def build_parser():
                         "per dtype, on the same (rounded) inputs")
     p.add_argument("--skip", default="", help="'prefill' or 'decode' to run only the other half")
     p.add_argument("--budget", type=float, default=1.0,
-                   help="seconds of repeats per timing (default 1.0; at least --min-repeats)")
+                   help="seconds of repeats per engine and cell (default 1.0; at least --min-repeats)")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="the engines of a cell take turns this many times, each with budget / rounds "
+                        "seconds (default 4; 1: one engine after the other)")
     p.add_argument("--min-repeats", type=int, default=3)
     p.add_argument("--settle", type=float, default=0.3,
-                   help="seconds of pause before each timing, so other thread pools go idle "
+                   help="seconds of pause before each turn, so other thread pools go idle "
                         "(default 0.3)")
     p.add_argument("--bandwidth-mib", type=int, default=1024)
     p.add_argument("--gemm-n", type=int, default=2048)
@@ -144,6 +180,8 @@ def main(argv=None) -> int:
     if "--quick" in argv:
         parser.set_defaults(**QUICK)
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     threads_list = parse_int_list(args.threads, "--threads")
     cases = make_cases(args)
     wanted = {"attnfast"} | {p.strip() for p in args.peers.split(",") if p.strip()}
@@ -230,6 +268,9 @@ def main(argv=None) -> int:
                            else tuple(a.astype(ndt) for a in (q32, k32, v32)))
                 tolerance = TOLERANCES[dtype]
                 tag = "" if dtypes == ["float32"] else f" {dtype}"
+                # Every engine of the cell is prepared first, then timed in turns (A B C A B C
+                # ...), so a machine that slows down for a minute slows every engine alike.
+                timed = []  # (entry, run, output) of the engines that prepared
                 for engine in engines:
                     if not runs(engine, case, dtype):
                         continue
@@ -237,28 +278,34 @@ def main(argv=None) -> int:
                     entry = {"kind": case.kind, "case": case.label, "threads": n,
                              "engine": engine.name, "shape": case.__dict__.copy(),
                              "work": case.work_for(ndt.itemsize), "dtype": dtype}
+                    results.append(entry)
                     engine.note = None
                     try:
                         run, output = engine.prepare(case, (q, k, v), n)
-                        # Let the previous engine's idle worker threads stop spinning (OpenBLAS and
-                        # OpenMP pools busy-wait for a while; measured: torch at 2 threads runs at
-                        # 60% right after a NumPy GEMM) so they do not steal this engine's cores.
-                        time.sleep(args.settle)
-                        times = time_call(run, budget=args.budget,
-                                             min_repeats=args.min_repeats if case.kind == "prefill"
-                                             else max(args.min_repeats, 5))
-                        err = max_abs_error(output(), q, k, v, causal=case.causal, rows=rows)
-                        entry.update(times_s=times, median_s=median(times),
-                                     rate=entry["work"] / median(times) / 1e9,
-                                     max_abs_error=err, ok=bool(err <= tolerance))
                         if engine.note:
                             entry["note"] = engine.note
+                        timed.append((entry, run, output))
                     except NoKernel as exc:  # the peer itself says it has no kernel for the dtype
                         entry.update(skipped=str(exc)[:200])
                     except Exception as exc:  # a peer that cannot run a shape is reported, not fatal
                         entry.update(error=f"{type(exc).__name__}: {exc}"[:200])
-                    results.append(entry)
-                    run = output = None
+                min_repeats = args.min_repeats if case.kind == "prefill" else max(args.min_repeats, 5)
+                times = interleaved_times([(e["engine"], run) for e, run, _ in timed],
+                                          rounds=args.rounds, budget=args.budget,
+                                          min_repeats=min_repeats, settle=args.settle)
+                for (entry, run, output), ts in zip(timed, times):
+                    if isinstance(ts, Exception):
+                        entry.update(error=f"{type(ts).__name__}: {ts}"[:200])
+                        continue
+                    try:
+                        err = max_abs_error(output(), q, k, v, causal=case.causal, rows=rows)
+                    except Exception as exc:
+                        entry.update(error=f"{type(exc).__name__}: {exc}"[:200])
+                        continue
+                    entry.update(times_s=ts, median_s=median(ts), rounds=args.rounds,
+                                 rate=entry["work"] / median(ts) / 1e9,
+                                 max_abs_error=err, ok=bool(err <= tolerance))
+                timed = times = run = output = None
         # Measured again after this thread count's engines: each source at its better reading.
         progress.step(f"machine limits again, {n} thread(s)")
         time.sleep(args.settle)

@@ -142,3 +142,30 @@ def test_limits_keep_each_sources_better_reading(compare_peers):
     bf16 = best["dtype_gemm"]["bfloat16"]
     assert (bf16["gemm_gflops"], bf16["gemm_source"]) == (100.0, "float32 numpy")
     assert bf16["gemm"]["torch bfloat16"] == 50.0
+
+
+def test_engines_take_turns(compare_peers):
+    """Each round runs every engine once (min_repeats 3 over 3 rounds, no budget), the order
+    rotated; an engine that raises keeps its exception and is not called again."""
+    log = []
+
+    def call(name, fail_at=None):
+        def run():
+            log.append(name)
+            if fail_at is not None and log.count(name) == fail_at:
+                raise RuntimeError(f"{name} broke")
+        return name, run
+
+    times = compare_peers.interleaved_times([call("a"), call("b"), call("c", fail_at=3)],
+                                            rounds=3, budget=0, min_repeats=3, settle=0)
+    # round 0: each engine's untimed warm-up call, then its timed one; rounds 1 and 2 start
+    # one engine later each; c raises on its third call and is skipped from then on
+    assert log == ["a", "a", "b", "b", "c", "c", "b", "c", "a", "a", "b"]
+    assert [len(t) for t in times[:2]] == [3, 3]
+    assert isinstance(times[2], RuntimeError) and "c broke" in str(times[2])
+    assert all(x >= 0 for x in times[0] + times[1])
+
+
+def test_rounds_must_be_positive(compare_peers):
+    with pytest.raises(SystemExit):
+        compare_peers.main(TINY + ["--rounds", "0"])
