@@ -17,3 +17,11 @@ done
 python bench/bench_paged_prefill.py > $D/paged_grid.txt 2>&1
 # Contiguous prefill before / after (the change is for paged pools only):
 python bench/results/zen4-2026-12-04/before_after.py $BEFORE prefill > $D/prefill_vs_cd46575.md 2>&1
+# bfloat16 non-causal prefill against OpenVINO, the engines timed one after the other (--rounds 1,
+# as before) and in turns (the default since a7a2d7e):
+env OMP_WAIT_POLICY=PASSIVE python bench/compare_peers.py --skip decode --prefill-T 1k,4k --causal no \
+    --dtype bfloat16 --peers openvino --no-progress --rounds 1 > $D/prefill_bf16_openvino_sequential.txt 2>&1
+env OMP_WAIT_POLICY=PASSIVE python bench/compare_peers.py --skip decode --prefill-T 1k,4k --causal no \
+    --dtype bfloat16 --peers openvino --no-progress > $D/prefill_bf16_openvino_turns.txt 2>&1
+# attnfast's two-thread bfloat16 prefill in fast and slow phases, OpenVINO beside it:
+python $D/bf16_two_thread_turns.py 1024 128
