@@ -12,6 +12,7 @@ rounds. Both builds' paged results are checked bit-identical to their contiguous
 """
 import argparse
 import importlib
+import os
 import statistics
 import sys
 import time
@@ -20,6 +21,9 @@ import ml_dtypes
 import numpy as np
 
 import attnfast as after
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from bench_paged_prefill import scattered_pool  # noqa: E402  (the grid's pool layout)
 
 CELLS = [  # heads, kv heads, L, Tq, block size
     (8, 8, 16384, 512, 16), (32, 8, 16384, 512, 16), (8, 8, 4096, 4096, 16),
@@ -52,13 +56,7 @@ def main():
         blocks = -(-length // bs)
         ids = rng.permutation(2 * blocks)[:blocks]
 
-        def pool(x):
-            out = np.zeros((2 * blocks, hkv, bs, d), dt)
-            for i, blk in enumerate(ids):
-                out[blk, :, :min(bs, length - i * bs)] = x[0, :, i * bs:(i + 1) * bs]
-            return out
-
-        kp, vp = pool(k), pool(v)
+        kp, vp = scattered_pool(k, bs, ids), scattered_pool(v, bs, ids)
         table = ids.reshape(1, blocks).astype(np.int32)
         lens = np.array([length])
         outs, calls = {}, {}
