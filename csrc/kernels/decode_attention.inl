@@ -273,6 +273,13 @@ constexpr int64_t kPipelinedValueRun = 16;
 constexpr int64_t kSmallL2Bytes = 1 << 20;
 constexpr int64_t kSmallL2ValueRun = 16;
 constexpr int64_t kSmallL2PipelinedBlock = 32;
+// One row over contiguous K/V narrower than float32 (16-bit, 8-bit and 4-bit formats) on an
+// AVX-512 tier: the plain streams too, at any L2 size. Without the V prefetch beside each K
+// row the hardware prefetcher streams K, then V, at up to the read limit (AMD Zen 4, 8/8 heads,
+// L = 16k / 64k: bfloat16 and float16 1.12-1.39x, int8 1.05-1.37x; HISTORY 36). float32 keeps
+// the prefetch (0.86-0.97x without it at 64k), and so does a paged pool, whose blocks the
+// hardware cannot follow (float32 block 16: 0.89x without).
+constexpr bool kPlainNarrowRowStreams = ATTNFAST_SIMD_BYTES >= 64;
 
 // Rows first, first + stride, .. (`rows` of them, row_bytes each) to start towards L2 (see
 // decode_loop: a Path with kSpreadPrefetch spreads them over its V pass).
@@ -348,7 +355,8 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
         // One query row (8/8 heads): blocks of kDecodeKeyBlock keys. The K pass, with the V
         // rows prefetched beside it, streams at the memory rate and the V pass reads V from L2
         // in runs of kValueRunKeys (longer runs measured faster than 32: Zen 4, tier avx2,
-        // +5-15 % GB/s; RESULTS 13.4).
+        // +5-15 % GB/s; RESULTS 13.4). Contiguous K/V narrower than float32 on AVX-512 read
+        // K, then V, without it (kPlainNarrowRowStreams).
         // Two or more rows (GQA: 32/8 heads): each key costs rows x (D + Dv) FMAs, on one core
         // more than half the memory time, and DRAM would sit idle during the V pass. So the
         // passes are pipelined: short blocks, and each V run first prefetches as many of the
@@ -373,7 +381,9 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
         const bool pipelined = Path::kTunedStreams && n >= 2 && sizeof(T) >= 2;
         const bool small_l2 = Path::kTunedStreams && (sizeof(T) == 4 || (sizeof(T) == 2 && n == 1)) &&
                               cache_sizes().l2 < kSmallL2Bytes;
-        const bool prefetch_v = pipelined || !small_l2;
+        const bool plain_narrow = Path::kTunedStreams && kPlainNarrowRowStreams && sizeof(T) < 4 &&
+                                  n == 1 && !p.block_table;
+        const bool prefetch_v = (pipelined || !small_l2) && !plain_narrow;
         const int64_t key_block = !pipelined ? kDecodeKeyBlock : (small_l2 ? kSmallL2PipelinedBlock : kPipelinedKeyBlock);
         const int64_t value_keys = !Path::kTunedStreams ? kValueSubKeys
                                  : pipelined ? (small_l2 ? kSmallL2PipelinedBlock : kPipelinedValueRun)
