@@ -273,13 +273,17 @@ constexpr int64_t kPipelinedValueRun = 16;
 constexpr int64_t kSmallL2Bytes = 1 << 20;
 constexpr int64_t kSmallL2ValueRun = 16;
 constexpr int64_t kSmallL2PipelinedBlock = 32;
-// One row over contiguous K/V narrower than float32 (16-bit, 8-bit and 4-bit formats) on an
-// AVX-512 tier: the plain streams too, at any L2 size. Without the V prefetch beside each K
-// row the hardware prefetcher streams K, then V, at up to the read limit (AMD Zen 4, 8/8 heads,
-// L = 16k / 64k: bfloat16 and float16 1.12-1.39x, int8 1.05-1.37x; HISTORY 36). float32 keeps
-// the prefetch (0.86-0.97x without it at 64k), and so does a paged pool, whose blocks the
-// hardware cannot follow (float32 block 16: 0.89x without).
-constexpr bool kPlainNarrowRowStreams = ATTNFAST_SIMD_BYTES >= 64;
+// One row over a contiguous cache on an AVX-512 tier, Dv = kPlainRowValueCols: the plain
+// streams too, at any L2 size and for every storage type. The hardware prefetcher streams K,
+// then V, at up to the read limit, and one key scored at a time (simd_decode::OneKeyScores)
+// keeps up with it: AMD Zen 4, 8/8 heads, D = 128, L = 16k / 64k, against the V prefetch,
+// float32 1.07-1.21x, bfloat16 / float16 1.10-1.49x, int8 1.15-1.48x (HISTORY 36-37). Only
+// there: the one-row V tile of these Paths is 128 columns, and a V row read in several
+// passes (D = 64: four of one vector; D = 256: two tiles) from memory rather than from L2
+// measured 0.67-0.93x. A paged pool keeps the prefetch: the hardware cannot follow scattered
+// blocks (float32 block 16: 0.89x without).
+constexpr bool kPlainRowStreams = ATTNFAST_SIMD_BYTES >= 64;
+constexpr int64_t kPlainRowValueCols = 128;
 
 // Rows first, first + stride, .. (`rows` of them, row_bytes each) to start towards L2 (see
 // decode_loop: a Path with kSpreadPrefetch spreads them over its V pass).
@@ -355,8 +359,8 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
         // One query row (8/8 heads): blocks of kDecodeKeyBlock keys. The K pass, with the V
         // rows prefetched beside it, streams at the memory rate and the V pass reads V from L2
         // in runs of kValueRunKeys (longer runs measured faster than 32: Zen 4, tier avx2,
-        // +5-15 % GB/s; RESULTS 13.4). Contiguous K/V narrower than float32 on AVX-512 read
-        // K, then V, without it (kPlainNarrowRowStreams).
+        // +5-15 % GB/s; RESULTS 13.4). A contiguous cache on AVX-512 reads K, then V,
+        // without it (kPlainRowStreams).
         // Two or more rows (GQA: 32/8 heads): each key costs rows x (D + Dv) FMAs, on one core
         // more than half the memory time, and DRAM would sit idle during the V pass. So the
         // passes are pipelined: short blocks, and each V run first prefetches as many of the
@@ -381,9 +385,9 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
         const bool pipelined = Path::kTunedStreams && n >= 2 && sizeof(T) >= 2;
         const bool small_l2 = Path::kTunedStreams && (sizeof(T) == 4 || (sizeof(T) == 2 && n == 1)) &&
                               cache_sizes().l2 < kSmallL2Bytes;
-        const bool plain_narrow = Path::kTunedStreams && kPlainNarrowRowStreams && sizeof(T) < 4 &&
-                                  n == 1 && !p.block_table;
-        const bool prefetch_v = (pipelined || !small_l2) && !plain_narrow;
+        const bool plain_row = Path::kTunedStreams && kPlainRowStreams && n == 1 && !p.block_table &&
+                               Dv == kPlainRowValueCols;
+        const bool prefetch_v = (pipelined || !small_l2) && !plain_row;
         const int64_t key_block = !pipelined ? kDecodeKeyBlock : (small_l2 ? kSmallL2PipelinedBlock : kPipelinedKeyBlock);
         const int64_t value_keys = !Path::kTunedStreams ? kValueSubKeys
                                  : pipelined ? (small_l2 ? kSmallL2PipelinedBlock : kPipelinedValueRun)

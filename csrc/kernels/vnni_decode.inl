@@ -43,12 +43,28 @@ inline void score_keys(const float* __restrict q, int64_t qs, const int8_t* __re
                        int64_t ks, int64_t keys, int64_t D, float* __restrict s, int64_t ss,
                        const char* vpf, int64_t vsb, int64_t vrow_bytes) {
     constexpr int KB = W / RB;
+    const int64_t nd = ND > 0 ? ND : D / 64;
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    const int64_t tail = bytes_floats(D);
+    if constexpr (RB == 1) {  // one key at a time (as simd_decode::OneKeyScores; exact sums)
+        const float sq = q[tail], corr = q[tail + 1];
+        for (int64_t j = 0; j < keys; ++j) {
+            if (vpf)
+                for (int64_t off = 0; off < vrow_bytes; off += 64) __builtin_prefetch(vpf + j * vsb + off, 0, 2);
+            const int8_t* krow = k + j * ks;
+            __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 4
+            for (int64_t c = 0; c < nd; ++c)
+                acc = _mm512_dpbusd_epi32(acc, _mm512_xor_si512(_mm512_loadu_si512(krow + c * 64), flip),
+                                          _mm512_loadu_si512(reinterpret_cast<const char*>(q) + c * 64));
+            s[j] = (simd::lane_sum(_mm512_cvtepi32_ps(acc)) - corr) * sq;
+        }
+        return;
+    }
     const int8_t* kp[KB];
     for (int j = 0; j < KB; ++j) kp[j] = k + (j < keys ? j : keys - 1) * ks;
     __m512i acc[W];
     for (int n = 0; n < W; ++n) acc[n] = _mm512_setzero_si512();
-    const int64_t nd = ND > 0 ? ND : D / 64;
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
 #pragma GCC unroll 16
     for (int j = 0; j < KB; ++j) {
         if (vpf && j < keys)
@@ -65,7 +81,6 @@ inline void score_keys(const float* __restrict q, int64_t qs, const int8_t* __re
     const __m512 dots = simd::transpose_reduce(dots_f);            // exact integer sums
     // lane r * KB + j: row r's scale and correction
     alignas(64) float sq[W], corr[W];
-    const int64_t tail = bytes_floats(D);
     for (int r = 0; r < RB; ++r)
         for (int j = 0; j < KB; ++j) {
             sq[r * KB + j] = q[r * qs + tail];

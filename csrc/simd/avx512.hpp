@@ -92,6 +92,14 @@ template <int KB>
 inline void store_group(float* s, Vec x, int first) { store_lanes(s, x, first, KB); }
 inline float hmax(Vec x) { return _mm512_reduce_max_ps(x); }
 inline float hsum(Vec x) { return _mm512_reduce_add_ps(x); }
+// The sum of x's lanes in transpose_reduce's order (its lane j when x is its input j): within
+// each 128-bit block (e0 + e2) + (e1 + e3), then the blocks (b0 + b2) + (b1 + b3).
+inline float lane_sum(Vec x) {
+    const Vec y = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
+    const Vec z = _mm512_add_ps(y, _mm512_permute_ps(y, 0xB1));
+    const Vec w = _mm512_add_ps(z, _mm512_shuffle_f32x4(z, z, 0x4E));
+    return _mm512_cvtss_f32(_mm512_add_ps(w, _mm512_shuffle_f32x4(w, w, 0xB1)));
+}
 // Lanes c (counting from c0) with b <= c0 + c < e: x, others 0 (x may be garbage there).
 inline Vec keep_range(Vec x, int64_t c0, int64_t b, int64_t e) {
     const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),

@@ -22,6 +22,8 @@
 //   store_lanes store_group  lanes [first, first + n) of a vector (masked tails)
 //   keep_range           lanes outside a range zeroed
 //   hsum transpose_reduce  fixed-order sums of one vector's lanes / of W vectors' lanes
+//   lane_sum             one vector's lanes summed in transpose_reduce's order (the same
+//                        bits as that vector's lane of a transpose_reduce)
 //   hmax range_max       max of lanes / of a range, NaN if any element is NaN
 //   vwiden vwiden_q4 vwiden_q4_block  W stored float32 / bfloat16 / float16 / int8 / float8
 //                        e4m3fn (times 2^-8, kWidenScaleFold) / int4 values to float32 lanes,
@@ -86,6 +88,16 @@ namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {
 namespace {
 namespace simd {
+#if !defined(__AVX512F__)  // (avx512.hpp: four shuffles)
+inline float lane_sum(Vec x) {
+    Vec rows[W];
+    rows[0] = x;
+    for (int i = 1; i < W; ++i) rows[i] = vzero();
+    alignas(64) float sums[W];
+    vstore(sums, transpose_reduce(rows));
+    return sums[0];
+}
+#endif
 // What vwiden leaves in a row's scale: the stored value is kWidenScaleFold<T> * vwiden's lane.
 template <class T> constexpr float kWidenScaleFold = 1.0f;
 template <> constexpr float kWidenScaleFold<fp8_t> = 256.0f;

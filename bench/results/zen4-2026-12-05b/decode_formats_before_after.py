@@ -1,11 +1,11 @@
-"""One-row decode over each cache format, before and after HISTORY 36, in ONE process.
+"""One-row decode over each cache format, before and after HISTORY 36-37, in ONE process.
 
-    python decode_formats_before_after.py DIR_BEFORE [--threads 1,2] [--repeats 9]
+    python decode_formats_before_after.py DIR_BEFORE [--threads 1,2] [--repeats 9] [--head-dim 128]
 
 "after" is the installed attnfast; "before" the previous build's package renamed
 attnfast_before in DIR_BEFORE (see ../zen4-2026-12-04/before_after.py). Both read
 ATTNFAST_ISA. For every format a KVCache of each build holds the same tokens (B = 1, 8 KV
-heads, D = 128); a step of 8/8 heads (one query row per KV head: the case HISTORY 36 changes)
+heads, D = --head-dim); a step of 8/8 heads (one query row per KV head: the case HISTORY 36 changes)
 and, as a control the change cannot touch, 32/8 heads (bfloat16 only). Before, after and the
 native read kernel over a buffer the size of the float32 cache are timed in turns, order swapped
 every round; medians. "% read" is the cache's bytes (K and V, scales included) over the step's
@@ -46,6 +46,7 @@ def main():
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--lengths", default="16384,65536")
     p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--head-dim", type=int, default=128)
     args = p.parse_args()
     sys.path.insert(0, args.dir_before)
     import attnfast_before as before
@@ -53,11 +54,13 @@ def main():
     rng = np.random.default_rng(0)
     print(f"tier: after {_ext.runtime_info()['isa']}, before {before._ext.runtime_info()['isa']}; "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"head_dim {args.head_dim}")
     print("| L | threads | heads | format | read GB/s | before ms | before % read | after ms | "
           "after % read | after speed / before | same bits |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for length in [int(x) for x in args.lengths.split(",")]:
-        kv = rng.standard_normal((1, 8, length, 128), dtype=np.float32)
+        d = args.head_dim
+        kv = rng.standard_normal((1, 8, length, d), dtype=np.float32)
         buf = np.ones(2 * kv.nbytes, dtype=np.uint8)
         for name in args.formats.split(","):
             fmt = FORMATS[name]
@@ -65,12 +68,12 @@ def main():
             qdt = fmt if stored else np.float32
             caches = []
             for mod in (before, after):
-                c = mod.KVCache(1, 8, 128, length, dtype=fmt)
+                c = mod.KVCache(1, 8, d, length, dtype=fmt)
                 c.append(kv.astype(qdt), kv.astype(qdt))
                 caches.append(c)
             nbytes = cache_bytes(caches[1])
             for h in ((8, 32) if name == "bfloat16" else (8,)):
-                q = rng.standard_normal((1, h, 1, 128), dtype=np.float32).astype(qdt)
+                q = rng.standard_normal((1, h, 1, d), dtype=np.float32).astype(qdt)
                 same = np.array_equal(caches[0].attend(q).view(np.uint8), caches[1].attend(q).view(np.uint8))
                 for n in [int(x) for x in args.threads.split(",")]:
                     calls = max(2, int(1.5e8 // nbytes))
