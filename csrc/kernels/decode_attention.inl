@@ -276,8 +276,8 @@ constexpr int64_t kSmallL2PipelinedBlock = 32;
 // One row over a contiguous cache on an AVX-512 tier, Dv = kPlainRowValueCols: the plain
 // streams too, at any L2 size and for every storage type. The hardware prefetcher streams K,
 // then V, at up to the read limit, and one key scored at a time (simd_decode::OneKeyScores)
-// keeps up with it: AMD Zen 4, 8/8 heads, D = 128, L = 16k / 64k, against the V prefetch,
-// float32 1.07-1.21x, bfloat16 / float16 1.10-1.49x, int8 1.15-1.48x (HISTORY 36-37). Only
+// keeps up with it: AMD Zen 4, 8/8 heads, D = 128, L = 16k / 64k, one thread, against the V
+// prefetch: float32 1.07-1.23x, bfloat16 / float16 1.31-1.46x, int8 1.18-1.51x (HISTORY 36-37). Only
 // there: the one-row V tile of these Paths is 128 columns, and a V row read in several
 // passes (D = 64: four of one vector; D = 256: two tiles) from memory rather than from L2
 // measured 0.67-0.93x. A paged pool keeps the prefetch: the hardware cannot follow scattered
