@@ -116,7 +116,8 @@ inline void pv_tile(float* __restrict acc, int64_t acc_stride, const bf16_t* __r
 }
 
 // All Dv columns (a multiple of 32) for RB rows: 16 accumulators a tile, then single groups.
-// kpf: K rows to start towards L2, a share of each row's lines per tile (simd_decode's pv_rows).
+// kpf: rows to start towards L2 (the next K rows, or a paged cache's V rows further on), a
+// share of each row's lines per tile (simd_decode's pv_rows).
 template <int RB>
 inline void pv_rows(float* acc, int64_t Dv, const bf16_t* p, int64_t ps, const bf16_t* v,
                     int64_t vs, int64_t keys, const RowPrefetch& kpf = RowPrefetch{}) {

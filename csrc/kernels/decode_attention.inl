@@ -199,12 +199,13 @@ struct AddValueRows {  // acc rows += probabilities x value rows, for one block 
 //   Q, KV          the types of q and of the stored K/V rows
 //   kScoreKeys     keys per scores() call
 //   kTunedStreams  whether the loop's pipelined / small-L2 streams apply (see decode_loop)
-//   kSpreadPrefetch  whether values() takes the next K rows to prefetch (a RowPrefetch) and
+//   kSpreadPrefetch  whether values() takes the rows to prefetch (a RowPrefetch) and
 //                  spreads them over its V keys; else decode_loop issues them before it
 //   kScaleFold     what the widened K/V lanes leave in the row scales (stored = fold x lanes)
 //   query_stride   workspace elements per staged query row; stage_query stages one
-//   scores         scores of keys [j, j + nk) for the n staged rows (the V rows of those
-//                  keys prefetched first when vj is set: vj + j * vsb, v_row_bytes each)
+//   scores         scores of keys [j, j + nk) for the n staged rows (with vj set, one row
+//                  per key prefetched first: vj + j * vsb, v_row_bytes each; decode_loop
+//                  passes the keys' V rows, or a paged cache's K rows further on)
 //   score_options  softcap, ALiBi and mask on one row's scores [b, e)
 //   range_max, exp_shift_zero   the softmax's two passes over a row's block of scores
 //   weights_ready  a row's probabilities of one block are final (a layout change may follow)
@@ -280,10 +281,22 @@ constexpr int64_t kSmallL2PipelinedBlock = 32;
 // prefetch: float32 1.07-1.23x, bfloat16 / float16 1.31-1.46x, int8 1.18-1.51x (HISTORY 36-37). Only
 // there: the one-row V tile of these Paths is 128 columns, and a V row read in several
 // passes (D = 64: four of one vector; D = 256: two tiles) from memory rather than from L2
-// measured 0.67-0.93x. A paged pool keeps the prefetch: the hardware cannot follow scattered
-// blocks (float32 block 16: 0.89x without).
+// measured 0.67-0.93x. A paged pool: see kPagedAheadBytes.
 constexpr bool kPlainRowStreams = ATTNFAST_SIMD_BYTES >= 64;
 constexpr int64_t kPlainRowValueCols = 128;
+// A paged cache on those streams: each block of a KV head is a run the hardware prefetcher
+// follows, but it cannot guess the next block. Where a KV head's block holds at most
+// kPagedAheadMaxBlockBytes, each scored key (K pass) and each added key (V pass) starts the
+// row kPagedAheadBytes further on (rounded up to whole blocks: the same row of a later block)
+// towards L2. AMD Zen 4, 8/8 heads, D = 128, L = 16k, scattered blocks, one thread: block 16
+// float32 / bfloat16 (8 / 4 KiB) 0.36 -> 0.55-0.57 of the read kernel, block 32 / 64 1.1-1.5x;
+// two threads 1.2-1.5x. A native probe reading scattered 8 KiB blocks in a random order peaks
+// at 0.63 of the read kernel with any prefetch distance (0.37 without), so block 16 is near
+// what the machine does. Larger blocks stream well without it (block 128 float32 = 64 KiB:
+// 0.91x with it; block 256: 0.80x) and take the plain streams alone: 1.1-1.3x the V prefetch
+// beside K they had before (HISTORY 38).
+constexpr int64_t kPagedAheadMaxBlockBytes = 32 * 1024;
+constexpr int64_t kPagedAheadBytes = 16 * 1024;
 
 // Rows first, first + stride, .. (`rows` of them, row_bytes each) to start towards L2 (see
 // decode_loop: a Path with kSpreadPrefetch spreads them over its V pass).
@@ -385,8 +398,7 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
         const bool pipelined = Path::kTunedStreams && n >= 2 && sizeof(T) >= 2;
         const bool small_l2 = Path::kTunedStreams && (sizeof(T) == 4 || (sizeof(T) == 2 && n == 1)) &&
                               cache_sizes().l2 < kSmallL2Bytes;
-        const bool plain_row = Path::kTunedStreams && kPlainRowStreams && n == 1 && !p.block_table &&
-                               Dv == kPlainRowValueCols;
+        const bool plain_row = Path::kTunedStreams && kPlainRowStreams && n == 1 && Dv == kPlainRowValueCols;
         const bool prefetch_v = (pipelined || !small_l2) && !plain_row;
         const int64_t key_block = !pipelined ? kDecodeKeyBlock : (small_l2 ? kSmallL2PipelinedBlock : kPipelinedKeyBlock);
         const int64_t value_keys = !Path::kTunedStreams ? kValueSubKeys
@@ -394,6 +406,13 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
                                              : (small_l2 ? kSmallL2ValueRun : (n <= 4 ? kValueRunKeys : kValueSubKeys));
         const int64_t prefetch_end = task.seqlen_k - kb;  // chunk-relative end of the head's keys
         const int64_t k_row_bytes = kv_row_bytes<T>(D);
+        // Rows ahead (whole blocks) that a paged cache's plain streams prefetch, or 0.
+        int64_t ahead = 0;
+        if (plain_row && p.block_table && p.block_size * k_row_bytes <= kPagedAheadMaxBlockBytes &&
+            p.block_size * v_row_bytes <= kPagedAheadMaxBlockBytes) {
+            const int64_t rows_ahead = (kPagedAheadBytes + k_row_bytes - 1) / k_row_bytes;
+            ahead = (rows_ahead + p.block_size - 1) / p.block_size * p.block_size;
+        }
         int64_t used_lo = keys, used_hi = 0;
         for (int64_t rr = 0; rr < n; ++rr) {
             const int64_t r = r0 + rr;
@@ -417,15 +436,22 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
 
         for (int64_t j0 = used_lo; j0 < used_hi; j0 += key_block) {
             const int64_t j1 = j0 + key_block < used_hi ? j0 + key_block : used_hi;
-            // Scores, kScoreKeys keys at a time for every row; the V rows of those keys
-            // start towards the cache beside them, unless prefetch_v is off.
-            const int64_t vsb = p.v_row_stride * static_cast<int64_t>(sizeof(T));
+            // Scores, kScoreKeys keys at a time for every row. One row per scored key starts
+            // towards the cache: that key's V row (prefetch_v), or the K row `ahead` on (its
+            // block's run ends with the scored keys' run: same offset, whole blocks on).
+            const int64_t k_stride_bytes = k.row_stride * static_cast<int64_t>(sizeof(T));
+            const int64_t v_stride_bytes = v.row_stride * static_cast<int64_t>(sizeof(T));
             for (int64_t j = j0, nk = 0; j < j1; j += nk) {
                 nk = k.run_end(kb + j, kb + (j1 - j < Path::kScoreKeys ? j1 : j + Path::kScoreKeys)) - kb - j;
                 const T* kj = k.at(kb + j);
-                const char* vj = prefetch_v ? reinterpret_cast<const char*>(v.at(kb + j)) : nullptr;
-                Path::scores(n, qs, qstride, kj, k.row_stride, nk, D, s + (j - j0), ss, vj, vsb,
-                             v_row_bytes, scale);
+                if (prefetch_v)
+                    Path::scores(n, qs, qstride, kj, k.row_stride, nk, D, s + (j - j0), ss,
+                                 reinterpret_cast<const char*>(v.at(kb + j)), v_stride_bytes, v_row_bytes, scale);
+                else if (ahead && j + ahead + nk <= prefetch_end)
+                    Path::scores(n, qs, qstride, kj, k.row_stride, nk, D, s + (j - j0), ss,
+                                 reinterpret_cast<const char*>(k.at(kb + j + ahead)), k_stride_bytes, k_row_bytes, scale);
+                else
+                    Path::scores(n, qs, qstride, kj, k.row_stride, nk, D, s + (j - j0), ss, nullptr, 0, 0, scale);
             }
             if (k_scale.scale)  // one block's scales, gathered once for all rows
                 for (int64_t c = 0; c < j1 - j0; ++c) {  // (kScaleFold: a power of two, exact)
@@ -457,7 +483,10 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
             // (A paged cache's block ends cut the sub-blocks further: same keys, same order.)
             for (int64_t v0 = j0, v1 = j0; v0 < j1; v0 = v1) {
                 v1 = v.run_end(kb + v0, kb + (v0 + value_keys < j1 ? v0 + value_keys : j1)) - kb;
-                RowPrefetch kpf;
+                RowPrefetch kpf;  // rows to start towards L2 during this V run
+                if (ahead && v1 + ahead <= prefetch_end)  // the V rows `ahead` on (one run: whole blocks on)
+                    kpf = RowPrefetch{reinterpret_cast<const char*>(v.at(kb + v0 + ahead)), v_stride_bytes,
+                                      v1 - v0, v_row_bytes};
                 if (pipelined) {
                     const int64_t x0 = j1 + (v0 - j0), x1 = j1 + (v1 - j0);
                     const int64_t xe = x1 < prefetch_end ? x1 : prefetch_end;
@@ -471,10 +500,12 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
                         prefetch_rows(k, kb + x0, kb + xe, k_row_bytes);
                     }
                 }
-                if constexpr (Path::kSpreadPrefetch)
+                if constexpr (Path::kSpreadPrefetch) {
                     Path::values(n, acc + r0 * Dv, Dv, s, ss, v0 - j0, v.at(kb + v0), v.row_stride, v1 - v0, kpf);
-                else
+                } else {
+                    prefetch_rows(kpf);
                     Path::values(n, acc + r0 * Dv, Dv, s, ss, v0 - j0, v.at(kb + v0), v.row_stride, v1 - v0);
+                }
             }
         }
     }
