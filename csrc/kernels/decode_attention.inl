@@ -289,8 +289,8 @@ constexpr int64_t kPlainRowValueCols = 128;
 // kPagedAheadMaxBlockBytes, each scored key (K pass) and each added key (V pass) starts the
 // row kPagedAheadBytes further on (rounded up to whole blocks: the same row of a later block)
 // towards L2. AMD Zen 4, 8/8 heads, D = 128, L = 16k, scattered blocks, one thread: block 16
-// float32 / bfloat16 (8 / 4 KiB) 0.36 -> 0.55-0.57 of the read kernel, block 32 / 64 1.1-1.5x;
-// two threads 1.2-1.5x. A native probe reading scattered 8 KiB blocks in a random order peaks
+// float32 / bfloat16 (8 / 4 KiB) 0.35-0.37 -> 0.54-0.59 of the read kernel, block 32 / 64 1.1-1.7x;
+// two threads 1.2-1.6x. A native probe reading scattered 8 KiB blocks in a random order peaks
 // at 0.63 of the read kernel with any prefetch distance (0.37 without), so block 16 is near
 // what the machine does. Larger blocks stream well without it (block 128 float32 = 64 KiB:
 // 0.91x with it; block 256: 0.80x) and take the plain streams alone: 1.1-1.3x the V prefetch
