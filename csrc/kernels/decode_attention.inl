@@ -443,15 +443,13 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
             const int64_t v_stride_bytes = v.row_stride * static_cast<int64_t>(sizeof(T));
             for (int64_t j = j0, nk = 0; j < j1; j += nk) {
                 nk = k.run_end(kb + j, kb + (j1 - j < Path::kScoreKeys ? j1 : j + Path::kScoreKeys)) - kb - j;
-                const T* kj = k.at(kb + j);
+                RowPrefetch pf;  // none, or one row per scored key: V beside K, or K `ahead` on
                 if (prefetch_v)
-                    Path::scores(n, qs, qstride, kj, k.row_stride, nk, D, s + (j - j0), ss,
-                                 reinterpret_cast<const char*>(v.at(kb + j)), v_stride_bytes, v_row_bytes, scale);
+                    pf = RowPrefetch{reinterpret_cast<const char*>(v.at(kb + j)), v_stride_bytes, nk, v_row_bytes};
                 else if (ahead && j + ahead + nk <= prefetch_end)
-                    Path::scores(n, qs, qstride, kj, k.row_stride, nk, D, s + (j - j0), ss,
-                                 reinterpret_cast<const char*>(k.at(kb + j + ahead)), k_stride_bytes, k_row_bytes, scale);
-                else
-                    Path::scores(n, qs, qstride, kj, k.row_stride, nk, D, s + (j - j0), ss, nullptr, 0, 0, scale);
+                    pf = RowPrefetch{reinterpret_cast<const char*>(k.at(kb + j + ahead)), k_stride_bytes, nk, k_row_bytes};
+                Path::scores(n, qs, qstride, k.at(kb + j), k.row_stride, nk, D, s + (j - j0), ss, pf.first,
+                             pf.stride, pf.row_bytes, scale);
             }
             if (k_scale.scale)  // one block's scales, gathered once for all rows
                 for (int64_t c = 0; c < j1 - j0; ++c) {  // (kScaleFold: a power of two, exact)
