@@ -516,3 +516,34 @@ def test_truncate_returns_unshared_blocks_and_keeps_a_forks_tokens(rng):
     assert cache.blocks(a) == () and cache.num_free_blocks == 8
     with pytest.raises(ValueError, match=r"cannot truncate sequence 0 to 1: it holds only 0"):
         cache.truncate(a, 1)
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, "int8", np.dtype(ml_dtypes.float8_e4m3fn), "int4"],
+                         ids=str)
+@pytest.mark.parametrize("heads", [(2, 2), (8, 2)], ids=["1-row", "4-rows"])
+def test_window_start_at_every_block_offset(tier, rng, dtype, heads):
+    """Issue 45.1: a sliding window whose first visible key falls on any row of a block (odd
+    rows included) gives the contiguous cache's bits, for every pool format; the bfloat16
+    vdpbf16ps kernel once paired a run's last key with a stale weight (NaN rows) and paired
+    keys differently across block ends (last-bit differences)."""
+    H, Hkv = heads
+    bs, D, L = 16, 64, 16 * 4 + 5
+    q_dtype = F32 if isinstance(dtype, str) or dtype.itemsize == 1 else dtype
+    contiguous = af.KVCache(1, Hkv, D, L + 1, dtype=dtype)
+    paged = af.PagedKVCache(2 * (L // bs + 2), bs, Hkv, D, dtype=dtype)
+    seq = paged.add_sequence()
+    k = rand(rng, (1, Hkv, L, D), q_dtype)
+    v = rand(rng, (1, Hkv, L, D), q_dtype)
+    contiguous.append(k, v)
+    paged.append(seq, k, v)
+    q = rand(rng, (1, H, 1, D), q_dtype)
+    for left in range(bs + 2):  # first visible key L - 1 - left: every offset in a block
+        want, want_lse = contiguous.attend(q, window=(left, 0), return_lse=True)
+        got, got_lse = paged.attend([seq], q, window=(left, 0), return_lse=True)
+        assert np.isfinite(np.asarray(got, np.float32)).all(), left
+        assert same_bits(want, got) and same_bits(want_lse, got_lse), left
+        if dtype in (F32, F16, BF16):  # stored as given: the float64 reference of the window
+            ref, ref_lse, _ = reference_attention(q[0], k[0], v[0], causal=True, window=(left, 0))
+            tol = 2e-5 if dtype == F32 else 2 * float(ml_dtypes.finfo(dtype).eps)
+            np.testing.assert_allclose(np.asarray(got[0], np.float64), ref, rtol=tol, atol=tol)
+            np.testing.assert_allclose(got_lse[0], ref_lse, rtol=1e-5, atol=1e-5)

@@ -80,13 +80,15 @@ inline int32_t weight_pair(const bf16_t* p) {
 
 // acc[r] += sum_{0 <= j < keys} p[r][j] * v[j] over NG groups of 32 columns, accumulators in
 // registers. p rows are bfloat16, ps elements apart; after an odd count the last key is paired
-// with a zero V vector (its V row is never read, so the weight next to it adds nothing). acc
+// with `partner` (the V row of key `keys`, where a paged cache's block ends cut a pair) or
+// else with a zero V vector (the weight next to it is then 0: weights_ready). acc
 // layout per group: 16 lanes of columns {0-3, 8-11, 16-19, 24-27}, then 16 of {4-7, 12-15,
 // 20-23, 28-31} (vpunpck{l,h}wd's order).
 template <int RB, int NG, bool kPrefetch = false>
 inline void pv_tile(float* __restrict acc, int64_t acc_stride, const bf16_t* __restrict p,
                     int64_t ps, const bf16_t* __restrict v, int64_t vs, int64_t keys,
-                    const RowPrefetch& kpf = RowPrefetch{}, int64_t l0 = 0, int64_t l1 = 0) {
+                    const bf16_t* partner, const RowPrefetch& kpf = RowPrefetch{}, int64_t l0 = 0,
+                    int64_t l1 = 0) {
     __m512 a[RB][2 * NG];
     for (int r = 0; r < RB; ++r)
         for (int c = 0; c < 2 * NG; ++c) a[r][c] = _mm512_loadu_ps(acc + r * acc_stride + c * W);
@@ -95,11 +97,11 @@ inline void pv_tile(float* __restrict acc, int64_t acc_stride, const bf16_t* __r
             for (int64_t x = j; x < j + 2 && x < kpf.rows; ++x)
                 for (int64_t l = l0; l < l1; ++l) __builtin_prefetch(kpf.first + x * kpf.stride + l * 64, 0, 2);
         const bf16_t* v0 = v + j * vs;
-        const bool pair = j + 1 < keys;
+        const bf16_t* v1 = j + 1 < keys ? v0 + vs : partner;
         __m512bh lo[NG], hi[NG];
         for (int g = 0; g < NG; ++g) {
             const __m512i x = _mm512_loadu_si512(v0 + g * 32);
-            const __m512i y = pair ? _mm512_loadu_si512(v0 + vs + g * 32) : _mm512_setzero_si512();
+            const __m512i y = v1 ? _mm512_loadu_si512(v1 + g * 32) : _mm512_setzero_si512();
             lo[g] = (__m512bh)_mm512_unpacklo_epi16(x, y);
             hi[g] = (__m512bh)_mm512_unpackhi_epi16(x, y);
         }
@@ -120,19 +122,20 @@ inline void pv_tile(float* __restrict acc, int64_t acc_stride, const bf16_t* __r
 // share of each row's lines per tile (simd_decode's pv_rows).
 template <int RB>
 inline void pv_rows(float* acc, int64_t Dv, const bf16_t* p, int64_t ps, const bf16_t* v,
-                    int64_t vs, int64_t keys, const RowPrefetch& kpf = RowPrefetch{}) {
+                    int64_t vs, int64_t keys, const bf16_t* partner, const RowPrefetch& kpf) {
     constexpr int NG = RB == 4 ? 2 : 4;
     const int64_t tiles = Dv / (NG * 32), lines = (kpf.row_bytes + 63) / 64;
+    const auto partner_at = [partner](int64_t e) { return partner ? partner + e : nullptr; };
     int64_t e = 0;
     if (kpf.rows > 0 && tiles > 0) {
         for (int64_t t = 0; e + NG * 32 <= Dv; e += NG * 32, ++t)
-            pv_tile<RB, NG, true>(acc + e, Dv, p, ps, v + e, vs, keys, kpf, lines * t / tiles,
-                                  lines * (t + 1) / tiles);
+            pv_tile<RB, NG, true>(acc + e, Dv, p, ps, v + e, vs, keys, partner_at(e), kpf,
+                                  lines * t / tiles, lines * (t + 1) / tiles);
     } else {
         prefetch_rows(kpf);  // (none, or Dv holds no whole tile)
-        for (; e + NG * 32 <= Dv; e += NG * 32) pv_tile<RB, NG>(acc + e, Dv, p, ps, v + e, vs, keys);
+        for (; e + NG * 32 <= Dv; e += NG * 32) pv_tile<RB, NG>(acc + e, Dv, p, ps, v + e, vs, keys, partner_at(e));
     }
-    for (; e < Dv; e += 32) pv_tile<RB, 1>(acc + e, Dv, p, ps, v + e, vs, keys);
+    for (; e < Dv; e += 32) pv_tile<RB, 1>(acc + e, Dv, p, ps, v + e, vs, keys, partner_at(e));
 }
 
 // decode_loop's arithmetic for bfloat16 q and K/V (see the top of this file).
@@ -141,6 +144,7 @@ struct Bf16Path : simd_decode::VectorSoftmax {
     using Q = bf16_t;
     using KV = bf16_t;
     static constexpr bool kSpreadPrefetch = true;
+    static constexpr bool kPairedValues = true;
     // A staged row is D bfloat16 values: D / 2 floats of workspace.
     static int64_t query_stride(const AttentionParams& p) { return p.head_dim / 2; }
     static void stage_query(float* qs, const bf16_t* qrow, int64_t D, float) {
@@ -183,18 +187,19 @@ struct Bf16Path : simd_decode::VectorSoftmax {
     }
     static void values(int64_t n, float* acc, int64_t Dv, const float* s_block, int64_t ss,
                        int64_t c0, const bf16_t* vrun, int64_t vs, int64_t keys,
-                       const RowPrefetch& kpf = RowPrefetch{}) {
+                       const RowPrefetch& kpf, const bf16_t* partner) {
         // row rr's bfloat16 weights start at s_block + rr * ss (2 * ss elements apart)
         const bf16_t* pb = reinterpret_cast<const bf16_t*>(s_block) + c0;
         const int64_t ps = 2 * ss;
         int64_t rb = 0;
         for (; rb + 4 <= n; rb += 4)
-            pv_rows<4>(acc + rb * Dv, Dv, pb + rb * ps, ps, vrun, vs, keys, rb == 0 ? kpf : RowPrefetch{});
+            pv_rows<4>(acc + rb * Dv, Dv, pb + rb * ps, ps, vrun, vs, keys, partner, rb == 0 ? kpf : RowPrefetch{});
         if (n - rb >= 2) {
-            pv_rows<2>(acc + rb * Dv, Dv, pb + rb * ps, ps, vrun, vs, keys, rb == 0 ? kpf : RowPrefetch{});
+            pv_rows<2>(acc + rb * Dv, Dv, pb + rb * ps, ps, vrun, vs, keys, partner, rb == 0 ? kpf : RowPrefetch{});
             rb += 2;
         }
-        if (n - rb == 1) pv_rows<1>(acc + rb * Dv, Dv, pb + rb * ps, ps, vrun, vs, keys, rb == 0 ? kpf : RowPrefetch{});
+        if (n - rb == 1)
+            pv_rows<1>(acc + rb * Dv, Dv, pb + rb * ps, ps, vrun, vs, keys, partner, rb == 0 ? kpf : RowPrefetch{});
     }
     // Columns back in order: per group of 32, 128-bit pieces l0..l3 (low half) and h0..h3
     // (high half) become l0 h0 l1 h1 | l2 h2 l3 h3.

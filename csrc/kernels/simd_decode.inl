@@ -274,6 +274,7 @@ struct VectorSoftmax {
     static constexpr int64_t kScoreKeys = W;
     static constexpr bool kTunedStreams = true;
     static constexpr bool kSpreadPrefetch = false;
+    static constexpr bool kPairedValues = false;
     static constexpr float kScaleFold = 1.0f;
     static void score_options(const AttentionParams& p, int64_t batch, int64_t head, int64_t pos,
                               int64_t seqlen_k, float* srow, int64_t b, int64_t e, int64_t key0) {
