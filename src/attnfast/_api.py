@@ -228,21 +228,26 @@ def attention_weights(q, k, *, causal=False, scale=None, window=None, softcap=No
     group = call.heads // call.kv_heads
     k_per_head = np.repeat(call.k, group, axis=1) if group > 1 else call.k
     compute = np.float64 if call.dtype == np.float64 else np.float32  # never in 16 bits
-    scores = np.matmul(call.q.astype(compute, copy=False),
-                       np.swapaxes(k_per_head.astype(compute, copy=False), -1, -2))
-    scores = scores * compute(call.scale)
     opts = call.options
-    if opts.softcap:
-        scores = compute(opts.softcap) * np.tanh(scores / compute(opts.softcap))
     shift = call.seqlen_k - call.seqlen_q if call.query_offset is None else call.query_offset
-    if opts.alibi is not None:
-        dist = np.abs(np.arange(call.seqlen_q)[:, None] + shift - np.arange(call.seqlen_k)[None, :])
-        scores = scores - opts.alibi.astype(compute)[:, :, None, None] * dist.astype(compute)
-    if opts.mask is not None:
-        if opts.mask.dtype == np.bool_:
-            scores = np.where(opts.mask, scores, -np.inf)
-        else:
-            scores = scores + opts.mask.astype(compute, copy=False)
+    # Non-finite or huge inputs give non-finite scores here (inf * 0, inf - inf, a product
+    # past the compute dtype's range): expected, and carried to NaN / zero weights below as
+    # the kernels carry them (NaN in, NaN out), not conditions to warn about.
+    with np.errstate(invalid="ignore", over="ignore"):
+        scores = np.matmul(call.q.astype(compute, copy=False),
+                           np.swapaxes(k_per_head.astype(compute, copy=False), -1, -2))
+        scores = scores * compute(call.scale)
+        if opts.softcap:
+            scores = compute(opts.softcap) * np.tanh(scores / compute(opts.softcap))
+        if opts.alibi is not None:
+            dist = np.abs(np.arange(call.seqlen_q)[:, None] + shift
+                          - np.arange(call.seqlen_k)[None, :])
+            scores = scores - opts.alibi.astype(compute)[:, :, None, None] * dist.astype(compute)
+        if opts.mask is not None:
+            if opts.mask.dtype == np.bool_:
+                scores = np.where(opts.mask, scores, -np.inf)
+            else:
+                scores = scores + opts.mask.astype(compute, copy=False)
     keep = _visible(call)
     scores = np.where(keep, scores, -np.inf)
     row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
@@ -296,15 +301,28 @@ def merge_attention_states(outs, lses):
             raise ValueError(f"lses[{i}] must have shape {o.shape[:-1]} (outs[{i}] without its "
                              f"last axis), got {s.shape}")
     lse_stack = np.stack(lses)                       # (S, .., Tq)
-    top = lse_stack.max(axis=0)
+    # The largest lse that is not NaN (fmax skips NaN; NaN only where every shard's is): a
+    # NaN shard must not hide the others' maximum, or exp(lse - 0) of a large finite lse
+    # would overflow beside it. A NaN shard's weight stays NaN (NaN in, NaN out).
+    top = np.fmax.reduce(lse_stack, axis=0)
+    infinite_top = top == np.inf
     safe_top = np.where(np.isfinite(top), top, 0)
-    w = np.exp(lse_stack - safe_top)                 # 0 for shards that saw nothing
+    shifted = lse_stack - safe_top                   # <= 0 where not NaN, for a finite top
+    if infinite_top.any():  # a +inf lse takes all the weight: 1 for +inf shards, 0 for others
+        plus_inf = np.isinf(lse_stack) & (lse_stack > 0)
+        shifted = np.where(infinite_top, np.where(plus_inf, 0.0, -np.inf), shifted)
+        shifted = np.where(np.isnan(lse_stack), np.nan, shifted)
+    w = np.exp(shifted)                              # 0 for shards that saw nothing
     total = w.sum(axis=0)
     # total == 0: no shard saw a key (zeros, -inf); NaN (a NaN lse) stays NaN in out and lse
     seen = total != 0
     merged_lse = np.where(seen, safe_top + np.log(np.where(seen, total, 1)), -np.inf)
+    merged_lse = np.where(infinite_top & ~np.isnan(total), np.inf, merged_lse)
     acc = np.zeros(outs[0].shape, dtype=lse_dtype)
-    for wi, o in zip(w, outs):
-        acc += wi[..., None] * o.astype(lse_dtype, copy=False)
-    out = np.divide(acc, total[..., None], out=np.zeros_like(acc), where=seen[..., None])
+    # Non-finite outs are expected here (NaN or inf in v gives them): 0 * inf and inf - inf
+    # are NaN, the answer the rule wants (NaN in, NaN out), not a condition to warn about.
+    with np.errstate(invalid="ignore", over="ignore"):
+        for wi, o in zip(w, outs):
+            acc += wi[..., None] * o.astype(lse_dtype, copy=False)
+        out = np.divide(acc, total[..., None], out=np.zeros_like(acc), where=seen[..., None])
     return out.astype(dtype, copy=False), merged_lse.astype(lse_dtype, copy=False)

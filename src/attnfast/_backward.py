@@ -65,8 +65,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     lse3 = kernel_ready(to_3d(_check_like("lse", lse, call.lse_shape(), acc)))
     B, H, Hkv = call.batch, call.heads, call.kv_heads
     Tq, Tk, D, Dv = call.seqlen_q, call.seqlen_k, call.head_dim, call.head_dim_v
-    delta = np.einsum("bhtd,bhtd->bht", dout4.astype(acc, copy=False),
-                      out4.astype(acc, copy=False))
+    with np.errstate(invalid="ignore", over="ignore"):  # non-finite dout / out: NaN rows
+        delta = np.einsum("bhtd,bhtd->bht", dout4.astype(acc, copy=False),
+                          out4.astype(acc, copy=False))
     delta = np.ascontiguousarray(delta, dtype=acc)
     dq = np.empty((B, H, Tq, _ext.backward_head_dim(D)), acc)  # rows padded for the kernels
     dk = np.empty((B, Hkv, Tk, D), acc)
@@ -82,9 +83,11 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
                   for g, x in ((dq, q), (dk, k), (dv, v)))
     if opts.sinks is None:
         return grads
-    with np.errstate(invalid="ignore", over="ignore"):  # a row with lse = -inf saw nothing
+    # a row with lse = -inf saw nothing; a non-finite delta (NaN or inf in dout or out)
+    # meets a zero sink probability there: NaN in, NaN out, without a warning
+    with np.errstate(invalid="ignore", over="ignore"):
         p_sink = np.where(lse3 == -np.inf, 0, np.exp(opts.sinks.astype(acc)[None, :, None] - lse3))
-    dsinks = -(p_sink * delta).sum(axis=(0, 2))
+        dsinks = -(p_sink * delta).sum(axis=(0, 2))
     return grads + (dsinks.astype(np.float32),)
 
 

@@ -402,9 +402,26 @@ def run_cache_kernels(call, user_out, return_lse, parts, tree=None, key_rotation
     """run_kernels for a checked cache call (KVCacheCall): composed from several calls for
     a tree mask (attnfast._tree) or, over a paged pool, for sequences sharing leading blocks
     (attnfast._shared_prefix); one call otherwise. With key_rotation ("hadamard": the
-    cached keys are rotated) q is rotated the same way first."""
+    cached keys are rotated) q is rotated the same way first, into float32 (a 16-bit q
+    rounded back could overflow: attnfast._rotation.rotate_queries); a 16-bit q's result is
+    computed from that float32 q and rounded to q's dtype once, as the kernels round it."""
     if key_rotation == "hadamard":
-        call.attn = dataclasses.replace(call.attn, q=rotate_queries(call.attn.q))
+        q_dtype = call.attn.dtype
+        rotated = rotate_queries(call.attn.q)
+        call = _with_fields(call, attn=dataclasses.replace(call.attn, q=rotated,
+                                                           dtype=rotated.dtype))
+        if q_dtype != rotated.dtype:
+            result = _run_cache_parts(call, None, return_lse, parts, tree)
+            out32, lse = result if return_lse else (result, None)
+            out = user_out if user_out is not None else np.empty(out32.shape, q_dtype)
+            with np.errstate(over="ignore"):  # beyond float16's range: +-inf, as a cast gives
+                np.copyto(out, out32, casting="same_kind")
+            return (out, lse) if return_lse else out
+    return _run_cache_parts(call, user_out, return_lse, parts, tree)
+
+
+def _run_cache_parts(call, user_out, return_lse, parts, tree):
+    """run_cache_kernels after the query rotation: the composed or the single call."""
     if tree is not None:
         return run_tree_kernels(call.attn, user_out, return_lse, parts, tree)
     if call.block_table is not None and len(parts) == 1:

@@ -28,21 +28,29 @@ def hadamard_block(head_dim: int) -> int:
 
 def hadamard_rotate(x: np.ndarray) -> np.ndarray:
     """x (any shape, last axis D) times the orthonormal block Hadamard matrix along D, in
-    float32 (a new array). The matrix is symmetric and its own inverse. Applied as one
-    float32 matrix product with the matrix the transform below builds (once per D): a BLAS
-    product beats NumPy's seven butterfly passes at every size a cache call sees (a query
-    row: ~5x)."""
+    float32 (a new array). The matrix is symmetric and its own inverse. Applied block by
+    block: x seen as (rows, b) times the b x b block (one float32 matrix product; a BLAS
+    product beats NumPy's seven butterfly passes at every size a cache call sees, a query
+    row: ~5x). Never through the D x D matrix with its off-block zeros: an inf would meet
+    them (inf * 0 = NaN, "invalid value" from NumPy) and spoil the finite blocks of its row.
+
+    Non-finite input is expected here and gives non-finite output without a warning (NaN
+    in, NaN out): within a block, a NaN or an inf reaches every entry of the block (two
+    infs of opposite sign give NaN), and finite entries past float32's range give +-inf."""
     x = np.asarray(x, dtype=np.float32)
     D = x.shape[-1]
-    if D == 0 or hadamard_block(D) == 1:
+    b = hadamard_block(D) if D else 1
+    if b == 1:
         return x.copy()
-    return np.matmul(x, _matrix(D))
+    rows = np.ascontiguousarray(x).reshape(-1, b)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.matmul(rows, _block(b)).reshape(x.shape)
 
 
 @functools.lru_cache(maxsize=16)
-def _matrix(head_dim: int) -> np.ndarray:
-    """The D x D orthonormal block Hadamard matrix (read-only), from the transform."""
-    m = _walsh_hadamard(np.eye(head_dim, dtype=np.float32))
+def _block(b: int) -> np.ndarray:
+    """The b x b orthonormal Sylvester Hadamard block (read-only), from the transform."""
+    m = _walsh_hadamard(np.eye(b, dtype=np.float32))
     m.flags.writeable = False
     return m
 
@@ -65,6 +73,9 @@ def _walsh_hadamard(x: np.ndarray) -> np.ndarray:
 
 
 def rotate_queries(q: np.ndarray) -> np.ndarray:
-    """q rotated as the cached keys are, in its own dtype (16-bit q: rotated in float32 and
-    rounded back once)."""
-    return hadamard_rotate(q).astype(q.dtype, copy=False)
+    """q rotated as the cached keys are, in float32 whatever q's dtype: a rotated entry can
+    grow by up to sqrt(b) (all of a block's weight on one entry), so a 16-bit q rounded back
+    to its dtype could overflow (float16: 65504) where the keys' own dot product does not.
+    The kernels take a float32 q over every cache q may read with rotated keys (int8,
+    float8, int4); the caller rounds the result to q's dtype once."""
+    return hadamard_rotate(q)
