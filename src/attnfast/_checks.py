@@ -1188,7 +1188,15 @@ def check_tree_mask(tree_mask, call: "KVCacheCall") -> np.ndarray | None:
         return None
     attn = call.attn
     B, Tq = attn.batch, attn.seqlen_q
-    m = tree_mask if isinstance(tree_mask, np.ndarray) else np.asarray(tree_mask)
+    if isinstance(tree_mask, np.ndarray):
+        m = tree_mask
+    else:  # an array-like (a nested list, a torch tensor, ...): read it as NumPy does
+        try:
+            m = np.asarray(tree_mask)
+        except (TypeError, ValueError, RuntimeError) as e:  # ragged lists, unreadable objects
+            raise ValueError(f"tree_mask must be a bool array (True: new token i sees new token "
+                             f"j) of shape (Tq, Tq) or (B, Tq, Tq); got a "
+                             f"{type(tree_mask).__name__} NumPy cannot read as one ({e})") from None
     if m.dtype != np.bool_:
         raise TypeError(f"tree_mask must be a bool array (True: new token i sees new token j), "
                         f"got dtype {m.dtype}")
@@ -1197,11 +1205,12 @@ def check_tree_mask(tree_mask, call: "KVCacheCall") -> np.ndarray | None:
                          f"({B}, {Tq}, {Tq}), got {_shape_str(m)}")
     if not 1 <= Tq <= MAX_TREE_TOKENS:
         raise ValueError(f"tree_mask takes 1 to {MAX_TREE_TOKENS} query tokens (Tq), got {Tq}")
+    ndim = m.ndim
     m = np.broadcast_to(m, (B, Tq, Tq))
     diagonal = m[:, np.arange(Tq), np.arange(Tq)]
     if not diagonal.all():
         b, i = (int(x) for x in np.argwhere(~diagonal)[0])
-        where = f"tree_mask[{i}, {i}]" if tree_mask.ndim == 2 else f"tree_mask[{b}, {i}, {i}]"
+        where = f"tree_mask[{i}, {i}]" if ndim == 2 else f"tree_mask[{b}, {i}, {i}]"
         raise ValueError(f"tree_mask's diagonal must be True (each new token sees itself); "
                          f"{where} is False")
     unsupported = [name for name, used in (
