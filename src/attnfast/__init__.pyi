@@ -69,7 +69,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      sinks: ArrayLike | None = ..., mask: ArrayLike | None = ...,
                      return_lse: Literal[False] = ..., out: NDArray[Any] | None = ...,
                      num_threads: int | None = ...,
-                     k_scale: ArrayLike | None = ..., v_scale: ArrayLike | None = ...) -> _Out: ...
+                     k_scale: ArrayLike | None = ..., v_scale: ArrayLike | None = ...,
+                     key_rotation: str | None = ..., v_head_dim: int | None = ...) -> _Out: ...
 @overload
 def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
                      cu_seqlens_k: ArrayLike | None = ..., *, seqused_k: ArrayLike | None = ...,
@@ -80,7 +81,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      sinks: ArrayLike | None = ..., mask: ArrayLike | None = ...,
                      return_lse: Literal[True], out: NDArray[Any] | None = ...,
                      num_threads: int | None = ...,
-                     k_scale: ArrayLike | None = ..., v_scale: ArrayLike | None = ...) -> _OutLse: ...
+                     k_scale: ArrayLike | None = ..., v_scale: ArrayLike | None = ...,
+                     key_rotation: str | None = ..., v_head_dim: int | None = ...) -> _OutLse: ...
 @overload
 def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
                      cu_seqlens_k: ArrayLike | None = None, *, seqused_k: ArrayLike | None = None,
@@ -91,7 +93,8 @@ def attention_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Arr
                      sinks: ArrayLike | None = None, mask: ArrayLike | None = None,
                      return_lse: bool = False, out: NDArray[Any] | None = None,
                      num_threads: int | None = None, k_scale: ArrayLike | None = None,
-                     v_scale: ArrayLike | None = None) -> _Out | _OutLse: ...
+                     v_scale: ArrayLike | None = None, key_rotation: str | None = None,
+                     v_head_dim: int | None = None) -> _Out | _OutLse: ...
 
 @overload
 def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray[Any],
@@ -339,4 +342,5 @@ def explain_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: Array
                    sinks: ArrayLike | None = None, mask: ArrayLike | None = None,
                    return_lse: bool = False, out: NDArray[Any] | None = None,
                    num_threads: int | None = None, k_scale: ArrayLike | None = None,
-                   v_scale: ArrayLike | None = None) -> dict[str, Any]: ...
+                   v_scale: ArrayLike | None = None, key_rotation: str | None = None,
+                   v_head_dim: int | None = None) -> dict[str, Any]: ...

@@ -6,9 +6,11 @@ import numpy as np
 from . import _ext
 from ._api import attention, kernel_call, kernels_interruptible
 from ._interop import accepts_arrays
-from ._checks import (as_float_array, check_block_table, check_cu_seqlens, check_flag, check_out,
-                      check_paged_kvcache_attention, check_paged_pools, check_varlen_slopes,
-                      _as_int, _ints_per_sequence, _shape_str)
+from ._checks import (as_float_array, check_block_table, check_cu_seqlens, check_flag,
+                      check_key_rotation, check_out, check_paged_kvcache_attention,
+                      check_paged_pools, check_query_kv_dtypes, check_varlen_slopes,
+                      int4_head_dims, _as_int, _ints_per_sequence, _shape_str)
+from ._rotation import rotate_queries
 
 __all__ = ["attention_varlen", "explain_varlen"]
 
@@ -18,7 +20,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, seqused_k=None
                      block_table=None, max_seqlen_q=None, max_seqlen_k=None, causal=False,
                      scale=None, window=None, softcap=None, alibi_slopes=None, sinks=None,
                      mask=None, return_lse=False, out=None, num_threads=None, k_scale=None,
-                     v_scale=None):
+                     v_scale=None, key_rotation=None, v_head_dim=None):
     """Attention over a batch of packed sequences of different lengths, with no padding work.
 
     Two forms, as flash-attn's ``flash_attn_varlen_func``:
@@ -57,8 +59,17 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, seqused_k=None
         row b are read; they must be in [0, num_blocks)).
     max_seqlen_q, max_seqlen_k : int, optional
         Accepted for flash-attn compatibility and checked (>= the longest sequence).
-    k_scale, v_scale : float32 (num_blocks, Hkv, block_size), with an int8 pool only
+    k_scale, v_scale : float32 (num_blocks, Hkv, block_size), with an int8 / float8 pool only
         Row scales, paged like the pools (as attention_with_kvcache).
+    key_rotation : None or "hadamard", with block_table only, default None
+        As in :func:`attnfast.attention_with_kvcache`: "hadamard" says the pool's keys are
+        stored rotated by the block Hadamard matrix (what :class:`attnfast.PagedKVCache`
+        does by default for int8 and int4: pass ``key_rotation=cache.key_rotation``); q is
+        then rotated the same way (in float32) before the kernels read it. None reads the
+        keys as given.
+    v_head_dim : int, with an int4 pool only
+        The values' head dim Dv (int4 pools are uint8 packed rows that do not say it), as in
+        :func:`attnfast.attention_with_kvcache`; default q's head dim D.
     Other options as in :func:`attnfast.attention`; causal is aligned bottom-right within
     each sequence. ``alibi_slopes`` is (H,) or (batch, H); ``mask`` has no natural shape
     here and raises NotImplementedError.
@@ -74,13 +85,19 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, seqused_k=None
                              scale=scale, window=window, softcap=softcap,
                              alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
                              return_lse=return_lse, out=out, num_threads=num_threads,
-                             k_scale=k_scale, v_scale=v_scale)
+                             k_scale=k_scale, v_scale=v_scale, key_rotation=key_rotation,
+                             v_head_dim=v_head_dim)
     if cu_seqlens_k is None:
         raise ValueError("cu_seqlens_k is required for packed keys (it may be None only with "
                          "block_table, a paged cache)")
     if k_scale is not None or v_scale is not None:
         raise NotImplementedError("k_scale / v_scale (an int8 cache) are taken with block_table "
                                   "only; packed varlen keys are float")
+    for name, value in (("key_rotation", key_rotation), ("v_head_dim", v_head_dim)):
+        if value is not None:
+            raise NotImplementedError(f"{name} describes a paged cache's pools and is taken with "
+                                      f"block_table only; packed varlen keys are float, read as "
+                                      f"given (got {name}={value!r})")
     q = as_float_array(q, "q")
     k = as_float_array(k, "k")
     v = as_float_array(v, "v")
@@ -137,10 +154,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, seqused_k=None
 
 def _ragged_problems(q, k_pool, v_pool, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, *,
                      max_seqlen_q, max_seqlen_k, causal, scale, window, softcap, alibi_slopes,
-                     sinks, mask, num_threads, k_scale, v_scale, group_decodes=False):
+                     sinks, mask, num_threads, k_scale, v_scale, key_rotation=None,
+                     v_head_dim=None, group_decodes=False):
     """attention_varlen's ragged batch over a paged pool, checked: (q, dim_v, table, problems,
     dtype, lse dtype), problems one (q0, q1, call, kernel arguments, grouped) per sequence
     with queries, the arguments its own attention_with_kvcache call would hand the kernels.
+    dtype is the result's (q's); with key_rotation the problems read the float32 rotated q
+    (as attention_with_kvcache's: attnfast._kvcache.run_cache_kernels), so theirs is
+    float32 and the result is rounded to q's dtype once.
     group_decodes: a run of consecutive one-query sequences (a serving step's decode rows)
     is one problem of that many sequences (grouped True; rows q0 .. q1, one per sequence),
     checked once: the decode kernels split keys at fixed positions whatever the batch, so
@@ -162,7 +183,14 @@ def _ragged_problems(q, k_pool, v_pool, cu_seqlens_q, cu_seqlens_k, seqused_k, b
     if q.ndim != 3:
         raise ValueError(f"q must be 3-D (total_q, heads, head_dim) for varlen, got shape "
                          f"{_shape_str(q)}")
-    (_, _, block_size, _), dim_v, _ = check_paged_pools(k_pool, v_pool, names=("k", "v"))
+    head_dims = int4_head_dims(q, k_pool, v_head_dim)  # int4 pools: (D, Dv); else None
+    (_, _, block_size, _), dim_v, pool_dtype = check_paged_pools(k_pool, v_pool, names=("k", "v"),
+                                                                 head_dims=head_dims)
+    rotation = check_key_rotation(key_rotation, pool_dtype)
+    out_dtype = q.dtype
+    if rotation == "hadamard":  # the keys are stored rotated: q the same way (float32)
+        check_query_kv_dtypes(q.dtype, pool_dtype, "the cache (k, v)")
+        q = rotate_queries(q)
     cu_q = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q)
     batch = cu_q.shape[0] - 1
     table = check_block_table(block_table, batch)
@@ -200,7 +228,7 @@ def _ragged_problems(q, k_pool, v_pool, cu_seqlens_q, cu_seqlens_k, seqused_k, b
             rows, k_pool, v_pool, used[b:end], None, None, table[b:end], causal=causal,
             scale=scale, window=window, num_threads=num_threads, k_scale=k_scale,
             v_scale=v_scale, softcap=softcap, alibi_slopes=slopes[b] if end - b == 1 else None,
-            sinks=sinks, cache_names=("k", "v"))
+            sinks=sinks, cache_names=("k", "v"), head_dims=head_dims)
         part = (slice(None), k_pool, v_pool, call.seqlens_after, call.k_scale, call.v_scale,
                 call.block_table)
         problems.append((q0, q1, call, kernel_call(call.attn, part), end - b > 1))
@@ -212,25 +240,33 @@ def _ragged_problems(q, k_pool, v_pool, cu_seqlens_q, cu_seqlens_k, seqused_k, b
             q[:0].transpose(1, 0, 2)[None], k_pool, v_pool, used[:1] if batch else 0, None, None,
             table[:1] if batch else np.zeros((1, 1), np.int64), causal=causal, scale=scale,
             window=window, num_threads=num_threads, k_scale=k_scale, v_scale=v_scale,
-            cache_names=("k", "v"))
+            cache_names=("k", "v"), head_dims=head_dims)
         dtype, lse_dtype = probe.attn.dtype, probe.attn.lse_dtype
+    if rotation == "hadamard":
+        dtype = out_dtype
     return q, dim_v, table, problems, dtype, lse_dtype
 
 
 def _paged_varlen(q, k_pool, v_pool, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, *,
-                  return_lse, out, k_scale, v_scale, **options):
+                  return_lse, out, k_scale, v_scale, key_rotation, v_head_dim, **options):
     """attention_varlen with a block table: one kernel call over every sequence."""
+    q_given = q
     q, dim_v, table, problems, dtype, lse_dtype = _ragged_problems(
         q, k_pool, v_pool, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, k_scale=k_scale,
-        v_scale=v_scale, group_decodes=True, **options)
+        v_scale=v_scale, key_rotation=key_rotation, v_head_dim=v_head_dim, group_decodes=True,
+        **options)
     heads = q.shape[1]
     shape = (q.shape[0], heads, dim_v)
-    user_out = check_out(out, shape, dtype, [("q", q), ("k", k_pool), ("v", v_pool),
+    user_out = check_out(out, shape, dtype, [("q", q_given), ("k", k_pool), ("v", v_pool),
                                              ("block_table", table), ("k_scale", k_scale),
                                              ("v_scale", v_scale)])
     result = user_out if user_out is not None else np.empty(shape, dtype)
-    # The kernels write rows with a contiguous last axis; a strided `out` is filled from a copy.
-    target = result if result.strides[-1] == result.itemsize or dim_v == 1 else np.empty(shape, dtype)
+    # The kernels write rows with a contiguous last axis, in their q's dtype (float32 for a
+    # rotated 16-bit q); otherwise `out` is filled from a copy, rounded once.
+    kernel_dtype = problems[0][2].attn.dtype if problems else dtype
+    target = result if (kernel_dtype == dtype and (result.strides[-1] == result.itemsize
+                                                   or dim_v == 1)) \
+        else np.empty(shape, kernel_dtype)
     lse = np.full((heads, q.shape[0]), -np.inf, lse_dtype) if return_lse else None
     calls = []
     for q0, q1, _, ((qb, kb, vb), kw), grouped in problems:
@@ -242,14 +278,16 @@ def _paged_varlen(q, k_pool, v_pool, cu_seqlens_q, cu_seqlens_k, seqused_k, bloc
                           None if lse is None else lse[:, q0:q1][None], kw))
     _ext.run_attention_batch(calls, interruptible=kernels_interruptible())
     if target is not result:
-        np.copyto(result, target)
+        with np.errstate(over="ignore"):  # beyond float16's range: +-inf, as a cast gives
+            np.copyto(result, target, casting="same_kind")
     return (result, lse) if return_lse else result
 
 
 def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, seqused_k=None, block_table=None,
                    max_seqlen_q=None, max_seqlen_k=None, causal=False, scale=None, window=None,
                    softcap=None, alibi_slopes=None, sinks=None, mask=None, return_lse=False,
-                   out=None, num_threads=None, k_scale=None, v_scale=None):
+                   out=None, num_threads=None, k_scale=None, v_scale=None, key_rotation=None,
+                   v_head_dim=None):
     """What :func:`attnfast.attention_varlen` would run for a ragged batch over a paged cache
     (``block_table``), computing nothing: the mix of decode rows and prefill chunks.
 
@@ -277,7 +315,7 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, seqused_k=None, 
         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, causal=causal, scale=scale, window=window, softcap=softcap,
         alibi_slopes=alibi_slopes, sinks=sinks, mask=mask, num_threads=num_threads,
-        k_scale=k_scale, v_scale=v_scale)
+        k_scale=k_scale, v_scale=v_scale, key_rotation=key_rotation, v_head_dim=v_head_dim)
     plans = [_ext.plan_attention(*args, **kw) for _, _, _, (args, kw), _ in problems]
     kernels = {}
     for plan in plans:
