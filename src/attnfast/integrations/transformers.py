@@ -32,7 +32,11 @@ with transformers' mask, so ``loss.backward()`` gets attnfast's gradients (fine-
 ``attn_implementation="attnfast"``).
 
 Raises: ValueError for tensors that live on another device; NotImplementedError for
-dropout > 0.
+dropout > 0 and for any keyword argument of the attention function that attnfast does not
+implement (sparse top-k ``indices=``, ``position_bias``, ``output_attentions=True``, packed
+``cu_seq_lens_q``, ...), named in the message: never silently dropped. The keyword arguments
+transformers passes to every attention function without changing what it computes
+(``position_ids``, ``use_cache``, ...) are accepted.
 Softcap (Gemma 2) and attention sinks (gpt-oss's s_aux) are passed to attnfast's options.
 """
 from __future__ import annotations
@@ -218,13 +222,64 @@ def _key_ranges(mask):
 # ---------------------------------------------------------------------------------------------
 # The attention function.
 
+# Keyword arguments transformers passes to every attention function that do not change what
+# attention computes, accepted and not used (as transformers' sdpa_attention_forward does):
+# they arrive through the models' **kwargs (TransformersKwargs and the decoder layers' own).
+_HARMLESS_KWARGS = frozenset({
+    # positions are already in q and k (RoPE); packed sequences found from them are in the
+    # mask transformers builds (masking_utils.find_packed_sequence_indices), read as a mask
+    "position_ids",
+    # the cache and the outputs of other parts of the model (the model handles them)
+    "use_cache", "past_key_values", "past_key_value", "cache_position", "position_embeddings",
+    "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
+    "seq_idx",  # packed-sequence ids for state-space layers
+    # flash-attention's settings: attnfast is deterministic, and the maxima are only bounds
+    # (the sequences themselves come with cu_seq_lens_q / cu_seq_lens_k: refused below)
+    "deterministic", "max_length_q", "max_length_k",
+})
+_REFUSAL_HINTS = {
+    "indices": "the sparse top-k keys per query (DeepSeek-V3.2 / GLM-5's lightning indexer); "
+               "until attnfast's sparse attention lands, run such models with "
+               "attn_implementation=\"sdpa\" or \"eager\" (they fold the top-k into the mask)",
+    "block_indices": "block-sparse attention",
+    "cu_seq_lens_q": "packed (varlen) sequences: pass position_ids instead (transformers then "
+                     "builds the packed sequences' mask, which attnfast reads)",
+    "cu_seq_lens_k": "packed (varlen) sequences: pass position_ids instead (transformers then "
+                     "builds the packed sequences' mask, which attnfast reads)",
+    "output_attentions": "the attention weights (use attn_implementation=\"eager\" for them)",
+    "sinks": "per-token attention sinks (attnfast takes per-head sinks as s_aux)",
+}
+
+
+def _refuse_unknown(kwargs) -> None:
+    """Every keyword argument of the attention function that attnfast does not implement is
+    refused by name (NotImplementedError), never dropped: an argument a model passes changes
+    what its attention computes (DeepSeek-V3.2's ``indices=``: dense attention would run
+    instead of the model's sparse one). Accepted: the harmless ones above, and None (an
+    option that is off), and ``output_attentions=False``."""
+    for name, value in kwargs.items():
+        if value is None or name in _HARMLESS_KWARGS:
+            continue
+        if name == "output_attentions" and value is False:
+            continue
+        if name == "position_bias":
+            raise NotImplementedError("attnfast backend: position_bias is not supported yet")
+        hint = _REFUSAL_HINTS.get(name)
+        raise NotImplementedError(
+            f"attnfast backend: the attention argument {name}= is not implemented"
+            + (f" ({hint})" if hint else "") + "; attnfast refuses it rather than ignore it")
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                       is_causal=None, softcap=None, sliding_window=None, s_aux=None, **kwargs):
     """transformers' attention-function contract: query (B, H, Tq, D), key/value (B, Hkv, Tk,
     D|Dv) (Hkv may divide H: GQA without repeating), ``attention_mask`` from
     :func:`attention_mask`, a custom 4-D mask (bool, or additive float) or None; returns
-    (attn_output (B, Tq, H, Dv), None)."""
+    (attn_output (B, Tq, H, Dv), None). A keyword argument attnfast does not implement
+    (e.g. ``indices=``, sparse attention) raises NotImplementedError naming it."""
     import torch
+    if kwargs:
+        _refuse_unknown(kwargs)
     if dropout:
         raise NotImplementedError(f"attnfast backend: attention dropout ({dropout}) is not "
                                   "supported (attnfast is for inference: call model.eval())")
@@ -232,14 +287,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         query.requires_grad or key.requires_grad or value.requires_grad
         or (s_aux is not None and s_aux.requires_grad))
     if (attention_mask is None and softcap is None and s_aux is None and not needs_grad
-            and kwargs.get("position_bias") is None and not torch.compiler.is_compiling()):
+            and not torch.compiler.is_compiling()):
         # A decode step's common case (no mask, no score options), with the fewest steps:
         # NumPy views of the tensors in one C call each and attnfast's NumPy fast path
         out = _eager_unmasked(module, query, key, value, scaling, is_causal, sliding_window)
         if out is not None:
             return out, None
-    if kwargs.get("position_bias") is not None:
-        raise NotImplementedError("attnfast backend: position_bias is not supported yet")
     sinks = s_aux
     if sinks is not None and sinks.requires_grad and not torch.is_grad_enabled():
         sinks = sinks.detach()   # a parameter; no gradient is being recorded
