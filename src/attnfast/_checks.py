@@ -366,8 +366,110 @@ def check_attention(q, k, v, *, causal, scale, window, num_threads, need_v=True,
         num_threads=resolve_threads(num_threads))
 
 
+# ---- Written arguments: written in place, or refused by name; never a copy ----
+#
+# One rule for every argument attnfast writes into (out, caches, their scales, pools; present
+# and future entry points alike): check_written, before anything is written. What it refuses:
+# - a read-only array, and so every copy the conversion layer had to make of what the caller
+#   passed (attnfast._interop: a torch tensor with the negative or conjugate bit): such copies
+#   are read-only (read_only_copy), so the results can never go to them and be lost;
+# - an array that overlaps itself (a stride of 0, from torch's expand() or np.broadcast_to, or
+#   overlapping strides from as_strided): two of its elements are one place in memory, so one
+#   write would land on another (torch refuses such writes too).
+# It depends only on flags, shape and strides, so a fast path whose plan key holds an array's
+# layout and that re-checks its writeable flag need not repeat it. (A stand-in, which only
+# carries a shape and flags into the checks for memory attnfast owns elsewhere, is not
+# written: its zero strides are not refused.)
+
+class _Noted:
+    """The base of an array attnfast made that check_written must know about (_noted): it
+    holds the memory's owner and a note saying what the array is."""
+    __slots__ = ("__array_interface__", "note", "_owner")
+
+
+def _noted(array: np.ndarray, note: tuple, **face) -> np.ndarray:
+    """An array over `array`'s memory, its __array_interface__ changed by `face`, whose base
+    carries `note` (found by _note_of, however the array is viewed after)."""
+    holder = _Noted()
+    holder.__array_interface__ = {**array.__array_interface__, **face}
+    holder.note, holder._owner = note, array
+    made = np.asarray(holder)
+    return made if made.dtype == array.dtype else made.view(array.dtype)  # bfloat16: 'V2'
+
+
+def _note_of(a: np.ndarray) -> tuple:
+    """The note of the _noted array `a` views, or ()."""
+    base = a.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return base.note if isinstance(base, _Noted) else ()
+
+
+def read_only_copy(copy: np.ndarray, what: str) -> np.ndarray:
+    """`copy` (an array made from a caller's argument, not viewing its memory) as a read-only
+    array that check_written refuses, saying `what` the argument was: it may be read, and it
+    can never be written in place of the caller's memory."""
+    return _noted(copy, ("copy", what), data=(copy.__array_interface__["data"][0], True))
+
+
+def stand_in(one: np.ndarray, shape: tuple) -> np.ndarray:
+    """A writeable array of `shape` with every stride 0 over the one element of `one`: for
+    the argument checks, it stands in for an array attnfast holds elsewhere and writes itself
+    (a ShardedKVCache's shards, whose own checks guard their memory). check_written reads its
+    flags and not its strides (one element cannot hold a cache; it is never written)."""
+    return _noted(one, ("stand-in",), shape=tuple(shape), strides=(0,) * len(shape))
+
+
+_EXACT_OVERLAP_LIMIT = 1 << 22  # elements whose addresses overlaps_itself compares one by one
+
+
+def overlaps_itself(a: np.ndarray) -> bool:
+    """Whether two elements of `a` may share memory. O(ndim) for any layout where each axis,
+    taken by increasing stride, steps past all the smaller ones (every array NumPy or torch
+    makes without as_strided / expand / broadcast_to); other layouts are compared element by
+    element, up to _EXACT_OVERLAP_LIMIT elements (beyond that they count as overlapping)."""
+    axes = sorted((abs(s), n) for s, n in zip(a.strides, a.shape) if n > 1)
+    if not axes or any(n == 0 for n in a.shape):
+        return False
+    reach = a.itemsize  # bytes spanned by one index of the axes seen so far
+    for stride, n in axes:
+        if stride < reach:
+            break
+        reach += stride * (n - 1)
+    else:
+        return False
+    if a.size > _EXACT_OVERLAP_LIMIT:
+        return True
+    offsets = np.zeros(1, np.int64)
+    for stride, n in axes:
+        offsets = (offsets[:, None] + stride * np.arange(n, dtype=np.int64)[None, :]).ravel()
+    offsets.sort()
+    return bool(np.any(np.diff(offsets) < a.itemsize))
+
+
+def check_written(a: np.ndarray, name: str, why: str = "it is written in place") -> None:
+    """The rule for every array attnfast writes into (see above): a ValueError naming `name`
+    and what it saw, unless `a` can be written in place as it is. `why` says what the call
+    writes there (for the message)."""
+    if not a.flags.writeable:
+        note = _note_of(a)
+        if note[:1] == ("copy",):
+            raise ValueError(f"{name} is {note[1]}: attnfast can read it only through a copy, "
+                             f"and {why}, so the writes would go to the copy and be lost; "
+                             f"pass a tensor attnfast can write in place (one without the "
+                             f"bit, as .clone() gives)")
+        raise ValueError(f"{name} is read-only, but {why}")
+    if overlaps_itself(a) and _note_of(a) != ("stand-in",):
+        raise ValueError(f"{name} overlaps itself: with shape {a.shape} and strides "
+                         f"{a.strides} (bytes) two of its elements share memory (a stride of "
+                         f"0, as torch's expand() or np.broadcast_to make, or overlapping "
+                         f"strides), and {why}: pass an array whose elements are distinct "
+                         f"(e.g. {name}.copy() or .clone())")
+
+
 def check_out(out, shape: tuple, dtype: np.dtype, inputs) -> np.ndarray | None:
-    """Check a caller's `out` array (shape, dtype, writeable, no overlap with inputs)."""
+    """Check a caller's `out` array (shape, dtype, written in place: check_written, no
+    overlap with inputs)."""
     if out is None:
         return None
     if not isinstance(out, np.ndarray):
@@ -376,8 +478,7 @@ def check_out(out, shape: tuple, dtype: np.dtype, inputs) -> np.ndarray | None:
         raise ValueError(f"out must have shape {tuple(shape)}, got {out.shape}")
     if out.dtype != dtype:
         raise TypeError(f"out must have dtype {dtype} (that of q), got {out.dtype}")
-    if not out.flags.writeable:
-        raise ValueError("out is read-only")
+    check_written(out, "out", "the results are written into it")
     check_apart([("out", out)], inputs)
     return out
 
@@ -522,8 +623,8 @@ def check_cache_scales(k_scale, v_scale, cache_dtype: np.dtype, shape: tuple, wr
         if a.shape != shape:
             raise ValueError(f"{name} must have shape {shape} (batch, kv_heads, capacity), got "
                              f"{_shape_str(a)}")
-        if writes and not a.flags.writeable:
-            raise ValueError(f"{name} is read-only, but the new tokens' scales must be written into it")
+        if writes:
+            check_written(a, name, "the new tokens' scales must be written into it")
         if whole_elements(a) is not a:  # written in place: a copy would lose the writes
             raise ValueError(f"{name} must be aligned with strides that are whole float32 "
                              f"elements (it is written in place), got strides {a.strides}")
@@ -804,8 +905,7 @@ def _kvcache_call(q, k_cache, v_cache, sizes, dtype, cache_names, starts, k_new,
     kn, vn = cache_names
     if t:
         for name, a in ((kn, k_cache), (vn, v_cache)):
-            if not a.flags.writeable:
-                raise ValueError(f"{name} is read-only, but k_new/v_new must be written into it")
+            check_written(a, name, "k_new/v_new must be written into it")
     attn = AttentionCall(
         q=kernel_ready(q), k=k_cache, v=v_cache, rank=4, batch=B, heads=H, kv_heads=Hkv,
         seqlen_q=Tq, seqlen_k=C, head_dim=D, head_dim_v=Dv, dtype=q.dtype, kv_dtype=dtype,

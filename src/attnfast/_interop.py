@@ -20,6 +20,7 @@ import sys
 import ml_dtypes
 import numpy as np
 
+from ._checks import read_only_copy
 from ._ext import array_as_tensor, register_torch, tensor_args, tensor_view
 
 __all__ = ["accepts_arrays", "to_numpy", "wrap_like", "is_torch"]
@@ -53,7 +54,13 @@ def _bfloat16():
 
 def to_numpy(x, name: str):
     """x as a NumPy array sharing its memory when x is a torch tensor or has ``__dlpack__``;
-    anything else (ndarray, list, ``__array__`` objects, scalars, None) is returned as is."""
+    anything else (ndarray, list, ``__array__`` objects, scalars, None) is returned as is.
+
+    A torch tensor's array holds the tensor's storage, not the tensor (another thread's
+    ``x.set_()`` cannot free what a call reads). A tensor whose values exist only as a copy
+    (the negative or conjugate bit) becomes a read-only copy that says so
+    (attnfast._checks.read_only_copy): it can be read, and an argument that is written is
+    refused by name (check_written) rather than written into the copy."""
     if x is None or isinstance(x, np.ndarray):
         return x
     if is_torch(x):
@@ -64,6 +71,7 @@ def to_numpy(x, name: str):
         # The common case first: x.numpy() itself refuses tensors on another device, sparse
         # tensors, conjugate or negative bits and dtypes NumPy lacks; the checks below then
         # say which it was. (Under no_grad it takes a tensor that requires grad: not here.)
+        # (x.numpy()'s base is a tensor of its own sharing x's storage: it holds the storage.)
         if not x.requires_grad and x.dtype != torch.bfloat16:
             try:
                 return x.numpy()
@@ -78,15 +86,21 @@ def to_numpy(x, name: str):
         if x.layout != torch.strided:  # sparse (COO, CSR, ...) included
             raise TypeError(f"{name} is a torch tensor with layout {x.layout}; attnfast needs a "
                             "strided (dense) tensor")
-        if x.is_conj() or x.is_neg():
+        copied = None
+        if x.is_conj() or x.is_neg():  # values only a copy holds: read-only, saying so
+            copied = ("a torch tensor with the conjugate bit set (as z.conj() gives)"
+                      if x.is_conj() else
+                      "a torch tensor with the negative bit set (as z.conj().imag gives)")
             x = x.resolve_conj().resolve_neg()
         if x.dtype == torch.bfloat16:
-            return x.view(torch.int16).numpy().view(_bfloat16())
-        try:
-            return x.numpy()
-        except TypeError as e:  # a dtype NumPy has no equivalent of
-            raise TypeError(f"{name} has torch dtype {x.dtype}, which attnfast does not take "
-                            f"({e})") from None
+            array = x.view(torch.int16).numpy().view(_bfloat16())
+        else:
+            try:
+                array = x.numpy()
+            except TypeError as e:  # a dtype NumPy has no equivalent of
+                raise TypeError(f"{name} has torch dtype {x.dtype}, which attnfast does not "
+                                f"take ({e})") from None
+        return array if copied is None else read_only_copy(array, copied)
     if hasattr(x, "__dlpack__") and not hasattr(x, "__array__"):
         try:
             return np.from_dlpack(x)

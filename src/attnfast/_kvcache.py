@@ -821,17 +821,14 @@ class KVCache:
         t = np.shape(k_new)[2] if k_new is not None and np.ndim(k_new) == 4 else 0
         if t:
             check_cache_room(self._lengths, seqs, t, self.capacity)
-        # Checked against a stand-in of the selection's shape: batch stride 0, no copy.
+        # Checked against a stand-in of the selection's shape: the first n sequences, a view
+        # (no copy) with the cache's own strides and flags, as the written arrays are checked
+        # (attnfast._checks.check_written: a stride of 0 would be refused as self-overlapping).
         n = seqs.size
-        k_sel = np.lib.stride_tricks.as_strided(self._k, (n,) + self._k.shape[1:],
-                                                (0,) + self._k.strides[1:])
-        v_sel = np.lib.stride_tricks.as_strided(self._v, (n,) + self._v.shape[1:],
-                                                (0,) + self._v.strides[1:])
+        k_sel, v_sel = self._k[:n], self._v[:n]
         ks_sel = vs_sel = None
         if self._k_scale is not None:  # the scales' stand-ins, as k_sel
-            ks_sel, vs_sel = (np.lib.stride_tricks.as_strided(a, (n,) + a.shape[1:],
-                                                              (0,) + a.strides[1:])
-                              for a in (self._k_scale, self._v_scale))
+            ks_sel, vs_sel = self._k_scale[:n], self._v_scale[:n]
         call = check_kvcache_attention(q, k_sel, v_sel, self._lengths[seqs], k_new, v_new,
                                        causal=causal, scale=scale, window=window,
                                        num_threads=num_threads, k_scale=ks_sel, v_scale=vs_sel,

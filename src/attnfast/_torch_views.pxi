@@ -7,6 +7,9 @@
 # call checks nothing a NumPy view needs (gradients, the negative bit, sparse or nested
 # layouts: it crashes on some of these), so tensor_view reads those flags first and leaves
 # anything unusual to attnfast._interop.to_numpy, which converts or raises naming the argument.
+# The view's base is the tensor's storage (``untyped_storage()``), not the tensor: another
+# thread's ``tensor.set_()`` swaps the tensor's storage and frees the old one when nothing else
+# holds it, so a view that kept only the tensor alive would read freed memory (issue 45.10).
 # Results go back the same way (array_as_tensor): a DLManagedTensorVersioned that owns a
 # reference to the NumPy array, handed to the table's managed_tensor_to_py_object_no_sync
 # (torch.from_numpy parses its arguments in Python, ~1 us; this is a C call).
@@ -144,6 +147,7 @@ cdef enum:
 cdef object _tensor_type = None       # torch.Tensor, exactly (subclasses: the general path)
 cdef object _strided = None           # torch.strided
 cdef object _is_neg = None            # torch.Tensor.is_neg, called unbound
+cdef object _storage_of = None        # torch.Tensor.untyped_storage, called unbound
 cdef object _from_numpy = None        # torch.from_numpy
 cdef const attnfast_DLPackExchangeAPI* _dl_api = NULL
 cdef dict _dl_dtypes = {}             # (DLPack code, bits) -> NumPy dtype
@@ -166,7 +170,7 @@ def register_torch(tensor_type, strided, from_numpy):
     """Let tensor_view read torch tensors (attnfast._interop calls this once it has seen one).
     Returns whether torch publishes a usable DLPack C exchange table (else tensor_view returns
     None and the callers fall back to ``tensor.numpy()``)."""
-    global _tensor_type, _strided, _is_neg, _dl_api, _from_numpy
+    global _tensor_type, _strided, _is_neg, _dl_api, _from_numpy, _storage_of
     cdef const attnfast_DLPackExchangeAPI* api = NULL
     capsule = getattr(tensor_type, "__dlpack_c_exchange_api__", None)
     if capsule is not None:
@@ -179,6 +183,7 @@ def register_torch(tensor_type, strided, from_numpy):
                         or api.managed_tensor_to_py_object_no_sync == NULL):
         api = NULL      # another major version: its layout may differ
     _tensor_type, _strided, _is_neg, _dl_api = tensor_type, strided, tensor_type.is_neg, api
+    _storage_of = tensor_type.untyped_storage
     _from_numpy = from_numpy
     if not _dl_dtypes:
         for code, bits, name in ((_DL_FLOAT, 32, "float32"), (_DL_FLOAT, 64, "float64"),
@@ -192,16 +197,19 @@ def register_torch(tensor_type, strided, from_numpy):
 
 
 def tensor_view(t):
-    """A writeable NumPy array viewing the memory of `t` (kept alive as its base), as
-    ``t.numpy()`` gives (bfloat16 as ml_dtypes.bfloat16), or None when `t` is not exactly a
-    torch.Tensor that is dense, on the CPU, without grad or the negative bit, of a real or
-    bool dtype (the caller then converts it the general way, which explains a refusal)."""
+    """A writeable NumPy array viewing the memory of `t`, as ``t.numpy()`` gives (bfloat16 as
+    ml_dtypes.bfloat16), or None when `t` is not exactly a torch.Tensor that is dense, on the
+    CPU, without grad or the negative bit, of a real or bool dtype (the caller then converts
+    it the general way, which explains a refusal). Its base is `t`'s storage
+    (``t.untyped_storage()``): the memory stays valid for as long as the view lives, even if
+    another thread gives `t` other storage meanwhile (``t.set_()``)."""
     return _view_of(t)
 
 
 cdef object _view_of(t):
     """tensor_view."""
     cdef attnfast_DLTensor dl
+    cdef char* data
     cdef cnp.npy_intp dims[_MAX_VIEW_DIMS]
     cdef cnp.npy_intp strides[_MAX_VIEW_DIMS]
     cdef cnp.npy_intp item, step
@@ -213,6 +221,18 @@ cdef object _view_of(t):
         return None
     if _dl_api.dltensor_from_py_object_no_sync(<void*> t, &dl) != 0:
         PyErr_Clear()
+        return None
+    data = (<char*> dl.data) + dl.byte_offset
+    # What keeps the memory valid: the storage, taken between two reads of the data pointer
+    # that must agree (another thread's set_() in between: the general path instead).
+    try:
+        storage = _storage_of(t)
+    except Exception:  # a tensor without a storage of its own: the general path decides
+        return None
+    if _dl_api.dltensor_from_py_object_no_sync(<void*> t, &dl) != 0:
+        PyErr_Clear()
+        return None
+    if (<char*> dl.data) + dl.byte_offset != data:
         return None
     if (dl.device.device_type != _DL_CPU or dl.dtype.lanes != 1 or dl.ndim < 0
             or dl.ndim > _MAX_VIEW_DIMS):
@@ -230,9 +250,8 @@ cdef object _view_of(t):
             strides[i] = step
             step *= dl.shape[i]
     Py_INCREF(descr)
-    view = attnfast_array_over(<PyObject*> descr, dl.ndim, dims, strides,
-                               (<char*> dl.data) + dl.byte_offset)
-    cnp.set_array_base(view, t)
+    view = attnfast_array_over(<PyObject*> descr, dl.ndim, dims, strides, data)
+    cnp.set_array_base(view, storage)
     _views_taken += 1
     return view
 

@@ -37,6 +37,7 @@ from ._checks import (
     check_new_tokens,
     check_out,
     check_truncate,
+    stand_in,
 )
 from ._interop import accepts_arrays
 
@@ -472,10 +473,9 @@ class ShardedKVCache:
         """Zero-stride arrays shaped like the selected part of the whole cache (an int4
         cache's: rows of packed blocks, as KVCache holds them)."""
         shape = (n, self._kv_heads, self.capacity)
-        st = np.lib.stride_tricks.as_strided
-        k = st(self._k_one, shape + (self._stored_dims[0],), (0, 0, 0, 0))
-        v = st(self._v_one, shape + (self._stored_dims[1],), (0, 0, 0, 0))
-        s = ((st(self._s_one[:1], shape, (0, 0, 0)), st(self._s_one[1:], shape, (0, 0, 0)))
+        k = stand_in(self._k_one, shape + (self._stored_dims[0],))  # (attnfast._checks)
+        v = stand_in(self._v_one, shape + (self._stored_dims[1],))
+        s = ((stand_in(self._s_one[:1], shape), stand_in(self._s_one[1:], shape))
              if self._dtype in ROW_SCALED_DTYPES else (None, None))
         return k, v, s
 

@@ -190,12 +190,35 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
     -------
     Tensor (B, H, Tq, Dv), dtype of q (a new tensor).
     """
+    return _kvcache_kernel(q, k_cache, v_cache, cache_seqlens, k_new, v_new, k_scale, v_scale,
+                           block_table, mask, sinks, alibi_slopes, causal=causal, scale=scale,
+                           window=window, softcap=softcap, num_threads=num_threads,
+                           query_offset=query_offset)
+
+
+def _kvcache_kernel(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, k_scale=None,
+                    v_scale=None, block_table=None, mask=None, sinks=None, alibi_slopes=None, *,
+                    causal=True, scale=None, window=None, softcap=None, num_threads=None,
+                    query_offset=None):
+    """The kernel of ``attnfast::attention_with_kvcache`` (its arguments as the dispatcher
+    passes them)."""
     return _af.attention_with_kvcache(
         plain(q), k_cache, v_cache, cache_seqlens, plain(k_new), plain(v_new), causal=causal,
         scale=scale, window=_window(window), softcap=softcap,
         alibi_slopes=plain(alibi_slopes), sinks=plain(sinks), mask=plain(mask),
         num_threads=num_threads, query_offset=query_offset, k_scale=k_scale, v_scale=v_scale,
         block_table=block_table)
+
+
+# A tensor with the negative or conjugate bit would otherwise meet torch's fallback for them,
+# which hands the op a resolved clone of each such mutated argument (k_cache, ...) and copies
+# it back only for ops that return it (this one fails an internal assert instead, its writes
+# left in the clone). The op's own kernel takes such calls: attnfast reads a read argument
+# with the bit through a copy and refuses a written one by name (attnfast._checks.
+# check_written), as the plain attnfast.attention_with_kvcache does (issue 45.2).
+_MATH_BITS = torch.library.Library("attnfast", "IMPL")
+for _key in ("Negative", "Conjugate"):
+    _MATH_BITS.impl("attention_with_kvcache", _kvcache_kernel, _key)
 
 
 @attention_with_kvcache.register_fake

@@ -55,7 +55,7 @@ import warnings
 
 import numpy as np
 
-from .._checks import FLOAT8_E4M3
+from .._checks import FLOAT8_E4M3, check_written
 from .._interop import to_numpy
 from .._kvcache import quantize_float8
 from .._kvcache import attention_with_kvcache
@@ -201,6 +201,10 @@ def write_kv_cache(key, value, k_pool, v_pool, slot_mapping, k_scale=None, v_sca
                          f"them only; pools of dtype {k_pool.dtype}, k_scale "
                          f"{'given' if k_scale is not None else 'None'}, v_scale "
                          f"{'given' if v_scale is not None else 'None'}")
+    for name, a in (("k_pool", k_pool), ("v_pool", v_pool), ("k_scale", k_scale),
+                    ("v_scale", v_scale)):
+        if a is not None:  # written in place, or refused by name (attnfast._checks)
+            check_written(a, name, "the new tokens are written into it")
     tokens = slots.shape[0]
     keep = slots >= 0
     if not keep.all():
