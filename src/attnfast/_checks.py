@@ -501,13 +501,14 @@ def check_apart(written, read=()) -> None:
 
 
 def is_latent_view(k, v) -> bool:
-    """Whether v is a strict prefix view of k's last axis (``v = k[..., :Dv]``, Dv < D: the
-    same memory and strides, an MLA latent cache), which the kernels read once per row for
-    both products (kernel_table.hpp: kv_is_latent). One array passed as both caches is not
-    one: new tokens would then be written twice over the same rows (check_apart refuses)."""
+    """Whether v is a prefix view of k's last axis (``v = k[..., :Dv]``, Dv <= D: the same
+    memory and strides, an MLA latent cache), which the kernels read once per row for both
+    products (kernel_table.hpp: kv_is_latent). With Dv == D that is k itself (a latent cache's
+    default, or one array passed as both caches): v's rows are k's, so new tokens are written
+    once, through k, and v_new must be k_new (check_latent_tokens), as for any latent cache."""
     return (isinstance(k, np.ndarray) and isinstance(v, np.ndarray) and k.dtype == v.dtype
             and k.ndim == v.ndim and k.shape[:-1] == v.shape[:-1]
-            and v.shape[-1] < k.shape[-1] and k.strides[:-1] == v.strides[:-1]
+            and v.shape[-1] <= k.shape[-1] and k.strides[:-1] == v.strides[:-1]
             and (v.shape[-1] <= 1 or v.strides[-1] == k.strides[-1])
             and k.__array_interface__["data"][0] == v.__array_interface__["data"][0])
 
@@ -536,6 +537,10 @@ def check_latent_tokens(k_new, v_new, head_dim_v: int) -> None:
     prefix = k_new[..., :head_dim_v]
     same = v_new.dtype == k_new.dtype and np.array_equal(
         np.ascontiguousarray(v_new).view(np.uint8), np.ascontiguousarray(prefix).view(np.uint8))
+    if not same and head_dim_v == k_new.shape[-1]:  # v_cache is k_cache: both written here
+        raise ValueError("k_cache and v_cache share memory (v_cache is k_cache, as in an MLA "
+                         "latent cache), so v_new must equal k_new; got other values: pass "
+                         "separate arrays, or v_new = k_new")
     if not same:
         raise ValueError(f"v_cache is a prefix view of k_cache (an MLA latent cache: v = "
                          f"k[..., :{head_dim_v}]), so v_new must equal k_new[..., :{head_dim_v}] "
@@ -917,7 +922,10 @@ def _kvcache_call(q, k_cache, v_cache, sizes, dtype, cache_names, starts, k_new,
         num_threads=resolve_threads(num_threads))
     if t:  # the new tokens are written into the caches (and scales): all apart, and apart
         sn = ("k_scale", "v_scale") if scale_names is None else scale_names  # from what is read
-        latent = is_latent_view(k_cache, v_cache)  # v_cache inside k_cache: k_new writes both
+        # v_cache inside k_cache (a latent cache): k_new writes both. Not for a quantised
+        # cache: its keys and values are quantised (and the keys rotated) apart, so the two
+        # writes to the shared rows would differ (check_apart refuses the overlap).
+        latent = dtype not in QUANTIZED_DTYPES and is_latent_view(k_cache, v_cache)
         if latent:
             check_latent_tokens(k_new, v_new, Dv)
         check_apart([(kn, k_cache), (vn, None if latent else v_cache), (sn[0], k_scale),
