@@ -489,4 +489,5 @@ def read_bytes(const unsigned char[::1] buffer, int num_threads):
 
 
 include "_torch_views.pxi"
+include "_transactions.pxi"
 include "_fast_calls.pxi"

@@ -175,6 +175,54 @@ cdef void _copy_rows(cnp.ndarray cache, cnp.ndarray new, const int64_t* starts, 
                 saved += row
 
 
+cdef void _put_rows_back(cnp.ndarray cache, cnp.npy_intp B, cnp.npy_intp H, cnp.npy_intp T,
+                         cnp.npy_intp row, const int64_t* starts, const char* saved) noexcept:
+    """_copy_rows(..., restore=True) from the dims kept in a _TokensWritten."""
+    cdef cnp.npy_intp* cs = cnp.PyArray_STRIDES(cache)
+    cdef char* c0 = <char*> cnp.PyArray_DATA(cache)
+    cdef cnp.npy_intp b, h, u
+    for b in range(B):
+        for h in range(H):
+            for u in range(T):
+                memcpy(c0 + b * cs[0] + h * cs[1] + (starts[b] + u) * cs[2], saved, row)
+                saved += row
+
+
+cdef class _TokensWritten:
+    """What one decode_fast call wrote: the rows it overwrote (in order, k's then v's) and,
+    with advance, the lengths it advanced. Kept in the log of the transaction the call runs
+    in (attnfast._ext.transaction) until that returns; restore() puts it all back (and may
+    run again)."""
+    cdef cnp.ndarray k, v, lens
+    cdef bytes starts, saved
+    cdef cnp.npy_intp batch, heads, tokens, k_row, v_row
+
+    def restore(self):
+        cdef const int64_t* starts = <const int64_t*> (<char*> self.starts)
+        cdef const char* saved = <char*> self.saved
+        cdef cnp.npy_intp b
+        _put_rows_back(self.v, self.batch, self.heads, self.tokens, self.v_row, starts,
+                       saved + self.batch * self.heads * self.tokens * self.k_row)
+        _put_rows_back(self.k, self.batch, self.heads, self.tokens, self.k_row, starts, saved)
+        if self.lens is not None:
+            for b in range(self.batch):
+                (<int64_t*> cnp.PyArray_DATA(self.lens))[b] = starts[b]
+
+
+cdef _TokensWritten _tokens_written(cnp.ndarray k, cnp.ndarray v, cnp.ndarray kn,
+                                    cnp.ndarray vn, lens, const int64_t* starts,
+                                    const char* saved, cnp.npy_intp saved_bytes):
+    cdef _TokensWritten w = _TokensWritten.__new__(_TokensWritten)
+    w.k, w.v, w.lens = k, v, lens
+    w.batch, w.heads, w.tokens = (cnp.PyArray_DIMS(kn)[0], cnp.PyArray_DIMS(kn)[1],
+                                  cnp.PyArray_DIMS(kn)[2])
+    w.k_row = cnp.PyArray_DIMS(kn)[3] * cnp.PyArray_ITEMSIZE(kn)
+    w.v_row = cnp.PyArray_DIMS(vn)[3] * cnp.PyArray_ITEMSIZE(vn)
+    w.starts = (<const char*> starts)[:w.batch * sizeof(int64_t)]
+    w.saved = saved[:saved_bytes]
+    return w
+
+
 def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_new,
                 int64_t t, int64_t capacity, tuple out_shape, out_dtype, bint causal,
                 double scale, int64_t window_left, int64_t window_right, int num_threads,
@@ -191,7 +239,9 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
     caches' dtype with contiguous rows, and nothing that is written overlaps what is read
     (as the Python fast paths decide; the caches may overlap each other only with advance,
     a latent KVCache's v being a view of its k). A call that raises while attending (Ctrl-C)
-    puts back every byte written and the lengths.
+    puts back every byte written and the lengths; one that returns leaves what it wrote in
+    the log of the open transaction (attnfast._transaction), which puts it back if the
+    entry point raises before it returns.
     """
     cdef AttentionParams p = default_params()
     cdef cnp.npy_intp B = cnp.PyArray_DIMS(q)[0], b
@@ -271,6 +321,11 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
                          None)
             fast_calls_taken["kvcache"] += 1
             _run_one(&p, interruptible)
+            if t:
+                log = _open_log()
+                if log is not None:  # until the entry point returns, it may still be undone
+                    (<list> log).append(_tokens_written(k, v, kn, vn, lens if advance else None,
+                                                        starts, saved, k_bytes + v_bytes))
         except BaseException:  # the call did not happen: caches and lengths as they were
             if t:
                 _copy_rows(v, vn, starts, saved + k_bytes, True)

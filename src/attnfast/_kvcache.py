@@ -50,6 +50,7 @@ from ._checks import (
 )
 from ._rotation import hadamard_rotate, rotate_queries
 from ._shared_prefix import run_paged_kernels
+from ._transaction import Undo, transaction
 from ._tree import run_tree_kernels
 
 __all__ = ["KVCache", "attention_with_kvcache"]
@@ -94,26 +95,6 @@ def quantize_float8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def quantize_rows(x: np.ndarray, cache_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """x quantised per row for a row-scaled cache format (int8 or float8_e4m3fn)."""
     return quantize_float8(x) if cache_dtype == FLOAT8_E4M3 else quantize_int8(x)
-
-
-class Undo:
-    """The bytes a mutating call is about to overwrite, saved before each write, so that a
-    call which then raises anything (KeyboardInterrupt, MemoryError, ...) puts them back and
-    leaves every cache and scale array byte-identical: the call did not happen."""
-    __slots__ = ("_saved",)
-
-    def __init__(self):
-        self._saved = []
-
-    def write(self, array: np.ndarray, index, values) -> None:
-        """array[index] = values, keeping what was there."""
-        self._saved.append((array, index, array[index].copy()))
-        array[index] = values
-
-    def restore(self) -> None:
-        while self._saved:
-            array, index, old = self._saved.pop()
-            array[index] = old
 
 
 _UNDO_WRITE = Undo.write
@@ -184,6 +165,7 @@ def _write_paged_tokens(k_pool, v_pool, table, starts, k_new, v_new, k_scale, v_
             undo.write(v_scale, rows, v_rows[i].T)
 
 
+@transaction()
 @accepts_arrays
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *,
                            causal=True, scale=None, window=None, softcap=None,
@@ -280,8 +262,9 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     for float64). A query that sees no key (e.g. an empty cache) gives zeros and lse = -inf.
 
     Every argument is checked before anything is written: a rejected call leaves the caches
-    and ``out`` untouched, and a call that raises after writing (Ctrl-C in the kernels, say)
-    puts back every byte of the caches and scales it overwrote. float32 values beyond a
+    and ``out`` untouched, and a call that raises after writing (Ctrl-C in the kernels, or
+    at any point before it has returned) puts back every byte of the caches and scales it
+    overwrote (attnfast._transaction). float32 values beyond a
     16-bit cache's range are stored as +-inf, without a warning.
     """
     key = None
@@ -544,9 +527,12 @@ class KVCache:
     ``reset`` calls run one after the other, each seeing the others' tokens complete (the
     kernels still use every core for each call). Writing to ``k``/``v`` directly bypasses it.
 
-    Ctrl-C: a ``step`` interrupted while attending raises KeyboardInterrupt and leaves the
-    cache as it was before the call: ``lengths`` and every byte of ``k``, ``v`` and the
-    scales (so does any call that raises, whatever it raises).
+    Ctrl-C: every method either returns or raises and leaves the cache as it was before the
+    call: ``lengths`` and every byte of ``k``, ``v`` and the scales. A ``step`` interrupted
+    while attending raises KeyboardInterrupt so; a Ctrl-C that comes once the tokens are
+    written but before the call has returned puts them back too (so does any call that
+    raises, whatever it raises), and one that comes later is raised after the call returned,
+    with the tokens in (attnfast._transaction). Retrying a call that raised never appends twice.
     """
 
     def __init__(self, batch, kv_heads, head_dim, capacity, *, dtype=np.float32,
@@ -567,7 +553,10 @@ class KVCache:
         self._k_scale = np.zeros((B, Hkv, C), np.float32) if scaled else None
         self._v_scale = np.zeros((B, Hkv, C), np.float32) if scaled else None
         self._lengths = np.zeros(B, dtype=np.int64)
-        self._lock = threading.Lock()  # held by every method for its whole call
+        # Held by every method for its whole call: taken and released in C, around the
+        # method's Python code, by its transaction (attnfast._transaction), so no interrupt
+        # can leave it held. Reentrant: a method called within another (nested) takes it again.
+        self._lock = threading.RLock()
 
     # ---- state ----
     @property
@@ -627,6 +616,7 @@ class KVCache:
                 f"lengths={self._lengths.tolist() if self.batch <= 8 else '...'})")
 
     # ---- methods ----
+    @transaction(lock="_lock")
     @accepts_arrays
     def append(self, k_new, v_new=None, *, batch_index=None) -> None:
         """Append t >= 1 tokens to every sequence (or to those of ``batch_index``).
@@ -637,8 +627,7 @@ class KVCache:
         ValueError, changing nothing, when a sequence has fewer than t free slots.
         """
         v_new = latent_values(self, k_new, v_new, ndims=(4,))
-        with self._lock:
-            self._append(k_new, v_new, batch_index)
+        self._append(k_new, v_new, batch_index)
 
     def _append(self, k_new, v_new, batch_index) -> None:
         seqs = check_batch_index(batch_index, self.batch)
@@ -656,11 +645,12 @@ class KVCache:
         try:
             _write_tokens(self._k, self._v, seqs.tolist(), self._lengths[seqs].tolist(), k_new,
                           v_new, self._k_scale, self._v_scale, undo, self._key_rotation)
+            undo.write(self._lengths, seqs, self._lengths[seqs] + t)
         except BaseException:  # the call did not happen: the cache as it was
             undo.restore()
             raise
-        self._lengths[seqs] += t
 
+    @transaction(lock="_lock")
     @accepts_arrays
     def attend(self, q, *, batch_index=None, causal=True, scale=None, window=None,
                softcap=None, alibi_slopes=None, sinks=None, mask=None, return_lse=False,
@@ -685,6 +675,7 @@ class KVCache:
                          num_threads=num_threads, query_offset=query_offset,
                          tree_mask=tree_mask)
 
+    @transaction(lock="_lock")
     @accepts_arrays
     def step(self, q, k_new, v_new=None, *, batch_index=None, causal=True, scale=None,
              window=None, softcap=None, alibi_slopes=None, sinks=None, mask=None,
@@ -713,17 +704,17 @@ class KVCache:
                          num_threads=num_threads, query_offset=query_offset,
                          tree_mask=tree_mask)
 
+    @transaction(lock="_lock")
     @accepts_arrays
     def truncate(self, n) -> None:
         """Roll every sequence back to n tokens (or sequence b to n[b]), e.g. to drop rejected
         speculative tokens. n may not exceed a sequence's current length (ValueError)."""
-        with self._lock:
-            self._lengths[:] = check_truncate(n, self._lengths)
+        Undo().write(self._lengths, slice(None), check_truncate(n, self._lengths))
 
+    @transaction(lock="_lock")
     def reset(self) -> None:
         """Empty every sequence (lengths = 0; the arrays are kept, not cleared)."""
-        with self._lock:
-            self._lengths[:] = 0
+        Undo().write(self._lengths, slice(None), 0)
 
     # ---- internals ----
     def _views(self, seqs):
@@ -738,13 +729,12 @@ class KVCache:
         return [(slice(i, i + 1), slice(b, b + 1)) for i, b in enumerate(seqs.tolist())]
 
     def _run(self, q, k_new, v_new, **kwargs):
-        with self._lock:
-            result = self._run_locked(q, k_new, v_new, **kwargs)
-            key = self._fast_key(q, k_new, v_new, **kwargs)
-            if key is not None:  # accepted: later calls of this layout take the fast path
-                remember(KVCACHE_PLANS, key, kvcache_plan(q, self._k, self._v, k_new,
-                                                          kwargs["scale"], kwargs["window"]))
-            return result
+        result = self._run_locked(q, k_new, v_new, **kwargs)
+        key = self._fast_key(q, k_new, v_new, **kwargs)
+        if key is not None:  # accepted: later calls of this layout take the fast path
+            remember(KVCACHE_PLANS, key, kvcache_plan(q, self._k, self._v, k_new,
+                                                      kwargs["scale"], kwargs["window"]))
+        return result
 
     def _fast_key(self, q, k_new, v_new, *, batch_index, causal, scale, window, softcap,
                   alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset,
@@ -764,53 +754,47 @@ class KVCache:
         Checks what can differ between such calls (room for the new tokens, writeable
         arrays, alignment, num_threads, query_offset), appends, attends. None, having
         changed nothing, when anything is unusual or the layout is new: the full path runs."""
-        with self._lock:
-            key = kvcache_key(q, self._k, self._v, "KVCache.lengths", k_new, v_new, causal,
-                              scale, window)
-            plan = KVCACHE_PLANS.get(key) if key is not None else None
-            if plan is None:
-                return None
-            t, out_shape, dtype, scale, window, seqlen_q, capacity = plan
-            threads = fast_threads(num_threads)
-            if threads is None or not fast_query_offset(query_offset):
-                return None
-            k, v, lengths = self._k, self._v, self._lengths
-            left, right = (-1, -1) if window == (-1, -1) else bound_window(
-                window, seqlen_q, capacity, query_offset)
-            interruptible = kernels_interruptible()
-            if decode_tail_in_c():  # the common case, in C (None: declined); else Python
-                out = _ext.decode_fast(q, k, v, lengths, k_new, v_new, t, capacity, out_shape,
-                                       dtype, causal, scale, left, right, threads, query_offset,
-                                       interruptible, True)  # advance: the lengths, in place
-                if out is not None:
-                    return out
-            if not q.flags.aligned:
-                return None
-            starts = lengths.tolist()
-            if t and (max(starts) + t > capacity or not k.flags.writeable
-                      or not v.flags.writeable
-                      or any(np.may_share_memory(a, c) for a in (q, k_new, v_new) for c in (k, v))):
-                return None  # the full path decides (and raises) exactly
-            out = np.empty(out_shape, dtype)
-            undo = Undo()
-            try:
-                if t:
-                    _write_tokens(k, v, range(len(starts)), starts, k_new, v_new, None, None,
-                                  undo)
-                if t:  # one sequence: an item store costs a tenth of a ufunc
-                    if len(starts) == 1:
-                        lengths[0] = starts[0] + t
-                    else:
-                        lengths += t
-                _ext.run_attention(q, k, v, out, None, causal=causal, scale=scale,
-                                   window_left=left, window_right=right, num_threads=threads,
-                                   seqlens_k=lengths, interruptible=interruptible,
-                                   query_offset=query_offset)
-            except BaseException:  # KeyboardInterrupt: the step did not happen
-                undo.restore()
-                lengths[:] = starts
-                raise
-            return out
+        key = kvcache_key(q, self._k, self._v, "KVCache.lengths", k_new, v_new, causal,
+                          scale, window)
+        plan = KVCACHE_PLANS.get(key) if key is not None else None
+        if plan is None:
+            return None
+        t, out_shape, dtype, scale, window, seqlen_q, capacity = plan
+        threads = fast_threads(num_threads)
+        if threads is None or not fast_query_offset(query_offset):
+            return None
+        k, v, lengths = self._k, self._v, self._lengths
+        left, right = (-1, -1) if window == (-1, -1) else bound_window(
+            window, seqlen_q, capacity, query_offset)
+        interruptible = kernels_interruptible()
+        if decode_tail_in_c():  # the common case, in C (None: declined); else Python
+            out = _ext.decode_fast(q, k, v, lengths, k_new, v_new, t, capacity, out_shape,
+                                   dtype, causal, scale, left, right, threads, query_offset,
+                                   interruptible, True)  # advance: the lengths, in place
+            if out is not None:
+                return out
+        if not q.flags.aligned:
+            return None
+        starts = lengths.tolist()
+        if t and (max(starts) + t > capacity or not k.flags.writeable
+                  or not v.flags.writeable
+                  or any(np.may_share_memory(a, c) for a in (q, k_new, v_new) for c in (k, v))):
+            return None  # the full path decides (and raises) exactly
+        out = np.empty(out_shape, dtype)
+        undo = Undo()
+        try:
+            if t:
+                _write_tokens(k, v, range(len(starts)), starts, k_new, v_new, None, None,
+                              undo)
+                undo.write(lengths, slice(None), lengths + t)
+            _ext.run_attention(q, k, v, out, None, causal=causal, scale=scale,
+                               window_left=left, window_right=right, num_threads=threads,
+                               seqlens_k=lengths, interruptible=interruptible,
+                               query_offset=query_offset)
+        except BaseException:  # KeyboardInterrupt: the step did not happen
+            undo.restore()
+            raise
+        return out
 
     def _run_locked(self, q, k_new, v_new, *, batch_index, causal, scale, window, softcap,
                     alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset,
@@ -848,7 +832,7 @@ class KVCache:
             if call.new_tokens:
                 _write_tokens(self._k, self._v, seqs.tolist(), call.starts.tolist(), call.k_new,
                               call.v_new, self._k_scale, self._v_scale, undo, self._key_rotation)
-            self._lengths[seqs] = call.seqlens_after
+            undo.write(self._lengths, seqs, call.seqlens_after)
             int8 = self._k_scale is not None
             parts = [(rows, self._k[cache_rows], self._v[cache_rows], self._lengths[cache_rows],
                       self._k_scale[cache_rows] if int8 else None,
@@ -857,5 +841,4 @@ class KVCache:
             return run_cache_kernels(call, user_out, return_lse, parts, tree, self._key_rotation)
         except BaseException:  # KeyboardInterrupt: the step did not happen
             undo.restore()
-            self._lengths[seqs] = call.starts
             raise

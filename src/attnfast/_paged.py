@@ -32,6 +32,7 @@ from ._checks import (
 )
 from ._interop import accepts_arrays
 from ._kvcache import Undo, _read_and_written, _write_paged_tokens, latent_values, run_cache_kernels
+from ._transaction import transaction
 
 __all__ = ["PagedKVCache"]
 
@@ -75,8 +76,9 @@ class PagedKVCache:
     Every method checks all its arguments, and that the pool has the blocks it needs,
     before it changes anything: a rejected call (ValueError "out of blocks ..." included)
     leaves the pools, the sequences and ``num_free_blocks`` exactly as they were. So does a
-    call that raises once it has started changing them (Ctrl-C in the kernels, MemoryError):
-    the blocks it took, the bytes it wrote and the lengths all go back.
+    call that raises once it has started changing them (Ctrl-C in the kernels or anywhere
+    before the call has returned, MemoryError): the blocks it took, the bytes it wrote and the
+    lengths all go back (attnfast._transaction). A call either returns or changes nothing.
 
     Thread safety: each method holds the cache's lock for its whole call (as KVCache).
     """
@@ -106,7 +108,10 @@ class PagedKVCache:
         self._free = list(range(NB - 1, -1, -1))      # a stack: the lowest id is taken first
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
-        self._lock = threading.Lock()  # held by every method for its whole call
+        # Held by every method for its whole call: taken and released in C, around the
+        # method's Python code, by its transaction (attnfast._transaction), so no interrupt
+        # can leave it held. Reentrant: a method called within another (nested) takes it again.
+        self._lock = threading.RLock()
 
     # ---- state ----
     @property
@@ -186,53 +191,55 @@ class PagedKVCache:
                 f"{self.num_free_blocks} free block(s))")
 
     # ---- sequences ----
+    @transaction(lock="_lock")
     def add_sequence(self) -> int:
         """A new, empty sequence (it takes no block until tokens are appended); its id."""
-        with self._lock, self._transaction(()):
+        with self._transaction(()):
             sid = self._next_id
             self._next_id += 1
             self._seqs[sid] = _Sequence()
             return sid
 
+    @transaction(lock="_lock")
     def free(self, seq_id) -> None:
         """Forget a sequence; the blocks no other sequence holds return to the pool."""
-        with self._lock:
-            (sid,), _ = check_seq_ids([seq_id], self._seqs)
-            with self._transaction([sid]):
-                for blk in self._seqs.pop(sid).blocks:
-                    self._release(blk)
+        (sid,), _ = check_seq_ids([seq_id], self._seqs)
+        with self._transaction([sid]):
+            for blk in self._seqs.pop(sid).blocks:
+                self._release(blk)
 
+    @transaction(lock="_lock")
     def fork(self, seq_id) -> int:
         """A new sequence holding the same tokens as `seq_id`, sharing its blocks (nothing is
         copied now; a shared partly filled block is copied when either one appends to it).
         Returns the new id."""
-        with self._lock:
-            (sid,), _ = check_seq_ids([seq_id], self._seqs)
-            with self._transaction([sid]):
-                src = self._seqs[sid]
-                for blk in src.blocks:
-                    self._refs[blk] += 1
-                new = self._next_id
-                self._next_id += 1
-                self._seqs[new] = _Sequence(src.blocks, src.length)
-                return new
+        (sid,), _ = check_seq_ids([seq_id], self._seqs)
+        with self._transaction([sid]):
+            src = self._seqs[sid]
+            for blk in src.blocks:
+                self._refs[blk] += 1
+            new = self._next_id
+            self._next_id += 1
+            self._seqs[new] = _Sequence(src.blocks, src.length)
+            return new
 
+    @transaction(lock="_lock")
     def truncate(self, seq_id, n) -> None:
         """Roll one sequence back to its first n tokens (0 <= n <= its length), e.g. to drop
         rejected speculative tokens; the blocks it no longer needs return to the pool unless
         another sequence holds them."""
-        with self._lock:
-            (sid,), _ = check_seq_ids([seq_id], self._seqs)
-            seq = self._seqs[sid]
-            (kept,) = check_truncate(n, np.array([seq.length]), [sid]).tolist()
-            with self._transaction([sid]):
-                used = -(-kept // self.block_size)
-                for blk in seq.blocks[used:]:
-                    self._release(blk)
-                del seq.blocks[used:]
-                seq.length = kept
+        (sid,), _ = check_seq_ids([seq_id], self._seqs)
+        seq = self._seqs[sid]
+        (kept,) = check_truncate(n, np.array([seq.length]), [sid]).tolist()
+        with self._transaction([sid]):
+            used = -(-kept // self.block_size)
+            for blk in seq.blocks[used:]:
+                self._release(blk)
+            del seq.blocks[used:]
+            seq.length = kept
 
     # ---- tokens and attention ----
+    @transaction(lock="_lock")
     @accepts_arrays
     def append(self, seq_ids, k_new, v_new=None) -> None:
         """Append t >= 1 tokens to each sequence of `seq_ids`: k_new (n, kv_heads, t,
@@ -241,24 +248,24 @@ class PagedKVCache:
         blocks from the pool as needed; raises ValueError, changing nothing, when it has too
         few."""
         v_new = latent_values(self, k_new, v_new, ndims=(3, 4))
-        with self._lock:
-            ids, single = check_seq_ids(seq_ids, self._seqs)
-            k_new, v_new = _lift(single, k_new), _lift(single, v_new)
-            k_new, v_new, t = check_new_tokens(
-                k_new, v_new, batch=len(ids), kv_heads=self.kv_heads, head_dim=self.head_dim,
-                head_dim_v=self.v_head_dim, dtype=self.dtype)
-            if t == 0:
-                raise ValueError("append needs both k_new and v_new; both are None")
-            plan = self._plan(ids, t)
-            starts = np.array([self._seqs[s].length for s in ids], dtype=np.int64)
-            with self._transaction(ids) as undo:
-                self._commit(ids, plan, undo)
-                table = self._table([self._seqs[s].blocks for s in ids])
-                _write_paged_tokens(self._k, self._v, table, starts, k_new, v_new,
-                                    self._k_scale, self._v_scale, undo, self._key_rotation)
-                for s in ids:
-                    self._seqs[s].length += t
+        ids, single = check_seq_ids(seq_ids, self._seqs)
+        k_new, v_new = _lift(single, k_new), _lift(single, v_new)
+        k_new, v_new, t = check_new_tokens(
+            k_new, v_new, batch=len(ids), kv_heads=self.kv_heads, head_dim=self.head_dim,
+            head_dim_v=self.v_head_dim, dtype=self.dtype)
+        if t == 0:
+            raise ValueError("append needs both k_new and v_new; both are None")
+        plan = self._plan(ids, t)
+        starts = np.array([self._seqs[s].length for s in ids], dtype=np.int64)
+        with self._transaction(ids) as undo:
+            self._commit(ids, plan, undo)
+            table = self._table([self._seqs[s].blocks for s in ids])
+            _write_paged_tokens(self._k, self._v, table, starts, k_new, v_new,
+                                self._k_scale, self._v_scale, undo, self._key_rotation)
+            for s in ids:
+                self._seqs[s].length += t
 
+    @transaction(lock="_lock")
     @accepts_arrays
     def attend(self, seq_ids, q, *, causal=True, scale=None, window=None, softcap=None,
                alibi_slopes=None, sinks=None, mask=None, return_lse=False, out=None,
@@ -276,6 +283,7 @@ class PagedKVCache:
                          return_lse=return_lse, out=out, num_threads=num_threads,
                          query_offset=query_offset, tree_mask=tree_mask)
 
+    @transaction(lock="_lock")
     @accepts_arrays
     def step(self, seq_ids, q, k_new, v_new=None, *, causal=True, scale=None, window=None,
              softcap=None, alibi_slopes=None, sinks=None, mask=None, return_lse=False,
@@ -299,17 +307,23 @@ class PagedKVCache:
         """The body of a mutating call on the sequences `ids`: if it raises anything at all
         (KeyboardInterrupt, MemoryError, ...), the free list, reference counts, sequences,
         their block lists and lengths, and the pool bytes written through the Undo it
-        yields are put back as they were before it."""
+        yields are put back as they were before it. The Undo joins the open transaction
+        (attnfast._transaction), which puts it all back if the call raises later, before it
+        has returned."""
         free, refs, next_id, seqs = list(self._free), self._refs.copy(), self._next_id, dict(self._seqs)
         held = {sid: (list(self._seqs[sid].blocks), self._seqs[sid].length) for sid in ids}
+
+        def restore():  # the bookkeeping as it was (may run twice)
+            self._free[:], self._refs[:], self._next_id, self._seqs = free, refs, next_id, seqs
+            for sid, (blocks, length) in held.items():
+                seqs[sid].blocks, seqs[sid].length = list(blocks), length
+
         undo = Undo()
+        undo.call(restore)  # first in, last out: after the bytes
         try:
             yield undo
         except BaseException:
             undo.restore()
-            self._free[:], self._refs[:], self._next_id, self._seqs = free, refs, next_id, seqs
-            for sid, (blocks, length) in held.items():
-                seqs[sid].blocks, seqs[sid].length = blocks, length
             raise
 
     def _release(self, blk: int) -> None:
@@ -386,8 +400,7 @@ class PagedKVCache:
         return table
 
     def _run(self, seq_ids, q, k_new, v_new, **kwargs):
-        with self._lock:
-            return self._run_locked(seq_ids, q, k_new, v_new, **kwargs)
+        return self._run_locked(seq_ids, q, k_new, v_new, **kwargs)
 
     def _run_locked(self, seq_ids, q, k_new, v_new, *, return_lse, out, tree_mask, **options):
         return_lse = check_flag(return_lse, "return_lse")
