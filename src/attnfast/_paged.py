@@ -257,7 +257,7 @@ class PagedKVCache:
             raise ValueError("append needs both k_new and v_new; both are None")
         plan = self._plan(ids, t)
         starts = np.array([self._seqs[s].length for s in ids], dtype=np.int64)
-        with self._transaction(ids) as undo:
+        with self._transaction(ids, taken=sum(c + g for c, g in plan)) as undo:
             self._commit(ids, plan, undo)
             table = self._table([self._seqs[s].blocks for s in ids])
             _write_paged_tokens(self._k, self._v, table, starts, k_new, v_new,
@@ -303,18 +303,30 @@ class PagedKVCache:
 
     # ---- internals ----
     @contextmanager
-    def _transaction(self, ids):
-        """The body of a mutating call on the sequences `ids`: if it raises anything at all
-        (KeyboardInterrupt, MemoryError, ...), the free list, reference counts, sequences,
-        their block lists and lengths, and the pool bytes written through the Undo it
-        yields are put back as they were before it. The Undo joins the open transaction
-        (attnfast._transaction), which puts it all back if the call raises later, before it
-        has returned."""
-        free, refs, next_id, seqs = list(self._free), self._refs.copy(), self._next_id, dict(self._seqs)
+    def _transaction(self, ids, taken=0):
+        """The body of a mutating call on the sequences `ids` that takes at most `taken` free
+        blocks: if it raises anything at all (KeyboardInterrupt, MemoryError, ...), the free
+        list, reference counts, sequences, their block lists and lengths, and the pool bytes
+        written through the Undo it yields are put back as they were before it. The Undo
+        joins the open transaction (attnfast._transaction), which puts it all back if the
+        call raises later, before it has returned.
+
+        What it saves is what the call can change, never the pool: the free list below its
+        last `taken` entries is never popped (a block released and taken again within the
+        call is one of `ids`' blocks), and only the blocks of `ids` and those last entries can
+        change their reference counts. So a call costs the same over 8 blocks or 10^6."""
+        free_len, next_id, seqs = len(self._free), self._next_id, dict(self._seqs)
+        tail = self._free[free_len - taken:] if taken else []
         held = {sid: (list(self._seqs[sid].blocks), self._seqs[sid].length) for sid in ids}
+        touched = np.array(sorted({b for blocks, _ in held.values() for b in blocks} | set(tail)),
+                           dtype=np.int64)
+        refs = self._refs[touched]
 
         def restore():  # the bookkeeping as it was (may run twice)
-            self._free[:], self._refs[:], self._next_id, self._seqs = free, refs, next_id, seqs
+            del self._free[free_len - taken:]
+            self._free.extend(tail)
+            self._refs[touched] = refs
+            self._next_id, self._seqs = next_id, seqs
             for sid, (blocks, length) in held.items():
                 seqs[sid].blocks, seqs[sid].length = list(blocks), length
 
@@ -356,7 +368,8 @@ class PagedKVCache:
 
     def _tentative(self, ids, plan):
         """The block lists `ids` would have after _commit(ids, plan), without taking blocks."""
-        upcoming = self._free[::-1]  # the order _commit pops them in
+        taken = sum(copy + grow for copy, grow in plan)
+        upcoming = self._free[len(self._free) - taken:][::-1] if taken else []  # _commit's order
         lists, n = [], 0
         for sid, (copy, grow) in zip(ids, plan):
             seq = self._seqs[sid]
@@ -421,7 +434,7 @@ class PagedKVCache:
         tree = check_tree_mask(tree_mask, call)
         # KeyboardInterrupt (or anything else) from here on: the blocks taken, the rows
         # written and the lengths all go back, as if the call had not happened.
-        with self._transaction(ids) as undo:
+        with self._transaction(ids, taken=sum(c + g for c, g in plan)) as undo:
             self._commit(ids, plan, undo)  # the blocks of `table`, now taken
             if call.new_tokens:
                 _write_paged_tokens(self._k, self._v, call.block_table, call.starts, call.k_new,
