@@ -176,5 +176,11 @@ bool isa_force(const char* name);
 const char* isa_error();
 // What the active tier's 16-bit and int8 paths run on (instructions), in words.
 const char* isa_lowp_instructions();
+// How an int8 cache's Q.K runs where the tier has vpdpbusd (vnni_decode.inl): true, the
+// exact widening to float32 instead of q quantised to int8 per row. Set from
+// ATTNFAST_INT8_DOT=widen on first use (read once, as ATTNFAST_ISA); int8_dot_widen_force
+// changes it for the calls that start after it.
+bool int8_dot_widen();
+void int8_dot_widen_force(bool widen);
 
 }  // namespace attnfast

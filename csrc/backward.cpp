@@ -21,22 +21,7 @@ void require(bool ok, const char* what) {
 }
 
 // The backward kernels of the tier attention_forward uses.
-const BackwardKernels& active_backward_kernels() {
-    const KernelTable* active = &active_kernels();
-#ifdef ATTNFAST_HAVE_AVX512BF16
-    if (active == kernel_table_avx512bf16()) return *isa_avx512bf16::backward_kernels();
-#endif
-#ifdef ATTNFAST_HAVE_AVX512
-    if (active == kernel_table_avx512()) return *isa_avx512::backward_kernels();
-#endif
-#ifdef ATTNFAST_HAVE_AVX2
-    if (active == kernel_table_avx2()) return *isa_avx2::backward_kernels();
-#endif
-#ifdef ATTNFAST_HAVE_NEON
-    if (active == kernel_table_neon()) return *isa_neon::backward_kernels();
-#endif
-    return *isa_generic::backward_kernels();
-}
+const BackwardKernels& active_backward_kernels() { return *active_kernels().backward_kernels(); }
 
 // One workspace per thread, each 64-byte aligned (whole vectors of every tier: the kernels'
 // tiles are multiples of 64 bytes, and the SIMD layer's loads are aligned).

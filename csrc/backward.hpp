@@ -91,10 +91,5 @@ struct BackwardKernels {
     void (*query_block_f64)(const BackwardParams&, const BackwardTask&, double* workspace);
 };
 
-namespace isa_generic { const BackwardKernels* backward_kernels(); }
-namespace isa_avx2 { const BackwardKernels* backward_kernels(); }
-namespace isa_avx512 { const BackwardKernels* backward_kernels(); }
-namespace isa_avx512bf16 { const BackwardKernels* backward_kernels(); }
-namespace isa_neon { const BackwardKernels* backward_kernels(); }
 
 }  // namespace attnfast

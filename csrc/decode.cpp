@@ -119,7 +119,7 @@ void run_decode(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMerge
 // the tier's GEMM-shaped kernel, where it has one that takes the call; else the tier's
 // (bandwidth-shaped) choice.
 DecodeKernel choose_decode(const KernelTable& kernels, const AttentionParams& p) {
-    if (p.dtype == DType::kF64) return {"template_f64", nullptr};
+    if (p.dtype == DType::kF64) return {KernelId::kTemplateF64, nullptr};
     const DecodeKernel gemm = kernels.gemm_decode_kernel(p);
     if (gemm.chunk) return gemm;
     return kernels.decode_kernel(p);
@@ -211,7 +211,7 @@ bool runs_on_decode_path(const AttentionParams& p) {
     if (p.seqlen_q <= kGemmDecodeMaxQueryRows && kernels.gemm_decode_kernel(p).chunk) return true;
     // (the templates' decode is no match for the prefill kernels)
     return p.seqlen_q <= kFewRowsDecodeMaxQueryRows && decode_rows(p) < kGemmDecodeMinRows &&
-           std::strncmp(kernels.decode_kernel(p).name, "template", 8) != 0;
+           !is_template(kernels.decode_kernel(p).id);
 }
 
 void decode_forward(const AttentionParams& p) {
@@ -229,7 +229,7 @@ CallPlan plan_decode(const AttentionParams& p) {
     plan.tier = kernels.name;
     plan.decode = true;
     const DecodeKernel kernel = choose_decode(kernels, p);
-    plan.kernel = kernel.name;
+    plan.kernel = kernel_name(kernel.id);
     plan.paged = p.block_table != nullptr;
     plan.chunk_keys = chunk_keys_of(p, kernel);
     plan.latent_kv = kv_is_latent(p);

@@ -205,6 +205,23 @@ const CacheSizes& cache_sizes() {
     return sizes;
 }
 
+namespace {
+std::atomic<int> g_int8_dot_widen{-1};  // -1: not read yet
+}  // namespace
+
+bool int8_dot_widen() {
+    int widen = g_int8_dot_widen.load(std::memory_order_relaxed);
+    if (widen < 0) {
+        const char* choice = std::getenv("ATTNFAST_INT8_DOT");
+        int expected = -1;
+        g_int8_dot_widen.compare_exchange_strong(expected, choice && std::strcmp(choice, "widen") == 0);
+        widen = g_int8_dot_widen.load(std::memory_order_relaxed);
+    }
+    return widen == 1;
+}
+
+void int8_dot_widen_force(bool widen) { g_int8_dot_widen.store(widen ? 1 : 0); }
+
 const char* isa_error() {
     active_kernels();
     std::lock_guard<std::mutex> lock(g_mutex);

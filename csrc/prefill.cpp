@@ -152,7 +152,7 @@ AttentionParams prefill_read_params(const AttentionParams& p) {
 // The prefill kernel of a call, given the params it reads (prefill_read_params), and its
 // plan. attention_forward runs it; plan_prefill describes it.
 struct PrefillChoice {
-    const char* name;
+    KernelId id;
     void (*attend_f32)(const AttentionParams&, const BlockTask&, float*);  // or, for float64:
     void (*attend_f64)(const AttentionParams&, const BlockTask&, double*);
     PrefillPlan plan;
@@ -160,9 +160,9 @@ struct PrefillChoice {
 
 PrefillChoice choose_prefill(const KernelTable& kernels, const AttentionParams& p) {
     if (p.dtype == DType::kF64)
-        return {"template_f64", nullptr, kernels.attend_block_f64, template_prefill_plan(p)};
+        return {KernelId::kTemplateF64, nullptr, kernels.attend_block_f64, template_prefill_plan(p)};
     const PrefillKernel kernel = kernels.prefill_kernel(p);
-    return {kernel.name, kernel.attend_block, nullptr, kernel.plan(p)};
+    return {kernel.id, kernel.attend_block, nullptr, kernel.plan(p)};
 }
 
 void run_prefill(const AttentionParams& p, const PrefillChoice& choice) {
@@ -267,7 +267,7 @@ CallPlan plan_prefill(const AttentionParams& p) {
     CallPlan plan{};
     plan.tier = kernels.name;
     plan.decode = false;
-    plan.kernel = choice.name;
+    plan.kernel = kernel_name(choice.id);
     plan.paged = p.block_table != nullptr;
     plan.tasks = prefill_tasks(read, choice.plan);
     plan.threads = parallel::threads_alone(plan.tasks, p.num_threads);

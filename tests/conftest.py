@@ -21,6 +21,16 @@ def tier(request):
 
 
 @pytest.fixture
+def int8_widen():
+    """int8 caches' Q.K through the exact widening (ATTNFAST_INT8_DOT=widen, which is read
+    once) for this test, then back to the mode before."""
+    before = _ext.runtime_info()["int8_dot"]
+    _ext.force_int8_dot("widen")
+    yield
+    _ext.force_int8_dot(before)
+
+
+@pytest.fixture
 def rng():
     return np.random.default_rng(12345)
 

@@ -6,7 +6,9 @@ and the plan must be what the drivers do: its split is checked against the chunk
 csrc/kernels/kernel_table.hpp, and a call explain() describes as a multi-chunk decode is
 checked against the float64 reference (so the merge it implies really ran).
 """
+import json
 import subprocess
+import sys
 
 import os
 
@@ -67,7 +69,7 @@ def _decode_kernel(tier, q_dtype, kv_dtype, d):
     if tier == "avx512bf16" and q_dtype == BFLOAT16 and kv_dtype == BFLOAT16 and d % 32 == 0:
         return "bf16_decode"
     if (tier == "avx512bf16" and kv_dtype == np.int8 and d % 64 == 0 and d <= 512
-            and os.environ.get("ATTNFAST_INT8_DOT") != "widen"):
+            and _ext.runtime_info()["int8_dot"] != "widen"):
         return "vnni_int8_decode"  # (every CPU with AVX512_BF16 has AVX512-VNNI)
     lanes = simd_decode_lanes(tier)
     if lanes and d % lanes == 0:
@@ -215,3 +217,41 @@ def test_regime_per_tier_from_rows_per_kv_read(tier):
     assert gqa["regime"] == "bandwidth" and gqa["rows_per_kv_read"] == 16
     prefill = af.explain(np.zeros((1, 8, 64, 64), np.float32), *_arrays(1, 8, 8, 1, 64, 64)[1:])
     assert prefill["regime"] == "compute" and prefill["rows_per_kv_read"] is None
+
+
+
+_INT8_DOT_PROBE = """
+import json, os, numpy as np, attnfast as af
+from attnfast import _ext
+q = np.zeros((1, 4, 1, 128), np.float32)
+k = np.zeros((1, 1, 64, 128), np.int8)
+s = np.ones((1, 1, 64), np.float32)
+def state():
+    return [_ext.runtime_info()["int8_dot"],
+            af.explain(q, k, k, cache_seqlens=64, k_scale=s, v_scale=s)["kernel"]]
+first = state()
+other = "auto" if first[0] == "widen" else "widen"
+os.environ["ATTNFAST_INT8_DOT"] = other  # read once: no effect now
+second = state()
+_ext.force_int8_dot(other)
+print(json.dumps([first, second, state()]))
+"""
+
+
+@pytest.mark.parametrize("env", [None, "widen"])
+def test_int8_dot_switch_is_read_once(env):
+    """ATTNFAST_INT8_DOT=widen is read once, when the first call starts (as ATTNFAST_ISA);
+    _ext.force_int8_dot switches it. Where the tier has vpdpbusd the kernel explain() names
+    follows the mode; elsewhere both modes widen."""
+    environ = {k: v for k, v in os.environ.items() if k not in ("ATTNFAST_INT8_DOT", "ATTNFAST_ISA")}
+    if env:
+        environ["ATTNFAST_INT8_DOT"] = env
+    out = subprocess.run([sys.executable, "-c", _INT8_DOT_PROBE], capture_output=True, text=True,
+                         env=environ, check=True).stdout
+    first, second, third = json.loads(out)
+    expected, flipped = ("widen", "auto") if env else ("auto", "widen")
+    assert first == second and first[0] == expected and third[0] == flipped
+    auto, widen = (first, third) if expected == "auto" else (third, first)
+    assert widen[1] in ("simd_decode", "template_decode")
+    vnni = "avx512bf16" in _ext.runtime_info()["isa_available"]
+    assert auto[1] == ("vnni_int8_decode" if vnni else widen[1])

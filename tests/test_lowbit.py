@@ -245,9 +245,9 @@ def test_key_rotation_defaults_and_bad_values():
 
 
 @pytest.mark.parametrize("tq", [1, 4])
-def test_rotated_int8_cache_is_attention_over_the_given_keys(tier, tq, monkeypatch):
+def test_rotated_int8_cache_is_attention_over_the_given_keys(tier, tq, int8_widen):
     from attnfast._rotation import hadamard_rotate
-    monkeypatch.setenv("ATTNFAST_INT8_DOT", "widen")  # exact (vpdpbusd rounds q: below)
+    # int8_widen: exact (vpdpbusd rounds q: below)
     rng = np.random.default_rng(21 + tq)
     B, H, Hkv, D, n = 1, 8, 2, 128, 500
     k = rng.standard_normal((B, Hkv, n, D)).astype(np.float32)
@@ -318,13 +318,12 @@ def quantised_query(q, scale):
 
 
 @pytest.fixture
-def int8_dot(monkeypatch):
-    def choose(mode):
-        if mode is None:
-            monkeypatch.delenv("ATTNFAST_INT8_DOT", raising=False)
-        else:
-            monkeypatch.setenv("ATTNFAST_INT8_DOT", mode)
-    return choose
+def int8_dot():
+    """choose(mode): the int8 Q.K mode for the rest of the test (None: the default, q
+    quantised per row; "widen": the exact widening); the mode before comes back after."""
+    before = _ext.runtime_info()["int8_dot"]
+    yield lambda mode: _ext.force_int8_dot("auto" if mode is None else mode)
+    _ext.force_int8_dot(before)
 
 
 @pytest.mark.skipif(not has_vnni(), reason="needs AVX512-VNNI and the avx512bf16 tier")

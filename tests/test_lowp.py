@@ -146,11 +146,10 @@ def int8_reference(x):
 
 @pytest.mark.parametrize("qdtype", [np.dtype(np.float32), F16, BF16], ids=str)
 @pytest.mark.parametrize("tq", [1, 4, 33])
-def test_int8_cache(tier, rng, qdtype, tq, monkeypatch):
+def test_int8_cache(tier, rng, qdtype, tq, int8_widen):
     # The format as stored (key_rotation=None) through the exact widening path: the kernels
     # equal attention over the dequantised values (rotation and the vpdpbusd path:
     # tests/test_lowbit.py).
-    monkeypatch.setenv("ATTNFAST_INT8_DOT", "widen")
     cache = af.KVCache(2, 2, 64, 700, dtype="int8", key_rotation=None)
     k, v = rand(rng, (2, 2, 600, 64), np.float32), rand(rng, (2, 2, 600, 64), np.float32)
     cache.append(k, v)

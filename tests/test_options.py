@@ -342,11 +342,10 @@ def test_decode_options_rows_dropped_nan_and_thread_bits(tier, rng):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "int8"])
-def test_decode_options_16bit_and_int8_cache(tier, rng, dtype, monkeypatch):
+def test_decode_options_16bit_and_int8_cache(tier, rng, dtype, int8_widen):
     import ml_dtypes
     # int8: the format as stored (key_rotation=None) through the exact widening path, so the
     # reference over cache.k is exact (rotation and vpdpbusd: tests/test_lowbit.py)
-    monkeypatch.setenv("ATTNFAST_INT8_DOT", "widen")
     cache = af.KVCache(1, 2, 64, 1200, dtype=np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else dtype,
                        key_rotation=None)
     k, v = rng.standard_normal((2, 1, 2, 1100, 64)).astype(np.float32)

@@ -13,6 +13,8 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "kernel_table.hpp"
@@ -54,6 +56,38 @@ inline float exp_acc(float x) {
     return x < -87.3f ? 0.0f : (x == x ? er * two_n : x);
 }
 inline double exp_acc(double x) { return __builtin_exp(x); }
+
+// ---- storage-type dispatch: every DType named in each switch, no default branch (the
+// build has -Werror=switch, so a new format that a dispatch does not name does not compile)
+template <class T> struct As { using type = T; };
+
+// A dtype reached a kernel that has no code for it. The checks before the kernels let none
+// through, so this is a bug: stop, rather than read memory as some other format.
+[[noreturn]] inline void unreachable_dtype(const char* what, DType d) {
+    std::fprintf(stderr, "attnfast: internal error: %s dtype %d reached a kernel without code for it\n",
+                 what, static_cast<int>(d));
+    std::abort();
+}
+
+// fn(As<TQ>{}) with the q (and out) storage type of a float32-accumulated call.
+template <class Fn>
+inline void with_q_type(DType q, Fn&& fn) {
+    switch (q) {
+        case DType::kF32: return fn(As<float>{});
+        case DType::kBF16: return fn(As<bf16_t>{});
+        case DType::kF16: return fn(As<f16_t>{});
+        case DType::kF64: case DType::kI8: case DType::kF8E4M3: case DType::kQ4: break;
+    }
+    unreachable_dtype("q", q);
+}
+
+// fn(As<TQ>{}) for q over a 16-bit cache of type T16 (dtype kv16): q is that type or float32.
+template <class Fn>
+inline void with_q_over_16bit(DType q, DType kv16, Fn&& fn) {
+    if (q == kv16) return with_q_type(q, fn);
+    if (q == DType::kF32) return fn(As<float>{});
+    unreachable_dtype("q (over a 16-bit cache of another type)", q);
+}
 
 inline float log_acc(float x) { return __builtin_logf(x); }
 inline double log_acc(double x) { return __builtin_log(x); }

@@ -513,9 +513,9 @@ const BackwardKernels kBackward = {group_f32, group_f64, key_block_f32, key_bloc
                                    query_block_f32, query_block_f64};
 
 }  // namespace bwd
-}  // namespace
 
-const BackwardKernels* backward_kernels() { return &bwd::kBackward; }
+const BackwardKernels* backward_kernels() { return &bwd::kBackward; }  // KernelTable::backward_kernels
+}  // namespace
 #undef ATTNFAST_BWD_SIMD_LAYER
 
 }  // namespace ATTNFAST_KERNEL_NS

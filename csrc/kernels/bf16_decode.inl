@@ -233,7 +233,7 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* ws, float* a
 // widening one's choice.
 DecodeKernel decode_kernel(const AttentionParams& p) {
     if (!covers(p)) return simd_decode::decode_kernel(p);
-    return {"bf16_decode", chunk};
+    return {KernelId::kBf16Decode, chunk};
 }
 
 }  // namespace bf16_decode

@@ -276,7 +276,7 @@ void attend_block(const AttentionParams& p, const BlockTask& task, float* worksp
 // widening one (simd_prefill.inl).
 PrefillKernel prefill_kernel(const AttentionParams& p) {
     if (!covers(p)) return simd::prefill_kernel(p);
-    return {"bf16_prefill", attend_block, plan};
+    return {KernelId::kBf16Prefill, attend_block, plan};
 }
 
 }  // namespace bf16_prefill

@@ -582,28 +582,25 @@ void decode_chunk_f64(const AttentionParams& p, const DecodeTask& t, double* ws,
 // combinations.
 template <class Fn, class... Args>
 inline void for_storage_types(const AttentionParams& p, const Args&... args) {
-    const DType q = p.dtype, kv = p.kv_dtype;
-    if (kv == DType::kBF16) {
-        if (q == DType::kBF16) Fn::template run<bf16_t, bf16_t>(p, args...);
-        else Fn::template run<float, bf16_t>(p, args...);
-    } else if (kv == DType::kF16) {
-        if (q == DType::kF16) Fn::template run<f16_t, f16_t>(p, args...);
-        else Fn::template run<float, f16_t>(p, args...);
-    } else if (kv == DType::kF32) {
-        Fn::template run<float, float>(p, args...);
-    } else if (kv == DType::kF8E4M3) {
-        if (q == DType::kBF16) Fn::template run<bf16_t, fp8_t>(p, args...);
-        else if (q == DType::kF16) Fn::template run<f16_t, fp8_t>(p, args...);
-        else Fn::template run<float, fp8_t>(p, args...);
-    } else if (kv == DType::kQ4) {
-        if (q == DType::kBF16) Fn::template run<bf16_t, q4_t>(p, args...);
-        else if (q == DType::kF16) Fn::template run<f16_t, q4_t>(p, args...);
-        else Fn::template run<float, q4_t>(p, args...);
-    } else {  // kI8
-        if (q == DType::kBF16) Fn::template run<bf16_t, int8_t>(p, args...);
-        else if (q == DType::kF16) Fn::template run<f16_t, int8_t>(p, args...);
-        else Fn::template run<float, int8_t>(p, args...);
+    const DType q = p.dtype;
+    // (a 16-bit cache: q of its type or float32; a quantised one: any float32-accumulated q)
+    switch (p.kv_dtype) {
+        case DType::kF32:
+            if (q != DType::kF32) unreachable_dtype("q (over a float32 cache)", q);
+            return Fn::template run<float, float>(p, args...);
+        case DType::kBF16:
+            return with_q_over_16bit(q, DType::kBF16, [&](auto tq) { Fn::template run<typename decltype(tq)::type, bf16_t>(p, args...); });
+        case DType::kF16:
+            return with_q_over_16bit(q, DType::kF16, [&](auto tq) { Fn::template run<typename decltype(tq)::type, f16_t>(p, args...); });
+        case DType::kI8:
+            return with_q_type(q, [&](auto tq) { Fn::template run<typename decltype(tq)::type, int8_t>(p, args...); });
+        case DType::kF8E4M3:
+            return with_q_type(q, [&](auto tq) { Fn::template run<typename decltype(tq)::type, fp8_t>(p, args...); });
+        case DType::kQ4:
+            return with_q_type(q, [&](auto tq) { Fn::template run<typename decltype(tq)::type, q4_t>(p, args...); });
+        case DType::kF64: break;  // (the float64 kernels)
     }
+    unreachable_dtype("K/V", p.kv_dtype);
 }
 
 struct TemplateChunk {  // decode_loop with the template policy
@@ -619,13 +616,11 @@ void decode_chunk_any(const AttentionParams& p, const DecodeTask& t, float* ws, 
 // The decode of tiers without a hand-written one, and of the calls theirs does not cover
 // (KernelTable::decode_kernel).
 [[maybe_unused]] DecodeKernel template_decode(const AttentionParams&) {
-    return {"template_decode", decode_chunk_any};
+    return {KernelId::kTemplateDecode, decode_chunk_any};
 }
 void decode_merge_any(const AttentionParams& p, int64_t b, int64_t g, int64_t chunks,
                        const float* acc, const float* m, const float* l, float* ws) {
-    if (p.dtype == DType::kBF16) decode_merge<bf16_t, float>(p, b, g, chunks, acc, m, l, ws);
-    else if (p.dtype == DType::kF16) decode_merge<f16_t, float>(p, b, g, chunks, acc, m, l, ws);
-    else decode_merge<float, float>(p, b, g, chunks, acc, m, l, ws);
+    with_q_type(p.dtype, [&](auto tq) { decode_merge<typename decltype(tq)::type, float>(p, b, g, chunks, acc, m, l, ws); });
 }
 void decode_merge_f64(const AttentionParams& p, int64_t b, int64_t g, int64_t chunks,
                       const double* acc, const double* m, const double* l, double* ws) {
@@ -666,7 +661,7 @@ struct TemplatePrefillBlock {  // template_prefill_block for for_storage_types
 }
 // The prefill of tiers without a hand-written one (KernelTable::prefill_kernel).
 [[maybe_unused]] PrefillKernel template_prefill(const AttentionParams&) {
-    return {"template_prefill", attend_block_any, template_prefill_plan};
+    return {KernelId::kTemplatePrefill, attend_block_any, template_prefill_plan};
 }
 
 }  // namespace

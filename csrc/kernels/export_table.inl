@@ -29,7 +29,7 @@ namespace {
 #endif
 
 // A tier without a GEMM-shaped decode kernel: its decode kernels run those calls too.
-[[maybe_unused]] DecodeKernel no_gemm_decode(const AttentionParams&) { return {nullptr, nullptr}; }
+[[maybe_unused]] DecodeKernel no_gemm_decode(const AttentionParams&) { return {KernelId::kNone, nullptr}; }
 
 const KernelTable kTable = {
     ATTNFAST_KERNEL_NAME,
@@ -39,6 +39,7 @@ const KernelTable kTable = {
     decode_merge_any, decode_merge_f64,
     read_fold,
     ATTNFAST_GEMM_DECODE_KERNEL,
+    backward_kernels,
 };
 
 }  // namespace

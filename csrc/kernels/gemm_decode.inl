@@ -344,16 +344,18 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
 template <class T>
 void chunk_for_kv(const AttentionParams& p, const DecodeTask& task, float* ws, float* acc,
                   float* m, float* l) {
-    if (p.dtype == DType::kBF16) chunk<bf16_t, T>(p, task, ws, acc, m, l);
-    else if (p.dtype == DType::kF16) chunk<f16_t, T>(p, task, ws, acc, m, l);
-    else chunk<float, T>(p, task, ws, acc, m, l);
+    with_q_type(p.dtype, [&](auto tq) { chunk<typename decltype(tq)::type, T>(p, task, ws, acc, m, l); });
 }
 
 void chunk_any(const AttentionParams& p, const DecodeTask& task, float* ws, float* acc,
                float* m, float* l) {
-    if (p.kv_dtype == DType::kBF16) chunk_for_kv<bf16_t>(p, task, ws, acc, m, l);
-    else if (p.kv_dtype == DType::kF16) chunk_for_kv<f16_t>(p, task, ws, acc, m, l);
-    else chunk_for_kv<float>(p, task, ws, acc, m, l);
+    switch (p.kv_dtype) {  // (gemm_decode_kernel takes these three)
+        case DType::kF32: return chunk_for_kv<float>(p, task, ws, acc, m, l);
+        case DType::kBF16: return chunk_for_kv<bf16_t>(p, task, ws, acc, m, l);
+        case DType::kF16: return chunk_for_kv<f16_t>(p, task, ws, acc, m, l);
+        case DType::kI8: case DType::kF8E4M3: case DType::kQ4: case DType::kF64: break;
+    }
+    unreachable_dtype("K/V (gemm decode)", p.kv_dtype);
 }
 
 // KernelTable::gemm_decode_kernel: this kernel for a call it covers, else {nullptr} (the
@@ -365,14 +367,14 @@ DecodeKernel gemm_decode_kernel(const AttentionParams& p) {
                          p.kv_dtype == DType::kF16);
     const bool latent = kv_is_latent(p);
     if (!dtypes || p.alibi_slopes || p.mask || decode_rows(p) < (latent ? kMinRows : kGemmDecodeMinRows))
-        return {nullptr, nullptr};
+        return {KernelId::kNone, nullptr};
 #if defined(__AVX512BF16__)
     // bfloat16 q, K and V have vdpbf16ps kernels here (bf16_decode.inl, bf16_prefill.inl), at
     // twice the float32 FMA rate; this kernel has not been measured against them: they keep
     // those calls.
-    if (!latent && p.dtype == DType::kBF16 && p.kv_dtype == DType::kBF16) return {nullptr, nullptr};
+    if (!latent && p.dtype == DType::kBF16 && p.kv_dtype == DType::kBF16) return {KernelId::kNone, nullptr};
 #endif
-    DecodeKernel kernel{latent ? "latent_decode" : "gemm_decode", chunk_any};
+    DecodeKernel kernel{latent ? KernelId::kLatentDecode : KernelId::kGemmDecode, chunk_any};
     kernel.chunk_keys = kChunkKeys;
     kernel.workspace_elems = workspace_elems;
     kernel.compute_shaped = true;

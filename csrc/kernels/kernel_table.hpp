@@ -155,10 +155,40 @@ static inline PrefillPlan template_prefill_plan(const AttentionParams& p) {
     return {kDecodeGroupRows, decode_workspace_elems(p) + kDecodeGroupRows * (p.head_dim_v + 2)};
 }
 
+// Which kernel runs a call: the drivers branch on it, attnfast.explain names it
+// (kernel_name). The hand-written kernels first, then the shared templates.
+enum class KernelId : uint8_t {
+    kNone,  // no kernel (a tier's gemm_decode_kernel that does not take the call)
+    kSimdPrefill, kBf16Prefill, kSimdDecode, kBf16Decode, kVnniInt8Decode, kGemmDecode,
+    kLatentDecode,
+    kTemplatePrefill, kTemplateDecode, kTemplateF64,
+};
+// Every id named (no default: a new id that is not named here does not compile, -Wswitch).
+constexpr const char* kernel_name(KernelId id) {
+    switch (id) {
+        case KernelId::kNone: return "none";
+        case KernelId::kSimdPrefill: return "simd_prefill";
+        case KernelId::kBf16Prefill: return "bf16_prefill";
+        case KernelId::kSimdDecode: return "simd_decode";
+        case KernelId::kBf16Decode: return "bf16_decode";
+        case KernelId::kVnniInt8Decode: return "vnni_int8_decode";
+        case KernelId::kGemmDecode: return "gemm_decode";
+        case KernelId::kLatentDecode: return "latent_decode";
+        case KernelId::kTemplatePrefill: return "template_prefill";
+        case KernelId::kTemplateDecode: return "template_decode";
+        case KernelId::kTemplateF64: return "template_f64";
+    }
+    return "none";
+}
+// The shared templates (plain C++ over typed vectors), not a hand-written kernel.
+constexpr bool is_template(KernelId id) {
+    return id == KernelId::kTemplatePrefill || id == KernelId::kTemplateDecode || id == KernelId::kTemplateF64;
+}
+
 // The float32-accumulated prefill kernel that runs a call, as KernelTable::prefill_kernel
-// picks it: its name (attnfast.explain reports it), its task entry point and its plan.
+// picks it: its id (attnfast.explain names it), its task entry point and its plan.
 struct PrefillKernel {
-    const char* name;  // "simd_prefill", "bf16_prefill" or "template_prefill"
+    KernelId id;  // kSimdPrefill, kBf16Prefill or kTemplatePrefill
     // Attend one block of query rows over all the keys it may see; writes its out/lse rows.
     void (*attend_block)(const AttentionParams&, const BlockTask&, float* workspace);
     PrefillPlan (*plan)(const AttentionParams&);  // its block rows and workspace
@@ -166,7 +196,7 @@ struct PrefillKernel {
 
 // Likewise the float32-accumulated decode chunk kernel (KernelTable::decode_kernel).
 struct DecodeKernel {
-    const char* name;  // "simd_decode", "bf16_decode" or "template_decode"
+    KernelId id;  // a decode id (kNone with chunk == nullptr: no kernel)
     // Decode, step 1: one chunk for all rows of a (batch, kv head). Writes the chunk's
     // unnormalised accumulator acc (rows x Dv), row max m and row sum l (rows each);
     // a row that sees no key of the chunk gets m = -inf, l = 0, acc = 0.
@@ -189,6 +219,8 @@ static inline bool kv_is_latent(const AttentionParams& p) {
            p.v_batch_stride == p.k_batch_stride && p.v_head_stride == p.k_head_stride &&
            p.v_row_stride == p.k_row_stride;
 }
+
+struct BackwardKernels;  // backward.hpp
 
 struct KernelTable {
     const char* name;
@@ -223,6 +255,8 @@ struct KernelTable {
     // latent cache, or GQA with several query tokens), or {nullptr} when it does not take
     // the call (or the tier has none): decode.cpp then runs decode_kernel's choice.
     DecodeKernel (*gemm_decode_kernel)(const AttentionParams&);
+    // The tier's attention_backward kernels (backward.inl), compiled with its flags.
+    const BackwardKernels* (*backward_kernels)();
 };
 
 // One per ISA file; each returns nullptr when that tier was not compiled in.

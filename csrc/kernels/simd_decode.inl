@@ -368,7 +368,7 @@ void chunk_any(const AttentionParams& p, const DecodeTask& task, float* ws, floa
 // KernelTable::decode_kernel: this kernel where it covers the call, else the template.
 DecodeKernel decode_kernel(const AttentionParams& p) {
     if (!covers(p)) return template_decode(p);
-    return {"simd_decode", chunk_any};
+    return {KernelId::kSimdDecode, chunk_any};
 }
 
 }  // namespace simd_decode

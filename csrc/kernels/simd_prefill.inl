@@ -1012,24 +1012,25 @@ void run_task(const AttentionParams& p, const BlockTask& task, float* workspace)
 // bfloat16 q k v, float32 q over a 16-bit or int8 cache, 16-bit q over an int8 cache), with
 // every score option.
 void attend_block(const AttentionParams& p, const BlockTask& task, float* workspace) {
-    const DType q = p.dtype, kv = p.kv_dtype;
-    if (kv == DType::kF32) run_task<WidenKernel<float, float>>(p, task, workspace);
-    else if (kv == DType::kBF16) {
-        if (q == DType::kBF16) run_task<WidenKernel<bf16_t, bf16_t>>(p, task, workspace);
-        else run_task<WidenKernel<float, bf16_t>>(p, task, workspace);
-    } else if (kv == DType::kF16) {
-        if (q == DType::kF16) run_task<WidenKernel<f16_t, f16_t>>(p, task, workspace);
-        else run_task<WidenKernel<float, f16_t>>(p, task, workspace);
-    } else {  // kI8
-        if (q == DType::kBF16) run_task<WidenKernel<bf16_t, int8_t>>(p, task, workspace);
-        else if (q == DType::kF16) run_task<WidenKernel<f16_t, int8_t>>(p, task, workspace);
-        else run_task<WidenKernel<float, int8_t>>(p, task, workspace);
+    const DType q = p.dtype;
+    switch (p.kv_dtype) {
+        case DType::kF32:
+            if (q != DType::kF32) unreachable_dtype("q (over a float32 cache)", q);
+            return run_task<WidenKernel<float, float>>(p, task, workspace);
+        case DType::kBF16:
+            return with_q_over_16bit(q, DType::kBF16, [&](auto tq) { run_task<WidenKernel<typename decltype(tq)::type, bf16_t>>(p, task, workspace); });
+        case DType::kF16:
+            return with_q_over_16bit(q, DType::kF16, [&](auto tq) { run_task<WidenKernel<typename decltype(tq)::type, f16_t>>(p, task, workspace); });
+        case DType::kI8:
+            return with_q_type(q, [&](auto tq) { run_task<WidenKernel<typename decltype(tq)::type, int8_t>>(p, task, workspace); });
+        case DType::kF8E4M3: case DType::kQ4: case DType::kF64: break;  // (decode only; float64 kernels)
     }
+    unreachable_dtype("K/V (prefill)", p.kv_dtype);
 }
 
 // KernelTable::prefill_kernel: this kernel takes every call.
 PrefillKernel prefill_kernel(const AttentionParams&) {
-    return {"simd_prefill", attend_block, plan_all_dtypes};
+    return {KernelId::kSimdPrefill, attend_block, plan_all_dtypes};
 }
 
 }  // namespace simd

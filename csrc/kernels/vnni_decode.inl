@@ -21,8 +21,6 @@
 #error "vnni_decode.inl needs AVX512-VNNI"
 #endif
 #include "bf16_decode.inl"
-#include <cstdlib>
-#include <cstring>
 
 namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {
@@ -159,16 +157,14 @@ struct VnniPath : simd_decode::VectorSoftmax {
 };
 
 // Whether a call takes this path: an int8 cache, D a multiple of 64 up to 512 (the exact
-// integer sums), Dv a multiple of W, a CPU with the instruction, and ATTNFAST_INT8_DOT not
-// "widen" (read on each call: tests and users may switch it at run time).
+// integer sums), Dv a multiple of W, a CPU with the instruction, and not the exact widening
+// chosen (int8_dot_widen: ATTNFAST_INT8_DOT=widen, read once).
 inline bool takes(const AttentionParams& p) {
     if (p.kv_dtype != DType::kI8 || p.head_dim % 64 != 0 || p.head_dim > 512 ||
         p.head_dim_v % W != 0)
         return false;
-    const char* choice = std::getenv("ATTNFAST_INT8_DOT");
-    if (choice && std::strcmp(choice, "widen") == 0) return false;
     static const bool cpu_has = __builtin_cpu_supports("avx512vnni");
-    return cpu_has;
+    return cpu_has && !int8_dot_widen();
 }
 
 template <class TQ>
@@ -181,15 +177,13 @@ void chunk_for(const AttentionParams& p, const DecodeTask& task, float* ws, floa
 
 void chunk_any(const AttentionParams& p, const DecodeTask& task, float* ws, float* acc,
                float* m, float* l) {
-    if (p.dtype == DType::kBF16) chunk_for<bf16_t>(p, task, ws, acc, m, l);
-    else if (p.dtype == DType::kF16) chunk_for<f16_t>(p, task, ws, acc, m, l);
-    else chunk_for<float>(p, task, ws, acc, m, l);
+    with_q_type(p.dtype, [&](auto tq) { chunk_for<typename decltype(tq)::type>(p, task, ws, acc, m, l); });
 }
 
 // KernelTable::decode_kernel of this tier: this path where it takes the call, else the
 // bfloat16 kernel's choice (vdpbf16ps, or the widening kernel, or the template).
 DecodeKernel decode_kernel(const AttentionParams& p) {
-    if (takes(p)) return {"vnni_int8_decode", chunk_any};
+    if (takes(p)) return {KernelId::kVnniInt8Decode, chunk_any};
     return bf16_decode::decode_kernel(p);
 }
 

@@ -94,6 +94,8 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
     cbool isa_force(const char* name) noexcept nogil
     const char* isa_error() noexcept nogil
     const char* isa_lowp_instructions() noexcept nogil
+    cbool int8_dot_widen() noexcept nogil
+    void int8_dot_widen_force(cbool widen) noexcept nogil
     uint64_t read_probe(const void* data, int64_t nbytes, int num_threads) noexcept nogil
 
 
@@ -461,7 +463,17 @@ def runtime_info():
         "isa_compiled": [s for s in isa_compiled().decode().split(",") if s],
         "isa_error": isa_error().decode(),
         "lowp_instructions": isa_lowp_instructions().decode(),
+        "int8_dot": "widen" if int8_dot_widen() else "auto",
     }
+
+
+def force_int8_dot(str mode):
+    """How an int8 cache's Q.K runs on tiers with vpdpbusd, for the calls that start after
+    this: "widen" (exact widening to float32) or "auto" (q quantised to int8 per row).
+    ATTNFAST_INT8_DOT=widen sets "widen" at first use; this overrides it."""
+    if mode not in ("widen", "auto"):
+        raise ValueError(f"int8 dot mode must be 'widen' or 'auto', got {mode!r}")
+    int8_dot_widen_force(mode == "widen")
 
 
 def force_isa(str name):
