@@ -401,7 +401,9 @@ def _varlen_reference(cache, ids, lens, cu, q, D, Dv, dtype):
 @pytest.mark.parametrize("dtype,D,Dv", [("int8", 64, 48), ("int8", 40, 40), ("int4", 64, 48),
                                         ("int4", 96, 96)])
 @pytest.mark.parametrize("q_dtype", ["float32", "float16"])
-def test_varlen_reads_rotated_and_int4_pools(no_warnings, dtype, D, Dv, q_dtype):
+def test_varlen_reads_rotated_and_int4_pools(no_warnings, int8_widen, dtype, D, Dv, q_dtype):
+    # int8_widen: the reference is exact attention over the dequantised pools (the vpdpbusd
+    # path rounds q to int8 per row: tests/test_lowbit.py)
     rng = np.random.default_rng(D + Dv)
     cache, ids, lens, cu, q = _ragged_paged(rng, dtype, D, Dv, np.dtype(q_dtype))
     assert cache.key_rotation == "hadamard"
