@@ -154,7 +154,7 @@ def kv_reset(rng):
     return c.reset, (lambda: kvcache_state(c)), c._lock
 
 
-def functional(block_table=False, dtype=np.float32):
+def functional(block_table=False, dtype=np.float32, **options):
     """attention_with_kvcache with k_new / v_new over caller-owned arrays (paged: a pool)."""
     def make(rng):
         B, Hkv, D, C = 2, 2, 16, 16
@@ -167,7 +167,8 @@ def functional(block_table=False, dtype=np.float32):
                                                      block_table=table)
         else:
             kc, vc = rand(rng, B, Hkv, C, D, dtype=dtype), rand(rng, B, Hkv, C, D, dtype=dtype)
-            call = lambda: af.attention_with_kvcache(q, kc, vc, np.array([5, 9]), k_new, v_new)
+            call = lambda: af.attention_with_kvcache(q, kc, vc, np.array([5, 9]), k_new, v_new,
+                                                     **options)
         return call, (lambda: as_bytes([kc, vc])), None
     return make
 
@@ -357,17 +358,21 @@ def test_a_second_interrupt_while_putting_back_does_not_stop_it(monkeypatch):
 
 
 @pytest.mark.parametrize("where", ["KVCache._run_locked", "KVCache._run_fast",
-                                   "PagedKVCache._run_locked", "attention_with_kvcache",
+                                   "KVCache._run_fast lse", "PagedKVCache._run_locked",
+                                   "attention_with_kvcache", "attention_with_kvcache lse",
                                    "attention_with_kvcache paged"])
 def test_an_error_after_the_commit_undoes_the_call(where, monkeypatch):
     """Not only Ctrl-C: any exception before the return (MemoryError here, raised once the
     tokens are written, the lengths advanced and the kernels have run) is a failure and
     leaves nothing behind."""
     make, owner, name = {
-        "KVCache._run_locked": (kv_step(return_lse=True), af.KVCache, "_run_locked"),
+        # softcap: an option no plan covers, so the full path runs
+        "KVCache._run_locked": (kv_step(softcap=30.0), af.KVCache, "_run_locked"),
         "KVCache._run_fast": (kv_step(), af.KVCache, "_run_fast"),
+        "KVCache._run_fast lse": (kv_step(return_lse=True), af.KVCache, "_run_fast"),
         "PagedKVCache._run_locked": (paged("step"), af.PagedKVCache, "_run_locked"),
         "attention_with_kvcache": (functional(), _kvcache, "_kvcache_fast"),
+        "attention_with_kvcache lse": (functional(return_lse=True), _kvcache, "_kvcache_fast"),
         "attention_with_kvcache paged": (functional(block_table=True), _kvcache,
                                          "_paged_attention")}[where]
     make(np.random.default_rng(4))[0]()  # the layout's plan: the fast paths run

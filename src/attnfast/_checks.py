@@ -1065,8 +1065,8 @@ def paged_key(q, k_pool, v_pool, cache_seqlens, block_table, k_scale, v_scale, o
               scale, window):
     """attention_with_kvcache(block_table=...) without new tokens: the plan key of a call
     (the arrays' layouts, the lengths' type, the options), or None."""
-    key = kvcache_key(q, k_pool, v_pool, seqlens_key(cache_seqlens), None, None, causal, scale,
-                      window)
+    key = kvcache_key(q, k_pool, v_pool, seqlens_key(cache_seqlens), None, None, None, causal,
+                      scale, window, False)
     arrays = None if key is None else _ext.layout_key(block_table, k_scale, v_scale, out)
     return None if arrays is None else (key, arrays)
 
@@ -1081,16 +1081,19 @@ def paged_plan(call, q, k_scale, v_scale):
     return call
 
 
-def kvcache_plan(q, k_cache, v_cache, k_new, scale, window):
+def kvcache_plan(q, k_cache, v_cache, k_new, out, scale, window, return_lse):
     """What a repeat call needs from a call the full path accepted: (new tokens, out shape,
-    dtype, scale, window as checked, Tq, capacity); None for int8 caches (quantised on
-    write) and unless the kernels took q and the caches as given."""
+    dtype, scale, window as checked, Tq, capacity, lse dtype or None without return_lse);
+    None for int8 / float8 / int4 caches (quantised on write) and unless the kernels took
+    q, the caches and `out` (if given) as given."""
     if (k_cache.dtype in QUANTIZED_DTYPES or as_float_array(q, "q") is not q or kernel_ready(q) is not q
-            or kernel_ready(k_cache) is not k_cache or kernel_ready(v_cache) is not v_cache):
+            or kernel_ready(k_cache) is not k_cache or kernel_ready(v_cache) is not v_cache
+            or (out is not None and kernel_ready(out) is not out)):
         return None
     B, H, Tq, D = q.shape
     return (0 if k_new is None else k_new.shape[2], (B, H, Tq, v_cache.shape[3]), q.dtype,
-            check_scale(scale, D, q.dtype), check_window(window), Tq, k_cache.shape[2])
+            check_scale(scale, D, q.dtype), check_window(window), Tq, k_cache.shape[2],
+            _compute_dtype(q.dtype) if return_lse else None)
 
 # ---- paged KV cache: attention_with_kvcache(block_table=...) and PagedKVCache ----
 

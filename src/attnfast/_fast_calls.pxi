@@ -32,14 +32,14 @@ cdef enum:
 fast_calls_taken = {"attention": 0, "kvcache": 0}
 
 
-def layout_key(a0, a1, a2, a3=None, a4=None):
-    """The layout of up to five arrays as one bytes object (shape, strides, dtype of each;
+def layout_key(a0, a1, a2, a3=None, a4=None, a5=None):
+    """The layout of up to six arrays as one bytes object (shape, strides, dtype of each;
     None stays distinct from every array), or None unless each is None or exactly a
     numpy.ndarray of at most 16 dimensions: the array part of a fast-path plan key."""
-    cdef int64_t words[5 * _KEY_WORDS_PER_ARRAY]
+    cdef int64_t words[6 * _KEY_WORDS_PER_ARRAY]
     cdef int n = 0, i, j
     cdef cnp.ndarray a
-    for obj in (a0, a1, a2, a3, a4):
+    for obj in (a0, a1, a2, a3, a4, a5):
         if obj is None:
             words[n] = -1
             n += 1
@@ -99,6 +99,27 @@ cdef inline bint _writeable(cnp.ndarray a):
     return (cnp.PyArray_FLAGS(a) & cnp.NPY_ARRAY_WRITEABLE) != 0
 
 
+cdef object _usable_out(out, cnp.ndarray a, cnp.ndarray b, cnp.ndarray c, d=None, e=None):
+    """The per-call checks of a caller's `out` that a plan key cannot hold (its layout is in
+    the key, so check_out's shape, dtype and self-overlap rules held when the plan was made):
+    `out` as an ndarray when it is exactly one, writeable (not a read-only copy of a torch
+    tensor with the negative bit: attnfast._checks.check_written), aligned, and apart from
+    each of the arrays the call reads or writes (a .. e; d, e may be None); else None (the
+    fast path declines and the full path raises its usual error, naming out)."""
+    cdef cnp.ndarray target
+    if type(out) is not np.ndarray:
+        return None
+    target = <cnp.ndarray> out
+    if not (_writeable(target) and _aligned(target) and _apart(target, a) == 1
+            and _apart(target, b) == 1 and _apart(target, c) == 1):
+        return None
+    if d is not None and _apart(target, <cnp.ndarray> d) != 1:
+        return None
+    if e is not None and _apart(target, <cnp.ndarray> e) != 1:
+        return None
+    return target
+
+
 cdef object _empty(tuple shape, dtype):
     """np.empty(shape, dtype) for a shape of at most 4 axes."""
     cdef cnp.npy_intp dims[4]
@@ -126,17 +147,13 @@ def attention_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out, tuple out_s
     array to fill. None, having done nothing, unless q, k, v are aligned and out (if given)
     is a writeable aligned ndarray apart from q, k and v."""
     cdef AttentionParams p = default_params()
-    cdef cnp.ndarray target
     if not (_aligned(q) and _aligned(k) and _aligned(v)):
         return None
     if out is None:
         target = _empty(out_shape, out_dtype)
     else:
-        if type(out) is not np.ndarray:
-            return None
-        target = <cnp.ndarray> out
-        if not (_writeable(target) and _aligned(target) and _apart(target, q) == 1
-                and _apart(target, k) == 1 and _apart(target, v) == 1):
+        target = _usable_out(out, q, k, v)
+        if target is None:
             return None
     _fill_params(&p, q, k, v, target, None, causal, scale, window_left, window_right,
                  num_threads, None, None, None, query_offset, 0.0, None, None, None, None)
@@ -226,11 +243,14 @@ cdef _TokensWritten _tokens_written(cnp.ndarray k, cnp.ndarray v, cnp.ndarray kn
 def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_new,
                 int64_t t, int64_t capacity, tuple out_shape, out_dtype, bint causal,
                 double scale, int64_t window_left, int64_t window_right, int num_threads,
-                query_offset, bint interruptible, bint advance):
+                query_offset, bint interruptible, bint advance, out, lse_dtype):
     """The rest of the KV-cache fast paths (_kvcache._kvcache_fast, KVCache._run_fast) in one
     call, for a layout the full path accepted: write the t new tokens (t = 0: none) at each
-    sequence's length, attend over the lengths plus t, return the new out (out_shape,
-    out_dtype).
+    sequence's length, attend over the lengths plus t, return out: the caller's `out`
+    (written in place) or, when it is None, a new array (out_shape, out_dtype); with
+    `lse_dtype` (not None: return_lse) the tuple (out, lse), lse a new (B, H, Tq) array.
+    A caller's out is used only if _usable_out accepts it (writeable, aligned, apart from
+    q, the caches and the new tokens); its layout is in the plan key.
 
     lengths: the tokens cached per sequence: a Python int (every sequence) or an int32 /
     int64 array (B,); with ``advance`` (KVCache) an int64 C-contiguous array that is
@@ -245,7 +265,7 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
     """
     cdef AttentionParams p = default_params()
     cdef cnp.npy_intp B = cnp.PyArray_DIMS(q)[0], b
-    cdef cnp.ndarray lens, kn, vn, seqlens, out
+    cdef cnp.ndarray lens, kn, vn, seqlens
     cdef int64_t* starts = NULL
     cdef int64_t* after
     cdef char* saved = NULL
@@ -287,6 +307,11 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
                 and _apart(kn, v) == 1 and _apart(vn, k) == 1 and _apart(vn, v) == 1
                 and (advance or _apart(k, v) == 1)):
             return None      # the full path decides (and raises) exactly
+    target = None
+    if out is not None:
+        target = _usable_out(out, q, k, v, k_new, v_new)
+        if target is None:
+            return None      # the full path raises its error, naming out
     seqlens = lens if advance else _empty((B,), _INT64)
     after = <int64_t*> cnp.PyArray_DATA(seqlens)
     starts = <int64_t*> malloc(B * sizeof(int64_t))
@@ -304,7 +329,9 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
                 starts[b] = (<int32_t*> cnp.PyArray_GETPTR1(lens, b))[0]
             if starts[b] < 0 or starts[b] > capacity - t:
                 return None
-        out = _empty(out_shape, out_dtype)
+        if target is None:
+            target = _empty(out_shape, out_dtype)
+        lse = None if lse_dtype is None else _empty(out_shape[:3], lse_dtype)
         if t:
             k_bytes = cnp.PyArray_SIZE(kn) * cnp.PyArray_ITEMSIZE(kn)
             v_bytes = cnp.PyArray_SIZE(vn) * cnp.PyArray_ITEMSIZE(vn)
@@ -316,7 +343,7 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
         for b in range(B):
             after[b] = starts[b] + t
         try:
-            _fill_params(&p, q, k, v, out, None, causal, scale, window_left, window_right,
+            _fill_params(&p, q, k, v, target, lse, causal, scale, window_left, window_right,
                          num_threads, seqlens, None, None, query_offset, 0.0, None, None, None,
                          None)
             fast_calls_taken["kvcache"] += 1
@@ -334,7 +361,7 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
                 for b in range(B):
                     after[b] = starts[b]
             raise
-        return out
+        return target if lse is None else (target, lse)
     finally:
         free(starts)
         free(saved)
@@ -383,18 +410,30 @@ def seqlens_key(cache_seqlens):
     return None
 
 
-def kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, causal, scale, window):
-    """attention_with_kvcache() and KVCache.attend/step: the plan key of a call, or None.
-    `lengths_key` stands for the cache lengths' type (their values are checked per call)."""
+def kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, out, causal, scale, window,
+                return_lse, tuple unplanned=()):
+    """attention_with_kvcache() and KVCache.attend/step: the plan key of a call, or None when
+    no plan can serve it: where the KV-cache fast path's eligibility is decided. The key
+    holds the layouts of q, the caches, the new tokens and `out` (so out's shape, dtype and
+    strides were checked once, by the call that stored the plan), the lengths' type
+    (`lengths_key`; their values are checked per call), causal, scale, window and
+    return_lse with their exact types. `unplanned`: the call's other options, which only
+    the full path takes; the key is None unless each of them is None."""
+    cdef Py_ssize_t i
     if lengths_key is None or q is None or k_cache is None or v_cache is None:
         return None
     if (k_new is None) != (v_new is None):
         return None
-    layout = layout_key(q, k_cache, v_cache, k_new, v_new)  # None unless all are ndarrays
+    if return_lse is not False and return_lse is not True:
+        return None
+    for i in range(len(unplanned)):
+        if unplanned[i] is not None:
+            return None
+    layout = layout_key(q, k_cache, v_cache, k_new, v_new, out)  # None unless all are ndarrays
     if layout is None:
         return None
     options = _option_key(causal, scale, window)
-    return None if options is None else (layout, lengths_key, options)
+    return None if options is None else (layout, lengths_key, options, return_lse)
 
 
 def paged_blocks_in_use_ok(cnp.ndarray table, cnp.ndarray lengths, int64_t block_size,

@@ -190,6 +190,9 @@ def accepts_arrays(fn):
         if given_out is None:   # a NumPy out= (not converted) comes back as itself too
             given_out = converted_out = kwargs.get("out", _out_arg(args))
         # `out=` comes back as the object the caller passed (tensor or array), written in place
+        if type(result) is tuple:  # (out, lse): each converted once (out not at all if given)
+            return tuple([given_out if given_out is not None and r is converted_out
+                          else _as_tensor(r, template) for r in result])
         if isinstance(result, tuple):
             first_out = given_out if given_out is not None and result[0] is converted_out else None
             wrapped = wrap_like(result, template)
@@ -200,6 +203,12 @@ def accepts_arrays(fn):
         return tensor if tensor is not None else wrap_like(result, template)
 
     return wrapper
+
+
+def _as_tensor(result, template):
+    """wrap_like(result, template), its common case (an array) in C."""
+    tensor = array_as_tensor(result)
+    return tensor if tensor is not None else wrap_like(result, template)
 
 
 _SCALARS = frozenset((bool, int, float, str))  # types _convert passes through as is

@@ -55,6 +55,8 @@ from ._tree import run_tree_kernels
 
 __all__ = ["KVCache", "attention_with_kvcache"]
 
+_LENGTHS = "KVCache.lengths"  # a KVCache's lengths in its plan keys (attnfast._ext.kvcache_key)
+
 
 def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 per row (last axis): scale = max|x| / 127, values round(x / scale).
@@ -246,8 +248,16 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
         the same, and with several new tokens (a prompt chunk, speculative verification)
         causal is what decoding means; pass ``causal=False`` to let every query see every
         cached key.
-    scale, window, return_lse, out, num_threads
+    scale, window, return_lse, num_threads
         As in :func:`attnfast.attention` (window is aligned like causal).
+    out : array (B, H, Tq, Dv) of q's dtype, optional
+        Written in place and returned (a torch tensor comes back as itself). It must be
+        writeable, must not overlap itself (a stride of 0, as torch's ``expand()`` gives) or
+        any other argument (q, the caches, their scales, k_new, v_new): otherwise a
+        ValueError (TypeError for a wrong dtype) names it before anything is written; it is
+        never replaced by a copy (a torch tensor with the negative or conjugate bit is
+        refused). Neither ``out`` nor ``return_lse`` costs a repeat call its fast path:
+        decode steps that reuse one buffer cost what calls without it cost.
     query_offset : int, optional
         Query i sits at cache position ``i + query_offset`` in every sequence (causal and
         window measured from there) instead of bottom-right; e.g. 0 for a prompt written
@@ -267,17 +277,17 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     overwrote (attnfast._transaction). float32 values beyond a
     16-bit cache's range are stored as +-inf, without a warning.
     """
-    key = None
-    if (softcap is None and alibi_slopes is None and sinks is None and mask is None
-            and return_lse is False and out is None and k_scale is None and v_scale is None
-            and block_table is None and tree_mask is None and key_rotation is None
-            and v_head_dim is None and not is_int4_storage(k_cache)):
-        key = kvcache_key(q, k_cache, v_cache, seqlens_key(cache_seqlens), k_new, v_new,
-                          causal, scale, window)
-        plan = KVCACHE_PLANS.get(key) if key is not None else None
+    # The fast path: a plan for this call's layout and options (the key decides whether
+    # one can serve it at all: attnfast._ext.kvcache_key), then the per-call checks, in C.
+    key = kvcache_key(q, k_cache, v_cache, seqlens_key(cache_seqlens), k_new, v_new, out,
+                      causal, scale, window, return_lse,
+                      (softcap, alibi_slopes, sinks, mask, k_scale, v_scale, block_table,
+                       tree_mask, key_rotation, v_head_dim))
+    if key is not None:
+        plan = KVCACHE_PLANS.get(key)
         if plan is not None:
             result = _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                                   causal, num_threads, query_offset)
+                                   out, causal, num_threads, query_offset)
             if result is not None:
                 return result
     elif (block_table is not None and k_new is None and v_new is None and softcap is None
@@ -322,7 +332,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
         undo.restore()
         raise
     if key is not None:  # accepted: later calls of this layout take the fast path
-        remember(KVCACHE_PLANS, key, kvcache_plan(q, k_cache, v_cache, call.k_new, scale, window))
+        remember(KVCACHE_PLANS, key, kvcache_plan(q, k_cache, v_cache, call.k_new, out, scale,
+                                                  window, return_lse))
     return result
 
 
@@ -334,13 +345,14 @@ def _read_and_written(call) -> list:
             ("v_scale", call.v_scale), ("block_table", call.block_table)] + call.attn.options.arrays()
 
 
-def _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal,
+def _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new, out, causal,
                   num_threads, query_offset):
-    """attention_with_kvcache() for a call whose layout an earlier call had accepted (see
-    attnfast._checks.kvcache_key): checks what can differ between such calls, writes the
-    new tokens, runs the kernels. None, having changed nothing, when anything is unusual:
-    the full path then runs (and raises as always)."""
-    t, out_shape, dtype, scale, window, seqlen_q, capacity = plan
+    """attention_with_kvcache() for a call whose layout and options an earlier call had
+    accepted (see attnfast._ext.kvcache_key): checks what can differ between such calls
+    (lengths, flags, overlap, `out`), writes the new tokens, runs the kernels, returns out
+    (or (out, lse)). None, having changed nothing, when anything is unusual: the full path
+    then runs (and raises as always)."""
+    t, out_shape, dtype, scale, window, seqlen_q, capacity, lse_dtype = plan
     threads = fast_threads(num_threads)
     if threads is None or not fast_query_offset(query_offset):
         return None
@@ -348,11 +360,13 @@ def _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new, causal
         window, seqlen_q, capacity, query_offset)
     interruptible = kernels_interruptible()
     if decode_tail_in_c():  # the common case, in C (None: declined); below the same in Python
-        out = _ext.decode_fast(q, k_cache, v_cache, cache_seqlens, k_new, v_new, t, capacity,
-                               out_shape, dtype, causal, scale, left, right, threads,
-                               query_offset, interruptible, False)  # advance: no
-        if out is not None:
-            return out
+        result = _ext.decode_fast(q, k_cache, v_cache, cache_seqlens, k_new, v_new, t, capacity,
+                                  out_shape, dtype, causal, scale, left, right, threads,
+                                  query_offset, interruptible, False, out, lse_dtype)
+        if result is not None:                          # (advance: no)
+            return result
+    if out is not None or lse_dtype is not None:
+        return None  # the Python tail (tests standing in for the kernels): the full path
     if not q.flags.aligned or not k_cache.flags.aligned or not v_cache.flags.aligned:
         return None
     starts = ([cache_seqlens] * out_shape[0] if type(cache_seqlens) is int
@@ -663,13 +677,14 @@ class KVCache:
         :func:`attnfast.attention_with_kvcache` (the last Tq cached tokens are the tree).
         Returns out (n, H, Tq, v_head_dim), or (out, lse) when return_lse.
         """
-        if (batch_index is None and softcap is None and alibi_slopes is None and sinks is None
-                and mask is None and return_lse is False and out is None and tree_mask is None):
-            result = self._run_fast(q, None, None, causal, scale, window, num_threads,
-                                    query_offset)
+        key = kvcache_key(q, self._k, self._v, _LENGTHS, None, None, out, causal, scale,
+                          window, return_lse,
+                          (batch_index, softcap, alibi_slopes, sinks, mask, tree_mask))
+        if key is not None:
+            result = self._run_fast(key, q, None, None, out, causal, num_threads, query_offset)
             if result is not None:
                 return result
-        return self._run(q, None, None, batch_index=batch_index, causal=causal, scale=scale,
+        return self._run(key, q, None, None, batch_index=batch_index, causal=causal, scale=scale,
                          window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                          sinks=sinks, mask=mask, return_lse=return_lse, out=out,
                          num_threads=num_threads, query_offset=query_offset,
@@ -692,13 +707,15 @@ class KVCache:
             missing = " and ".join(n for n, a in (("k_new", k_new), ("v_new", v_new)) if a is None)
             raise ValueError(f"step needs both k_new and v_new; {missing} is None (use attend() "
                              "to attend without appending)")
-        if (batch_index is None and softcap is None and alibi_slopes is None and sinks is None
-                and mask is None and return_lse is False and out is None and tree_mask is None):
-            result = self._run_fast(q, k_new, v_new, causal, scale, window, num_threads,
+        key = kvcache_key(q, self._k, self._v, _LENGTHS, k_new, v_new, out, causal, scale,
+                          window, return_lse,
+                          (batch_index, softcap, alibi_slopes, sinks, mask, tree_mask))
+        if key is not None:
+            result = self._run_fast(key, q, k_new, v_new, out, causal, num_threads,
                                     query_offset)
             if result is not None:
                 return result
-        return self._run(q, k_new, v_new, batch_index=batch_index, causal=causal, scale=scale,
+        return self._run(key, q, k_new, v_new, batch_index=batch_index, causal=causal, scale=scale,
                          window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                          sinks=sinks, mask=mask, return_lse=return_lse, out=out,
                          num_threads=num_threads, query_offset=query_offset,
@@ -728,38 +745,26 @@ class KVCache:
             return [(slice(None), slice(int(seqs[0]), int(seqs[-1]) + 1, int(steps[0])))]
         return [(slice(i, i + 1), slice(b, b + 1)) for i, b in enumerate(seqs.tolist())]
 
-    def _run(self, q, k_new, v_new, **kwargs):
+    def _run(self, key, q, k_new, v_new, **kwargs):
+        """The full path of attend/step; `key`: the call's plan key (None: no plan can
+        serve such calls), under which a plan is remembered once the call succeeded."""
         result = self._run_locked(q, k_new, v_new, **kwargs)
-        key = self._fast_key(q, k_new, v_new, **kwargs)
         if key is not None:  # accepted: later calls of this layout take the fast path
-            remember(KVCACHE_PLANS, key, kvcache_plan(q, self._k, self._v, k_new,
-                                                      kwargs["scale"], kwargs["window"]))
+            remember(KVCACHE_PLANS, key, kvcache_plan(q, self._k, self._v, k_new, kwargs["out"],
+                                                      kwargs["scale"], kwargs["window"],
+                                                      kwargs["return_lse"]))
         return result
 
-    def _fast_key(self, q, k_new, v_new, *, batch_index, causal, scale, window, softcap,
-                  alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset,
-                  tree_mask):
-        """The plan key of an attend/step call (see attnfast._checks.kvcache_key), or None
-        when it takes an option only the full path handles."""
-        if (batch_index is not None or softcap is not None or alibi_slopes is not None
-                or sinks is not None or mask is not None or return_lse is not False
-                or out is not None or tree_mask is not None):
-            return None
-        return kvcache_key(q, self._k, self._v, "KVCache.lengths", k_new, v_new, causal, scale,
-                           window)
-
-    def _run_fast(self, q, k_new, v_new, causal, scale, window, num_threads, query_offset):
-        """attend/step with only causal, scale, window, num_threads, query_offset, for a
-        call whose layout an earlier call had accepted (see attnfast._checks.kvcache_key).
-        Checks what can differ between such calls (room for the new tokens, writeable
-        arrays, alignment, num_threads, query_offset), appends, attends. None, having
-        changed nothing, when anything is unusual or the layout is new: the full path runs."""
-        key = kvcache_key(q, self._k, self._v, "KVCache.lengths", k_new, v_new, causal,
-                          scale, window)
-        plan = KVCACHE_PLANS.get(key) if key is not None else None
+    def _run_fast(self, key, q, k_new, v_new, out, causal, num_threads, query_offset):
+        """attend/step for a call whose plan key (see attnfast._ext.kvcache_key) found the
+        plan an earlier call left. Checks what can differ between such calls (room for the
+        new tokens, writeable arrays, alignment, `out`, num_threads, query_offset), appends,
+        attends. None, having changed nothing, when anything is unusual or the layout is
+        new: the full path runs."""
+        plan = KVCACHE_PLANS.get(key)
         if plan is None:
             return None
-        t, out_shape, dtype, scale, window, seqlen_q, capacity = plan
+        t, out_shape, dtype, scale, window, seqlen_q, capacity, lse_dtype = plan
         threads = fast_threads(num_threads)
         if threads is None or not fast_query_offset(query_offset):
             return None
@@ -768,13 +773,13 @@ class KVCache:
             window, seqlen_q, capacity, query_offset)
         interruptible = kernels_interruptible()
         if decode_tail_in_c():  # the common case, in C (None: declined); else Python
-            out = _ext.decode_fast(q, k, v, lengths, k_new, v_new, t, capacity, out_shape,
-                                   dtype, causal, scale, left, right, threads, query_offset,
-                                   interruptible, True)  # advance: the lengths, in place
-            if out is not None:
-                return out
-        if not q.flags.aligned:
-            return None
+            result = _ext.decode_fast(q, k, v, lengths, k_new, v_new, t, capacity, out_shape,
+                                      dtype, causal, scale, left, right, threads, query_offset,
+                                      interruptible, True, out, lse_dtype)
+            if result is not None:  # (advance: the lengths, in place)
+                return result
+        if out is not None or lse_dtype is not None or not q.flags.aligned:
+            return None  # the Python tail (tests standing in for the kernels): the full path
         starts = lengths.tolist()
         if t and (max(starts) + t > capacity or not k.flags.writeable
                   or not v.flags.writeable
