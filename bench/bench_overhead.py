@@ -20,7 +20,10 @@ Rows:
     attention_with_kvcache      caller-owned caches, one new token written at cache_seqlens
                                 (the same slot every call, so L stays fixed)
     attention_with_kvcache/ro   the same without new tokens (attend only)
+    attention_with_kvcache/ro(out=)  the same into a caller's out (what engines reuse)
     attention                   attention(q, k, v) with k, v (1, Hkv, L, D), causal
+    PagedKVCache.attend / .step  one sequence in pools of 8 and 100,000 blocks (step appends,
+                                the round's tokens truncated between rounds)
     torch: ...                  the same calls with torch tensors in and out
     transformers backend        attnfast.integrations.transformers.attention_forward (decode:
                                 query (1, H, 1, D), key/value (1, Hkv, L, D), no mask), as a
@@ -170,8 +173,22 @@ def _make_cases(heads, kv_heads, head_dim, length, capacity, threads, use_torch,
             nothing),
         "attention_with_kvcache/ro": (
             lambda: af.attention_with_kvcache(q, k_cache, v_cache, lens_after, **nt), nothing),
+        "attention_with_kvcache/ro(out=)": (
+            lambda: af.attention_with_kvcache(q, k_cache, v_cache, lens_after, out=out4, **nt),
+            nothing),
         "attention": (lambda: af.attention(q, k_full, v_full, causal=True, **nt), nothing),
     }
+    # A paged pool's per-call cost must not grow with the pool (issue 47): one sequence of
+    # L - 1 tokens in pools of 8 and 100,000 blocks of 16.
+    for blocks in (8, 100_000):
+        pool = af.PagedKVCache(num_blocks=blocks, block_size=16, kv_heads=Hkv, head_dim=D)
+        sid = pool.add_sequence()
+        pool.append([sid], k_cache[:, :, :L - 1], v_cache[:, :, :L - 1])
+        cases[f"PagedKVCache.attend ({blocks} blocks)"] = (
+            lambda pool=pool, sid=sid: pool.attend([sid], q, **nt), nothing)
+        cases[f"PagedKVCache.step ({blocks} blocks)"] = (
+            lambda pool=pool, sid=sid: pool.step([sid], q, k_tok, v_tok, **nt),
+            lambda pool=pool, sid=sid: pool.truncate(sid, L - 1))
     if not use_torch:
         return cases
     try:
@@ -181,7 +198,7 @@ def _make_cases(heads, kv_heads, head_dim, length, capacity, threads, use_torch,
     tq, tk, tv = (torch.from_numpy(a) for a in (q, k_tok, v_tok))
     tkc, tvc = torch.from_numpy(k_cache), torch.from_numpy(v_cache)
     tkf, tvf = torch.from_numpy(k_full), torch.from_numpy(v_full)
-    tseq = torch.from_numpy(seqlens)
+    tseq, tlens = torch.from_numpy(seqlens), torch.from_numpy(lens_after)
     tcache = af.KVCache(B, Hkv, D, capacity)
     tcache.append(k_cache[:, :, :L - 1], v_cache[:, :, :L - 1])
     tout = torch.empty(B, 1, H, D).transpose(1, 2)  # as the transformers backend's out
@@ -193,6 +210,8 @@ def _make_cases(heads, kv_heads, head_dim, length, capacity, threads, use_torch,
         "torch: KVCache.step": (lambda: tcache.step(tq, tk, tv, **nt), reset_tcache),
         "torch: attention_with_kvcache": (
             lambda: af.attention_with_kvcache(tq, tkc, tvc, tseq, tk, tv, **nt), nothing),
+        "torch: attention_with_kvcache/ro(out=)": (
+            lambda: af.attention_with_kvcache(tq, tkc, tvc, tlens, out=tout, **nt), nothing),
         "torch: attention(out=)": (
             lambda: af.attention(tq, tkf, tvf, causal=True, out=tout, **nt), nothing),
     })
