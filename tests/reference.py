@@ -5,12 +5,13 @@ Written for the tests only; shares no code with attnfast.
 import numpy as np
 
 
-def visible_mask(tq, tk, causal=False, window=None, query_offset=None):
+def visible_mask(tq, tk, causal=False, window=None, query_offset=None, rows=None):
     """(tq, tk) bool: row i sees key j (bottom-right aligned: i' = i + tk - tq, or
-    i' = i + query_offset when given)."""
-    i = np.arange(tq)[:, None] + (tk - tq if query_offset is None else query_offset)
+    i' = i + query_offset when given); with `rows`, only those query rows (len(rows), tk)."""
+    i = (np.arange(tq) if rows is None else np.asarray(rows))[:, None] + (
+        tk - tq if query_offset is None else query_offset)
     j = np.arange(tk)[None, :]
-    keep = np.ones((tq, tk), dtype=bool)
+    keep = np.ones((i.shape[0], tk), dtype=bool)
     if causal:
         keep &= j <= i
     if window is not None:

@@ -70,7 +70,7 @@ import pytest
 from threadpoolctl import threadpool_limits
 
 import attnfast as af
-from reference import reference_attention
+from reference import reference_attention, visible_mask
 
 F16 = np.dtype(np.float16)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -162,23 +162,6 @@ def _dot(a, b, naive):
     return a[..., :h] @ b[..., :h, :] + a[..., h:] @ b[..., h:, :]
 
 
-def _visible(rows, tq, n, causal, window):
-    """(len(rows), n) bool: query row i (bottom-right aligned over the n keys, i' = i + n - tq)
-    sees key j."""
-    ip = np.asarray(rows)[:, None] + (n - tq)
-    j = np.arange(n)[None, :]
-    keep = np.ones((len(rows), n), dtype=bool)
-    if causal:
-        keep &= j <= ip
-    if window is not None:
-        left, right = window
-        if left >= 0:
-            keep &= j >= ip - left
-        if right >= 0:
-            keep &= j <= ip + right
-    return keep
-
-
 def attention_ref(q, k, v, *, scale=None, causal=False, window=None, softcap=None, alibi=None,
                   sinks=None, mask=None, kv_lens=None, rows=None, naive=None, order="k",
                   grad=None):
@@ -217,7 +200,7 @@ def attention_ref(q, k, v, *, scale=None, causal=False, window=None, softcap=Non
             n = Tk if kv_lens is None else int(kv_lens[b])
             if n == 0:
                 continue
-            keep = _visible(rows, Tq, n, causal, window)
+            keep = visible_mask(Tq, n, causal, window, rows=rows)
             dist = np.abs(rows[:, None] + (n - Tq) - np.arange(n)[None, :]).astype(acc)
             for g in range(Hkv):
                 hs = slice(g * G, (g + 1) * G)
@@ -434,37 +417,36 @@ def _flash_id(c, extra=()):
                      c["mha_type"]] + flags)
 
 
-def flash_output_cases():
-    sizes = [dict(seqlen_q=sq, seqlen_k=sk, d=d, dtype=dt)
-             for (sq, sk), d, dt in itertools.product(FLASH_OUTPUT_SEQLENS, FLASH_OUTPUT_DIMS,
-                                                      FLASH_DTYPES)]
-    cases = rotate(sizes, FLASH_OPTIONS, stride=53)
+def _flash_grid(seqlens, dims, stride, dtypes=None, keep=lambda sq, sk: True):
+    """Every (seqlen pair x head dim), with every dtype (`dtypes`) or the dtype turned with
+    the options (None), the option axes turned through their combinations (`rotate`)."""
+    sizes = [dict(seqlen_q=sq, seqlen_k=sk, d=d) for (sq, sk), d in itertools.product(seqlens, dims)
+             if keep(sq, sk)]
+    if dtypes is None:
+        cases = rotate(sizes, dict(FLASH_OPTIONS, dtype=FLASH_DTYPES), stride=stride)
+    else:
+        cases = rotate([dict(size, dtype=dt) for size in sizes for dt in dtypes], FLASH_OPTIONS,
+                       stride=stride)
     return cases, [_flash_id(c) for c in cases]
+
+
+def flash_output_cases():
+    return _flash_grid(FLASH_OUTPUT_SEQLENS, FLASH_OUTPUT_DIMS, 53, dtypes=FLASH_DTYPES)
 
 
 def flash_backward_cases():
     """test_flash_attn_output's gradients: every (seqlen pair x head dim), the dtype turned
     with the options (the backward costs ~3 forwards and its reference has no row sample)."""
-    sizes = [dict(seqlen_q=sq, seqlen_k=sk, d=d)
-             for (sq, sk), d in itertools.product(FLASH_OUTPUT_SEQLENS, FLASH_OUTPUT_DIMS)]
-    cases = rotate(sizes, dict(FLASH_OPTIONS, dtype=FLASH_DTYPES), stride=97)
-    return cases, [_flash_id(c) for c in cases]
+    return _flash_grid(FLASH_OUTPUT_SEQLENS, FLASH_OUTPUT_DIMS, 97)
 
 
 def flash_varlen_cases():
-    sizes = [dict(seqlen_q=sq, seqlen_k=sk, d=d, dtype=dt)
-             for (sq, sk), d, dt in itertools.product(FLASH_VARLEN_SEQLENS, FLASH_VARLEN_DIMS,
-                                                      FLASH_DTYPES)]
-    cases = rotate(sizes, FLASH_OPTIONS, stride=59)
-    return cases, [_flash_id(c) for c in cases]
+    return _flash_grid(FLASH_VARLEN_SEQLENS, FLASH_VARLEN_DIMS, 59, dtypes=FLASH_DTYPES)
 
 
 def flash_varlen_backward_cases():
-    sizes = [dict(seqlen_q=sq, seqlen_k=sk, d=d)
-             for (sq, sk), d in itertools.product(FLASH_VARLEN_SEQLENS, FLASH_VARLEN_DIMS)
-             if sq * sk <= 512 * 512]
-    cases = rotate(sizes, dict(FLASH_OPTIONS, dtype=FLASH_DTYPES), stride=71)
-    return cases, [_flash_id(c) for c in cases]
+    return _flash_grid(FLASH_VARLEN_SEQLENS, FLASH_VARLEN_DIMS, 71,
+                       keep=lambda sq, sk: sq * sk <= 512 * 512)
 
 
 def flash_kvcache_cases():
