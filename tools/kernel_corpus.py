@@ -6,7 +6,8 @@ path, run on every tier this CPU runs, their outputs kept byte for byte.
 
 Record once from the code before a change, then compare after it: a refactoring of the
 kernel layer that must not move a bit passes only if every case of every tier is
-byte-identical. The cases cover prefill (Tq > 16) and decode (Tq <= 16) for float32,
+byte-identical; where a change is meant to move last bits, compare prints for each changed
+output (#0 out, #1 lse) its largest difference in ulps of the output's largest magnitude. The cases cover prefill (Tq > 16) and decode (Tq <= 16) for float32,
 float64, float16 and bfloat16; float32 q over float16 / bfloat16 / int8 caches and 16-bit q
 over int8; GQA and MQA; Dv != D, odd D and the head dims the SIMD kernels specialise; causal,
 window, query_offset, softcap, ALiBi, sinks, bool and additive masks; paged caches, varlen
@@ -19,6 +20,7 @@ import os
 import sys
 import zlib
 
+import ml_dtypes
 import numpy as np
 
 import attnfast
@@ -246,8 +248,36 @@ def run_all(tiers, tally):
                 for i, arr in enumerate(run()):
                     result[f"{tier}|{name}|{i}"] = np.frombuffer(
                         np.ascontiguousarray(arr).tobytes(), np.uint8)
+                    result[f"{tier}|{name}|{i}|dtype"] = np.array(arr.dtype.name)
     _ext.force_isa("")
     return result
+
+
+_FLOATS = {"float16": (np.float16, 10), "bfloat16": (ml_dtypes.bfloat16, 7),
+           "float32": (np.float32, 23), "float64": (np.float64, 52)}
+
+
+def ulps(before: np.ndarray, now: np.ndarray, dtype_name: str):
+    """How far two recordings of one float output are apart: the largest |difference| in
+    ulps of the output's largest finite magnitude (an ulp of each element would make a
+    value that cancels to near zero look far off). inf where NaN or inf moved; None when
+    the output is not a float array or the sizes differ."""
+    if dtype_name not in _FLOATS or before.size != now.size:
+        return None
+    dtype, mantissa = _FLOATS[dtype_name]
+    a = before.view(dtype).astype(np.float64)
+    b = now.view(dtype).astype(np.float64)
+    finite = np.isfinite(a) & np.isfinite(b)
+    if not np.array_equal(np.isfinite(a), np.isfinite(b)) or np.any(a[~finite] != b[~finite]) and \
+            not np.array_equal(np.isnan(a), np.isnan(b)):
+        return float("inf")
+    if not finite.any():
+        return 0.0
+    top = np.abs(a[finite]).max()
+    if top == 0:
+        return 0.0 if np.all(b[finite] == 0) else float("inf")
+    ulp = 2.0 ** (np.floor(np.log2(top)) - mantissa)
+    return float(np.abs(a[finite] - b[finite]).max() / ulp)
 
 
 def main(argv=None) -> int:
@@ -273,17 +303,26 @@ def main(argv=None) -> int:
         before = {key: saved[key] for key in saved.files}
     failed = 0
     for tier in tiers:
-        keys = [key for key in now if key.startswith(tier + "|")]
+        keys = [key for key in now if key.startswith(tier + "|") and not key.endswith("|dtype")]
         cases_seen = {key.split("|")[1] for key in keys}
-        bad = sorted({key.split("|")[1] for key in keys
-                      if key not in before or not np.array_equal(before[key], now[key])})
+        changed = [key for key in keys if key not in before or not np.array_equal(before[key], now[key])]
+        bad = sorted({key.split("|")[1] for key in changed})
+        # Per changed case, the largest ulp distance of each output (0: out, 1: lse, ...),
+        # where the recording names its dtype (recordings before dtypes were kept: not known).
+        distances = {}
+        for key in changed:
+            name, index = key.split("|")[1:3]
+            if key in before and key + "|dtype" in before:
+                d = ulps(before[key], now[key], str(before[key + "|dtype"]))
+                distances.setdefault(name, []).append(f"#{index} {'?' if d is None else f'{d:.3g}'} ulp")
         missing = sorted({key.split("|")[1] for key in before
                           if key.startswith(tier + "|") and key not in now})
         status = "identical" if not bad and not missing else "DIFFERENT"
         print(f"{tier:>11}: {len(cases_seen) - len(bad)}/{len(cases_seen)} cases "
               f"({len(keys)} arrays) bit-identical: {status}")
         for name in bad + missing:
-            print(f"             differs: {name}")
+            print(f"             differs: {name}" +
+                  (f" ({', '.join(distances[name])})" if name in distances else ""))
         tally.report(tier)
         failed += len(bad) + len(missing)
     return 1 if failed else 0

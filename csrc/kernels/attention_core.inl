@@ -1,10 +1,15 @@
 // The parts of the attention algorithm every kernel shares, written once and compiled by
-// every ISA file with its own flags: the accumulator-type math (exp, log, tanh, the
+// every ISA file with its own flags: the accumulator-type math (exp2, log, tanh, the
 // NaN-propagating max), the KV sources (KeyRows, RowScales: contiguous rows, or a paged
 // cache's blocks read in place through the block table, and an int8 / float8 cache's row
 // scales), the score transforms (RowOptions: softcap, ALiBi, mask; nonfinite_to_nan, the NaN
 // rule for infinite inputs) and the online-softmax step (softmax_block). Visibility (causal,
-// window) is kernel_table.hpp's visible_keys. Included by kernels/isa_*.cpp and the .inl files
+// window) is kernel_table.hpp's visible_keys.
+//
+// Units: every kernel scores in base 2. A scaled score s = scale q . k is carried as
+// x = s log2(e) (the staged query rows carry scale log2(e)), so that each softmax weight is
+// one exp2(x - m) with no multiply; the score options convert their constants once
+// (RowOptions), and only the lse leaves in natural units: lse = ln(2) (m + log2 l). Included by kernels/isa_*.cpp and the .inl files
 // that use it, after ATTNFAST_KERNEL_NS is defined (a namespace unique to that file, so the
 // per-ISA copies never merge at link time).
 //
@@ -34,28 +39,31 @@ template <class A> inline A neg_inf() { return -static_cast<A>(__builtin_inf());
 // never be dropped by a comparison).
 template <class A> inline A max_of(A a, A b) { return (a > b || a != a) ? a : b; }
 
-// exp for float: Cody-Waite range reduction and a degree-6 polynomial (Cephes' expf
-// coefficients), ~1 ulp on the range softmax uses; flushes to 0 below -87.3 (and for -inf).
-inline float exp_acc(float x) {
-    float xc = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
-    xc = xc == xc ? xc : 0.0f;  // NaN: computed on 0 (no undefined int conversion), returned as is
+constexpr double kLog2e = 1.4426950408889634074;  // log2(e): natural-log units -> base 2
+constexpr double kLn2 = 0.6931471805599453094;    // ln(2): base 2 -> natural-log units
+
+// 2^x for float: simd::exp2_neg's steps on one lane (n = round(x), r = x - n exact, the same
+// degree-6 polynomial for 2^r, times 2^n). The softmax only takes x <= 0 (a score minus the
+// running max); below -126 (and -inf) exactly 0, never denormal; NaN stays NaN.
+inline float exp2_acc(float x) {
+    if (!(x >= -126.0f)) return x == x ? 0.0f : x;
+    const float xc = x > 127.0f ? 127.0f : x;
     const float round_magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-    const float n = (xc * 1.44269504088896341f + round_magic) - round_magic;
-    float r = xc - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float poly = 1.9875691500e-4f;
-    poly = poly * r + 1.3981999507e-3f;
-    poly = poly * r + 8.3334519073e-3f;
-    poly = poly * r + 4.1665795894e-2f;
-    poly = poly * r + 1.6666665459e-1f;
-    poly = poly * r + 5.0000001201e-1f;
-    const float er = poly * r * r + r + 1.0f;
+    const float n = (xc + round_magic) - round_magic;
+    const float r = xc - n;
+    float poly = 1.534581243e-04f;
+    poly = poly * r + 1.339993090e-03f;
+    poly = poly * r + 9.618489072e-03f;
+    poly = poly * r + 5.550328642e-02f;
+    poly = poly * r + 2.402264625e-01f;
+    poly = poly * r + 6.931471825e-01f;
+    poly = poly * r + 1.0f;
     const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
     float two_n;
     std::memcpy(&two_n, &bits, sizeof two_n);
-    return x < -87.3f ? 0.0f : (x == x ? er * two_n : x);
+    return poly * two_n;
 }
-inline double exp_acc(double x) { return __builtin_exp(x); }
+inline double exp2_acc(double x) { return __builtin_exp2(x); }
 
 // ---- storage-type dispatch: every DType named in each switch, no default branch (the
 // build has -Werror=switch, so a new format that a dispatch does not name does not compile)
@@ -168,27 +176,29 @@ inline void nonfinite_to_nan(A* __restrict s, int64_t n) {
     for (int64_t j = 0; j < n; ++j) s[j] = s[j] == neg_inf<A>() ? __builtin_nan("") : s[j];
 }
 
-// The score options of one query row (softcap, ALiBi, mask; see AttentionParams), applied to
-// s[0, n) holding the scaled scores of keys first_key .. first_key + n.
+// The score options of one query row (softcap, ALiBi, mask; see AttentionParams) in base-2
+// units, applied to s[0, n) holding the scores (times log2 e) of keys first_key ..
+// first_key + n: softcap c becomes c log2(e) (c tanh(s / c) times log2 e is
+// c log2(e) tanh(x / (c log2 e))), an ALiBi slope and an additive mask are multiplied by log2 e.
 template <class A>
 struct RowOptions {
-    A softcap = 0;                   // 0: off
-    A inv_softcap = 0;
-    A slope = 0;                     // ALiBi slope of the row's head (0: off)
+    A softcap = 0;                   // softcap log2(e); 0: off
+    A inv_softcap = 0;               // its inverse
+    A slope = 0;                     // ALiBi slope of the row's head times log2(e) (0: off)
     int64_t aligned = 0;             // i', the row's key position
     MaskKind mask_kind = MaskKind::kNone;
     const uint8_t* bool_mask = nullptr;  // the row's mask entries, col_stride apart
-    const float* add_mask_f32 = nullptr;
+    const float* add_mask_f32 = nullptr;  // (natural-log units, as the caller gave them)
     const double* add_mask_f64 = nullptr;
     int64_t col_stride = 0;
 
     RowOptions(const AttentionParams& p, int64_t batch, int64_t head, int64_t row,
                int64_t seqlen_k) {
         if (p.softcap > 0) {
-            softcap = static_cast<A>(p.softcap);
-            inv_softcap = static_cast<A>(1.0 / p.softcap);
+            softcap = static_cast<A>(p.softcap * kLog2e);
+            inv_softcap = static_cast<A>(1.0 / (p.softcap * kLog2e));
         }
-        if (p.alibi_slopes) slope = static_cast<A>(p.alibi_slopes[batch * p.alibi_batch_stride + head]);
+        if (p.alibi_slopes) slope = static_cast<A>(p.alibi_slopes[batch * p.alibi_batch_stride + head] * kLog2e);
         aligned = aligned_row(p, row, seqlen_k);
         if (p.mask) {
             mask_kind = p.mask_kind;
@@ -207,21 +217,22 @@ struct RowOptions {
                 const int64_t dist = aligned - (first_key + j);
                 s[j] -= slope * static_cast<A>(dist < 0 ? -dist : dist);
             }
+        const A log2e = static_cast<A>(kLog2e);
         if (bool_mask) {
             for (int64_t j = 0; j < n; ++j)
                 if (!bool_mask[(first_key + j) * col_stride]) s[j] = neg_inf<A>();
         } else if (add_mask_f32) {
-            for (int64_t j = 0; j < n; ++j) s[j] += static_cast<A>(add_mask_f32[(first_key + j) * col_stride]);
+            for (int64_t j = 0; j < n; ++j) s[j] += static_cast<A>(add_mask_f32[(first_key + j) * col_stride]) * log2e;
         } else if (add_mask_f64) {
-            for (int64_t j = 0; j < n; ++j) s[j] += static_cast<A>(add_mask_f64[(first_key + j) * col_stride]);
+            for (int64_t j = 0; j < n; ++j) s[j] += static_cast<A>(add_mask_f64[(first_key + j) * col_stride]) * log2e;
         }
     }
 };
 
-// The online softmax of one query row over one block of its scores, srow[0, width), of
-// which it sees [b, e): folds the block into the row's running max m, sum l and
+// The online softmax of one query row over one block of its scores (base 2), srow[0, width),
+// of which it sees [b, e): folds the block into the row's running max m, sum l and
 // accumulator acc_row (Dv, rescaled when m grows) and leaves in srow the block's weights
-// exp(s - m), 0 outside [b, e). Returns false (weights all 0, state untouched) when the row
+// exp2(x - m), 0 outside [b, e). Returns false (weights all 0, state untouched) when the row
 // sees nothing in the block. A NaN score makes m, l and with them the row's out NaN.
 // Written once for every policy of the decode loop (decode_attention.inl, which runs the
 // template prefill too); Path gives the two passes over the scores, range_max and
@@ -238,8 +249,8 @@ __attribute__((always_inline)) inline bool softmax_block(A* srow, int64_t width,
         return false;
     }
     const A m_new = m > block_max ? m : block_max;
-    if (m != m_new && m != neg_inf<A>()) {  // (exp(-inf) = 0 needs no pass over acc_row)
-        const A correction = exp_acc(m - m_new);
+    if (m != m_new && m != neg_inf<A>()) {  // (exp2(-inf) = 0 needs no pass over acc_row)
+        const A correction = exp2_acc(m - m_new);
         l *= correction;
         for (int64_t c = 0; c < Dv; ++c) acc_row[c] *= correction;
     }

@@ -247,7 +247,7 @@ struct Bf16Kernel {
     Scratch sc;
     float scale2;  // scale * log2(e): the scores in base 2 (Qᵀ is not pre-scaled)
     Bf16Kernel(const AttentionParams& p, float* extra)
-        : sc{reinterpret_cast<uint32_t*>(extra)}, scale2(static_cast<float>(p.scale * 1.4426950408889634)) {}
+        : sc{reinterpret_cast<uint32_t*>(extra)}, scale2(static_cast<float>(p.scale * kLog2e)) {}
     void init_sub_block(const AttentionParams& p, simd::Block& b, const bf16_t* q) const {
         bf16_prefill::init_sub_block(p, b, q);
     }

@@ -1,7 +1,7 @@
 // Decode: a short query (decode.cpp: runs_on_decode_path) against a long KV cache, compiled
 // by every ISA file with its own flags, inside its per-ISA namespace; and the template
 // prefill, the same loop over one block of query rows at a time. Uses attention_core.inl's
-// parts (exp_acc, log_acc, neg_inf, max_of, RowOptions, KeyRows, RowScales, softmax_block),
+// parts (exp2_acc, log_acc, neg_inf, max_of, RowOptions, KeyRows, RowScales, softmax_block),
 // storage.hpp's conversions and the typed vector layer (csrc/simd/typed.hpp).
 //
 // Decoding is bandwidth-bound: each cached K/V byte is used by only (H / Hkv) * Tq query
@@ -136,7 +136,7 @@ inline A range_max(const A* __restrict x, int64_t n) {
     return reduce_max_lanes(part);
 }
 
-// x[j] = exp(x[j] - m) for j < n; returns the sum.
+// x[j] = 2^(x[j] - m) for j < n; returns the sum.
 template <class A>
 inline A range_exp_sum(A* __restrict x, int64_t n, A m) {
     A part[kLanes];
@@ -144,12 +144,12 @@ inline A range_exp_sum(A* __restrict x, int64_t n, A m) {
     int64_t j = 0;
     for (; j + kLanes <= n; j += kLanes)
         for (int u = 0; u < kLanes; ++u) {
-            const A e = exp_acc(x[j + u] - m);
+            const A e = exp2_acc(x[j + u] - m);
             x[j + u] = e;
             part[u] += e;
         }
     for (int u = 0; j + u < n; ++u) {
-        const A e = exp_acc(x[j + u] - m);
+        const A e = exp2_acc(x[j + u] - m);
         x[j + u] = e;
         part[u] += e;
     }
@@ -327,7 +327,8 @@ inline void prefetch_rows(const KeyRows<T>& rows, int64_t first, int64_t last, i
 
 // The decode loop: one chunk of keys, [task.key_begin, task.key_end), of one (batch, kv head)
 // for all its (H / Hkv) x Tq query rows, with the arithmetic of Path (above). Writes the
-// chunk's unnormalised acc (rows x Dv), row max m and row sum l (decode_merge finishes them).
+// chunk's unnormalised acc (rows x Dv), row max m (base 2) and row sum l (decode_merge
+// finishes them).
 // Rows go in groups of kDecodeGroupRows; for each group, blocks of keys: one pass over the
 // block's K rows writes every row's scores, then per row the key scales, the NaN rule, the
 // score options and the online softmax, then one pass over the block's V rows.
@@ -364,7 +365,7 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
     const RowScales v_scale = row_scales(p, p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride,
                                          p.v_scale_row_stride, task.batch, task.kv_head);
     const int64_t kb = task.key_begin;
-    const A scale = static_cast<A>(p.scale);
+    const A scale = static_cast<A>(p.scale * kLog2e);  // scores in base 2 (attention_core.inl)
     const int64_t v_row_bytes = kv_row_bytes<T>(Dv);
     const bool options = p.softcap > 0 || p.alibi_slopes || p.mask;
 
@@ -525,7 +526,8 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
     Path::finish(acc, rows, Dv);
 }
 
-// T: type of out (that of q).
+// Finishes the rows of one (batch, kv head) from its chunks' (acc, m, l), m in base 2: out,
+// and lse in natural-log units. T: type of out (that of q).
 template <class T, class A>
 void decode_merge(const AttentionParams& p, int64_t batch, int64_t kv_head, int64_t chunks,
                   const A* acc, const A* m, const A* l, A* workspace) {
@@ -552,22 +554,22 @@ void decode_merge(const AttentionParams& p, int64_t batch, int64_t kv_head, int6
         // The sink (once per row, after the chunks): one more term of the denominator.
         A total = 0;
         if (p.sinks) {
-            const A sink = static_cast<A>(p.sinks[head]);
+            const A sink = static_cast<A>(p.sinks[head] * kLog2e);
             top = max_of(top, sink);
-            total = exp_acc(sink - top);
+            total = exp2_acc(sink - top);
         }
         // Chunks in their fixed order, so the bits never depend on who computed them.
         for (int64_t e = 0; e < Dv; ++e) sum[e] = 0;
         for (int64_t c = 0; c < chunks; ++c) {
             const A mc = m[c * rows + r];
             if (mc == neg_inf<A>()) continue;
-            const A w = exp_acc(mc - top);
+            const A w = exp2_acc(mc - top);
             total += w * l[c * rows + r];
             axpy(sum, w, acc + (c * rows + r) * Dv, Dv);
         }
         const A inv = A(1) / total;
         for (int64_t e = 0; e < Dv; ++e) orow[e] = store_from_acc<T>(sum[e] * inv);
-        if (lse_at) *lse_at = top + log_acc(total);
+        if (lse_at) *lse_at = top * static_cast<A>(kLn2) + log_acc(total);  // natural units
     }
 }
 

@@ -45,7 +45,6 @@ namespace gemm_decode {
 using simd::Vec;
 using simd::W;
 
-constexpr float kLog2e = 1.44269504088896340736f;
 // Keys per split-KV chunk: a whole number of tiles, large enough that the chunks' partial
 // accumulators (rows x Dv floats each) and their merge stay small next to the arithmetic,
 // and fixed (never derived from the thread count: the same bits for any count).
@@ -180,7 +179,7 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
     const int64_t kb = task.key_begin;
 
     // Workspace, each part a whole number of vectors from a vector-aligned start:
-    // qt (D x rp) scaled queries, transposed by blocks of rows (the rows' d-th elements
+    // qt (D x rp) queries times scale log2(e), transposed by blocks of rows (the rows' d-th elements
     // contiguous within a block: see query_block); acct (Dv x rp) accumulators, transposed;
     // st (tile x rp) scores, then probabilities; m, l, corr (rp each) running max, running
     // sum, this tile's rescaling; lo, hi (rp int32 each) each row's chunk-relative visible
@@ -208,7 +207,7 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
     const float* vrows[kTileKeys];
 
     const TQ* q = static_cast<const TQ*>(p.q) + task.batch * p.q_batch_stride;
-    const float scale = static_cast<float>(p.scale);
+    const float scale = static_cast<float>(p.scale * kLog2e);  // scores in base 2
     // Rows [r, r + NV * W) (or a last block of W) form one query block at qt + r * D, the
     // element (d, r + x) at d * width + x: the score loops read it sequentially.
     const int64_t full_rows = rp / (kNV * W) * (kNV * W);
@@ -246,9 +245,9 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
     const KeyRows<T> v = key_rows<T>(p, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
                                      task.batch, task.kv_head);
     const bool capped = p.softcap > 0;
-    const Vec cap = simd::vset(static_cast<float>(p.softcap));
-    const Vec inv_cap = simd::vset(capped ? static_cast<float>(1.0 / p.softcap) : 0.0f);
-    const Vec log2e = simd::vset(kLog2e);
+    // softcap in base 2 (RowOptions): c log2(e) tanh(x / (c log2 e))
+    const Vec cap = simd::vset(static_cast<float>(p.softcap * kLog2e));
+    const Vec inv_cap = simd::vset(capped ? static_cast<float>(1.0 / (p.softcap * kLog2e)) : 0.0f);
 
     // Cache lines of one stored K row, and score-block calls per tile (full tiles).
     const int64_t row_lines = (D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
@@ -294,7 +293,7 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
                         score_block<1, kNK>(qt + r * D, rp, krows + j0, nk, d0, d1, st + j0 * rp + r);
                 }
             }
-        // Online softmax, W rows at a time.
+        // Online softmax (base 2), W rows at a time.
         for (int64_t r = 0; r < rp; r += W) {
             Vec bmax = simd::vset(-__builtin_inff());
             Vec bad = simd::vzero();  // NaN in a lane that met a non-finite visible score
@@ -313,11 +312,11 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
             Vec sum = simd::vzero();
             for (int64_t j = 0; j < nt; ++j) {
                 const Vec s = simd::vload(st + j * rp + r);
-                const Vec pr = simd::exp2_neg(simd::vmul(simd::vsub(s, shift), log2e));
+                const Vec pr = simd::exp2_neg(simd::vsub(s, shift));
                 simd::vstore(st + j * rp + r, pr);
                 sum = simd::vadd(sum, pr);
             }
-            const Vec c = simd::exp2_neg(simd::vmul(simd::vsub(m_old, shift), log2e));
+            const Vec c = simd::exp2_neg(simd::vsub(m_old, shift));
             simd::vstore(corr + r, c);
             simd::vstore(l + r, simd::vfma(simd::vload(l + r), c, sum));
             simd::vstore(m + r, m_new);

@@ -19,7 +19,7 @@
 //     keys), each in its own accumulator, then one transpose-reduce tree turns the W
 //     accumulators into one vector of W scores, instead of a horizontal sum per (row, key).
 //     Each K vector loaded serves every row of the row block.
-//   * softmax in whole vectors (exp2_neg), no scalar exp per key.
+//   * softmax in whole vectors (exp2_neg, base 2), no scalar exp per key.
 //   * P·V with all accumulators in registers.
 // Rounding depends only on the shapes (never the thread count).
 //
@@ -40,8 +40,6 @@ namespace attnfast {
 namespace ATTNFAST_KERNEL_NS {
 namespace {
 namespace simd_decode {
-
-constexpr float kLog2e = 1.44269504088896340736f;
 
 // The SIMD layer's vocabulary (csrc/simd/).
 using V = simd::Vec;
@@ -202,16 +200,15 @@ inline void pv_rows(float* acc, int64_t Dv, const float* p, int64_t ps, const T*
     for (; e < Dv; e += W) pv_tile<RB, 1, T>(acc + e, Dv, p, ps, v, e, vs, j0, j1);
 }
 
-// x[c] = exp(x[c] - m) for b <= c < e and 0 for the other c < n (n rounded up to W may be
+// x[c] = 2^(x[c] - m) for b <= c < e and 0 for the other c < n (n rounded up to W may be
 // written: the score rows have room); returns the sum over [b, e).
 inline float exp_shift_zero(float* x, int64_t n, int64_t b, int64_t e, float m) {
     const V mv = vset(m);
-    const V log2e = vset(kLog2e);
     V sum = vzero();
     for (int64_t c = 0; c < n; c += W) {
         // Lanes outside [b, e) may hold anything (even NaN): zeroed before and after exp.
         const V s = simd::keep_range(vloadu(x + c), c, b, e);
-        const V pr = simd::keep_range(simd::exp2_neg(vmul(simd::vsub(s, mv), log2e)), c, b, e);
+        const V pr = simd::keep_range(simd::exp2_neg(simd::vsub(s, mv)), c, b, e);
         vstoreu(x + c, pr);
         sum = simd::vadd(sum, pr);
     }
@@ -219,13 +216,14 @@ inline float exp_shift_zero(float* x, int64_t n, int64_t b, int64_t e, float m) 
 }
 
 // The score options of one query row (RowOptions, attention_core.inl: the same fields, read
-// once) applied to its scores srow[b, e) (scaled, natural-log units; column c is key key0 + c),
+// once) applied to its scores srow[b, e) (scaled, base 2; column c is key key0 + c),
 // W at a time: the last vector may run past e (score rows have room; exp_shift_zero ignores
 // those lanes). softcap with simd_prefill's tanh_vec; the mask read through its strides.
 struct RowScoreOptions : RowOptions<float> {
     using RowOptions<float>::RowOptions;
 
     void apply(float* srow, int64_t b, int64_t e, int64_t key0) const {
+        const float log2e = static_cast<float>(kLog2e);  // (an additive mask's units)
         if (softcap != 0) {
             const V c = vset(softcap), ic = vset(inv_softcap);
             for (int64_t x = b; x < e; x += W) vstoreu(srow + x, vmul(c, simd::tanh_vec(vmul(vloadu(srow + x), ic))));
@@ -243,14 +241,15 @@ struct RowScoreOptions : RowOptions<float> {
             for (int64_t x = b; x < e; ++x)
                 if (!bool_mask[(key0 + x) * col_stride]) srow[x] = -__builtin_inff();
         } else if (add_mask_f64) {
-            for (int64_t x = b; x < e; ++x) srow[x] += static_cast<float>(add_mask_f64[(key0 + x) * col_stride]);
+            for (int64_t x = b; x < e; ++x) srow[x] += static_cast<float>(add_mask_f64[(key0 + x) * col_stride]) * log2e;
         } else if (add_mask_f32 && col_stride == 1) {
             const float* m = add_mask_f32 + key0;
+            const V l2 = vset(log2e);
             int64_t x = b;
-            for (; x + W <= e; x += W) vstoreu(srow + x, simd::vadd(vloadu(srow + x), vloadu(m + x)));
-            for (; x < e; ++x) srow[x] += m[x];
+            for (; x + W <= e; x += W) vstoreu(srow + x, vfma(vloadu(m + x), l2, vloadu(srow + x)));
+            for (; x < e; ++x) srow[x] += m[x] * log2e;
         } else if (add_mask_f32) {
-            for (int64_t x = b; x < e; ++x) srow[x] += add_mask_f32[(key0 + x) * col_stride];
+            for (int64_t x = b; x < e; ++x) srow[x] += add_mask_f32[(key0 + x) * col_stride] * log2e;
         }
     }
 };

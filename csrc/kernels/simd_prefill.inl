@@ -666,7 +666,7 @@ void widen_rows(const KeyRows<T>& src, int64_t first, int64_t rows, int64_t dim,
 // 2^(x log2 e)), lanes past the last row 0; empty state.
 template <class TQ>
 void init_sub_block(const AttentionParams& p, Block& b, const TQ* q) {
-    const float qscale = static_cast<float>(p.scale * 1.4426950408889634);
+    const float qscale = static_cast<float>(p.scale * kLog2e);
     const Chunk scalec = chunk_set(qscale);
     const int64_t D = b.D;
     int64_t i0 = 0;
@@ -708,7 +708,7 @@ void finish_sub_block(const AttentionParams& p, const Block& b, int64_t batch) {
     // Attention sink (gpt-oss): one more term of the denominator, no value; in the base-2
     // units of m and l. A row that saw no key gets m = sink, l = 1 (zeros, lse = sink).
     if (p.sinks) {
-        const float sink = static_cast<float>(p.sinks[b.head] * 1.4426950408889634);
+        const float sink = static_cast<float>(p.sinks[b.head] * kLog2e);
         for (int64_t i = 0; i < b.rows; ++i) {
             if (b.l[i] == 0.0f) {
                 b.m[i] = sink;
@@ -746,18 +746,18 @@ void finish_sub_block(const AttentionParams& p, const Block& b, int64_t batch) {
     if (lse)
         for (int64_t i = 0; i < b.rows; ++i)
             lse[(b.row_begin + i) * p.lse_row_stride] =
-                b.l[i] != 0.0f ? b.m[i] * 0.6931471805599453f + __builtin_logf(b.l[i]) : -__builtin_inff();
+                b.l[i] != 0.0f ? b.m[i] * static_cast<float>(kLn2) + __builtin_logf(b.l[i]) : -__builtin_inff();
 }
 
 // ---------------------------------------------------------------- masks
 // Mask values in the kernel's units: a bool mask's entry as +0 (keep) or -inf (drop), an
 // additive mask's times log2(e).
 inline float mask_value(const uint8_t* m) { return *m ? 0.0f : -__builtin_inff(); }
-inline float mask_value(const float* m) { return *m * 1.4426950408889634f; }
-inline float mask_value(const double* m) { return static_cast<float>(*m) * 1.4426950408889634f; }
+inline float mask_value(const float* m) { return *m * static_cast<float>(kLog2e); }
+inline float mask_value(const double* m) { return static_cast<float>(*m) * static_cast<float>(kLog2e); }
 inline Chunk mask_chunk(const uint8_t* m) { return simd::chunk_zero_to_neg_inf(m); }
-inline Chunk mask_chunk(const float* m) { return chunk_mul(widen_chunk(m), chunk_set(1.4426950408889634f)); }
-inline Chunk mask_chunk(const double* m) { return chunk_mul(widen_chunk(m), chunk_set(1.4426950408889634f)); }
+inline Chunk mask_chunk(const float* m) { return chunk_mul(widen_chunk(m), chunk_set(static_cast<float>(kLog2e))); }
+inline Chunk mask_chunk(const double* m) { return chunk_mul(widen_chunk(m), chunk_set(static_cast<float>(kLog2e))); }
 // Whether a mask tile drops or adds anything (lanes nonzero) and keeps anything (zero).
 using MaskSummary = simd::ZeroTally;
 
@@ -850,8 +850,8 @@ inline ScoreOptions score_options(const AttentionParams& p) {
     ScoreOptions o;
     if (p.softcap > 0) {
         o.softcap = true;
-        o.cap = static_cast<float>(p.softcap * 1.4426950408889634);
-        o.inv_cap = static_cast<float>(1.0 / (p.softcap * 1.4426950408889634));
+        o.cap = static_cast<float>(p.softcap * kLog2e);
+        o.inv_cap = static_cast<float>(1.0 / (p.softcap * kLog2e));
     }
     o.alibi = p.alibi_slopes != nullptr;
     o.mask = p.mask != nullptr;
@@ -965,7 +965,7 @@ void run_task(const AttentionParams& p, const BlockTask& task, float* workspace)
         b.seqlen_k = batch_seqlen_k(p, task.batch);
         b.opt = opt;
         if (opt.alibi) b.opt.slope = static_cast<float>(p.alibi_slopes[task.batch * p.alibi_batch_stride + b.head] *
-                                                        1.4426950408889634);
+                                                        kLog2e);
         const TQ* q = static_cast<const TQ*>(p.q) + task.batch * p.q_batch_stride + b.head * p.q_head_stride;
         kernel.init_sub_block(p, b, q);
         if (sidx == 0 || b.first.begin < kv_begin) kv_begin = b.first.begin;
