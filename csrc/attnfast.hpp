@@ -91,6 +91,18 @@ struct AttentionParams {
                                     // joins the softmax denominator (adds no value); lse
                                     // includes it, and a row seeing no key gets lse = sink
 
+    // Selected keys (sparse attention: DeepSeek's DSA top-k), or nullptr = every key. With
+    // it, query row i of batch entry b, kv head g, sees only the key positions
+    // key_index[b * key_index_batch_stride + g * key_index_head_stride + i * key_index_row_stride
+    // + 0 .. key_index_count) (head stride 0: one list for every head), of which -1 means none
+    // and the others are distinct and < the entry's key count; a listed key that causal or
+    // window hides stays hidden. Neither ALiBi nor a mask (they need each key's position in
+    // the kernels). Runs on the decode path, one query row per problem; the listed rows are
+    // gathered chunk by chunk and only they are read.
+    const int32_t* key_index;
+    int64_t key_index_batch_stride, key_index_head_stride, key_index_row_stride;
+    int64_t key_index_count;        // k, entries per row (>= 0)
+
     int num_threads;     // >= 1 (more than the processors are not started); the result
                          // does not depend on it
     bool interruptible;  // stop early (out/lse then unspecified) after request_interrupt()
@@ -126,6 +138,7 @@ struct CallPlan {
     // "template_decode", or "template_f64" (float64): the templates' names start "template".
     const char* kernel;
     bool paged;           // reads a paged KV cache (block_table)
+    bool indexed;         // reads the keys key_index selects
     int64_t chunk_keys;   // decode: keys per chunk of the split-KV (0 for prefill)
     int64_t chunks;       // decode: most chunks any (batch entry, kv head) is split into
     int64_t tasks;        // work items the threads share: query blocks, or decode chunks

@@ -41,6 +41,9 @@ int64_t chunk_keys_of(const AttentionParams& p, const DecodeKernel& kernel) {
     return kernel.chunk_keys > 0 ? kernel.chunk_keys : decode_chunk_keys(p);
 }
 
+// With key_index (one query row: decode_row_blocks), the chunks split the row's list, entries
+// [0, key_index_count), at the same fixed points: a task's keys [key_begin, key_end) are then
+// list entries, which run_chunk gathers.
 DecodeSplit split_decode(const AttentionParams& p, int64_t chunk_keys) {
     DecodeSplit split;
     const int64_t chunk = split.chunk_keys = chunk_keys;
@@ -49,8 +52,8 @@ DecodeSplit split_decode(const AttentionParams& p, int64_t chunk_keys) {
     for (int64_t b = 0; b < p.batch; ++b) {
         const int64_t seqlen_k = batch_seqlen_k(p, b);
         // Visible ranges only move right as rows go down: the union is first.begin..last.end.
-        const int64_t begin = visible_keys(p, 0, seqlen_k).begin;
-        const int64_t end = visible_keys(p, p.seqlen_q - 1, seqlen_k).end;
+        const int64_t begin = p.key_index ? 0 : visible_keys(p, 0, seqlen_k).begin;
+        const int64_t end = p.key_index ? p.key_index_count : visible_keys(p, p.seqlen_q - 1, seqlen_k).end;
         const int64_t c_first = begin / chunk;
         const int64_t c_end = end > begin ? (end + chunk - 1) / chunk : c_first;
         split.slot_base[b] = static_cast<int64_t>(split.tasks.size());
@@ -69,9 +72,104 @@ DecodeSplit split_decode(const AttentionParams& p, int64_t chunk_keys) {
     return split;
 }
 
-// The scratch one thread of `kernel` needs, in elements of its accumulator type.
+// Bytes of one stored K (or V) row of `dims` values: int4 rows are blocks of 32 in 20 bytes.
+int64_t stored_row_bytes(const AttentionParams& p, int64_t dims) {
+    return p.kv_dtype == DType::kQ4 ? (dims + 31) / 32 * 20 : dims * dtype_bytes(p.kv_dtype);
+}
+
+// Bytes run_chunk stages a chunk's listed K and V rows (and their row scales) in.
+int64_t staging_bytes(const AttentionParams& p, int64_t chunk_keys) {
+    if (!p.key_index) return 0;
+    const int64_t v_bytes = kv_is_latent(p) ? 0 : stored_row_bytes(p, p.head_dim_v);
+    return 64 + chunk_keys * (stored_row_bytes(p, p.head_dim) + v_bytes + 2 * int64_t(sizeof(float)));
+}
+
+// The scratch one thread of `kernel` needs for a chunk, in elements of its accumulator type.
 int64_t workspace_elems_of(const AttentionParams& p, const DecodeKernel& kernel) {
     return kernel.workspace_elems ? kernel.workspace_elems(p) : decode_workspace_elems(p);
+}
+
+// A thread's whole scratch: the kernel's own (`own` elements of A), then, from a 64-byte
+// line on, run_chunk's staging (key_index).
+template <class A>
+int64_t thread_scratch_elems(const AttentionParams& p, int64_t own, int64_t chunk_keys) {
+    const int64_t line = 64 / static_cast<int64_t>(sizeof(A));
+    return (own + line - 1) / line * line + (staging_bytes(p, chunk_keys) + int64_t(sizeof(A)) - 1) / int64_t(sizeof(A));
+}
+
+// Address of key `pos`'s row of (batch, kv head) in one of the cache's arrays (elements of
+// elem_bytes; its batch stride is the pool's block stride when paged).
+const char* row_at(const AttentionParams& p, const void* data, int64_t elem_bytes, int64_t batch_stride,
+                   int64_t head_stride, int64_t row_stride, int64_t batch, int64_t kv_head, int64_t pos) {
+    int64_t at = kv_head * head_stride;
+    if (p.block_table)
+        at += p.block_table[batch * p.block_table_batch_stride + pos / p.block_size] * batch_stride +
+              pos % p.block_size * row_stride;
+    else
+        at += batch * batch_stride + pos * row_stride;
+    return static_cast<const char*>(data) + at * elem_bytes;
+}
+
+// One decode task through chunk_fn. With key_index, the task's list entries are gathered
+// first: the rows they name that the query row sees (causal / window; -1 skipped), in list
+// order, copied into the staging after the kernel's scratch (`own` elements), and the
+// kernel runs on those rows as a contiguous cache that every row sees whole. The chunk
+// points are fixed, so the bits do not depend on the thread count.
+template <class A>
+void run_chunk(const AttentionParams& p, const DecodeTask& task, DecodeChunkFn<A> chunk_fn, A* ws,
+               int64_t own, A* acc, A* m, A* l) {
+    if (!p.key_index) return chunk_fn(p, task, ws, acc, m, l);
+    const int64_t line = 64 / static_cast<int64_t>(sizeof(A));
+    char* stage = reinterpret_cast<char*>(ws + (own + line - 1) / line * line);
+    const int64_t keys = task.key_end - task.key_begin;
+    const bool latent = kv_is_latent(p);
+    const int64_t eb = dtype_bytes(p.kv_dtype);
+    const int64_t k_bytes = stored_row_bytes(p, p.head_dim), v_bytes = stored_row_bytes(p, p.head_dim_v);
+    char* k_rows = stage;
+    char* v_rows = latent ? k_rows : k_rows + keys * k_bytes;
+    float* k_scales = reinterpret_cast<float*>(v_rows + (latent ? 0 : keys * v_bytes));
+    float* v_scales = k_scales + keys;
+    const int32_t* list = p.key_index + task.batch * p.key_index_batch_stride +
+                          task.kv_head * p.key_index_head_stride;
+    const KeyRange vis = visible_keys(p, 0, task.seqlen_k);
+    int64_t n = 0;
+    for (int64_t x = task.key_begin; x < task.key_end; ++x) {
+        const int64_t pos = list[x];
+        if (pos < vis.begin || pos >= vis.end) continue;  // (-1 too: vis.begin >= 0)
+        std::memcpy(k_rows + n * k_bytes, row_at(p, p.k, eb, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
+                                                 task.batch, task.kv_head, pos), static_cast<size_t>(k_bytes));
+        if (!latent)
+            std::memcpy(v_rows + n * v_bytes, row_at(p, p.v, eb, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
+                                                     task.batch, task.kv_head, pos), static_cast<size_t>(v_bytes));
+        if (p.k_scale) {
+            k_scales[n] = *reinterpret_cast<const float*>(row_at(p, p.k_scale, 4, p.k_scale_batch_stride,
+                p.k_scale_head_stride, p.k_scale_row_stride, task.batch, task.kv_head, pos));
+            v_scales[n] = *reinterpret_cast<const float*>(row_at(p, p.v_scale, 4, p.v_scale_batch_stride,
+                p.v_scale_head_stride, p.v_scale_row_stride, task.batch, task.kv_head, pos));
+        }
+        ++n;
+    }
+    AttentionParams staged = p;  // the gathered rows: one contiguous run, all visible
+    staged.k = k_rows;
+    staged.v = v_rows;
+    staged.k_batch_stride = staged.k_head_stride = staged.v_batch_stride = staged.v_head_stride = 0;
+    staged.k_row_stride = k_bytes / eb;
+    staged.v_row_stride = latent ? staged.k_row_stride : v_bytes / eb;
+    if (p.k_scale) {
+        staged.k_scale = k_scales;
+        staged.v_scale = v_scales;
+        staged.k_scale_batch_stride = staged.k_scale_head_stride = 0;
+        staged.v_scale_batch_stride = staged.v_scale_head_stride = 0;
+        staged.k_scale_row_stride = staged.v_scale_row_stride = 1;
+    }
+    staged.block_table = nullptr;
+    staged.seqlens_k = nullptr;
+    staged.seqlen_k = n;
+    staged.causal = false;
+    staged.window_left = staged.window_right = -1;
+    staged.has_query_offset = false;
+    staged.key_index = nullptr;
+    chunk_fn(staged, DecodeTask{task.batch, task.kv_head, 0, n, n}, ws, acc, m, l);
 }
 
 // Work items of the larger pass: chunks, or merges (one per (batch, kv head)).
@@ -83,7 +181,8 @@ int64_t decode_work(const AttentionParams& p, const DecodeSplit& split) {
 
 template <class A>
 void run_decode(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMergeFn<A> merge_fn,
-                int64_t chunk_keys, int64_t ws_elems) {
+                int64_t chunk_keys, int64_t own_elems) {
+    const int64_t ws_elems = thread_scratch_elems<A>(p, own_elems, chunk_keys);
     const int64_t rows = decode_rows(p);
     const int64_t heads_kv = p.kv_heads;
     if (p.batch == 0 || rows == 0) return;
@@ -103,9 +202,8 @@ void run_decode(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMerge
     const ThreadScratch<A> workspace(ws_elems, threads);
 
     parallel::for_each_dynamic(slots, threads, p.interruptible, [&](int64_t slot, int thread_id) {
-        chunk_fn(p, tasks[slot], workspace.at(thread_id),
-                 acc.get() + slot * rows * p.head_dim_v, row_max + slot * rows,
-                 row_sum + slot * rows);
+        run_chunk(p, tasks[slot], chunk_fn, workspace.at(thread_id), own_elems,
+                  acc.get() + slot * rows * p.head_dim_v, row_max + slot * rows, row_sum + slot * rows);
     });
     parallel::for_each_dynamic(merges, threads, p.interruptible, [&](int64_t index, int thread_id) {
         const int64_t b = index / heads_kv, g = index % heads_kv;
@@ -131,8 +229,9 @@ template <class A>
 class DecodeWork : public ProblemWork {
 public:
     DecodeWork(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMergeFn<A> merge_fn,
-               int64_t chunk_keys, int64_t ws_elems)
-        : p_(p), chunk_fn_(chunk_fn), merge_fn_(merge_fn), rows_(decode_rows(p)), ws_elems_(ws_elems) {
+               int64_t chunk_keys, int64_t own_elems)
+        : p_(p), chunk_fn_(chunk_fn), merge_fn_(merge_fn), rows_(decode_rows(p)), own_elems_(own_elems),
+          ws_elems_(thread_scratch_elems<A>(p, own_elems, chunk_keys)) {
         if (p.batch == 0 || rows_ == 0) return;
         split_ = split_decode(p, chunk_keys);
         const size_t slots = split_.tasks.size() > 0 ? split_.tasks.size() : 1;
@@ -152,8 +251,8 @@ public:
         A* row_max = max_sum_.get();
         A* row_sum = max_sum_.get() + slots_ * rows_;
         if (phase == 0) {
-            chunk_fn_(p_, split_.tasks[static_cast<size_t>(unit)], ws, acc_.get() + unit * rows_ * p_.head_dim_v,
-                      row_max + unit * rows_, row_sum + unit * rows_);
+            run_chunk(p_, split_.tasks[static_cast<size_t>(unit)], chunk_fn_, ws, own_elems_,
+                      acc_.get() + unit * rows_ * p_.head_dim_v, row_max + unit * rows_, row_sum + unit * rows_);
             return;
         }
         const int64_t b = unit / p_.kv_heads, g = unit % p_.kv_heads;
@@ -167,7 +266,8 @@ private:
     DecodeChunkFn<A> chunk_fn_;
     DecodeMergeFn<A> merge_fn_;
     int64_t rows_;
-    int64_t ws_elems_;  // the chunk kernel's scratch, in elements of A
+    int64_t own_elems_;  // the chunk kernel's scratch, in elements of A
+    int64_t ws_elems_;   // a thread's: that and run_chunk's staging
     DecodeSplit split_;
     std::unique_ptr<A[]> acc_, max_sum_;
     int64_t slots_ = 0;
@@ -187,13 +287,18 @@ std::unique_ptr<ProblemWork> make_decode_work(const AttentionParams& p) {
         p, kernels.decode_chunk_f64, kernels.decode_merge_f64, chunk_keys, ws_elems));
 }
 
+bool runs_as_row_blocks(const AttentionParams& p) {
+    if (p.key_index) return p.seqlen_q > 1;
+    return decode_only_format(p.kv_dtype) && !runs_on_decode_path(p);
+}
+
 std::vector<AttentionParams> decode_row_blocks(const AttentionParams& p) {
     std::vector<AttentionParams> blocks;
     const int64_t T = p.seqlen_q;
+    const int64_t block = p.key_index ? 1 : kQuantizedRowBlock;  // (key_index: a list per row)
     auto add_rows = [&](const AttentionParams& one, int64_t offset) {
-        for (int64_t r0 = 0; r0 < T; r0 += kQuantizedRowBlock)
-            blocks.push_back(query_rows(one, r0, T - r0 < kQuantizedRowBlock ? T - r0 : kQuantizedRowBlock,
-                                        offset));
+        for (int64_t r0 = 0; r0 < T; r0 += block)
+            blocks.push_back(query_rows(one, r0, T - r0 < block ? T - r0 : block, offset));
     };
     if (p.has_query_offset) {
         add_rows(p, p.query_offset);
@@ -231,6 +336,7 @@ CallPlan plan_decode(const AttentionParams& p) {
     const DecodeKernel kernel = choose_decode(kernels, p);
     plan.kernel = kernel_name(kernel.id);
     plan.paged = p.block_table != nullptr;
+    plan.indexed = p.key_index != nullptr;
     plan.chunk_keys = chunk_keys_of(p, kernel);
     plan.latent_kv = kv_is_latent(p);
     plan.rows_per_kv_read = decode_rows(p);

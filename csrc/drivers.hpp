@@ -20,10 +20,14 @@ bool runs_on_decode_path(const AttentionParams& p);
 // `p` has been checked by attention_forward.
 void decode_forward(const AttentionParams& p);
 
-// A checked prompt (not runs_on_decode_path) over a decode_only_format cache, as the decode
-// problems it runs as: blocks of kQuantizedRowBlock query rows (per batch entry when aligned
-// bottom-right), each keeping its rows' key positions through an explicit query offset
-// (decode.cpp).
+// Whether checked params run as several decode problems of blocks of their query rows
+// (decode_row_blocks): a prompt (not runs_on_decode_path) over a decode_only_format cache,
+// or any query of more than one row with key_index (each row its own key list).
+bool runs_as_row_blocks(const AttentionParams& p);
+
+// Such params as the decode problems they run as: blocks of kQuantizedRowBlock query rows
+// (one row with key_index; per batch entry when aligned bottom-right), each keeping its
+// rows' key positions through an explicit query offset (decode.cpp).
 std::vector<AttentionParams> decode_row_blocks(const AttentionParams& p);
 
 // plan_attention's answer for checked params, from the code each driver runs by.

@@ -64,6 +64,21 @@ void check_params(const AttentionParams& p) {
         for (int64_t b = 0; b < p.batch; ++b)
             require(p.seqlens_k[b] >= 0 && p.seqlens_k[b] <= p.seqlen_k,
                     "seqlens_k[b] must be in [0, seqlen_k]");
+    if (p.key_index) {
+        require(p.key_index_count >= 0, "key_index_count must be >= 0");
+        require(!p.alibi_slopes && !p.mask, "key_index does not combine with ALiBi or a mask");
+        // Every listed position must be a key of its batch entry (-1: none).
+        for (int64_t b = 0; b < p.batch; ++b) {
+            const int64_t keys = batch_seqlen_k(p, b);
+            for (int64_t g = 0; g < (p.key_index_head_stride ? p.kv_heads : 1); ++g)
+                for (int64_t i = 0; i < p.seqlen_q; ++i) {
+                    const int32_t* row = p.key_index + b * p.key_index_batch_stride +
+                                         g * p.key_index_head_stride + i * p.key_index_row_stride;
+                    for (int64_t x = 0; x < p.key_index_count; ++x)
+                        require(row[x] >= -1 && row[x] < keys, "key_index: position out of range");
+                }
+        }
+    }
     if (p.block_table) {
         require(p.block_size >= 1 && p.num_blocks >= 0 && p.seqlen_k % p.block_size == 0,
                 "paged cache: block_size must be >= 1 and divide seqlen_k");
@@ -205,7 +220,7 @@ void attention_forward_batch(const AttentionParams* problems, int64_t count) {
     // A prompt over a float8 / int4 cache runs as decode problems of its row blocks.
     std::vector<AttentionParams> expanded;
     for (int64_t i = 0; i < count; ++i) {
-        if (!runs_on_decode_path(problems[i]) && decode_only_format(problems[i].kv_dtype)) {
+        if (runs_as_row_blocks(problems[i])) {
             for (const AttentionParams& block : decode_row_blocks(problems[i])) expanded.push_back(block);
         } else {
             expanded.push_back(problems[i]);
@@ -248,6 +263,11 @@ void attention_forward_batch(const AttentionParams* problems, int64_t count) {
 
 void attention_forward(const AttentionParams& p) {
     check_params(p);
+    if (p.key_index && p.seqlen_q > 1) {  // one problem per row, on one schedule
+        const std::vector<AttentionParams> rows = decode_row_blocks(p);
+        attention_forward_batch(rows.data(), static_cast<int64_t>(rows.size()));
+        return;
+    }
     if (runs_on_decode_path(p)) {
         decode_forward(p);
         return;
@@ -276,8 +296,8 @@ CallPlan plan_prefill(const AttentionParams& p) {
 
 CallPlan plan_attention(const AttentionParams& p) {
     check_params(p);
-    if (runs_on_decode_path(p)) return plan_decode(p);
-    if (decode_only_format(p.kv_dtype)) {  // its first block of rows: the others split alike
+    if (runs_on_decode_path(p) && !p.key_index) return plan_decode(p);
+    if (runs_as_row_blocks(p) || p.key_index) {  // its first block of rows: the others split alike
         const std::vector<AttentionParams> blocks = decode_row_blocks(p);
         return plan_decode(blocks.empty() ? p : blocks.front());
     }

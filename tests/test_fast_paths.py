@@ -406,18 +406,21 @@ FAST = {"attention": {"q", "k", "v", "causal", "scale", "window", "out", "num_th
         "attend": {"self", "q", "causal", "scale", "window", "num_threads", "query_offset"}}
 SCORE = {"softcap": 30.0, "alibi_slopes": np.full(H, 0.5, np.float32),
          "sinks": np.zeros(H, np.float32), "return_lse": True}
-FULL = {"attention": dict(SCORE, mask=np.ones((1, 6), bool)),
+INDEX = np.zeros((B, 1, 1), np.int32)  # key_index: every query sees key 0 only
+FULL = {"attention": dict(SCORE, mask=np.ones((1, 6), bool), key_index=INDEX),
         "attention_with_kvcache": dict(SCORE, mask=np.ones((1, C), bool), return_lse=True,
                                        block_table=np.arange(B, dtype=np.int32)[:, None],
                                        out=np.zeros((B, H, 1, D), np.float32),
                                        k_scale=np.zeros((B, HKV, C), np.float32),
                                        v_scale=np.zeros((B, HKV, C), np.float32),
                                        tree_mask=np.ones((1, 1), bool),
-                                       key_rotation="hadamard", v_head_dim=D),
+                                       key_rotation="hadamard", v_head_dim=D, key_index=INDEX),
         "step": dict(SCORE, mask=np.ones((1, C), bool), batch_index=[0, 1],
-                     out=np.zeros((B, H, 1, D), np.float32), tree_mask=np.ones((1, 1), bool)),
+                     out=np.zeros((B, H, 1, D), np.float32), tree_mask=np.ones((1, 1), bool),
+                     key_index=INDEX),
         "attend": dict(SCORE, mask=np.ones((1, C), bool), batch_index=[0, 1],
-                       out=np.zeros((B, H, 1, D), np.float32), tree_mask=np.ones((1, 1), bool))}
+                       out=np.zeros((B, H, 1, D), np.float32), tree_mask=np.ones((1, 1), bool),
+                       key_index=INDEX)}
 
 
 def _entry_points(rng):

@@ -347,6 +347,7 @@ static inline AttentionParams query_rows(const AttentionParams& p, int64_t r0, i
     s.seqlen_q = n;
     s.has_query_offset = true;
     s.query_offset = offset + r0;
+    if (p.key_index) s.key_index = p.key_index + r0 * p.key_index_row_stride;
     return s;
 }
 
@@ -359,6 +360,7 @@ static inline AttentionParams batch_entry(const AttentionParams& p, int64_t b) {
                     p.mask_batch_stride);
     if (p.alibi_slopes) s.alibi_slopes = p.alibi_slopes + b * p.alibi_batch_stride;
     if (p.seqlens_k) s.seqlens_k = p.seqlens_k + b;
+    if (p.key_index) s.key_index = p.key_index + b * p.key_index_batch_stride;
     if (p.block_table) {
         s.block_table = p.block_table + b * p.block_table_batch_stride;
     } else {  // contiguous: the entry's rows (a pool's blocks stay where they are)
@@ -380,6 +382,7 @@ static inline AttentionParams one_head(const AttentionParams& p, int64_t head) {
                     p.mask_head_stride);
     if (p.alibi_slopes) s.alibi_slopes = p.alibi_slopes + head;
     if (p.sinks) s.sinks = p.sinks + head;
+    if (p.key_index) s.key_index = p.key_index + kv_head * p.key_index_head_stride;
     s.k = at_bytes(p.k, kv_head * p.k_head_stride, kvb);
     s.v = at_bytes(p.v, kv_head * p.v_head_stride, kvb);
     if (p.k_scale) s.k_scale = p.k_scale + kv_head * p.k_scale_head_stride;

@@ -17,20 +17,23 @@ def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               scale: float | None = ..., window: _Window = ..., softcap: float | None = ...,
               alibi_slopes: ArrayLike | None = ..., sinks: ArrayLike | None = ...,
               mask: ArrayLike | None = ..., return_lse: Literal[False] = ...,
-              out: NDArray[Any] | None = ..., num_threads: int | None = ..., query_offset: int | None = ...) -> _Out: ...
+              out: NDArray[Any] | None = ..., num_threads: int | None = ..., query_offset: int | None = ...,
+              key_index: ArrayLike | None = ...) -> _Out: ...
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = ...,
               scale: float | None = ..., window: _Window = ..., softcap: float | None = ...,
               alibi_slopes: ArrayLike | None = ..., sinks: ArrayLike | None = ...,
               mask: ArrayLike | None = ..., return_lse: Literal[True],
-              out: NDArray[Any] | None = ..., num_threads: int | None = ..., query_offset: int | None = ...) -> _OutLse: ...
+              out: NDArray[Any] | None = ..., num_threads: int | None = ..., query_offset: int | None = ...,
+              key_index: ArrayLike | None = ...) -> _OutLse: ...
 @overload
 def attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, causal: bool = False,
               scale: float | None = None, window: _Window = None, softcap: float | None = None,
               alibi_slopes: ArrayLike | None = None, sinks: ArrayLike | None = None,
               mask: ArrayLike | None = None, return_lse: bool = False,
               out: NDArray[Any] | None = None,
-              num_threads: int | None = None, query_offset: int | None = None) -> _Out | _OutLse: ...
+              num_threads: int | None = None, query_offset: int | None = None,
+              key_index: ArrayLike | None = None) -> _Out | _OutLse: ...
 
 def attention_weights(q: ArrayLike, k: ArrayLike, *, causal: bool = False,
                       scale: float | None = None, window: _Window = None,
@@ -44,7 +47,8 @@ def attention_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike
                        softcap: float | None = None, alibi_slopes: ArrayLike | None = None,
                        sinks: ArrayLike | None = None, mask: ArrayLike | None = None,
                        num_threads: int | None = None,
-                       query_offset: int | None = None) -> tuple[NDArray[Any], ...]: ...
+                       query_offset: int | None = None,
+                       key_index: ArrayLike | None = None) -> tuple[NDArray[Any], ...]: ...
 
 def attention_varlen_backward(dout: ArrayLike, q: ArrayLike, k: ArrayLike, v: ArrayLike,
                               out: ArrayLike, lse: ArrayLike, cu_seqlens_q: ArrayLike,
@@ -109,7 +113,8 @@ def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray
                            block_table: ArrayLike | None = ...,
                            tree_mask: ArrayLike | None = ...,
                            key_rotation: str | None = ...,
-                           v_head_dim: int | None = ...) -> _Out: ...
+                           v_head_dim: int | None = ...,
+                           key_index: ArrayLike | None = ...) -> _Out: ...
 @overload
 def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray[Any],
                            cache_seqlens: int | ArrayLike, k_new: ArrayLike | None = ...,
@@ -123,7 +128,8 @@ def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray
                            block_table: ArrayLike | None = ...,
                            tree_mask: ArrayLike | None = ...,
                            key_rotation: str | None = ...,
-                           v_head_dim: int | None = ...) -> _OutLse: ...
+                           v_head_dim: int | None = ...,
+                           key_index: ArrayLike | None = ...) -> _OutLse: ...
 @overload
 def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray[Any],
                            cache_seqlens: int | ArrayLike, k_new: ArrayLike | None = None,
@@ -137,7 +143,8 @@ def attention_with_kvcache(q: ArrayLike, k_cache: NDArray[Any], v_cache: NDArray
                            block_table: ArrayLike | None = None,
                            tree_mask: ArrayLike | None = None,
                            key_rotation: str | None = None,
-                           v_head_dim: int | None = None) -> _Out | _OutLse: ...
+                           v_head_dim: int | None = None,
+                           key_index: ArrayLike | None = None) -> _Out | _OutLse: ...
 
 class KVCache:
     def __init__(self, batch: int, kv_heads: int, head_dim: int, capacity: int, *,
@@ -178,7 +185,7 @@ class KVCache:
                sinks: ArrayLike | None = ..., mask: ArrayLike | None = ...,
                return_lse: Literal[False] = ..., out: NDArray[Any] | None = ...,
                num_threads: int | None = ..., query_offset: int | None = ...,
-               tree_mask: ArrayLike | None = ...) -> _Out: ...
+               tree_mask: ArrayLike | None = ..., key_index: ArrayLike | None = ...) -> _Out: ...
     @overload
     def attend(self, q: ArrayLike, *, batch_index: int | ArrayLike | None = ...,
                causal: bool = ..., scale: float | None = ..., window: _Window = ...,
@@ -186,7 +193,7 @@ class KVCache:
                sinks: ArrayLike | None = ..., mask: ArrayLike | None = ...,
                return_lse: Literal[True], out: NDArray[Any] | None = ...,
                num_threads: int | None = ..., query_offset: int | None = ...,
-               tree_mask: ArrayLike | None = ...) -> _OutLse: ...
+               tree_mask: ArrayLike | None = ..., key_index: ArrayLike | None = ...) -> _OutLse: ...
     @overload
     def attend(self, q: ArrayLike, *, batch_index: int | ArrayLike | None = None,
                causal: bool = True, scale: float | None = None, window: _Window = None,
@@ -194,7 +201,7 @@ class KVCache:
                sinks: ArrayLike | None = None, mask: ArrayLike | None = None,
                return_lse: bool = False, out: NDArray[Any] | None = None,
                num_threads: int | None = None, query_offset: int | None = None,
-               tree_mask: ArrayLike | None = None) -> _Out | _OutLse: ...
+               tree_mask: ArrayLike | None = None, key_index: ArrayLike | None = None) -> _Out | _OutLse: ...
     @overload
     def step(self, q: ArrayLike, k_new: ArrayLike, v_new: ArrayLike | None = ..., *,
              batch_index: int | ArrayLike | None = ..., causal: bool = ...,
@@ -202,7 +209,7 @@ class KVCache:
              alibi_slopes: ArrayLike | None = ..., sinks: ArrayLike | None = ...,
              mask: ArrayLike | None = ..., return_lse: Literal[False] = ...,
              out: NDArray[Any] | None = ..., num_threads: int | None = ..., query_offset: int | None = ...,
-             tree_mask: ArrayLike | None = ...) -> _Out: ...
+             tree_mask: ArrayLike | None = ..., key_index: ArrayLike | None = ...) -> _Out: ...
     @overload
     def step(self, q: ArrayLike, k_new: ArrayLike, v_new: ArrayLike | None = ..., *,
              batch_index: int | ArrayLike | None = ..., causal: bool = ...,
@@ -210,7 +217,7 @@ class KVCache:
              alibi_slopes: ArrayLike | None = ..., sinks: ArrayLike | None = ...,
              mask: ArrayLike | None = ..., return_lse: Literal[True],
              out: NDArray[Any] | None = ..., num_threads: int | None = ..., query_offset: int | None = ...,
-             tree_mask: ArrayLike | None = ...) -> _OutLse: ...
+             tree_mask: ArrayLike | None = ..., key_index: ArrayLike | None = ...) -> _OutLse: ...
     @overload
     def step(self, q: ArrayLike, k_new: ArrayLike, v_new: ArrayLike | None = None, *,
              batch_index: int | ArrayLike | None = None, causal: bool = True,
@@ -219,7 +226,7 @@ class KVCache:
              mask: ArrayLike | None = None, return_lse: bool = False,
              out: NDArray[Any] | None = None,
              num_threads: int | None = None, query_offset: int | None = None,
-             tree_mask: ArrayLike | None = None) -> _Out | _OutLse: ...
+             tree_mask: ArrayLike | None = None, key_index: ArrayLike | None = None) -> _Out | _OutLse: ...
     def truncate(self, n: int | ArrayLike) -> None: ...
     def reset(self) -> None: ...
 
@@ -332,7 +339,7 @@ def explain(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
             sinks: ArrayLike | None = None, mask: ArrayLike | None = None,
             return_lse: bool = False, out: NDArray[Any] | None = None,
             num_threads: int | None = None, query_offset: int | None = None,
-            v_head_dim: int | None = None) -> dict[str, Any]: ...
+            v_head_dim: int | None = None, key_index: ArrayLike | None = None) -> dict[str, Any]: ...
 def explain_varlen(q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike,
                    cu_seqlens_k: ArrayLike | None = None, *, seqused_k: ArrayLike | None = None,
                    block_table: ArrayLike | None = None, max_seqlen_q: int | None = None,

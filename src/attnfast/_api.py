@@ -1,6 +1,7 @@
 """Public attention functions: check (attnfast._checks), then run the C++ kernels."""
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 
@@ -8,6 +9,7 @@ import numpy as np
 
 from . import _ext
 from ._interop import accepts_arrays
+from ._key_index import check_key_index
 from ._checks import (BFLOAT16, FLOAT16, FLOAT32, FLOAT64, check_attention, check_flag, check_out,
                       kernel_ready, to_3d, to_4d, ATTENTION_PLANS, attention_key, attention_plan,
                       bound_window, fast_query_offset, fast_tail_in_c, fast_threads,
@@ -38,7 +40,7 @@ _MASK_DRAWING = """
 @accepts_arrays
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
               alibi_slopes=None, sinks=None, mask=None, return_lse=False, out=None,
-              num_threads=None, query_offset=None):
+              num_threads=None, query_offset=None, key_index=None):
     """Exact scaled dot-product attention, streamed: the Tq x Tk matrix is never built.
 
     ``out[.., h, i, :] = sum_j softmax_j(scale * q[.., h, i, :] . k[.., g, j, :]) v[.., g, j, :]``
@@ -77,6 +79,13 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
     return_lse : bool
         Also return the natural-log log-sum-exp of each row's scaled scores, shape
         (.., H, Tq), float32 (float64 for float64 inputs); -inf for a row that sees no key.
+    key_index : integer array (.., Tq, k) or (.., Hkv, Tq, k), optional
+        Sparse attention (DeepSeek-V3.2's and GLM-5's DSA): each query attends only over the
+        key positions its row lists (int32; -1 = none; distinct, each below Tk), one list
+        per query shared by every head (q's leading axes, then Tq, k) or one per KV head.
+        A listed key that causal or window hides stays hidden; only the listed K/V rows are
+        read. Takes softcap and sinks; with alibi_slopes or mask NotImplementedError.
+        docs/user_guide/sparse.md.
     out : array (.., H, Tq, Dv), optional
         Written in place and returned; must not overlap q, k or v.
     num_threads : int, optional
@@ -88,7 +97,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
     """
     key = None
     if (softcap is None and alibi_slopes is None and sinks is None and mask is None
-            and return_lse is False):
+            and return_lse is False and key_index is None):
         key = attention_key(q, k, v, out, causal, scale, window)
         plan = ATTENTION_PLANS.get(key) if key is not None else None
         if plan is not None:
@@ -99,6 +108,10 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
     call = check_attention(q, k, v, causal=causal, scale=scale, window=window,
                            num_threads=num_threads, query_offset=query_offset, softcap=softcap,
                            alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
+    if key_index is not None:
+        call = dataclasses.replace(call, options=dataclasses.replace(call.options, key_index=check_key_index(
+            key_index, rank=call.rank, batch=call.batch, kv_heads=call.kv_heads,
+            seqlen_q=call.seqlen_q, seqlens=call.seqlen_k, options=call.options)))
     user_out = check_out(out, call.out_shape(), call.dtype,
                          [("q", call.q), ("k", call.k), ("v", call.v)] + call.options.arrays())
     result = run_kernels(call, user_out, return_lse)
@@ -179,7 +192,8 @@ def kernel_call(call, part):
         seqlens_k=None if seqlens is None else np.ascontiguousarray(seqlens, dtype=np.int64),
         k_scale=k_scale, v_scale=v_scale, query_offset=call.query_offset,
         softcap=options.softcap, alibi=options.alibi, sinks=options.sinks, mask=options.mask,
-        block_table=block_table, head_dim_v=call.head_dim_v)  # (read for int4 caches only)
+        block_table=block_table, head_dim_v=call.head_dim_v,  # (read for int4 caches only)
+        key_index=options.key_index)
 
 
 _SIGINT = int(signal.SIGINT)  # (the enum member costs a conversion per call)

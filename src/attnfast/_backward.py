@@ -23,7 +23,7 @@ def _check_like(name: str, x, shape: tuple, dtype: np.dtype) -> np.ndarray:
 @accepts_arrays
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None,
                        softcap=None, alibi_slopes=None, sinks=None, mask=None,
-                       num_threads=None, query_offset=None):
+                       num_threads=None, query_offset=None, key_index=None):
     """Gradients of :func:`attention` with respect to q, k and v (and the sinks).
 
     FlashAttention-2's backward, streamed: the probabilities are recomputed tile by tile
@@ -41,6 +41,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     causal, scale, window, softcap, alibi_slopes, sinks, mask, query_offset
         The forward's options, meaning what they mean in :func:`attention`; they must be the
         ones ``out`` and ``lse`` were computed with. ALiBi slopes and masks get no gradient.
+    key_index : not implemented
+        The backward of sparse attention: NotImplementedError (not yet).
     num_threads : int, optional
         Defaults to :func:`attnfast.get_num_threads`. Results are bit-identical for any value:
         every gradient row is reduced by one task, in a fixed order.
@@ -53,6 +55,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     ``dsinks[h] = -sum_{b, i} exp(sinks[h] - lse[b, h, i]) * D[b, h, i]``.
     Rows that see no key give zero gradients.
     """
+    if key_index is not None:
+        raise NotImplementedError("attention_backward: the backward of key_index (sparse "
+                                  "attention) is not implemented yet")
     call = check_attention(q, k, v, causal=causal, scale=scale, window=window,
                            num_threads=num_threads, query_offset=query_offset, softcap=softcap,
                            alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)

@@ -186,20 +186,24 @@ class ScoreOptions:
     sinks: np.ndarray | None = None     # float32 (H,), contiguous
     mask: np.ndarray | None = None      # 4-D (B, H, Tq, Tk) view (zero strides where
                                         # broadcast): bool, or float32 / float64 additive
+    key_index: np.ndarray | None = None  # int32 (B, 1 or Hkv, Tq, k): the keys each row
+                                         # sees (attnfast._key_index), -1 for none
 
     @property
     def any(self) -> bool:
         return bool(self.softcap) or self.alibi is not None or self.sinks is not None \
-            or self.mask is not None
+            or self.mask is not None or self.key_index is not None
 
     def arrays(self) -> list:
         """(name as the caller spells it, array) of the option arrays the kernels read."""
-        return [("mask", self.mask), ("alibi_slopes", self.alibi), ("sinks", self.sinks)]
+        return [("mask", self.mask), ("alibi_slopes", self.alibi), ("sinks", self.sinks),
+                ("key_index", self.key_index)]
 
     def rows(self, rows) -> "ScoreOptions":
         """The options of the batch entries `rows` (a slice of axis 0)."""
         return ScoreOptions(self.softcap, None if self.alibi is None else self.alibi[rows],
-                            self.sinks, None if self.mask is None else self.mask[rows])
+                            self.sinks, None if self.mask is None else self.mask[rows],
+                            None if self.key_index is None else self.key_index[rows])
 
 
 NO_OPTIONS = ScoreOptions()

@@ -1,8 +1,12 @@
 """attnfast.explain: which kernel a call would run, and how its work would be split."""
 from __future__ import annotations
 
+import dataclasses
+
 from . import _ext
 from ._api import kernel_call
+from ._key_index import check_key_index
+from ._kvcache import with_key_index
 from ._checks import check_attention, check_kvcache_attention, check_paged_kvcache_attention
 from ._shared_prefix import plan_shared_prefix
 
@@ -12,7 +16,7 @@ __all__ = ["explain"]
 def explain(q, k, v, *, cache_seqlens=None, k_new=None, v_new=None, k_scale=None,
             v_scale=None, block_table=None, causal=None, scale=None, window=None,
             softcap=None, alibi_slopes=None, sinks=None, mask=None, return_lse=False,
-            out=None, num_threads=None, query_offset=None, v_head_dim=None):
+            out=None, num_threads=None, query_offset=None, v_head_dim=None, key_index=None):
     """What the kernels would do for a call, computing nothing.
 
     ``explain(q, k, v, **options)`` describes ``attention(q, k, v, **options)``; with
@@ -36,6 +40,9 @@ def explain(q, k, v, *, cache_seqlens=None, k_new=None, v_new=None, k_scale=None
         KV cache.
     scale, window, softcap, alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset
         As in the described function (``return_lse`` and ``out`` do not change the plan).
+    key_index : optional
+        As in the described function: the call then runs on the decode path, one problem
+        per query row (the plan is that of the first), over the listed keys.
 
     Returns
     -------
@@ -50,7 +57,8 @@ def explain(q, k, v, *, cache_seqlens=None, k_new=None, v_new=None, k_scale=None
         ``"bf16_decode"`` (the hand-written ones), ``"template_prefill"``,
         ``"template_decode"`` (the portable templates) or ``"template_f64"`` (float64).
     ``kv_source`` : str
-        ``"contiguous"`` or ``"paged"``.
+        ``"contiguous"`` or ``"paged"``, followed by ``", indexed"`` with ``key_index`` (the
+        listed rows gathered chunk by chunk).
     ``split`` : dict or None
         Decode only: ``chunk_keys`` (keys per chunk; fixed by the shapes and the L2 size,
         never by the thread count), ``chunks`` (most chunks any (batch entry, KV head) is
@@ -103,6 +111,11 @@ def explain(q, k, v, *, cache_seqlens=None, k_new=None, v_new=None, k_scale=None
                                scale=scale, window=window, num_threads=num_threads,
                                query_offset=query_offset, softcap=softcap,
                                alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
+        if key_index is not None:
+            call = dataclasses.replace(call, options=dataclasses.replace(
+                call.options, key_index=check_key_index(
+                    key_index, rank=call.rank, batch=call.batch, kv_heads=call.kv_heads,
+                    seqlen_q=call.seqlen_q, seqlens=call.seqlen_k, options=call.options)))
         part = (slice(None), call.k, call.v, None)
     else:
         options = dict(causal=True if causal is None else causal, scale=scale, window=window,
@@ -114,13 +127,14 @@ def explain(q, k, v, *, cache_seqlens=None, k_new=None, v_new=None, k_scale=None
         else:
             cache = check_paged_kvcache_attention(q, k, v, cache_seqlens, k_new, v_new,
                                                   block_table, **options)
+        cache = with_key_index(cache, key_index)
         call = cache.attn
         part = (slice(None), k, v, cache.seqlens_after, cache.k_scale, cache.v_scale,
                 cache.block_table)
     args, kwargs = kernel_call(call, part)
     plan = _ext.plan_attention(*args, **kwargs)
     plan["shared_prefix"] = None
-    if cache_seqlens is not None and block_table is not None:
+    if cache_seqlens is not None and block_table is not None and key_index is None:
         block_size = k.shape[2]
         groups = plan_shared_prefix(cache.block_table, cache.seqlens_after, block_size,
                                     call.seqlen_q, causal=call.causal, window=call.window,

@@ -5,7 +5,7 @@ Arguments arrive already checked and shaped by attnfast._checks: q, k, v, out ar
 (B, H, T, D) arrays whose last axis is contiguous, lse is 3-D (B, H, Tq) or None. This module
 only fills the params struct, releases the GIL and calls the kernels.
 """
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.string cimport memset
 from libcpp cimport bool as cbool
 from libcpp.vector cimport vector
@@ -63,6 +63,9 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
         DType mask_dtype
         int64_t mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride
         const float* sinks
+        const int32_t* key_index
+        int64_t key_index_batch_stride, key_index_head_stride, key_index_row_stride
+        int64_t key_index_count
         int num_threads
         cbool interruptible
 
@@ -77,6 +80,7 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
         cbool decode
         const char* kernel
         cbool paged
+        cbool indexed
         int64_t chunk_keys
         int64_t chunks
         int64_t tasks
@@ -202,9 +206,9 @@ cdef int _fill_params(AttentionParams* p, cnp.ndarray q, cnp.ndarray k, cnp.ndar
                       bint causal, double scale, int64_t window_left, int64_t window_right,
                       int num_threads, seqlens_k, k_scale, v_scale, query_offset,
                       double softcap, alibi, sinks, mask, block_table,
-                      int64_t head_dim_v=-1) except -1:
+                      int64_t head_dim_v=-1, key_index=None) except -1:
     """Fills `p` from run_attention's arguments (out may be None: plan_attention)."""
-    cdef cnp.ndarray out_arr, lse_arr
+    cdef cnp.ndarray out_arr, lse_arr, index_arr
     cdef cnp.ndarray seqlens_arr
     cdef cnp.ndarray ks_arr, vs_arr
     cdef cnp.ndarray alibi_arr, sinks_arr, mask_arr, table_arr
@@ -299,6 +303,20 @@ cdef int _fill_params(AttentionParams* p, cnp.ndarray q, cnp.ndarray k, cnp.ndar
         p.mask = cnp.PyArray_DATA(mask_arr)
         p.mask_batch_stride, p.mask_head_stride = _stride(mask_arr, 0), _stride(mask_arr, 1)
         p.mask_row_stride, p.mask_col_stride = _stride(mask_arr, 2), _stride(mask_arr, 3)
+    if key_index is not None:
+        index_arr = key_index
+        if (cnp.PyArray_TYPE(index_arr) != cnp.NPY_INT32 or index_arr.ndim != 4
+                or index_arr.shape[0] != p.batch
+                or (index_arr.shape[1] != 1 and index_arr.shape[1] != p.kv_heads)
+                or index_arr.shape[2] != p.seqlen_q
+                or (index_arr.shape[3] > 1 and _stride(index_arr, 3) != 1)):
+            raise TypeError("attnfast._ext: key_index must be int32 (B, 1 or Hkv, Tq, k), last "
+                            "axis contiguous")
+        p.key_index = <const int32_t*> cnp.PyArray_DATA(index_arr)
+        p.key_index_batch_stride = _stride(index_arr, 0)
+        p.key_index_head_stride = _stride(index_arr, 1) if index_arr.shape[1] > 1 else 0
+        p.key_index_row_stride = _stride(index_arr, 2)
+        p.key_index_count = index_arr.shape[3]
     if query_offset is not None:
         p.has_query_offset = True
         p.query_offset = query_offset
@@ -319,7 +337,8 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
                       int64_t window_right, int num_threads, seqlens_k=None,
                       bint interruptible=False, k_scale=None, v_scale=None,
                       query_offset=None, double softcap=0.0, alibi=None, sinks=None,
-                      mask=None, block_table=None, backward=None, int64_t head_dim_v=-1):
+                      mask=None, block_table=None, backward=None, int64_t head_dim_v=-1,
+                      key_index=None):
     """Run the streaming attention kernel; q, k, v, out are 4-D, lse 3-D or None.
 
     An int4 cache is a uint8 k / v of packed rows (attnfast._int4): head_dim_v then gives
@@ -342,12 +361,17 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
     (num_blocks, Hkv, block_size), and the keys span max_blocks * block_size positions
     (seqlens_k[b] of them valid; checked by attnfast._checks, the core re-checks the ids).
 
+    key_index: None, or an int32 (B, 1 or Hkv, Tq, k) view, last axis contiguous: the keys
+    each query row sees (-1: none; checked by attnfast._key_index, the core re-checks ranges).
+
     backward: None, or (dout, delta, dq, dk, dv): run the backward instead (_run_backward).
     """
     cdef AttentionParams p = default_params()
     _fill_params(&p, q, k, v, out, lse, causal, scale, window_left, window_right, num_threads,
                  seqlens_k, k_scale, v_scale, query_offset, softcap, alibi, sinks, mask,
-                 block_table, head_dim_v)
+                 block_table, head_dim_v, key_index)
+    if backward is not None and key_index is not None:
+        raise NotImplementedError("attnfast._ext: the backward of key_index is not implemented")
     if backward is not None:
         _run_backward(&p, backward[0], backward[1], backward[2], backward[3], backward[4])
     elif interruptible:
@@ -377,7 +401,7 @@ def run_attention_batch(list calls, *, bint interruptible=False):
                      kw["window_right"], kw["num_threads"], kw.get("seqlens_k"), kw.get("k_scale"),
                      kw.get("v_scale"), kw.get("query_offset"), kw.get("softcap", 0.0),
                      kw.get("alibi"), kw.get("sinks"), kw.get("mask"), kw.get("block_table"),
-                     kw.get("head_dim_v", -1))
+                     kw.get("head_dim_v", -1), kw.get("key_index"))
     if params.size() == 0:
         return
     if interruptible:
@@ -390,14 +414,15 @@ def run_attention_batch(list calls, *, bint interruptible=False):
 def plan_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, *, bint causal, double scale,
                    int64_t window_left, int64_t window_right, int num_threads, seqlens_k=None,
                    k_scale=None, v_scale=None, query_offset=None, double softcap=0.0,
-                   alibi=None, sinks=None, mask=None, block_table=None, int64_t head_dim_v=-1):
+                   alibi=None, sinks=None, mask=None, block_table=None, int64_t head_dim_v=-1,
+                   key_index=None):
     """What run_attention would run for these arguments (its own, less out, lse and
     interruptible), as a dict (attnfast.explain), from the core's plan_attention."""
     cdef AttentionParams p = default_params()
     cdef CallPlan plan
     _fill_params(&p, q, k, v, None, None, causal, scale, window_left, window_right, num_threads,
                  seqlens_k, k_scale, v_scale, query_offset, softcap, alibi, sinks, mask,
-                 block_table, head_dim_v)
+                 block_table, head_dim_v, key_index)
     plan = plan_attention_core(p)
     split = None
     if plan.decode:
@@ -406,7 +431,7 @@ def plan_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, *, bint causal, 
         "tier": plan.tier.decode(),
         "path": "decode" if plan.decode else "prefill",
         "kernel": plan.kernel.decode(),
-        "kv_source": "paged" if plan.paged else "contiguous",
+        "kv_source": ("paged" if plan.paged else "contiguous") + (", indexed" if plan.indexed else ""),
         "split": split,
         "tasks": plan.tasks,
         "threads": plan.threads,

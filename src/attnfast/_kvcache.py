@@ -16,6 +16,7 @@ import numpy as np
 from . import _ext, _int4
 from ._api import kernels_interruptible, run_kernels
 from ._interop import accepts_arrays
+from ._key_index import check_key_index
 from ._checks import (
     FLOAT8_E4M3,
     INT4_STORAGE,
@@ -174,7 +175,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
                            alibi_slopes=None, sinks=None, mask=None, return_lse=False,
                            out=None, num_threads=None, query_offset=None, k_scale=None,
                            v_scale=None, block_table=None, tree_mask=None, key_rotation=None,
-                           v_head_dim=None):
+                           v_head_dim=None, key_index=None):
     """Attention of new queries over a KV cache held in caller-owned arrays.
 
     flash-attn's ``flash_attn_with_kvcache`` in PyTorch SDPA's layout. For each sequence b,
@@ -265,6 +266,12 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     softcap, alibi_slopes, sinks, mask
         As in :func:`attnfast.attention` (ALiBi distances from each sequence's i'); the mask
         broadcasts to (B, H, Tq, capacity): its last axis spans the cache's capacity.
+    key_index : integer array (B, Tq, k) or (B, Hkv, Tq, k), optional
+        Sparse attention (DeepSeek's DSA): query i of sequence b attends only over the cache
+        positions its row lists (-1 = none; distinct; each below the sequence's length after
+        the new tokens), one list shared by every head or one per KV head; causal and window
+        still apply. Only the listed rows are read (contiguous or paged, every cache format).
+        Not with tree_mask, alibi_slopes or mask (NotImplementedError).
 
     Returns
     -------
@@ -282,7 +289,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     key = kvcache_key(q, k_cache, v_cache, seqlens_key(cache_seqlens), k_new, v_new, out,
                       causal, scale, window, return_lse,
                       (softcap, alibi_slopes, sinks, mask, k_scale, v_scale, block_table,
-                       tree_mask, key_rotation, v_head_dim))
+                       tree_mask, key_rotation, v_head_dim, key_index))
     if key is not None:
         plan = KVCACHE_PLANS.get(key)
         if plan is not None:
@@ -293,7 +300,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     elif (block_table is not None and k_new is None and v_new is None and softcap is None
           and alibi_slopes is None and sinks is None and mask is None and return_lse is False
           and tree_mask is None and key_rotation is None and v_head_dim is None
-          and query_offset is None and not is_int4_storage(k_cache)):
+          and query_offset is None and key_index is None and not is_int4_storage(k_cache)):
         # a paged decode step (a serving engine's every layer): its layout accepted before
         key = paged_key(q, k_cache, v_cache, cache_seqlens, block_table, k_scale, v_scale, out,
                         causal, scale, window)
@@ -311,13 +318,14 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
                                 return_lse=return_lse, out=out, num_threads=num_threads,
                                 query_offset=query_offset, k_scale=k_scale, v_scale=v_scale,
                                 tree_mask=tree_mask, key_rotation=key_rotation,
-                                v_head_dim=v_head_dim, plan_key=key)
+                                v_head_dim=v_head_dim, plan_key=key, key_index=key_index)
     call = check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
                                    causal=causal, scale=scale, window=window,
                                    num_threads=num_threads, k_scale=k_scale, v_scale=v_scale,
                                    query_offset=query_offset, softcap=softcap,
                                    alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
                                    v_head_dim=v_head_dim)
+    call = with_key_index(call, key_index, tree_mask)
     rotation = check_key_rotation(key_rotation, k_cache.dtype)
     user_out = check_out(out, call.attn.out_shape(), call.attn.dtype, _read_and_written(call))
     tree = check_tree_mask(tree_mask, call)
@@ -335,6 +343,21 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
         remember(KVCACHE_PLANS, key, kvcache_plan(q, k_cache, v_cache, call.k_new, out, scale,
                                                   window, return_lse))
     return result
+
+
+def with_key_index(call, key_index, tree_mask=None):
+    """A checked KV-cache call (KVCacheCall) with its key_index checked (attnfast._key_index)
+    against each sequence's length after the new tokens; the call itself without one."""
+    if key_index is None:
+        return call
+    if tree_mask is not None:
+        raise NotImplementedError("key_index with tree_mask is not implemented")
+    attn = call.attn
+    index = check_key_index(key_index, rank=4, batch=attn.batch, kv_heads=attn.kv_heads,
+                            seqlen_q=attn.seqlen_q, seqlens=call.seqlens_after,
+                            options=attn.options)
+    return _with_fields(call, attn=dataclasses.replace(
+        attn, options=dataclasses.replace(attn.options, key_index=index)))
 
 
 def _read_and_written(call) -> list:
@@ -421,8 +444,8 @@ def _run_cache_parts(call, user_out, return_lse, parts, tree):
     """run_cache_kernels after the query rotation: the composed or the single call."""
     if tree is not None:
         return run_tree_kernels(call.attn, user_out, return_lse, parts, tree)
-    if call.block_table is not None and len(parts) == 1:
-        _, k_pool, v_pool, _, k_scale, v_scale, _ = parts[0]
+    if call.block_table is not None and len(parts) == 1 and call.attn.options.key_index is None:
+        _, k_pool, v_pool, _, k_scale, v_scale, _ = parts[0]  # (shared prefixes: every key)
         return run_paged_kernels(call, user_out, return_lse, k_pool, v_pool, k_scale, v_scale)
     return run_kernels(call.attn, user_out, return_lse, parts)
 
@@ -467,11 +490,12 @@ def _with_fields(checked, **fields):
 
 def _paged_attention(q, k_pool, v_pool, cache_seqlens, k_new, v_new, block_table, *,
                      return_lse, out, tree_mask=None, key_rotation=None, plan_key=None,
-                     **options):
+                     key_index=None, **options):
     """attention_with_kvcache with a block table (arguments as there, return_lse checked;
     plan_key: PAGED_PLANS' key of a call the fast path may repeat, remembered on success)."""
     call = check_paged_kvcache_attention(q, k_pool, v_pool, cache_seqlens, k_new, v_new,
                                          block_table, **options)
+    call = with_key_index(call, key_index, tree_mask)
     rotation = check_key_rotation(key_rotation, k_pool.dtype)
     user_out = check_out(out, call.attn.out_shape(), call.attn.dtype, _read_and_written(call))
     tree = check_tree_mask(tree_mask, call)
@@ -668,18 +692,19 @@ class KVCache:
     @accepts_arrays
     def attend(self, q, *, batch_index=None, causal=True, scale=None, window=None,
                softcap=None, alibi_slopes=None, sinks=None, mask=None, return_lse=False,
-               out=None, num_threads=None, query_offset=None, tree_mask=None):
+               out=None, num_threads=None, query_offset=None, tree_mask=None, key_index=None):
         """Attention of q (n, H, Tq, head_dim) over each sequence's cached tokens.
 
         Causal by default, bottom-right aligned: query i of sequence b sees the keys
         ``j <= i + (lengths[b] - Tq)``, so the last query sees the whole sequence. Other
-        options as in :func:`attnfast.attention`; ``tree_mask`` (Tq x Tq bool) as in
-        :func:`attnfast.attention_with_kvcache` (the last Tq cached tokens are the tree).
-        Returns out (n, H, Tq, v_head_dim), or (out, lse) when return_lse.
+        options as in :func:`attnfast.attention`; ``tree_mask`` (Tq x Tq bool) and
+        ``key_index`` (n, Tq, k) or (n, kv_heads, Tq, k) (sparse attention over the listed
+        positions) as in :func:`attnfast.attention_with_kvcache` (the last Tq cached tokens
+        are the tree). Returns out (n, H, Tq, v_head_dim), or (out, lse) when return_lse.
         """
         key = kvcache_key(q, self._k, self._v, _LENGTHS, None, None, out, causal, scale,
                           window, return_lse,
-                          (batch_index, softcap, alibi_slopes, sinks, mask, tree_mask))
+                          (batch_index, softcap, alibi_slopes, sinks, mask, tree_mask, key_index))
         if key is not None:
             result = self._run_fast(key, q, None, None, out, causal, num_threads, query_offset)
             if result is not None:
@@ -688,19 +713,21 @@ class KVCache:
                          window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                          sinks=sinks, mask=mask, return_lse=return_lse, out=out,
                          num_threads=num_threads, query_offset=query_offset,
-                         tree_mask=tree_mask)
+                         tree_mask=tree_mask, key_index=key_index)
 
     @transaction(lock="_lock")
     @accepts_arrays
     def step(self, q, k_new, v_new=None, *, batch_index=None, causal=True, scale=None,
              window=None, softcap=None, alibi_slopes=None, sinks=None, mask=None,
-             return_lse=False, out=None, num_threads=None, query_offset=None, tree_mask=None):
+             return_lse=False, out=None, num_threads=None, query_offset=None, tree_mask=None,
+             key_index=None):
         """The decode step: :meth:`append` k_new, v_new, then :meth:`attend` q, in one call.
 
         With a prompt (t = Tq tokens) this is causal prefill; with one token, one decode
         step. With ``tree_mask`` the t = Tq new tokens are a token tree (speculative
-        verification; see :func:`attnfast.attention_with_kvcache`). Everything is checked
-        before the tokens are written. A latent cache takes k_new only (v_new None).
+        verification; see :func:`attnfast.attention_with_kvcache`). ``key_index`` as in
+        :meth:`attend`, its positions counting the new tokens. Everything is checked before
+        the tokens are written. A latent cache takes k_new only (v_new None).
         """
         v_new = latent_values(self, k_new, v_new, ndims=(4,))
         if k_new is None or v_new is None:
@@ -709,7 +736,7 @@ class KVCache:
                              "to attend without appending)")
         key = kvcache_key(q, self._k, self._v, _LENGTHS, k_new, v_new, out, causal, scale,
                           window, return_lse,
-                          (batch_index, softcap, alibi_slopes, sinks, mask, tree_mask))
+                          (batch_index, softcap, alibi_slopes, sinks, mask, tree_mask, key_index))
         if key is not None:
             result = self._run_fast(key, q, k_new, v_new, out, causal, num_threads,
                                     query_offset)
@@ -719,7 +746,7 @@ class KVCache:
                          window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                          sinks=sinks, mask=mask, return_lse=return_lse, out=out,
                          num_threads=num_threads, query_offset=query_offset,
-                         tree_mask=tree_mask)
+                         tree_mask=tree_mask, key_index=key_index)
 
     @transaction(lock="_lock")
     @accepts_arrays
@@ -803,7 +830,7 @@ class KVCache:
 
     def _run_locked(self, q, k_new, v_new, *, batch_index, causal, scale, window, softcap,
                     alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset,
-                    tree_mask):
+                    tree_mask, key_index=None):
         return_lse = check_flag(return_lse, "return_lse")
         seqs = check_batch_index(batch_index, self.batch)
         check_leading_sequences(seqs, self.batch, q=q, k_new=k_new, v_new=v_new)
@@ -826,6 +853,7 @@ class KVCache:
                                        cache_names=("cache.k", "cache.v"),
                                        scale_names=("cache.k_scale", "cache.v_scale"),
                                        head_dims=self._head_dims)
+        call = with_key_index(call, key_index, tree_mask)
         user_out = check_out(out, call.attn.out_shape(), call.attn.dtype,
                              _read_and_written(call) + [
                                  ("cache.k", self._k), ("cache.v", self._v),
