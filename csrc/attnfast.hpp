@@ -159,6 +159,39 @@ CallPlan plan_attention(const AttentionParams& params);
 inline bool decode_only_format(DType kv) { return kv == DType::kF8E4M3 || kv == DType::kQ4; }
 
 
+// ---- the lightning indexer of DeepSeek's sparse attention (DSA) ----
+// For query row t of batch entry b and each key s it sees (s < seqlens_k[b]; with causal,
+// s <= seqlens_k[b] - seqlen_q + t), the score
+//   I[t, s] = k_scale[s] * sum_h weights[t, h] * relu(q[h, t] . k[s])
+// (float32 arithmetic), and the `topk` best keys: out_index[b, t, :] their positions by
+// descending score, ties to the lower position (a NaN score ranks as -inf), -1 past the keys
+// the row sees. No Tq x L array: each row's keys are scored a chunk at a time and a running
+// selection keeps the best. The result does not depend on the thread count.
+struct IndexParams {
+    const float* q;                    // (batch, heads, seqlen_q, head_dim)
+    int64_t q_batch_stride, q_head_stride, q_row_stride;
+    const float* weights;              // (batch, seqlen_q, heads), heads contiguous
+    int64_t w_batch_stride, w_row_stride;
+    const void* k;                     // (batch, seqlen_k, head_dim) of k_dtype (kF32, kBF16 or
+                                       // kF8E4M3), or a pool (num_blocks, block_size, head_dim)
+    DType k_dtype;
+    int64_t k_batch_stride, k_row_stride;  // (paged: the stride between blocks, then rows)
+    const float* k_scale;              // (batch, seqlen_k) or (num_blocks, block_size); nullptr = 1
+    int64_t k_scale_batch_stride, k_scale_row_stride;
+    const int64_t* block_table;        // (batch, max_blocks) or nullptr (as AttentionParams)
+    int64_t block_table_batch_stride, block_size, num_blocks;
+    const int64_t* seqlens_k;          // (batch,) keys per entry, or nullptr = seqlen_k
+    int64_t batch, heads, seqlen_q, seqlen_k, head_dim;
+    bool causal;                       // bottom-right aligned, as AttentionParams::causal
+    int64_t topk;                      // >= 1
+    int32_t* out_index;                // (batch, seqlen_q, topk), contiguous
+    float* out_scores;                 // the same shape, or nullptr; -inf where out_index is -1
+    int num_threads;
+    bool interruptible;
+};
+// Throws std::invalid_argument for params it cannot run.
+void index_topk(const IndexParams& params);
+
 // ---- interrupts (Ctrl-C) ----
 // Asks running interruptible calls to stop: they skip the work items not yet started and
 // return with out/lse unspecified. Lock-free: may be called from a signal handler.

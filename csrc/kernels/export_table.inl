@@ -9,6 +9,7 @@
 #error "define ATTNFAST_KERNEL_NS and include the kernel .inl files before export_table.inl"
 #endif
 #include "read_fold.inl"  // every tier's read kernel, with its own loads
+#include "index_scores.inl"  // every tier's lightning-indexer scores
 
 #ifndef ATTNFAST_PREFILL_KERNEL
 #define ATTNFAST_PREFILL_KERNEL template_prefill
@@ -40,6 +41,7 @@ const KernelTable kTable = {
     read_fold,
     ATTNFAST_GEMM_DECODE_KERNEL,
     backward_kernels,
+    index_scores,
 };
 
 }  // namespace

@@ -257,7 +257,16 @@ struct KernelTable {
     DecodeKernel (*gemm_decode_kernel)(const AttentionParams&);
     // The tier's attention_backward kernels (backward.inl), compiled with its flags.
     const BackwardKernels* (*backward_kernels)();
+    // The indexer's scores (index_scores.inl) of query row `row` of batch entry `batch` for
+    // keys [s0, s1): scores[s - s0]; workspace: kIndexWorkspaceFloats floats.
+    void (*index_scores)(const IndexParams&, int64_t batch, int64_t row, int64_t s0, int64_t s1,
+                         float* scores, float* workspace);
 };
+// Scratch floats index_scores needs: one transposed block of up to kIndexBlockKeys keys of
+// up to kIndexMaxHeadDim values.
+constexpr int64_t kIndexMaxHeadDim = 1024;
+constexpr int64_t kIndexBlockKeys = 32;
+constexpr int64_t kIndexWorkspaceFloats = kIndexMaxHeadDim * kIndexBlockKeys;
 
 // One per ISA file; each returns nullptr when that tier was not compiled in.
 const KernelTable* kernel_table_generic();

@@ -13,6 +13,7 @@ from ._varlen import attention_varlen, explain_varlen
 from ._kvcache import KVCache, attention_with_kvcache
 from ._paged import PagedKVCache
 from ._explain import explain
+from ._indexer import index_topk
 
 _check_forced_isa()
 del _check_forced_isa
@@ -27,6 +28,7 @@ __all__ = [
     "KVCache",
     "attention_with_kvcache",
     "PagedKVCache",
+    "index_topk",
     "explain",
     "explain_varlen",
     "get_num_threads",

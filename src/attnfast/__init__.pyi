@@ -330,6 +330,21 @@ def get_num_threads() -> int: ...
 def set_num_threads(n: int | None) -> None: ...
 def show_config() -> dict[str, Any]: ...
 
+@overload
+def index_topk(q: ArrayLike, weights: ArrayLike, k_index: ArrayLike, topk: int, *,
+               cache_seqlens: int | ArrayLike | None = ..., k_scale: ArrayLike | None = ...,
+               block_table: ArrayLike | None = ..., causal: bool = ...,
+               return_scores: Literal[False] = ..., num_threads: int | None = ...) -> NDArray[np.int32]: ...
+@overload
+def index_topk(q: ArrayLike, weights: ArrayLike, k_index: ArrayLike, topk: int, *,
+               cache_seqlens: int | ArrayLike | None = ..., k_scale: ArrayLike | None = ...,
+               block_table: ArrayLike | None = ..., causal: bool = ...,
+               return_scores: Literal[True], num_threads: int | None = ...) -> tuple[NDArray[np.int32], NDArray[np.float32]]: ...
+def index_topk(q: ArrayLike, weights: ArrayLike, k_index: ArrayLike, topk: int, *,
+               cache_seqlens: int | ArrayLike | None = None, k_scale: ArrayLike | None = None,
+               block_table: ArrayLike | None = None, causal: bool = True,
+               return_scores: bool = False, num_threads: int | None = None) -> Any: ...
+
 def explain(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
             cache_seqlens: int | ArrayLike | None = None, k_new: ArrayLike | None = None,
             v_new: ArrayLike | None = None, k_scale: NDArray[np.float32] | None = None,

@@ -89,6 +89,27 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
         int64_t rows_per_kv_read
         const char* regime
     CallPlan plan_attention_core "attnfast::plan_attention"(const AttentionParams&) except + nogil
+    cdef struct IndexParams:
+        const float* q
+        int64_t q_batch_stride, q_head_stride, q_row_stride
+        const float* weights
+        int64_t w_batch_stride, w_row_stride
+        const void* k
+        DType k_dtype
+        int64_t k_batch_stride, k_row_stride
+        const float* k_scale
+        int64_t k_scale_batch_stride, k_scale_row_stride
+        const int64_t* block_table
+        int64_t block_table_batch_stride, block_size, num_blocks
+        const int64_t* seqlens_k
+        int64_t batch, heads, seqlen_q, seqlen_k, head_dim
+        cbool causal
+        int64_t topk
+        int32_t* out_index
+        float* out_scores
+        int num_threads
+        cbool interruptible
+    void index_topk_core "attnfast::index_topk"(const IndexParams&) except + nogil
     cbool openmp_enabled() noexcept nogil
     int openmp_max_threads() noexcept nogil
     const char* openmp_runtime_name() noexcept nogil
@@ -409,6 +430,53 @@ def run_attention_batch(list calls, *, bint interruptible=False):
     else:
         with nogil:
             attention_forward_batch(params.data(), <int64_t> params.size())
+
+
+def run_index_topk(cnp.ndarray q, cnp.ndarray weights, cnp.ndarray k, k_scale, block_table,
+                   seqlens_k, bint causal, int64_t topk, cnp.ndarray out_index, out_scores,
+                   int num_threads):
+    """The lightning indexer (attnfast.index_topk), arguments checked by attnfast._indexer:
+    q float32 (B, H, Tq, D), weights float32 (B, Tq, H) heads contiguous, k (B, L, D) or a
+    pool (num_blocks, block_size, D) float32 / bfloat16 / float8_e4m3fn, last axes
+    contiguous; k_scale float32 (B, L) / (num_blocks, block_size) or None; block_table int64
+    (B, max_blocks) or None; seqlens_k contiguous int64 (B,) or None; out_index contiguous
+    int32 (B, Tq, topk); out_scores the same in float32, or None."""
+    cdef IndexParams p
+    cdef cnp.ndarray ks_arr, table_arr, lens_arr, scores_arr
+    memset(&p, 0, sizeof(p))
+    p.q = <const float*> cnp.PyArray_DATA(q)
+    p.q_batch_stride, p.q_head_stride, p.q_row_stride = _stride(q, 0), _stride(q, 1), _stride(q, 2)
+    p.weights = <const float*> cnp.PyArray_DATA(weights)
+    p.w_batch_stride, p.w_row_stride = _stride(weights, 0), _stride(weights, 1)
+    p.k = cnp.PyArray_DATA(k)
+    p.k_dtype = _dtype_code(k)
+    p.k_batch_stride, p.k_row_stride = _stride(k, 0), _stride(k, 1)
+    p.batch, p.heads, p.seqlen_q, p.head_dim = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
+    p.seqlen_k = k.shape[1]
+    if k_scale is not None:
+        ks_arr = k_scale
+        p.k_scale = <const float*> cnp.PyArray_DATA(ks_arr)
+        p.k_scale_batch_stride, p.k_scale_row_stride = _stride(ks_arr, 0), _stride(ks_arr, 1)
+    if block_table is not None:
+        table_arr = block_table
+        p.block_table = <const int64_t*> cnp.PyArray_DATA(table_arr)
+        p.block_table_batch_stride = _stride(table_arr, 0)
+        p.block_size = k.shape[1]
+        p.num_blocks = k.shape[0]
+        p.seqlen_k = table_arr.shape[1] * p.block_size
+    if seqlens_k is not None:
+        lens_arr = seqlens_k
+        p.seqlens_k = <const int64_t*> cnp.PyArray_DATA(lens_arr)
+    p.causal = causal
+    p.topk = topk
+    p.out_index = <int32_t*> cnp.PyArray_DATA(out_index)
+    if out_scores is not None:
+        scores_arr = out_scores
+        p.out_scores = <float*> cnp.PyArray_DATA(scores_arr)
+    p.num_threads = num_threads
+    p.interruptible = False
+    with nogil:
+        index_topk_core(p)
 
 
 def plan_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, *, bint causal, double scale,
