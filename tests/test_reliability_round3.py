@@ -10,7 +10,7 @@ NumPy references written here (no attnfast code in the references).
 8. attention_varlen reads the pools PagedKVCache makes in every format: rotated int8 keys
    (key_rotation=) and int4 pools (v_head_dim=), as attention_with_kvcache does.
 9. The transformers backend refuses an attention argument it does not implement (the
-   sparse top-k ``indices=`` of DeepSeek-V3.2 / GLM-5) by name, never drops it.
+   sparse top-k ``indices=`` of DeepSeek-V3.2 / GLM-5 where it cannot run it) by name, never drops it.
 """
 import os
 import sys
@@ -489,17 +489,26 @@ class _Module:
     training = False
 
 
-def test_backend_refuses_sparse_indices_by_name():
+def test_backend_runs_sparse_indices_and_refuses_them_where_it_cannot():
+    """indices= (DeepSeek-V3.2 / GLM-5's top-k keys per query) runs eagerly: attention over
+    the listed keys the mask leaves visible, as sdpa over the dense mask of the top-k; with
+    gradients it is refused by name, never dropped."""
     torch, aft = _backend()
     q, k, v = _qkv(torch)
-    indices = torch.zeros((1, 6, 2), dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="indices="):
-        aft.attention_forward(_Module(), q, k, v, None, scaling=0.25, indices=indices)
+    g = torch.Generator().manual_seed(3)
+    indices = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(6)])[None].to(torch.int32)
     mask = torch.ones((1, 1, 6, 6), dtype=torch.bool).tril()
+    keep = torch.zeros((1, 1, 6, 6), dtype=torch.bool).scatter(-1, indices.long()[:, None], True) & mask
+    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), kr.double(), vr.double(),
+                                                            attn_mask=keep, scale=0.25)
+    got, _ = aft.attention_forward(_Module(), q, k, v, mask, scaling=0.25, indices=indices)
+    torch.testing.assert_close(got.transpose(1, 2).double(), want, rtol=2e-5, atol=2e-5)
     with pytest.raises(NotImplementedError, match="indices="):
-        aft.attention_forward(_Module(), q, k, v, mask, scaling=0.25, indices=indices)
+        aft.attention_forward(_Module(), q.requires_grad_(), k, v, mask, scaling=0.25,
+                              indices=indices)
     with pytest.raises(NotImplementedError, match="block_indices="):
-        aft.attention_forward(_Module(), q, k, v, mask, block_indices=indices)
+        aft.attention_forward(_Module(), q.detach(), k, v, mask, block_indices=indices)
 
 
 @pytest.mark.parametrize("name,value", [
@@ -531,26 +540,8 @@ def test_backend_accepts_what_transformers_always_passes():
     np.testing.assert_allclose(out.numpy(), want.transpose(0, 2, 1, 3), rtol=2e-5, atol=2e-5)
 
 
-def test_deepseek_v32_model_with_attnfast_refuses_sparse_attention():
-    """A tiny random-weight DeepseekV32ForCausalLM: sdpa folds the indexer's top-k into the
-    mask; attnfast is passed it as indices= and refuses it (it used to run dense attention
-    and give other logits than the model defines)."""
-    torch, _ = _backend()
-    transformers = pytest.importorskip("transformers")
-    if not hasattr(transformers, "DeepseekV32ForCausalLM"):
-        pytest.skip("this transformers has no DeepSeek-V3.2")
-    cfg = transformers.DeepseekV32Config(
-        vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
-        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
-        q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, index_topk=4,
-        index_n_heads=2, index_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
-        n_group=1, topk_group=1, first_k_dense_replace=1, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.DeepseekV32ForCausalLM._from_config(
-        cfg, attn_implementation="attnfast").eval()
-    ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad(), pytest.raises(NotImplementedError, match="indices="):
-        model(ids)
+# (A DeepSeek-V3.2 model on attnfast now runs its sparse attention: test_transformers_backend's
+# test_sparse_attention_models_match_sdpa.)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -406,3 +406,41 @@ def _implied(plans, tq, tk):
                 p = i + (off or 0)
                 out[b, i, j] = not causal or ((j - s) <= p and (left < 0 or (j - s) >= p - left))
     return out
+
+
+def _dsa_model(kind, index_topk, seed=0):
+    """A tiny random-weight DeepSeek-V3.2 / GLM-5 (sparse attention over the indexer's top-k)."""
+    if kind == "deepseek_v32":
+        from transformers import DeepseekV32Config as Config, DeepseekV32ForCausalLM as Model
+    else:
+        from transformers import GlmMoeDsaConfig as Config, GlmMoeDsaForCausalLM as Model
+    cfg = Config(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                 num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
+                 num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                 topk_group=1, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=32,
+                 qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_n_heads=2,
+                 index_head_dim=16, index_topk=index_topk, max_position_embeddings=256,
+                 pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    return Model(cfg).eval()
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_attention_models_match_sdpa(kind):
+    """DeepSeek-V3.2 and GLM-5 pass the indexer's top-k as indices=: attnfast attends over
+    those keys (sdpa folds them into its dense mask). Same logits, same greedy tokens; and the
+    top-k matters (a top-k past every key gives other logits)."""
+    pytest.importorskip(f"transformers.models.{kind}")
+    model = _dsa_model(kind, index_topk=6)
+    ids = _ids(2, 14, 11)
+    with torch.no_grad():
+        dense = _dsa_model(kind, index_topk=64)(ids).logits
+        want = model(ids).logits
+        model.set_attn_implementation("attnfast")
+        got = model(ids).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(dense, want, atol=1e-3)
+        g_fast = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+        model.set_attn_implementation("sdpa")
+        g_sdpa = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    assert torch.equal(g_fast, g_sdpa)

@@ -31,10 +31,15 @@ attention runs as the differentiable custom op :func:`attnfast.integrations.torc
 with transformers' mask, so ``loss.backward()`` gets attnfast's gradients (fine-tuning with
 ``attn_implementation="attnfast"``).
 
+Sparse attention (DeepSeek-V3.2's and GLM-5's ``indices=``, the lightning indexer's top-k per
+query): attention over exactly those keys (attnfast's ``key_index=``), the mask read at the
+listed positions only, eagerly and without gradients.
+
 Raises: ValueError for tensors that live on another device; NotImplementedError for
 dropout > 0 and for any keyword argument of the attention function that attnfast does not
-implement (sparse top-k ``indices=``, ``position_bias``, ``output_attentions=True``, packed
-``cu_seq_lens_q``, ...), named in the message: never silently dropped. The keyword arguments
+implement (``indices=`` with gradients or under torch.compile, ``position_bias``,
+``output_attentions=True``, packed ``cu_seq_lens_q``, ...), named in the message: never
+silently dropped. The keyword arguments
 transformers passes to every attention function without changing what it computes
 (``position_ids``, ``use_cache``, ...) are accepted.
 Softcap (Gemma 2) and attention sinks (gpt-oss's s_aux) are passed to attnfast's options.
@@ -238,9 +243,9 @@ _HARMLESS_KWARGS = frozenset({
     "deterministic", "max_length_q", "max_length_k",
 })
 _REFUSAL_HINTS = {
-    "indices": "the sparse top-k keys per query (DeepSeek-V3.2 / GLM-5's lightning indexer); "
-               "until attnfast's sparse attention lands, run such models with "
-               "attn_implementation=\"sdpa\" or \"eager\" (they fold the top-k into the mask)",
+    "indices": "the sparse top-k keys per query (DeepSeek-V3.2 / GLM-5's lightning indexer) "
+               "with gradients or under torch.compile; eagerly and without gradients attnfast "
+               "runs it",
     "block_indices": "block-sparse attention",
     "cu_seq_lens_q": "packed (varlen) sequences: pass position_ids instead (transformers then "
                      "builds the packed sequences' mask, which attnfast reads)",
@@ -278,6 +283,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     (attn_output (B, Tq, H, Dv), None). A keyword argument attnfast does not implement
     (e.g. ``indices=``, sparse attention) raises NotImplementedError naming it."""
     import torch
+    indices = kwargs.pop("indices", None)
     if kwargs:
         _refuse_unknown(kwargs)
     if dropout:
@@ -286,6 +292,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     needs_grad = torch.is_grad_enabled() and (
         query.requires_grad or key.requires_grad or value.requires_grad
         or (s_aux is not None and s_aux.requires_grad))
+    if indices is not None:
+        if needs_grad or torch.compiler.is_compiling():
+            _refuse_unknown({"indices": indices})
+        return _sparse(module, query, key, value, attention_mask, indices, scaling, is_causal,
+                       softcap, s_aux), None
     if (attention_mask is None and softcap is None and s_aux is None and not needs_grad
             and not torch.compiler.is_compiling()):
         # A decode step's common case (no mask, no score options), with the fewest steps:
@@ -336,6 +347,41 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                 sl = slice(b, b + 1)
                 _run_plan(plan, q[sl], k[sl], v[sl], out_h[sl], options)
     return wrap_like(out, query), None
+
+
+def _sparse(module, query, key, value, attention_mask, indices, scaling, is_causal, softcap,
+            sinks):
+    """attention_forward with DeepSeek-V3.2 / GLM-5's ``indices`` (B, Tq, topk): attention
+    over the listed keys (attnfast's ``key_index=``). The mask transformers built (causal,
+    padding) is read at the listed positions only: a listed key it drops becomes -1, so the
+    keys attended are those sdpa's dense mask of the top-k leaves."""
+    import torch
+    Tk = key.shape[2]
+    idx = indices.to(torch.int64)
+    causal = False
+    if attention_mask is None:
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    else:
+        m = attention_mask[..., :Tk]
+        if m.dtype != torch.bool:   # additive: 0 keeps, the dtype's minimum / -inf drops
+            drop = m <= torch.finfo(m.dtype).min / 2
+            if not bool(torch.all((m == 0) | drop)):
+                raise NotImplementedError("attnfast backend: indices= with an additive bias in "
+                                          "the mask is not implemented")
+            m = ~drop
+        if m.shape[1] != 1 and not torch.equal(m, m[:, :1].expand_as(m)):
+            raise NotImplementedError("attnfast backend: indices= with a mask that differs "
+                                      "between heads is not implemented")
+        keep = m[:, 0].expand(idx.shape[0], idx.shape[1], Tk)
+        seen = torch.gather(keep, -1, idx.clamp(min=0)) & (idx >= 0)
+        idx = torch.where(seen, idx, torch.full_like(idx, -1))
+    q, k, v = (to_numpy(t, name) for t, name in ((query, "query"), (key, "key"), (value, "value")))
+    B, H, Tq, _ = q.shape
+    out = np.empty((B, Tq, H, v.shape[-1]), q.dtype)
+    options = {n: x for n, x in (("scale", scaling), ("softcap", softcap), ("sinks", sinks)) if x is not None}
+    _call(q, k, v, out.transpose(0, 2, 1, 3), causal=causal,
+          key_index=idx.to(torch.int32).numpy(), **options)
+    return wrap_like(out, query)
 
 
 def _eager_unmasked(module, query, key, value, scaling, is_causal, sliding_window):
