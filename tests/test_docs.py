@@ -117,12 +117,21 @@ def check_minilm(out: str):
     assert len(cos) == 4 and min(cos) > 0.99999
 
 
+def check_sparse_attention(out: str):
+    line = next(l for l in out.splitlines() if l.startswith("query 5 selects"))
+    keys = [int(x) for x in re.findall(r"-?\d+", line[len("query 5 selects"):])]
+    assert len(keys) == 16 and sorted(keys[:6]) == list(range(6)) and keys[6:] == [-1] * 10
+    err = re.search(r"selected keys\| = ([\d.e+-]+)", out)
+    assert err and float(err.group(1)) < 1e-5
+
+
 EXAMPLES = {
     "plot_01_worked_examples.py": check_worked_examples,
     "plot_02_decode_linear.py": check_decode_linear,
     "plot_03_paged_fork.py": check_paged_fork,
     "plot_04_lowp_accuracy.py": check_lowp_accuracy,
     "plot_05_minilm.py": check_minilm,
+    "plot_06_sparse_attention.py": check_sparse_attention,
 }
 
 
