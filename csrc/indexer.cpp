@@ -84,7 +84,7 @@ void write_row(const IndexParams& p, int64_t b, int64_t t, std::vector<Candidate
 
 void index_topk(const IndexParams& p) {
     require(p.batch >= 0 && p.heads >= 1 && p.seqlen_q >= 0 && p.seqlen_k >= 0, "bad sizes");
-    require(p.head_dim >= 1 && p.head_dim <= kIndexMaxHeadDim, "head_dim must be in [1, 1024]");
+    require(p.head_dim >= 1, "head_dim must be >= 1");
     require(p.topk >= 1 && p.topk <= INT32_MAX, "topk must be >= 1");
     require(p.seqlen_k <= INT32_MAX, "too many keys for int32 positions");
     require(p.num_threads >= 1, "num_threads must be >= 1");
@@ -113,7 +113,7 @@ void index_topk(const IndexParams& p) {
     }
     const int64_t tasks = rows * parts;
     const int threads = parallel::threads_alone(tasks, p.num_threads);
-    const int64_t scratch = kIndexChunkKeys + kIndexWorkspaceFloats;
+    const int64_t scratch = kIndexChunkKeys + index_workspace_floats(p);
     const ThreadScratch<float> buffers(scratch, threads > 0 ? threads : 1);
     std::vector<std::vector<Candidate>> found(static_cast<size_t>(tasks));
     parallel::for_each_dynamic(tasks, threads, p.interruptible, [&](int64_t task, int thread_id) {

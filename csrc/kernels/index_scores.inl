@@ -2,12 +2,14 @@
 // own flags on the typed vector layer (simd/typed.hpp): for one query row and a run of keys,
 // scores[s] = k_scale[s] * sum_h w[h] * relu(q[h] . k[s]).
 //
-// The products are a small GEMM (heads x head_dim times head_dim x keys): each block of
-// 2 vectors of keys is widened to float32 and transposed once (kt[d][j]: keys in the vector
-// lanes), then every block of NH heads runs d by d with one broadcast of q[h][d] per head and
-// one load of kt[d] per key vector, NH x NK accumulators in registers; the heads' relu-ed dot
-// products are weighted and summed lane by lane (no horizontal sums). Included by
-// export_table.inl inside the tier's namespace.
+// The row's queries are fixed for all its keys, so they are staged once per call transposed,
+// heads in the vector lanes (qt[d][h], heads padded to whole vectors with zeros). Keys go in
+// blocks of kIndexKeyBlock, each row converted to float32 once; for each group of NHV head
+// vectors, d by d, one load per head vector and one broadcast per key feed KB x NHV
+// accumulators in registers (16 FMAs for 8 loads with AVX-512's four head vectors). A key's
+// relu-ed head dots are weighted in the lanes and summed once (vsum: a fixed tree), so every
+// key's score is the same operations wherever it sits in a block: the bits do not depend on
+// the chunking or the thread count. Included by export_table.inl inside the tier's namespace.
 #pragma once
 #include "../simd/typed.hpp"
 #include "kernel_table.hpp"
@@ -18,9 +20,10 @@ namespace {
 namespace indexer {
 
 constexpr int64_t kLanes = vec_lanes<float>();
-constexpr int kKeyVecs = 2;                       // key vectors per register block
-constexpr int64_t kBlockKeys = kKeyVecs * kLanes;  // keys per register block
-static_assert(kBlockKeys <= kIndexBlockKeys, "the workspace holds one transposed block");
+constexpr int kKeys = static_cast<int>(kIndexKeyBlock);
+// Head vectors per pass: KB x NHV accumulators plus NHV query vectors in the registers
+// (32 with AVX-512 and NEON, 16 otherwise).
+constexpr int kHeadVecs = ATTNFAST_SIMD_BYTES >= 64 ? 4 : 2;
 
 #pragma GCC diagnostic push
 #if defined(__clang__)
@@ -28,29 +31,27 @@ static_assert(kBlockKeys <= kIndexBlockKeys, "the workspace holds one transposed
 #endif
 #pragma GCC diagnostic ignored "-Wpsabi"  // all inlined: no vector crosses a call boundary
 
-// total[c] += sum over heads [h0, h0 + NH) of w[h] relu(q[h] . k[j]) for the kBlockKeys keys
-// of kt (d-major, kBlockKeys floats per d): NH x kKeyVecs accumulators.
-template <int NH>
-inline void head_block(const IndexParams& p, const float* q, const float* w, int64_t h0,
-                       const float* kt, Vec<float>* total) {
-    Vec<float> acc[NH][kKeyVecs];
-    for (int h = 0; h < NH; ++h)
-        for (int c = 0; c < kKeyVecs; ++c) acc[h][c] = Vec<float>{};
-    const float* qh[NH];
-    for (int h = 0; h < NH; ++h) qh[h] = q + (h0 + h) * p.q_head_stride;
-    for (int64_t d = 0; d < p.head_dim; ++d) {
-        Vec<float> kv[kKeyVecs];
-        for (int c = 0; c < kKeyVecs; ++c) kv[c] = vload(kt + d * kBlockKeys + c * kLanes);
-        for (int h = 0; h < NH; ++h) {
-            const Vec<float> qb = splat(qh[h][d]);
-            for (int c = 0; c < kKeyVecs; ++c) acc[h][c] = fmadd(qb, kv[c], acc[h][c]);
+// total[j] += w[h] relu(q[h] . k[j]) in the lanes of head vectors [v0, v0 + NHV) for the
+// block's kKeys keys (rows kr, head_dim apart).
+template <int NHV>
+inline void head_vectors(const float* qt, int64_t hp, const float* wv, int64_t v0, const float* kr,
+                         int64_t dims, Vec<float>* total) {
+    Vec<float> acc[kKeys][NHV];
+    for (int j = 0; j < kKeys; ++j)
+        for (int c = 0; c < NHV; ++c) acc[j][c] = Vec<float>{};
+    for (int64_t d = 0; d < dims; ++d) {
+        Vec<float> qv[NHV];
+        for (int c = 0; c < NHV; ++c) qv[c] = vload(qt + d * hp + (v0 + c) * kLanes);
+        for (int j = 0; j < kKeys; ++j) {
+            const Vec<float> kb = splat(kr[j * dims + d]);
+            for (int c = 0; c < NHV; ++c) acc[j][c] = fmadd(kb, qv[c], acc[j][c]);
         }
     }
     const Vec<float> zero = Vec<float>{};
-    for (int h = 0; h < NH; ++h) {
-        const Vec<float> wh = splat(w[h0 + h]);
-        for (int c = 0; c < kKeyVecs; ++c)  // relu keeping NaN (NaN < 0 is false)
-            total[c] = fmadd(wh, acc[h][c] < zero ? zero : acc[h][c], total[c]);
+    for (int c = 0; c < NHV; ++c) {
+        const Vec<float> w = vload(wv + (v0 + c) * kLanes);
+        for (int j = 0; j < kKeys; ++j)  // relu keeping NaN (NaN < 0 is false)
+            total[j] = fmadd(w, acc[j][c] < zero ? zero : acc[j][c], total[j]);
     }
 }
 
@@ -70,28 +71,48 @@ inline float key_scale(const IndexParams& p, int64_t b, int64_t s) {
 }
 
 template <class T>
+inline void widen_row(const T* row, int64_t dims, float* out) {
+    int64_t d = 0;
+    for (; d + kLanes <= dims; d += kLanes) vstore(out + d, vload(row + d));
+    for (; d < dims; ++d) out[d] = widen(row[d]);
+}
+
+// float8 e4m3 through a table of its 256 values (widen() per element, the typed layer's
+// lane-by-lane load, measured 4x slower than the products at 64 heads).
+struct E4m3Table {
+    float value[256];
+    E4m3Table() {
+        for (int i = 0; i < 256; ++i) value[i] = widen(fp8_t{static_cast<uint8_t>(i)});
+    }
+};
+inline void widen_row(const fp8_t* row, int64_t dims, float* out) {
+    static const E4m3Table table;
+    for (int64_t d = 0; d < dims; ++d) out[d] = table.value[row[d].bits];
+}
+
+template <class T>
 void scores_of(const IndexParams& p, int64_t b, int64_t t, int64_t s0, int64_t s1, float* scores,
-               float* kt) {
+               float* ws) {
+    const int64_t dims = p.head_dim, hp = index_padded_heads(p), vecs = hp / kLanes;
+    float* qt = ws;              // dims x hp
+    float* wv = qt + dims * hp;  // hp
+    float* kr = wv + hp;         // kKeys x dims
     const float* q = p.q + b * p.q_batch_stride + t * p.q_row_stride;
     const float* w = p.weights + b * p.w_batch_stride + t * p.w_row_stride;
-    for (int64_t j0 = s0; j0 < s1; j0 += kBlockKeys) {
-        const int64_t nk = s1 - j0 < kBlockKeys ? s1 - j0 : kBlockKeys;
-        for (int64_t j = 0; j < kBlockKeys; ++j) {  // the block's keys, transposed (0 past nk)
-            if (j < nk) {
-                const T* row = key_row<T>(p, b, j0 + j);
-                for (int64_t d = 0; d < p.head_dim; ++d) kt[d * kBlockKeys + j] = widen(row[d]);
-            } else {
-                for (int64_t d = 0; d < p.head_dim; ++d) kt[d * kBlockKeys + j] = 0.0f;
-            }
-        }
-        Vec<float> total[kKeyVecs];
-        for (int c = 0; c < kKeyVecs; ++c) total[c] = Vec<float>{};
-        int64_t h0 = 0;
-        for (; h0 + 4 <= p.heads; h0 += 4) head_block<4>(p, q, w, h0, kt, total);
-        for (; h0 < p.heads; ++h0) head_block<1>(p, q, w, h0, kt, total);
-        alignas(64) float lanes[kBlockKeys];
-        for (int c = 0; c < kKeyVecs; ++c) vstore(lanes + c * kLanes, total[c]);
-        for (int64_t j = 0; j < nk; ++j) scores[j0 - s0 + j] = lanes[j] * key_scale(p, b, j0 + j);
+    for (int64_t h = 0; h < hp; ++h) {
+        wv[h] = h < p.heads ? w[h] : 0.0f;
+        for (int64_t d = 0; d < dims; ++d) qt[d * hp + h] = h < p.heads ? q[h * p.q_head_stride + d] : 0.0f;
+    }
+    for (int64_t j0 = s0; j0 < s1; j0 += kKeys) {
+        const int64_t nk = s1 - j0 < kKeys ? s1 - j0 : kKeys;
+        for (int j = 0; j < kKeys; ++j)  // (past the run: its last key again, not stored)
+            widen_row(key_row<T>(p, b, j0 + (j < nk ? j : nk - 1)), dims, kr + j * dims);
+        Vec<float> total[kKeys];
+        for (int j = 0; j < kKeys; ++j) total[j] = Vec<float>{};
+        int64_t v0 = 0;
+        for (; v0 + kHeadVecs <= vecs; v0 += kHeadVecs) head_vectors<kHeadVecs>(qt, hp, wv, v0, kr, dims, total);
+        for (; v0 < vecs; ++v0) head_vectors<1>(qt, hp, wv, v0, kr, dims, total);
+        for (int64_t j = 0; j < nk; ++j) scores[j0 - s0 + j] = vsum(total[j]) * key_scale(p, b, j0 + j);
     }
 }
 #pragma GCC diagnostic pop

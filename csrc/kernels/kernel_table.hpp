@@ -258,15 +258,19 @@ struct KernelTable {
     // The tier's attention_backward kernels (backward.inl), compiled with its flags.
     const BackwardKernels* (*backward_kernels)();
     // The indexer's scores (index_scores.inl) of query row `row` of batch entry `batch` for
-    // keys [s0, s1): scores[s - s0]; workspace: kIndexWorkspaceFloats floats.
+    // keys [s0, s1): scores[s - s0]; workspace: index_workspace_floats(p) floats.
     void (*index_scores)(const IndexParams&, int64_t batch, int64_t row, int64_t s0, int64_t s1,
                          float* scores, float* workspace);
 };
-// Scratch floats index_scores needs: one transposed block of up to kIndexBlockKeys keys of
-// up to kIndexMaxHeadDim values.
-constexpr int64_t kIndexMaxHeadDim = 1024;
-constexpr int64_t kIndexBlockKeys = 32;
-constexpr int64_t kIndexWorkspaceFloats = kIndexMaxHeadDim * kIndexBlockKeys;
+// Keys index_scores scores at a time (each row converted to float32 once for every head).
+constexpr int64_t kIndexKeyBlock = 4;
+// Heads padded to whole vectors of the widest tier (16 floats).
+static inline int64_t index_padded_heads(const IndexParams& p) { return (p.heads + 15) / 16 * 16; }
+// Scratch floats index_scores needs: the row's queries transposed (head_dim x padded heads),
+// its weights, and one key block's rows in float32.
+static inline int64_t index_workspace_floats(const IndexParams& p) {
+    return p.head_dim * index_padded_heads(p) + index_padded_heads(p) + kIndexKeyBlock * p.head_dim + 16;
+}
 
 // One per ISA file; each returns nullptr when that tier was not compiled in.
 const KernelTable* kernel_table_generic();
