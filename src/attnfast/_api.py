@@ -86,15 +86,15 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
     -------
     out, or (out, lse) when return_lse.
     """
-    key = None
-    if (softcap is None and alibi_slopes is None and sinks is None and mask is None
-            and return_lse is False):
-        key = attention_key(q, k, v, out, causal, scale, window)
-        plan = ATTENTION_PLANS.get(key) if key is not None else None
-        if plan is not None:
-            result = _attention_fast(plan, q, k, v, out, causal, num_threads, query_offset)
-            if result is not None:
-                return result
+    # The fast path: a plan for this call's layout and options (the key decides whether one
+    # can serve it at all: attnfast._ext.attention_key), then the per-call checks, in C.
+    key = attention_key(q, k, v, out, causal, scale, window, return_lse,
+                        (softcap, alibi_slopes, sinks, mask))
+    plan = ATTENTION_PLANS.get(key) if key is not None else None
+    if plan is not None:
+        result = _attention_fast(plan, q, k, v, out, causal, num_threads, query_offset)
+        if result is not None:
+            return result
     return_lse = check_flag(return_lse, "return_lse")
     call = check_attention(q, k, v, causal=causal, scale=scale, window=window,
                            num_threads=num_threads, query_offset=query_offset, softcap=softcap,
@@ -103,7 +103,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
                          [("q", call.q), ("k", call.k), ("v", call.v)] + call.options.arrays())
     result = run_kernels(call, user_out, return_lse)
     if key is not None:  # accepted: later calls of this layout take the fast path
-        remember(ATTENTION_PLANS, key, attention_plan(call, q, k, v, out, window))
+        remember(ATTENTION_PLANS, key, attention_plan(call, q, k, v, out, window, return_lse))
     return result
 
 
@@ -111,7 +111,7 @@ def _attention_fast(plan, q, k, v, out, causal, num_threads, query_offset):
     """attention() for a call whose layout an earlier call had accepted (see
     attnfast._checks.attention_key): only what can differ between such calls is checked
     here. None when anything is unusual: the full path then runs (and raises as always)."""
-    out_shape, dtype, scale, seqlen_q, seqlen_k, window = plan
+    out_shape, dtype, scale, seqlen_q, seqlen_k, window, lse_dtype = plan
     threads = fast_threads(num_threads)
     if threads is None or not fast_query_offset(query_offset):
         return None
@@ -120,9 +120,11 @@ def _attention_fast(plan, q, k, v, out, causal, num_threads, query_offset):
     interruptible = kernels_interruptible()
     if fast_tail_in_c():  # the common case, in C (None: declined); below the same in Python
         result = _ext.attention_fast(q, k, v, out, out_shape, dtype, causal, scale, left, right,
-                                     threads, query_offset, interruptible)
+                                     threads, query_offset, interruptible, lse_dtype)
         if result is not None:
             return result
+    if lse_dtype is not None:
+        return None  # the Python tail (tests standing in for the kernels): the full path
     if not (q.flags.aligned and k.flags.aligned and v.flags.aligned):
         return None  # kernel_ready would copy
     if out is None:

@@ -1049,16 +1049,16 @@ def fast_query_offset(query_offset) -> bool:
 attention_key, kvcache_key, seqlens_key = _ext.attention_key, _ext.kvcache_key, _ext.seqlens_key
 
 
-def attention_plan(call: AttentionCall, q, k, v, out, window):
+def attention_plan(call: AttentionCall, q, k, v, out, window, return_lse=False):
     """attention(): what a repeat call needs from the accepted `call` (out shape and dtype,
-    scale, Tq, Tk, window as checked), or None unless the kernels took q, k, v (4-D) and
-    out as given."""
+    scale, Tq, Tk, window as checked, lse dtype or None without return_lse), or None unless
+    the kernels took q, k, v (4-D) and out as given."""
     if call.rank != 4 or call.q is not q or call.k is not k or call.v is not v:
         return None
     if out is not None and kernel_ready(out) is not out:
         return None
     return (call.out_shape(), call.dtype, call.scale, call.seqlen_q, call.seqlen_k,
-            check_window(window))
+            check_window(window), call.lse_dtype if return_lse else None)
 
 
 def paged_key(q, k_pool, v_pool, cache_seqlens, block_table, k_scale, v_scale, out, causal,

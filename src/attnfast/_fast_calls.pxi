@@ -29,7 +29,12 @@ cdef enum:
     _KEY_WORDS_PER_ARRAY = 36   # ndim, 16 dims, 16 strides, type number, byte order, item size
 
 # Calls each C tail took (counted before the kernels run): tests see which path ran.
-fast_calls_taken = {"attention": 0, "kvcache": 0}
+fast_calls_taken = {"attention": 0, "kvcache": 0, "paged": 0}
+
+# For tests: a callable set here runs (no arguments) right before each C tail calls the
+# kernels, and may raise there what a kernel stopped by Ctrl-C raises (KeyboardInterrupt),
+# or MemoryError, to show that such a call changes nothing. None in production.
+fast_call_hooks = {"before_kernels": None}
 
 
 def layout_key(a0, a1, a2, a3=None, a4=None, a5=None):
@@ -131,6 +136,9 @@ cdef object _empty(tuple shape, dtype):
 
 
 cdef int _run_one(AttentionParams* p, bint interruptible) except -1:
+    hook = fast_call_hooks["before_kernels"]
+    if hook is not None:
+        hook()
     if interruptible:
         _run_interruptible(p)
     else:
@@ -141,11 +149,13 @@ cdef int _run_one(AttentionParams* p, bint interruptible) except -1:
 
 def attention_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out, tuple out_shape,
                    out_dtype, bint causal, double scale, int64_t window_left,
-                   int64_t window_right, int num_threads, query_offset, bint interruptible):
+                   int64_t window_right, int num_threads, query_offset, bint interruptible,
+                   lse_dtype=None):
     """The rest of attnfast.attention's fast path (_api._attention_fast) in one call: q, k, v
     4-D of a layout the full path accepted; out None (allocated: out_shape, out_dtype) or an
-    array to fill. None, having done nothing, unless q, k, v are aligned and out (if given)
-    is a writeable aligned ndarray apart from q, k and v."""
+    array to fill; with `lse_dtype` (not None: return_lse) the tuple (out, lse), lse a new
+    (B, H, Tq) array. None, having done nothing, unless q, k, v are aligned and out (if
+    given) is a writeable aligned ndarray apart from q, k and v."""
     cdef AttentionParams p = default_params()
     if not (_aligned(q) and _aligned(k) and _aligned(v)):
         return None
@@ -155,11 +165,12 @@ def attention_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out, tuple out_s
         target = _usable_out(out, q, k, v)
         if target is None:
             return None
-    _fill_params(&p, q, k, v, target, None, causal, scale, window_left, window_right,
+    lse = None if lse_dtype is None else _empty(out_shape[:3], lse_dtype)
+    _fill_params(&p, q, k, v, target, lse, causal, scale, window_left, window_right,
                  num_threads, None, None, None, query_offset, 0.0, None, None, None, None)
     fast_calls_taken["attention"] += 1
     _run_one(&p, interruptible)
-    return target
+    return target if lse is None else (target, lse)
 
 
 cdef bint _rows_contiguous(cnp.ndarray a):
@@ -389,15 +400,26 @@ cdef object _option_key(causal, scale, window):
     return causal, scale, window
 
 
-def attention_key(q, k, v, out, causal, scale, window):
-    """attention(): the plan key of a call (arrays exactly numpy.ndarray), or None."""
+def attention_key(q, k, v, out, causal, scale, window, return_lse=False,
+                  tuple unplanned=()):
+    """attention(): the plan key of a call (arrays exactly numpy.ndarray), or None when no
+    plan can serve it: where attention()'s fast-path eligibility is decided. The key holds
+    the layouts of q, k, v and out, causal, scale, window and return_lse with their exact
+    types; `unplanned`: the call's other options, which only the full path takes (the key is
+    None unless each of them is None)."""
+    cdef Py_ssize_t i
     if q is None or k is None or v is None:
         return None
+    if return_lse is not False and return_lse is not True:
+        return None
+    for i in range(len(unplanned)):
+        if unplanned[i] is not None:
+            return None
     layout = layout_key(q, k, v, out)
     if layout is None:
         return None
     options = _option_key(causal, scale, window)
-    return None if options is None else (layout, options)
+    return None if options is None else (layout, options, return_lse)
 
 
 def seqlens_key(cache_seqlens):
@@ -465,3 +487,292 @@ def paged_blocks_in_use_ok(cnp.ndarray table, cnp.ndarray lengths, int64_t block
             if t[b * width + i] < 0 or t[b * width + i] >= num_blocks:
                 return False
     return True
+
+
+# ---- PagedKVCache.attend / step (attnfast._paged): the per-call bookkeeping, in C ----
+#
+# What a repeat call of an accepted layout still has to check and do, in one pass over the
+# sequences it serves: their ids, whether the pool has the blocks an append takes, the block
+# table and lengths the kernels read, that nothing written overlaps what is read, the token
+# writes with the rows they overwrite kept, the blocks taken, the lengths advanced, the
+# kernel call. Anything unusual (an id that is not an int or not live, a shared partly filled
+# last block to copy first, too few free blocks, sequences sharing a long prefix, other
+# dtypes or overlaps) declines, having changed nothing: the full path then runs and raises
+# or composes as always.
+
+cdef void _paged_rows(cnp.ndarray pool, cnp.ndarray new, const int64_t* tab, int64_t width,
+                      const int64_t* info, Py_ssize_t B, int64_t t, char* saved,
+                      bint restore) noexcept nogil:
+    """Token u of sequence b, every KV head h: its pool row (block tab[b, pos // block_size],
+    row pos % block_size, pos = info[3b] + u) = new[b, h, u], the row it overwrites first
+    kept in `saved`, in order; restore: `saved` put back (new unused)."""
+    cdef cnp.npy_intp H = cnp.PyArray_DIMS(pool)[1], BS = cnp.PyArray_DIMS(pool)[2]
+    cdef cnp.npy_intp row = cnp.PyArray_DIMS(pool)[3] * cnp.PyArray_ITEMSIZE(pool)
+    cdef cnp.npy_intp* ps = cnp.PyArray_STRIDES(pool)
+    cdef char* p0 = <char*> cnp.PyArray_DATA(pool)
+    cdef cnp.npy_intp* ns = cnp.PyArray_STRIDES(new)
+    cdef char* n0 = <char*> cnp.PyArray_DATA(new)
+    cdef char* dst
+    cdef cnp.npy_intp b, h, u, pos
+    for b in range(B):
+        for u in range(t):
+            pos = info[3 * b] + u
+            for h in range(H):
+                dst = p0 + tab[b * width + pos // BS] * ps[0] + h * ps[1] + (pos % BS) * ps[2]
+                if restore:
+                    memcpy(dst, saved, row)
+                else:
+                    memcpy(saved, dst, row)
+                    memcpy(dst, n0 + b * ns[0] + h * ns[1] + u * ns[2], row)
+                saved += row
+
+
+cdef class _PagedStepWritten:
+    """What one paged_fast call changed: the pool rows it overwrote (`saved`: k's, then v's
+    from k_bytes on; a latent pool's v rows are its k rows), the blocks it took off the free
+    list (the first `popped`), the sequences' lengths and block lists. restore() puts it all
+    back; it may run again (and then changes nothing)."""
+    cdef list seqs, free
+    cdef cnp.ndarray k, v, kn, vn, refs, table
+    cdef bytes info            # int64 per sequence: (length, blocks held, blocks taken)
+    cdef char* saved
+    cdef cnp.npy_intp k_bytes
+    cdef int64_t t, popped
+    cdef bint latent, written, restored
+
+    def __dealloc__(self):
+        free(self.saved)
+
+    def restore(self):
+        cdef const int64_t* info = <const int64_t*> (<char*> self.info)
+        cdef const int64_t* tab = <const int64_t*> cnp.PyArray_DATA(self.table)
+        cdef int64_t* refs = <int64_t*> cnp.PyArray_DATA(self.refs)
+        cdef int64_t width = cnp.PyArray_DIMS(self.table)[1], blk
+        cdef Py_ssize_t B = len(self.seqs), b, g, i
+        cdef list taken = []
+        if self.restored:
+            return
+        if self.written:
+            if not self.latent:
+                _paged_rows(self.v, self.vn, tab, width, info, B, self.t,
+                            self.saved + self.k_bytes, True)
+            _paged_rows(self.k, self.kn, tab, width, info, B, self.t, self.saved, True)
+        for b in range(B):
+            seq = self.seqs[b]
+            del seq.blocks[info[3 * b + 1]:]
+            seq.length = info[3 * b]
+            for g in range(info[3 * b + 2]):
+                taken.append(tab[b * width + info[3 * b + 1] + g])
+        for i in range(self.popped - 1, -1, -1):  # back on the stack in the order they left
+            blk = taken[i]
+            refs[blk] = 0
+            self.free.append(blk)
+        self.restored = True
+
+
+cdef inline bint _exact_int(x):
+    return type(x) is int
+
+
+def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tuple out_shape,
+               out_dtype, bint causal, double scale, tuple window, int num_threads,
+               query_offset, bint interruptible, lse_dtype, int64_t shared_keys):
+    """The rest of PagedKVCache.attend / step's fast path (_paged.PagedKVCache._run_fast) in
+    one call, for a layout the full path accepted (the plan: t new tokens, out_shape,
+    out_dtype, scale, window as checked): append k_new, v_new (t > 0) to each sequence of
+    `seq_ids` (an int, or a list / tuple of ints, one per row of q), taking blocks from the
+    free list as PagedKVCache._commit does, then attend over every sequence's tokens.
+    Returns out (the caller's `out`, written in place, or a new array), or (out, lse) with
+    `lse_dtype`. None, having changed nothing, unless the ids are distinct live sequences,
+    no sequence's partly filled last block is shared (copy-on-write: the full path), the pool
+    has the blocks needed, no two sequences with `shared_keys` or more keys begin with the
+    same block (shared-prefix decoding: the full path), the new tokens have the pool's dtype
+    with contiguous rows, and nothing written overlaps what the call reads. A call that
+    raises in the kernels (Ctrl-C) puts back every byte, block and length; one that returns
+    leaves what it changed in the log of the open transaction (attnfast._transaction)."""
+    cdef cnp.ndarray k = <cnp.ndarray?> cache._k, v = <cnp.ndarray?> cache._v
+    cdef cnp.ndarray refs = <cnp.ndarray?> cache._refs
+    cdef list free_list = <list?> cache._free
+    cdef dict live = <dict?> cache._seqs
+    cdef bint latent = cache._latent
+    cdef cnp.ndarray kn = None, vn = None, table, seqlens
+    cdef AttentionParams p = default_params()
+    cdef Py_ssize_t B, b, c, i, g, nb, nfree
+    cdef int64_t NB = cnp.PyArray_DIMS(k)[0], Hkv = cnp.PyArray_DIMS(k)[1]
+    cdef int64_t BS = cnp.PyArray_DIMS(k)[2]
+    cdef int64_t n, grow, needed = 0, width = 1, blk, left, right
+    cdef int64_t* info
+    cdef int64_t* tab
+    cdef int64_t* lens
+    cdef int64_t* refp
+    cdef cnp.npy_intp k_bytes = 0, v_bytes = 0
+    cdef list seqs
+    cdef _PagedStepWritten w
+    if type(seq_ids) is int:
+        ids = (seq_ids,)
+    elif type(seq_ids) is list or type(seq_ids) is tuple:
+        ids = seq_ids
+    else:
+        return None
+    B = len(ids)
+    if B < 1 or B != cnp.PyArray_DIMS(q)[0] or B != out_shape[0]:
+        return None
+    if (cnp.PyArray_TYPE(refs) != cnp.NPY_INT64 or cnp.PyArray_NDIM(refs) != 1
+            or cnp.PyArray_DIMS(refs)[0] != NB or not cnp.PyArray_IS_C_CONTIGUOUS(refs)
+            or not (_aligned(q) and _aligned(k) and _aligned(v))):
+        return None
+    refp = <int64_t*> cnp.PyArray_DATA(refs)
+    if t:
+        if type(k_new) is not np.ndarray or type(v_new) is not np.ndarray:
+            return None
+        kn, vn = <cnp.ndarray> k_new, <cnp.ndarray> v_new
+        if (cnp.PyArray_NDIM(kn) != 4 or cnp.PyArray_NDIM(vn) != 4
+                or cnp.PyArray_DIMS(kn)[0] != B or cnp.PyArray_DIMS(kn)[1] != Hkv
+                or cnp.PyArray_DIMS(kn)[2] != t or cnp.PyArray_DIMS(vn)[0] != B
+                or cnp.PyArray_DIMS(vn)[1] != Hkv or cnp.PyArray_DIMS(vn)[2] != t
+                or cnp.PyArray_DIMS(kn)[3] != cnp.PyArray_DIMS(k)[3]
+                or cnp.PyArray_DIMS(vn)[3] != cnp.PyArray_DIMS(v)[3]):
+            return None
+        if not (attnfast_equiv_dtypes(kn, k) and attnfast_equiv_dtypes(vn, v)
+                and _rows_contiguous(kn) and _rows_contiguous(vn) and _rows_contiguous(k)
+                and _rows_contiguous(v) and _writeable(k) and _writeable(v)):
+            return None      # converted on write (a float32 k_new into a 16-bit pool)
+        if latent:  # v_new must be k_new's prefix view (latent_values): written with k
+            if (cnp.PyArray_DATA(vn) != cnp.PyArray_DATA(kn)
+                    or cnp.PyArray_STRIDES(vn)[0] != cnp.PyArray_STRIDES(kn)[0]
+                    or cnp.PyArray_STRIDES(vn)[1] != cnp.PyArray_STRIDES(kn)[1]
+                    or cnp.PyArray_STRIDES(vn)[2] != cnp.PyArray_STRIDES(kn)[2]):
+                return None
+        elif _apart(k, v) != 1:
+            return None
+        if not (_apart(q, k) == 1 and _apart(q, v) == 1 and _apart(kn, k) == 1
+                and _apart(kn, v) == 1 and _apart(vn, k) == 1 and _apart(vn, v) == 1):
+            return None      # the full path decides (and raises) exactly
+    target = None
+    if out is not None:
+        target = _usable_out(out, q, k, v, k_new, v_new)
+        if target is None:
+            return None      # the full path raises its error, naming out
+    seqs = [None] * B
+    for b in range(B):
+        sid = ids[b]
+        if type(sid) is not int:
+            return None
+        seq = live.get(sid)
+        if seq is None:
+            return None      # the full path names the id
+        seqs[b] = seq
+    if B > 1:
+        if B <= 16:
+            for b in range(1, B):
+                for c in range(b):
+                    if seqs[b] is seqs[c]:
+                        return None
+        elif len(set(ids)) != B:
+            return None
+    info = <int64_t*> malloc(3 * B * sizeof(int64_t))
+    if info == NULL:
+        raise MemoryError()
+    try:
+        # The plan: per sequence its length, blocks held, blocks to take; checked first.
+        for b in range(B):
+            seq = seqs[b]
+            blocks = seq.blocks
+            length = seq.length
+            if type(blocks) is not list or type(length) is not int:
+                return None
+            n = length
+            nb = len(<list> blocks)
+            grow = 0
+            if t:
+                if n % BS and n // BS < nb:
+                    blk = (<list> blocks)[n // BS]
+                    if blk < 0 or blk >= NB or refp[blk] > 1:
+                        return None  # a shared partly filled block: copied first (full path)
+                grow = (n + t + BS - 1) // BS - nb
+                if grow < 0:
+                    grow = 0
+            info[3 * b], info[3 * b + 1], info[3 * b + 2] = n, nb, grow
+            needed += grow
+            if nb + grow > width:
+                width = nb + grow
+        nfree = len(free_list)
+        if needed > nfree:
+            return None          # out of blocks: the full path raises, naming them
+        if B >= 2 and shared_keys > 0:  # forks sharing a long prefix read it once (full path)
+            for b in range(1, B):
+                if info[3 * b + 1] == 0 or info[3 * b] + t < shared_keys:
+                    continue
+                for c in range(b):
+                    if (info[3 * c + 1] and info[3 * c] + t >= shared_keys
+                            and (<list> seqs[c].blocks)[0] == (<list> seqs[b].blocks)[0]):
+                        return None
+        # The table (unused entries 0: a valid id, never read) with the blocks to be taken
+        table = _empty((B, width), _INT64)
+        tab = <int64_t*> cnp.PyArray_DATA(table)
+        memset(tab, 0, B * width * sizeof(int64_t))
+        g = nfree - 1
+        for b in range(B):
+            blocks = seqs[b].blocks
+            for i in range(info[3 * b + 1]):
+                blk = (<list> blocks)[i]
+                if blk < 0 or blk >= NB:
+                    return None
+                tab[b * width + i] = blk
+            for i in range(info[3 * b + 2]):  # popped off the free stack's top, in order
+                blk = free_list[g]
+                g -= 1
+                if blk < 0 or blk >= NB or refp[blk] != 0:
+                    return None
+                tab[b * width + info[3 * b + 1] + i] = blk
+        seqlens = _empty((B,), _INT64)
+        lens = <int64_t*> cnp.PyArray_DATA(seqlens)
+        for b in range(B):
+            lens[b] = info[3 * b] + t
+        # the window as bound_window leaves it over this call's width * block_size keys
+        reach = out_shape[2] + width * BS + (0 if query_offset is None else abs(query_offset))
+        left = -1 if window[0] >= reach else window[0]
+        right = -1 if window[1] >= reach else window[1]
+        if target is None:
+            target = _empty(out_shape, out_dtype)
+        lse = None if lse_dtype is None else _empty(out_shape[:3], lse_dtype)
+        w = _PagedStepWritten.__new__(_PagedStepWritten)
+        w.seqs, w.free, w.k, w.v, w.kn, w.vn, w.refs, w.table = (
+            seqs, free_list, k, v, kn, vn, refs, table)
+        w.info = (<char*> info)[:3 * B * sizeof(int64_t)]
+        w.t, w.latent = t, latent
+        if t:
+            k_bytes = B * t * Hkv * cnp.PyArray_DIMS(k)[3] * cnp.PyArray_ITEMSIZE(k)
+            v_bytes = 0 if latent else B * t * Hkv * cnp.PyArray_DIMS(v)[3] * cnp.PyArray_ITEMSIZE(v)
+            w.saved = <char*> malloc(k_bytes + v_bytes + 1)
+            if w.saved == NULL:
+                raise MemoryError()
+            w.k_bytes = k_bytes
+        try:  # from here on, anything raised puts back what was changed
+            if t:
+                w.written = True
+                _paged_rows(k, kn, tab, width, info, B, t, w.saved, False)
+                if not latent:
+                    _paged_rows(v, vn, tab, width, info, B, t, w.saved + k_bytes, False)
+                for b in range(B):
+                    seq = seqs[b]
+                    for i in range(info[3 * b + 2]):
+                        blk = free_list.pop()
+                        w.popped += 1
+                        refp[blk] = 1
+                        seq.blocks.append(blk)
+                    seq.length = lens[b]
+            _fill_params(&p, q, k, v, target, lse, causal, scale, left, right, num_threads,
+                         seqlens, None, None, query_offset, 0.0, None, None, None, table)
+            fast_calls_taken["paged"] += 1
+            _run_one(&p, interruptible)
+            if t:
+                log = _open_log()
+                if log is not None:  # until the entry point returns, it may still be undone
+                    (<list> log).append(w)
+        except BaseException:  # the call did not happen: pool, blocks and lengths as they were
+            w.restore()
+            raise
+        return target if lse is None else (target, lse)
+    finally:
+        free(info)

@@ -14,10 +14,17 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from . import _int4
+from . import _ext, _int4, _shared_prefix
+from ._api import kernels_interruptible
 from ._checks import (
     INT4_STORAGE,
+    KVCACHE_PLANS,
     ROW_SCALED_DTYPES,
+    fast_query_offset,
+    fast_threads,
+    kvcache_key,
+    kvcache_plan,
+    remember,
     default_key_rotation,
     check_flag,
     check_free_blocks,
@@ -35,6 +42,8 @@ from ._kvcache import Undo, _read_and_written, _write_paged_tokens, latent_value
 from ._transaction import transaction
 
 __all__ = ["PagedKVCache"]
+
+_LENGTHS = "PagedKVCache.lengths"  # a PagedKVCache's lengths in its plan keys (kvcache_key)
 
 
 class _Sequence:
@@ -228,15 +237,30 @@ class PagedKVCache:
         """Roll one sequence back to its first n tokens (0 <= n <= its length), e.g. to drop
         rejected speculative tokens; the blocks it no longer needs return to the pool unless
         another sequence holds them."""
-        (sid,), _ = check_seq_ids([seq_id], self._seqs)
-        seq = self._seqs[sid]
-        (kept,) = check_truncate(n, np.array([seq.length]), [sid]).tolist()
-        with self._transaction([sid]):
-            used = -(-kept // self.block_size)
-            for blk in seq.blocks[used:]:
-                self._release(blk)
-            del seq.blocks[used:]
-            seq.length = kept
+        seq = self._seqs.get(seq_id) if type(seq_id) is int else None
+        if seq is None or type(n) is not int or not 0 <= n <= seq.length:
+            (sid,), _ = check_seq_ids([seq_id], self._seqs)   # raises, naming the argument
+            seq = self._seqs[sid]
+            (n,) = check_truncate(n, np.array([seq.length]), [sid]).tolist()
+        # What it changes, kept first (O(blocks dropped), never the pool): the blocks it
+        # drops, their counts, the free list's length, the length.
+        used = -(-n // self.block_size)
+        blocks, length, free_len = seq.blocks, seq.length, len(self._free)
+        dropped = blocks[used:]
+        refs = [int(self._refs[blk]) for blk in dropped]
+
+        def restore():  # (may run twice)
+            del self._free[free_len:]
+            for blk, count in zip(dropped, refs):
+                self._refs[blk] = count
+            blocks[used:] = dropped
+            seq.length = length
+
+        Undo().call(restore)  # joins the transaction's log: anything raised puts it back
+        for blk in dropped:
+            self._release(blk)
+        del blocks[used:]
+        seq.length = n
 
     # ---- tokens and attention ----
     @transaction(lock="_lock")
@@ -278,7 +302,14 @@ class PagedKVCache:
         (docs/user_guide/paged.md, shared-prefix decoding). ``tree_mask`` (Tq x Tq bool): the
         last Tq tokens of each sequence are a token tree, as in :func:`attnfast.attention_with_kvcache`.
         Returns out (n, H, Tq, v_head_dim), or (out, lse)."""
-        return self._run(seq_ids, q, None, None, causal=causal, scale=scale, window=window,
+        key = kvcache_key(q, self._k, self._v, _LENGTHS, None, None, out, causal, scale, window,
+                          return_lse, (softcap, alibi_slopes, sinks, mask, tree_mask))
+        if key is not None:
+            result = self._run_fast(key, seq_ids, q, None, None, out, causal, num_threads,
+                                    query_offset)
+            if result is not None:
+                return result
+        return self._run(key, seq_ids, q, None, None, causal=causal, scale=scale, window=window,
                          softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
                          return_lse=return_lse, out=out, num_threads=num_threads,
                          query_offset=query_offset, tree_mask=tree_mask)
@@ -296,7 +327,14 @@ class PagedKVCache:
             missing = " and ".join(n for n, a in (("k_new", k_new), ("v_new", v_new)) if a is None)
             raise ValueError(f"step needs both k_new and v_new; {missing} is None (use attend() "
                              "to attend without appending)")
-        return self._run(seq_ids, q, k_new, v_new, causal=causal, scale=scale, window=window,
+        key = kvcache_key(q, self._k, self._v, _LENGTHS, k_new, v_new, out, causal, scale,
+                          window, return_lse, (softcap, alibi_slopes, sinks, mask, tree_mask))
+        if key is not None:
+            result = self._run_fast(key, seq_ids, q, k_new, v_new, out, causal, num_threads,
+                                    query_offset)
+            if result is not None:
+                return result
+        return self._run(key, seq_ids, q, k_new, v_new, causal=causal, scale=scale, window=window,
                          softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
                          return_lse=return_lse, out=out, num_threads=num_threads,
                          query_offset=query_offset, tree_mask=tree_mask)
@@ -412,8 +450,46 @@ class PagedKVCache:
             table[i, :len(b)] = b
         return table
 
-    def _run(self, seq_ids, q, k_new, v_new, **kwargs):
-        return self._run_locked(seq_ids, q, k_new, v_new, **kwargs)
+    def _run(self, key, seq_ids, q, k_new, v_new, **kwargs):
+        """The full path of attend / step; `key`: the call's plan key (None: no plan can
+        serve such calls), under which a plan is remembered once the call succeeded."""
+        result = self._run_locked(seq_ids, q, k_new, v_new, **kwargs)
+        if key is not None:  # accepted: later calls of this layout take the fast path
+            lift = (lambda a: a[None] if a is not None and a.ndim == 3 else a)  # one bare id
+            remember(KVCACHE_PLANS, key, kvcache_plan(
+                lift(q), self._k, self._v, lift(k_new), lift(kwargs["out"]), kwargs["scale"],
+                kwargs["window"], kwargs["return_lse"]))
+        return result
+
+    def _run_fast(self, key, seq_ids, q, k_new, v_new, out, causal, num_threads, query_offset):
+        """attend / step for a call whose plan key (attnfast._ext.kvcache_key) found the plan
+        an earlier call left: the ids, blocks, lengths, overlap, token writes and kernel call
+        in C (attnfast._ext.paged_fast). None, having changed nothing, when anything is
+        unusual: the full path runs."""
+        plan = KVCACHE_PLANS.get(key)
+        if plan is None:
+            return None
+        t, out_shape, dtype, scale, window, _, _, lse_dtype = plan
+        threads = fast_threads(num_threads)
+        if threads is None or not fast_query_offset(query_offset):
+            return None
+        squeeze = q.ndim == 3  # one bare id, 3-D arrays (the plan was made so)
+        if squeeze:
+            if type(seq_ids) is not int:
+                return None
+            q = q[None]
+            if k_new is not None:
+                k_new, v_new = k_new[None], v_new[None]
+            given, out = out, (None if out is None else out[None])
+        result = _ext.paged_fast(self, seq_ids, q, k_new, v_new, out, t, out_shape, dtype,
+                                 causal, scale, window, threads, query_offset,
+                                 kernels_interruptible(), lse_dtype,
+                                 _shared_prefix.MIN_PREFIX_KEYS)
+        if result is None or not squeeze:
+            return result
+        if lse_dtype is not None:
+            return (result[0][0] if given is None else given), result[1][0]
+        return result[0] if given is None else given
 
     def _run_locked(self, seq_ids, q, k_new, v_new, *, return_lse, out, tree_mask, **options):
         return_lse = check_flag(return_lse, "return_lse")
