@@ -522,8 +522,9 @@ class PagedKVCache:
                       self._v_scale, call.block_table)]
             result = run_cache_kernels(call, user_out, return_lse, parts, tree,
                                        self._key_rotation)
-        if squeeze:
-            return (result[0][0], result[1][0]) if return_lse else result[0]
+        if squeeze:  # a caller's out comes back as itself
+            first = (result[0] if return_lse else result)[0] if out is None else out
+            return (first, result[1][0]) if return_lse else first
         return result
 
 
