@@ -1061,24 +1061,17 @@ def attention_plan(call: AttentionCall, q, k, v, out, window, return_lse=False):
             check_window(window), call.lse_dtype if return_lse else None)
 
 
-def paged_key(q, k_pool, v_pool, cache_seqlens, block_table, k_scale, v_scale, out, causal,
-              scale, window):
-    """attention_with_kvcache(block_table=...) without new tokens: the plan key of a call
-    (the arrays' layouts, the lengths' type, the options), or None."""
-    key = kvcache_key(q, k_pool, v_pool, seqlens_key(cache_seqlens), None, None, None, causal,
-                      scale, window, False)
-    arrays = None if key is None else _ext.layout_key(block_table, k_scale, v_scale, out)
-    return None if arrays is None else (key, arrays)
-
-
-def paged_plan(call, q, k_scale, v_scale):
-    """What a repeat paged call needs from a call the full path accepted: the checked call
-    itself (its q, lengths and table are replaced per call); None unless the kernels took q
-    and the scales as given."""
-    if (as_float_array(q, "q") is not q or kernel_ready(q) is not q or call.attn.q is not q
+def paged_plan(call, q, k_scale, v_scale, window=None, return_lse=False):
+    """What a repeat paged call (attention_with_kvcache(block_table=...), no new tokens) needs
+    from a call the full path accepted: (the checked call itself, its q, lengths and table
+    replaced per call; the window as checked; the lse dtype or None without return_lse);
+    None with new tokens, for int4 pools, and unless the kernels took q and the scales as
+    given."""
+    if (call.new_tokens or call.k_cache.dtype == INT4_STORAGE or as_float_array(q, "q") is not q
+            or kernel_ready(q) is not q or call.attn.q is not q
             or call.k_scale is not k_scale or call.v_scale is not v_scale):
         return None
-    return call
+    return call, check_window(window), call.attn.lse_dtype if return_lse else None
 
 
 def kvcache_plan(q, k_cache, v_cache, k_new, out, scale, window, return_lse):

@@ -433,14 +433,15 @@ def seqlens_key(cache_seqlens):
 
 
 def kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, out, causal, scale, window,
-                return_lse, tuple unplanned=()):
+                return_lse, tuple unplanned=(), block_table=None, k_scale=None, v_scale=None):
     """attention_with_kvcache() and KVCache.attend/step: the plan key of a call, or None when
     no plan can serve it: where the KV-cache fast path's eligibility is decided. The key
     holds the layouts of q, the caches, the new tokens and `out` (so out's shape, dtype and
     strides were checked once, by the call that stored the plan), the lengths' type
     (`lengths_key`; their values are checked per call), causal, scale, window and
     return_lse with their exact types. `unplanned`: the call's other options, which only
-    the full path takes; the key is None unless each of them is None."""
+    the full path takes; the key is None unless each of them is None. A paged call's
+    block_table and scales add their layouts (the table's width fixes the capacity)."""
     cdef Py_ssize_t i
     if lengths_key is None or q is None or k_cache is None or v_cache is None:
         return None
@@ -455,38 +456,12 @@ def kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, out, causal, sca
     if layout is None:
         return None
     options = _option_key(causal, scale, window)
-    return None if options is None else (layout, lengths_key, options, return_lse)
-
-
-def paged_blocks_in_use_ok(cnp.ndarray table, cnp.ndarray lengths, int64_t block_size,
-                           int64_t num_blocks, int64_t capacity):
-    """The paged fast path's per-call values, in one pass (attnfast._kvcache._paged_fast):
-    every length in [0, capacity] and every block id a sequence uses (its first
-    ceil(length / block_size) entries of `table`) in [0, num_blocks). `table` int64 (batch,
-    max_blocks) and `lengths` int64 (batch,), both C-contiguous (else False: the full path)."""
-    cdef int64_t b, i, used, batch, width
-    cdef const int64_t* t
-    cdef const int64_t* n
-    if (cnp.PyArray_TYPE(table) != cnp.NPY_INT64 or cnp.PyArray_TYPE(lengths) != cnp.NPY_INT64
-            or cnp.PyArray_NDIM(table) != 2 or cnp.PyArray_NDIM(lengths) != 1
-            or not cnp.PyArray_IS_C_CONTIGUOUS(table) or not cnp.PyArray_IS_C_CONTIGUOUS(lengths)
-            or block_size <= 0):
-        return False
-    batch, width = cnp.PyArray_DIMS(table)[0], cnp.PyArray_DIMS(table)[1]
-    if cnp.PyArray_DIMS(lengths)[0] != batch:
-        return False
-    t = <const int64_t*> cnp.PyArray_DATA(table)
-    n = <const int64_t*> cnp.PyArray_DATA(lengths)
-    for b in range(batch):
-        if n[b] < 0 or n[b] > capacity:
-            return False
-        used = (n[b] + block_size - 1) // block_size
-        if used > width:
-            return False
-        for i in range(used):
-            if t[b * width + i] < 0 or t[b * width + i] >= num_blocks:
-                return False
-    return True
+    if options is None:
+        return None
+    if block_table is None and k_scale is None and v_scale is None:
+        return layout, lengths_key, options, return_lse
+    paged = layout_key(block_table, k_scale, v_scale)
+    return None if paged is None else (layout, lengths_key, options, return_lse, paged)
 
 
 # ---- PagedKVCache.attend / step (attnfast._paged): the per-call bookkeeping, in C ----
@@ -776,3 +751,124 @@ def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tupl
         return target if lse is None else (target, lse)
     finally:
         free(info)
+
+
+# ---- attention_with_kvcache(block_table=...) without new tokens: the per-call values ----
+
+cdef class SharedPrefix:
+    """paged_table_fast's answer for a call whose sequences share a long prefix: the checked
+    int64 block table and key lengths; the caller runs the shared-prefix composition
+    (attnfast._shared_prefix) over them."""
+    cdef readonly object table, lengths
+
+
+def paged_table_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cache_seqlens, block_table,
+                     k_scale, v_scale, out, tuple out_shape, out_dtype, bint causal,
+                     double scale, tuple window, int num_threads, query_offset,
+                     bint interruptible, lse_dtype, int64_t shared_keys):
+    """The rest of attention_with_kvcache(block_table=...)'s fast path (_kvcache._paged_fast)
+    for a layout the full path accepted, no new tokens: the lengths (a Python int, or an
+    int32 / int64 array (B,)) each in [0, max_blocks * block_size], the ids of the blocks in
+    use (a sequence of n keys reads its first ceil(n / block_size) entries) in
+    [0, num_blocks), `out` (if given) writeable, aligned and apart from every array the call
+    reads; then the kernel call. Returns out, or (out, lse) with `lse_dtype`; a SharedPrefix
+    when two sequences of `shared_keys` or more keys begin with the same block (the caller
+    composes); None, having done nothing, when anything is unusual (the full path raises)."""
+    cdef AttentionParams p = default_params()
+    cdef cnp.ndarray table, lens, given, tab_in
+    cdef int64_t NB = cnp.PyArray_DIMS(k)[0], BS = cnp.PyArray_DIMS(k)[2]
+    cdef cnp.npy_intp B = cnp.PyArray_DIMS(q)[0], W, b, c, i, s0, s1
+    cdef int64_t n, used, blk, left, right
+    cdef int64_t* tab
+    cdef int64_t* L
+    cdef char* src
+    if B < 1 or not (_aligned(q) and _aligned(k) and _aligned(v)):
+        return None
+    if type(block_table) is not np.ndarray:
+        return None
+    tab_in = <cnp.ndarray> block_table
+    if (cnp.PyArray_NDIM(tab_in) != 2 or cnp.PyArray_DIMS(tab_in)[0] != B
+            or not _aligned(tab_in) or not cnp.PyArray_ISNOTSWAPPED(tab_in)
+            or cnp.PyArray_TYPE(tab_in) not in (cnp.NPY_INT64, cnp.NPY_INT32)):
+        return None
+    W = cnp.PyArray_DIMS(tab_in)[1]
+    if W < 1:
+        return None
+    for a in (k_scale, v_scale):
+        if a is not None and (type(a) is not np.ndarray or not _aligned(<cnp.ndarray> a)):
+            return None
+    target = None
+    if out is not None:
+        target = _usable_out(out, q, k, v, block_table, k_scale)
+        if target is None or (v_scale is not None
+                              and _apart(<cnp.ndarray> target, <cnp.ndarray> v_scale) != 1):
+            return None      # the full path raises its error, naming out
+    # The table as the kernels take it: int64, rows contiguous (a copy unless it is so).
+    if (cnp.PyArray_TYPE(tab_in) == cnp.NPY_INT64
+            and (W == 1 or cnp.PyArray_STRIDES(tab_in)[1] == 8)):
+        table = tab_in
+    else:
+        table = _empty((B, W), _INT64)
+        s0, s1 = cnp.PyArray_STRIDES(tab_in)[0], cnp.PyArray_STRIDES(tab_in)[1]
+        src = <char*> cnp.PyArray_DATA(tab_in)
+        tab = <int64_t*> cnp.PyArray_DATA(table)
+        for b in range(B):
+            for i in range(W):
+                if cnp.PyArray_TYPE(tab_in) == cnp.NPY_INT64:
+                    tab[b * W + i] = (<int64_t*> (src + b * s0 + i * s1))[0]
+                else:
+                    tab[b * W + i] = (<int32_t*> (src + b * s0 + i * s1))[0]
+    lens = _empty((B,), _INT64)
+    L = <int64_t*> cnp.PyArray_DATA(lens)
+    if type(cache_seqlens) is int:
+        if not (0 <= cache_seqlens <= W * BS):
+            return None
+        for b in range(B):
+            L[b] = cache_seqlens
+    elif type(cache_seqlens) is np.ndarray:
+        given = <cnp.ndarray> cache_seqlens
+        if (cnp.PyArray_NDIM(given) != 1 or cnp.PyArray_DIMS(given)[0] != B
+                or not _aligned(given) or not cnp.PyArray_ISNOTSWAPPED(given)):
+            return None
+        for b in range(B):
+            if cnp.PyArray_TYPE(given) == cnp.NPY_INT64:
+                L[b] = (<int64_t*> cnp.PyArray_GETPTR1(given, b))[0]
+            elif cnp.PyArray_TYPE(given) == cnp.NPY_INT32:
+                L[b] = (<int32_t*> cnp.PyArray_GETPTR1(given, b))[0]
+            else:
+                return None
+    else:
+        return None
+    s0 = cnp.PyArray_STRIDES(table)[0]
+    src = <char*> cnp.PyArray_DATA(table)
+    for b in range(B):
+        n = L[b]
+        if n < 0 or n > W * BS:
+            return None          # the full path names the length
+        used = (n + BS - 1) // BS
+        tab = <int64_t*> (src + b * s0)
+        for i in range(used):
+            if tab[i] < 0 or tab[i] >= NB:
+                return None      # the full path names the entry
+    if B >= 2 and shared_keys > 0:  # sequences sharing a long prefix read it once
+        for b in range(1, B):
+            if L[b] < shared_keys:
+                continue
+            for c in range(b):
+                if (L[c] >= shared_keys and (<int64_t*> (src + b * s0))[0]
+                        == (<int64_t*> (src + c * s0))[0]):
+                    shared = SharedPrefix.__new__(SharedPrefix)
+                    (<SharedPrefix> shared).table = table
+                    (<SharedPrefix> shared).lengths = lens
+                    return shared
+    reach = out_shape[2] + W * BS + (0 if query_offset is None else abs(query_offset))
+    left = -1 if window[0] >= reach else window[0]
+    right = -1 if window[1] >= reach else window[1]
+    if target is None:
+        target = _empty(out_shape, out_dtype)
+    lse = None if lse_dtype is None else _empty(out_shape[:3], lse_dtype)
+    _fill_params(&p, q, k, v, target, lse, causal, scale, left, right, num_threads, lens,
+                 k_scale, v_scale, query_offset, 0.0, None, None, None, table)
+    fast_calls_taken["paged"] += 1
+    _run_one(&p, interruptible)
+    return target if lse is None else (target, lse)

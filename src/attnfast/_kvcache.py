@@ -28,7 +28,6 @@ from ._checks import (
     fast_threads,
     kvcache_key,
     kvcache_plan,
-    paged_key,
     paged_plan,
     remember,
     seqlens_key,
@@ -46,9 +45,9 @@ from ._checks import (
     check_truncate,
     check_key_rotation,
     default_key_rotation,
-    is_int4_storage,
 )
 from ._rotation import hadamard_rotate, rotate_queries
+from . import _shared_prefix
 from ._shared_prefix import run_paged_kernels
 from ._transaction import Undo, transaction
 from ._tree import run_tree_kernels
@@ -281,28 +280,23 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     # one can serve it at all: attnfast._ext.kvcache_key), then the per-call checks, in C.
     key = kvcache_key(q, k_cache, v_cache, seqlens_key(cache_seqlens), k_new, v_new, out,
                       causal, scale, window, return_lse,
-                      (softcap, alibi_slopes, sinks, mask, k_scale, v_scale, block_table,
-                       tree_mask, key_rotation, v_head_dim))
+                      (softcap, alibi_slopes, sinks, mask, tree_mask, key_rotation, v_head_dim),
+                      block_table, k_scale, v_scale)
     if key is not None:
-        plan = KVCACHE_PLANS.get(key)
-        if plan is not None:
-            result = _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                                   out, causal, num_threads, query_offset)
-            if result is not None:
-                return result
-    elif (block_table is not None and k_new is None and v_new is None and softcap is None
-          and alibi_slopes is None and sinks is None and mask is None and return_lse is False
-          and tree_mask is None and key_rotation is None and v_head_dim is None
-          and query_offset is None and not is_int4_storage(k_cache)):
-        # a paged decode step (a serving engine's every layer): its layout accepted before
-        key = paged_key(q, k_cache, v_cache, cache_seqlens, block_table, k_scale, v_scale, out,
-                        causal, scale, window)
-        plan = PAGED_PLANS.get(key) if key is not None else None
-        if plan is not None:
-            result = _paged_fast(plan, q, k_cache, v_cache, cache_seqlens, block_table,
-                                 k_scale, v_scale, out, num_threads)
-            if result is not None:
-                return result
+        if block_table is None:
+            plan = KVCACHE_PLANS.get(key)
+            if plan is not None:
+                result = _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                       out, causal, num_threads, query_offset)
+                if result is not None:
+                    return result
+        else:  # a paged decode step (a serving engine's every layer)
+            plan = PAGED_PLANS.get(key)
+            if plan is not None:
+                result = _paged_fast(plan, q, k_cache, v_cache, cache_seqlens, block_table,
+                                     k_scale, v_scale, out, num_threads, query_offset)
+                if result is not None:
+                    return result
     return_lse = check_flag(return_lse, "return_lse")
     if block_table is not None:
         return _paged_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
@@ -427,33 +421,34 @@ def _run_cache_parts(call, user_out, return_lse, parts, tree):
     return run_kernels(call.attn, user_out, return_lse, parts)
 
 
-def _paged_fast(call, q, k_pool, v_pool, cache_seqlens, block_table, k_scale, v_scale, out,
-                num_threads):
-    """attention_with_kvcache(block_table=...) without new tokens, for a call whose layout an
-    earlier call had accepted (`call`, that call's checked form: PAGED_PLANS): checks what
-    can differ between such calls (the lengths, the block ids in use, `out` apart from what
-    the call reads), then runs the same kernels (run_paged_kernels: shared prefixes too).
-    None, having done nothing, when anything is unusual: the full path then runs (and raises
-    as always). Nothing is written but `out`."""
+def _paged_fast(plan, q, k_pool, v_pool, cache_seqlens, block_table, k_scale, v_scale, out,
+                num_threads, query_offset):
+    """attention_with_kvcache(block_table=...) without new tokens, for a call whose plan key
+    found the plan an earlier call left (PAGED_PLANS: its checked call, window, lse dtype):
+    the lengths, block ids in use, `out` and the kernel call in C (_ext.paged_table_fast);
+    sequences sharing a long prefix run the same composition as the full path
+    (run_paged_kernels). None, having done nothing, when anything is unusual: the full path
+    then runs (and raises as always). Nothing is written but `out`."""
+    call, window, lse_dtype = plan
     threads = fast_threads(num_threads)
-    if threads is None:
+    if threads is None or not fast_query_offset(query_offset):
         return None
     attn = call.attn
-    block_size, num_blocks = k_pool.shape[2], k_pool.shape[0]
-    lengths = (np.full(attn.batch, cache_seqlens, np.int64) if type(cache_seqlens) is int
-               else np.ascontiguousarray(cache_seqlens, dtype=np.int64))
-    table = np.ascontiguousarray(block_table, dtype=np.int64)
-    if not _ext.paged_blocks_in_use_ok(table, lengths, block_size, num_blocks, attn.seqlen_k):
-        return None
-    if out is not None and (not out.flags.writeable or any(
-            a is not None and np.may_share_memory(out, a)
-            for a in (q, k_pool, v_pool, block_table, k_scale, v_scale))):
-        return None  # check_out decides (and raises) exactly
+    result = _ext.paged_table_fast(q, k_pool, v_pool, cache_seqlens, block_table, k_scale,
+                                   v_scale, out, attn.out_shape(), attn.dtype, attn.causal,
+                                   attn.scale, window, threads, query_offset,
+                                   kernels_interruptible(), lse_dtype,
+                                   _shared_prefix.MIN_PREFIX_KEYS)
+    if type(result) is not _ext.SharedPrefix:
+        return result
+    bounded = bound_window(window, attn.seqlen_q, attn.seqlen_k, query_offset)
     fresh = _with_fields(
-        call, attn=_with_fields(attn, q=q, k=k_pool, v=v_pool, num_threads=threads),
-        k_cache=k_pool, v_cache=v_pool, starts=lengths, k_scale=k_scale, v_scale=v_scale,
-        block_table=table)
-    return run_paged_kernels(fresh, out, False, k_pool, v_pool, k_scale, v_scale)
+        call, attn=_with_fields(attn, q=q, k=k_pool, v=v_pool, num_threads=threads,
+                                window=bounded, query_offset=query_offset),
+        k_cache=k_pool, v_cache=v_pool, starts=result.lengths, k_scale=k_scale,
+        v_scale=v_scale, block_table=result.table)
+    return run_paged_kernels(fresh, out, lse_dtype is not None, k_pool, v_pool, k_scale,
+                             v_scale)
 
 
 def _with_fields(checked, **fields):
@@ -488,7 +483,8 @@ def _paged_attention(q, k_pool, v_pool, cache_seqlens, k_new, v_new, block_table
         raise
     if plan_key is not None:  # accepted: later calls of this layout take the fast path
         remember(PAGED_PLANS, plan_key, paged_plan(call, q, options.get("k_scale"),
-                                                     options.get("v_scale")))
+                                                   options.get("v_scale"), options["window"],
+                                                   return_lse))
     return result
 
 
