@@ -226,20 +226,12 @@ SCENARIOS = {
 }
 
 # How a call runs: the full checks (no remembered plans), or a layout seen before (the fast
-# path, finished in C; or in Python, as when a test stands in for the kernels).
-MODES = ["full", "fast", "fast-python"]
+# path, finished in C).
+MODES = ["full", "fast"]
 FAST = {"KVCache.step", "KVCache.step bfloat16", "KVCache.step latent", "attention_with_kvcache",
         "attention_with_kvcache float16"}
 CASES = [(name, mode) for name in sorted(SCENARIOS) for mode in MODES
          if mode == "full" or name in FAST]
-
-
-def _python_tail(monkeypatch):
-    real = _ext.run_attention
-
-    def run_attention(*args, **kwargs):
-        return real(*args, **kwargs)
-    monkeypatch.setattr(_ext, "run_attention", run_attention)  # fast_tail_in_c() is False
 
 
 def _prepare(mode, make, seed):
@@ -301,19 +293,14 @@ def sweep(make, mode, slow=False):
 
 
 @pytest.mark.parametrize("name, mode", CASES)
-def test_an_interrupt_at_any_line_changes_nothing_or_the_call_completes(name, mode,
-                                                                        monkeypatch):
-    if mode == "fast-python":
-        _python_tail(monkeypatch)
+def test_an_interrupt_at_any_line_changes_nothing_or_the_call_completes(name, mode):
     outcomes = sweep(SCENARIOS[name], mode)
     assert outcomes["raised"] > 0
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, mode", CASES)
-def test_every_line_event_slow(name, mode, monkeypatch):
-    if mode == "fast-python":
-        _python_tail(monkeypatch)
+def test_every_line_event_slow(name, mode):
     sweep(SCENARIOS[name], mode, slow=True)
 
 

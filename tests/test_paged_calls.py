@@ -191,7 +191,7 @@ def test_a_fast_step_failing_in_the_kernels_changes_nothing(rng, error):
     cache.step(ids, q, k, v)  # 6 tokens each: a step of 3 takes a block per sequence
     snap = state(cache)
 
-    def fail():
+    def fail(**kwargs):
         raise error("in the kernels")
     _ext.fast_call_hooks["before_kernels"] = fail
     before = fast_calls()

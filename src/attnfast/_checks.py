@@ -1017,17 +1017,6 @@ def remember(memo: dict, key, plan) -> None:
     memo[key] = plan
 
 
-RUN_ATTENTION = _ext.run_attention
-
-
-def fast_tail_in_c() -> bool:
-    """Whether a fast path may finish its call in C (attnfast._ext.decode_fast and
-    attention_fast: flags, overlap, token writes, output and kernel call in one call). Not
-    when attnfast._ext.run_attention has been replaced (tests stand in for the kernels there
-    to see or interrupt each kernel call): the same steps then run in Python."""
-    return _ext.run_attention is RUN_ATTENTION
-
-
 def fast_threads(num_threads) -> int | None:
     """resolve_threads() for the fast paths; None for anything but None or an int >= 1
     (the full path then reports it)."""

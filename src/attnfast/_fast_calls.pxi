@@ -3,8 +3,9 @@
 # the full checks accepted a layout, what is left per call (plan key, flags, memory overlap,
 # the new tokens' writes, the output, the kernel call) costs a few microseconds in Python and
 # a fraction of one here. Every function declines (returns None, having changed nothing)
-# whenever anything differs from the common case; the Python fast path then runs as before
-# (and, if it declines too, the full checks, which raise the usual errors). Their arguments
+# whenever anything differs from the common case; the full checks then run (and raise the
+# usual errors). There is no second, Python copy of this work: tests see which path ran
+# through fast_calls_taken and fail the kernels through fast_call_hooks. Their arguments
 # are positional (keyword parsing would cost a tenth of what is left); the callers name them.
 
 from libc.stdlib cimport malloc, free
@@ -31,9 +32,10 @@ cdef enum:
 # Calls each C tail took (counted before the kernels run): tests see which path ran.
 fast_calls_taken = {"attention": 0, "kvcache": 0, "paged": 0}
 
-# For tests: a callable set here runs (no arguments) right before each C tail calls the
-# kernels, and may raise there what a kernel stopped by Ctrl-C raises (KeyboardInterrupt),
-# or MemoryError, to show that such a call changes nothing. None in production.
+# For tests: a callable set here runs right before each C tail calls the kernels (with the
+# keyword interruptible=, what the kernels are given), and may raise there what a kernel
+# stopped by Ctrl-C raises (KeyboardInterrupt), or MemoryError, to show that such a call
+# changes nothing. None in production.
 fast_call_hooks = {"before_kernels": None}
 
 
@@ -138,7 +140,7 @@ cdef object _empty(tuple shape, dtype):
 cdef int _run_one(AttentionParams* p, bint interruptible) except -1:
     hook = fast_call_hooks["before_kernels"]
     if hook is not None:
-        hook()
+        hook(interruptible=interruptible)
     if interruptible:
         _run_interruptible(p)
     else:
@@ -268,7 +270,7 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
     advanced by t in place. None, having changed nothing, unless every length leaves room
     for t tokens, the arrays are aligned, the caches writeable, the new tokens of the
     caches' dtype with contiguous rows, and nothing that is written overlaps what is read
-    (as the Python fast paths decide; the caches may overlap each other only with advance,
+    (the full path decides the rest; the caches may overlap each other only with advance,
     a latent KVCache's v being a view of its k). A call that raises while attending (Ctrl-C)
     puts back every byte written and the lengths; one that returns leaves what it wrote in
     the log of the open transaction (attnfast._transaction), which puts it back if the
@@ -313,7 +315,7 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
         if not (attnfast_equiv_dtypes(kn, k) and attnfast_equiv_dtypes(vn, v)
                 and _rows_contiguous(kn) and _rows_contiguous(vn) and _rows_contiguous(k)
                 and _rows_contiguous(v)):
-            return None      # converted on write (a 16-bit cache): the Python fast path
+            return None      # converted on write (a 16-bit cache): the full path
         if not (_apart(q, k) == 1 and _apart(q, v) == 1 and _apart(kn, k) == 1
                 and _apart(kn, v) == 1 and _apart(vn, k) == 1 and _apart(vn, v) == 1
                 and (advance or _apart(k, v) == 1)):

@@ -24,7 +24,6 @@ from ._checks import (
     PAGED_PLANS,
     bound_window,
     fast_query_offset,
-    fast_tail_in_c,
     fast_threads,
     kvcache_key,
     kvcache_plan,
@@ -96,15 +95,6 @@ def quantize_float8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def quantize_rows(x: np.ndarray, cache_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """x quantised per row for a row-scaled cache format (int8 or float8_e4m3fn)."""
     return quantize_float8(x) if cache_dtype == FLOAT8_E4M3 else quantize_int8(x)
-
-
-_UNDO_WRITE = Undo.write
-
-
-def decode_tail_in_c() -> bool:
-    """fast_tail_in_c for the KV-cache paths: also not when Undo.write has been replaced
-    (tests cut a call short at one of its writes; the C tail writes without it)."""
-    return fast_tail_in_c() and Undo.write is _UNDO_WRITE
 
 
 def _stored_form(k_new, v_new, cache_dtype, row_scaled: bool, key_rotation=None):
@@ -342,51 +332,19 @@ def _read_and_written(call) -> list:
 def _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new, out, causal,
                   num_threads, query_offset):
     """attention_with_kvcache() for a call whose layout and options an earlier call had
-    accepted (see attnfast._ext.kvcache_key): checks what can differ between such calls
-    (lengths, flags, overlap, `out`), writes the new tokens, runs the kernels, returns out
-    (or (out, lse)). None, having changed nothing, when anything is unusual: the full path
-    then runs (and raises as always)."""
+    accepted (see attnfast._ext.kvcache_key): what can differ between such calls (lengths,
+    flags, overlap, `out`), the token writes and the kernel call, in C
+    (attnfast._ext.decode_fast). None, having changed nothing, when anything is unusual: the
+    full path then runs (and raises as always)."""
     t, out_shape, dtype, scale, window, seqlen_q, capacity, lse_dtype = plan
     threads = fast_threads(num_threads)
     if threads is None or not fast_query_offset(query_offset):
         return None
     left, right = (-1, -1) if window == (-1, -1) else bound_window(
         window, seqlen_q, capacity, query_offset)
-    interruptible = kernels_interruptible()
-    if decode_tail_in_c():  # the common case, in C (None: declined); below the same in Python
-        result = _ext.decode_fast(q, k_cache, v_cache, cache_seqlens, k_new, v_new, t, capacity,
-                                  out_shape, dtype, causal, scale, left, right, threads,
-                                  query_offset, interruptible, False, out, lse_dtype)
-        if result is not None:                          # (advance: no)
-            return result
-    if out is not None or lse_dtype is not None:
-        return None  # the Python tail (tests standing in for the kernels): the full path
-    if not q.flags.aligned or not k_cache.flags.aligned or not v_cache.flags.aligned:
-        return None
-    starts = ([cache_seqlens] * out_shape[0] if type(cache_seqlens) is int
-              else cache_seqlens.tolist())
-    if starts and (min(starts) < 0 or max(starts) > capacity - t):
-        return None
-    if t and (not k_cache.flags.writeable or not v_cache.flags.writeable
-              or any(np.may_share_memory(a, b) for a, b in (
-                  (k_cache, v_cache), (q, k_cache), (q, v_cache), (k_new, k_cache),
-                  (k_new, v_cache), (v_new, k_cache), (v_new, v_cache)))):
-        return None  # check_apart decides (and raises) exactly
-    seqlens = np.array([s + t for s in starts] if t else starts, dtype=np.int64)
-    out = np.empty(out_shape, dtype)
-    undo = Undo()
-    try:
-        if t:
-            _write_tokens(k_cache, v_cache, range(len(starts)), starts, k_new, v_new, None,
-                          None, undo)
-        _ext.run_attention(q, k_cache, v_cache, out, None, causal=causal, scale=scale,
-                           window_left=left, window_right=right, num_threads=threads,
-                           seqlens_k=seqlens, interruptible=interruptible,
-                           query_offset=query_offset)
-    except BaseException:  # the call did not happen: the caches as they were
-        undo.restore()
-        raise
-    return out
+    return _ext.decode_fast(q, k_cache, v_cache, cache_seqlens, k_new, v_new, t, capacity,
+                            out_shape, dtype, causal, scale, left, right, threads, query_offset,
+                            kernels_interruptible(), False, out, lse_dtype)   # (advance: no)
 
 
 def run_cache_kernels(call, user_out, return_lse, parts, tree=None, key_rotation=None):
@@ -753,10 +711,11 @@ class KVCache:
 
     def _run_fast(self, key, q, k_new, v_new, out, causal, num_threads, query_offset):
         """attend/step for a call whose plan key (see attnfast._ext.kvcache_key) found the
-        plan an earlier call left. Checks what can differ between such calls (room for the
-        new tokens, writeable arrays, alignment, `out`, num_threads, query_offset), appends,
-        attends. None, having changed nothing, when anything is unusual or the layout is
-        new: the full path runs."""
+        plan an earlier call left: what can differ between such calls (room for the new
+        tokens, writeable arrays, alignment, `out`, num_threads, query_offset), the append,
+        the lengths advanced in place and the kernel call, in C (attnfast._ext.decode_fast).
+        None, having changed nothing, when anything is unusual or the layout is new: the
+        full path runs."""
         plan = KVCACHE_PLANS.get(key)
         if plan is None:
             return None
@@ -764,38 +723,11 @@ class KVCache:
         threads = fast_threads(num_threads)
         if threads is None or not fast_query_offset(query_offset):
             return None
-        k, v, lengths = self._k, self._v, self._lengths
         left, right = (-1, -1) if window == (-1, -1) else bound_window(
             window, seqlen_q, capacity, query_offset)
-        interruptible = kernels_interruptible()
-        if decode_tail_in_c():  # the common case, in C (None: declined); else Python
-            result = _ext.decode_fast(q, k, v, lengths, k_new, v_new, t, capacity, out_shape,
-                                      dtype, causal, scale, left, right, threads, query_offset,
-                                      interruptible, True, out, lse_dtype)
-            if result is not None:  # (advance: the lengths, in place)
-                return result
-        if out is not None or lse_dtype is not None or not q.flags.aligned:
-            return None  # the Python tail (tests standing in for the kernels): the full path
-        starts = lengths.tolist()
-        if t and (max(starts) + t > capacity or not k.flags.writeable
-                  or not v.flags.writeable
-                  or any(np.may_share_memory(a, c) for a in (q, k_new, v_new) for c in (k, v))):
-            return None  # the full path decides (and raises) exactly
-        out = np.empty(out_shape, dtype)
-        undo = Undo()
-        try:
-            if t:
-                _write_tokens(k, v, range(len(starts)), starts, k_new, v_new, None, None,
-                              undo)
-                undo.write(lengths, slice(None), lengths + t)
-            _ext.run_attention(q, k, v, out, None, causal=causal, scale=scale,
-                               window_left=left, window_right=right, num_threads=threads,
-                               seqlens_k=lengths, interruptible=interruptible,
-                               query_offset=query_offset)
-        except BaseException:  # KeyboardInterrupt: the step did not happen
-            undo.restore()
-            raise
-        return out
+        return _ext.decode_fast(q, self._k, self._v, self._lengths, k_new, v_new, t, capacity,
+                                out_shape, dtype, causal, scale, left, right, threads,
+                                query_offset, kernels_interruptible(), True, out, lse_dtype)
 
     def _run_locked(self, q, k_new, v_new, *, batch_index, causal, scale, window, softcap,
                     alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset,
