@@ -168,16 +168,24 @@ def test_copy_on_write_out_of_blocks_and_bad_ids_take_the_full_path(rng):
     model.check([a], q2, cache.attend([a], q2))
 
 
-def test_float32_tokens_into_a_16_bit_pool_are_rounded_on_the_full_path(rng):
-    cache = af.PagedKVCache(8, BS, HKV, D, v_head_dim=DV, dtype=ml_dtypes.bfloat16)
+@pytest.mark.parametrize("latent", [False, True])
+def test_float32_tokens_into_a_16_bit_pool_are_rounded_as_the_full_path_rounds(rng, latent):
+    """Rounded to bfloat16 before the C path copies them (values beyond the range: inf)."""
+    bf16 = ml_dtypes.bfloat16
+    dv = D if latent else DV
+    cache = af.PagedKVCache(8, BS, HKV, D, v_head_dim=dv, dtype=bf16, latent=latent)
     s = cache.add_sequence()
-    for _ in range(3):
+    for step in range(3):
         q, k, v = tokens(rng, 1)
+        if step == 2:
+            k[0, 0, 0, 1] = np.finfo(np.float32).max
         before = fast_calls()
-        cache.step([s], q, k, v)
-        assert fast_calls() == before  # converted on write: not the C path
+        cache.step([s], q, k, None if latent else v[..., :dv])
+        assert fast_calls() == before + (step > 0)
     table = cache.block_table([s])[0]
-    assert cache.k[table[0], :, 2].tobytes() == k[0, :, 0].astype(ml_dtypes.bfloat16).tobytes()
+    with np.errstate(over="ignore"):
+        assert cache.k[table[0], :, 2].tobytes() == k[0, :, 0].astype(bf16).tobytes()
+    assert np.isposinf(cache.k[table[0], 0, 2, 1].astype(np.float32))
 
 
 @pytest.mark.parametrize("error", [KeyboardInterrupt, MemoryError])

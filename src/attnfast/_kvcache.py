@@ -119,6 +119,16 @@ def _stored_form(k_new, v_new, cache_dtype, row_scaled: bool, key_rotation=None)
     return k_new, v_new, None, None
 
 
+def fast_tokens(k_new, v_new, cache_dtype):
+    """The fast paths' new tokens in the cache's dtype: float32 tokens for a 16-bit cache
+    rounded as the full path rounds them on write (_stored_form; +-inf beyond the range, no
+    warning), so the C tails copy rows. A plan exists only for unquantised caches."""
+    if k_new is None or (k_new.dtype == cache_dtype and v_new.dtype == cache_dtype):
+        return k_new, v_new
+    with np.errstate(over="ignore", invalid="ignore"):
+        return k_new.astype(cache_dtype), v_new.astype(cache_dtype)
+
+
 def _write_tokens(k_cache, v_cache, seqs, starts, k_new, v_new, k_scale, v_scale,
                   undo: Undo, key_rotation=None) -> None:
     """k_cache[seqs[i], :, starts[i]:starts[i] + t] = k_new[i], and the same for v (rounded
@@ -342,6 +352,7 @@ def _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new, out, c
         return None
     left, right = (-1, -1) if window == (-1, -1) else bound_window(
         window, seqlen_q, capacity, query_offset)
+    k_new, v_new = fast_tokens(k_new, v_new, k_cache.dtype)
     return _ext.decode_fast(q, k_cache, v_cache, cache_seqlens, k_new, v_new, t, capacity,
                             out_shape, dtype, causal, scale, left, right, threads, query_offset,
                             kernels_interruptible(), False, out, lse_dtype)   # (advance: no)
@@ -725,6 +736,7 @@ class KVCache:
             return None
         left, right = (-1, -1) if window == (-1, -1) else bound_window(
             window, seqlen_q, capacity, query_offset)
+        k_new, v_new = fast_tokens(k_new, v_new, self._k.dtype)
         return _ext.decode_fast(q, self._k, self._v, self._lengths, k_new, v_new, t, capacity,
                                 out_shape, dtype, causal, scale, left, right, threads,
                                 query_offset, kernels_interruptible(), True, out, lse_dtype)

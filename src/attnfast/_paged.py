@@ -38,7 +38,8 @@ from ._checks import (
     check_truncate,
 )
 from ._interop import accepts_arrays
-from ._kvcache import Undo, _read_and_written, _write_paged_tokens, latent_values, run_cache_kernels
+from ._kvcache import (Undo, _read_and_written, _write_paged_tokens, fast_tokens, latent_values,
+                       run_cache_kernels)
 from ._transaction import transaction
 
 __all__ = ["PagedKVCache"]
@@ -481,6 +482,10 @@ class PagedKVCache:
             if k_new is not None:
                 k_new, v_new = k_new[None], v_new[None]
             given, out = out, (None if out is None else out[None])
+        if k_new is not None and k_new.dtype != self._k.dtype:
+            k_new, v_new = fast_tokens(k_new, v_new, self._k.dtype)
+            if self._latent:  # the values: the latent rows' prefix, written with them
+                v_new = k_new[..., :self.v_head_dim]
         result = _ext.paged_fast(self, seq_ids, q, k_new, v_new, out, t, out_shape, dtype,
                                  causal, scale, window, threads, query_offset,
                                  kernels_interruptible(), lse_dtype,
