@@ -247,3 +247,26 @@ def test_truncate_gives_blocks_back_and_is_undone_as_a_whole(rng):
         cache.truncate(a, 6)
     with pytest.raises(ValueError, match="no sequence"):
         cache.truncate(99, 0)
+
+
+def test_prompt_sized_steps_on_the_fast_path(rng):
+    """Steps of 600 tokens (rows copied with the GIL released), then one that fails in the
+    kernels: values as the reference, state as before the failed one."""
+    cache = af.PagedKVCache(1000, BS, HKV, D, v_head_dim=DV)
+    model = Model(cache)
+    ids = [model.add(), model.add()]
+    for step in range(2):
+        q, k, v = tokens(rng, 2, t=600, tq=2)
+        before = fast_calls()
+        out = cache.step(ids, q, k, v)
+        model.append(ids, k, v)
+        assert fast_calls() == before + (step > 0)
+        model.check(ids, q, out)
+    snap = state(cache)
+
+    def fail(**kwargs):
+        raise KeyboardInterrupt("in the kernels")
+    _ext.fast_call_hooks["before_kernels"] = fail
+    with pytest.raises(KeyboardInterrupt):
+        cache.step(ids, q, k, v)
+    assert state(cache) == snap

@@ -728,9 +728,16 @@ def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tupl
         try:  # from here on, anything raised puts back what was changed
             if t:
                 w.written = True
-                _paged_rows(k, kn, tab, width, info, B, t, w.saved, False)
-                if not latent:
-                    _paged_rows(v, vn, tab, width, info, B, t, w.saved + k_bytes, False)
+                if k_bytes + v_bytes < (1 << 16):  # a decode step's rows: not worth a GIL switch
+                    _paged_rows(k, kn, tab, width, info, B, t, w.saved, False)
+                    if not latent:
+                        _paged_rows(v, vn, tab, width, info, B, t, w.saved + k_bytes, False)
+                else:  # a prompt's (the cache's lock keeps other threads off the pool)
+                    with nogil:
+                        _paged_rows(k, kn, tab, width, info, B, t, w.saved, False)
+                        if not latent:
+                            _paged_rows(v, vn, tab, width, info, B, t, w.saved + k_bytes,
+                                        False)
                 for b in range(B):
                     seq = seqs[b]
                     for i in range(info[3 * b + 2]):
