@@ -137,11 +137,19 @@ cdef object _empty(tuple shape, dtype):
     return attnfast_empty(len(shape), dims, <PyObject*> dtype)
 
 
+# Below this much work (B * H * Tq * Tk * (D + Dv), ~1 ms on one core) a C tail leaves
+# Python's SIGINT handler in place while the kernels run: a Ctrl-C then raises as they return,
+# inside the entry point's transaction, which undoes the call; stopping them early would save
+# less than the two sigaction calls cost (~1 us, a decode step's kernel time).
+cdef double _INTERRUPTIBLE_WORK = 4e6
+
+
 cdef int _run_one(AttentionParams* p, bint interruptible) except -1:
     hook = fast_call_hooks["before_kernels"]
     if hook is not None:
         hook(interruptible=interruptible)
-    if interruptible:
+    if interruptible and (<double> p.batch * p.heads * p.seqlen_q * p.seqlen_k
+                          * (p.head_dim + p.head_dim_v)) >= _INTERRUPTIBLE_WORK:
         _run_interruptible(p)
     else:
         with nogil:
