@@ -429,8 +429,13 @@ def _alarm_probe(make_call, calls=600, seconds=6.0):
     time within ~1.5 calls' duration; a SIGALRM handled inside attnfast's Python code raises
     KeyboardInterrupt (a Ctrl-C there), one handled in this file's code (the call has not
     started or has returned) is dropped. After every call: if it returned, the twin replays
-    it; the cache and the twin must then hold the same bytes."""
+    it; the cache and the twin must then hold the same bytes. A SIGALRM delivered late (to a
+    kernel worker thread the busy machine has not run yet) is dropped once the call is over."""
+    armed = [False]
+
     def handler(signum, frame):
+        if not armed[0]:
+            return
         f = frame
         while f is not None:
             if f.f_code.co_filename.startswith(PKG):
@@ -455,6 +460,7 @@ def _alarm_probe(make_call, calls=600, seconds=6.0):
         for i in range(calls):
             if time.monotonic() > deadline and raised >= 5 and returned >= 5:
                 break
+            armed[0] = True
             signal.setitimer(signal.ITIMER_REAL, float(rng.uniform(1e-6, span)))
             try:
                 call()
@@ -462,6 +468,7 @@ def _alarm_probe(make_call, calls=600, seconds=6.0):
             except KeyboardInterrupt:
                 ok = False
             finally:
+                armed[0] = False
                 signal.setitimer(signal.ITIMER_REAL, 0)
             if ok:
                 returned += 1

@@ -889,3 +889,77 @@ def paged_table_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cache_seqlens,
     fast_calls_taken["paged"] += 1
     _run_one(&p, interruptible)
     return target if lse is None else (target, lse)
+
+
+# ---- PagedKVCache.truncate (attnfast._paged): what it changes, recorded as it goes ----
+
+cdef class _PagedTruncated:
+    """What one paged_truncate call changed: the sequence's dropped blocks, their reference
+    counts before, the free list's length before, the length before. restore() puts it all
+    back; it may run again (and then changes nothing)."""
+    cdef object seq
+    cdef list blocks, dropped, free
+    cdef list counts          # per dropped block: its reference count before
+    cdef cnp.ndarray refs
+    cdef object length
+    cdef Py_ssize_t used, free_len
+
+    def restore(self):
+        cdef int64_t* refs = <int64_t*> cnp.PyArray_DATA(self.refs)
+        cdef Py_ssize_t i
+        del self.free[self.free_len:]
+        for i in range(len(self.dropped)):
+            refs[<int64_t> self.dropped[i]] = <int64_t> self.counts[i]
+        del self.blocks[self.used:]
+        self.blocks.extend(self.dropped)
+        self.seq.length = self.length
+
+
+def paged_truncate(cache, seq_id, n):
+    """PagedKVCache.truncate(seq_id, n) for a live sequence id and 0 <= n <= its length, both
+    Python ints: the blocks past ceil(n / block_size) released (cache._release: back on the
+    free list unless another sequence holds them), the length set. True when done (what it
+    changed is in the open transaction's log, or put back if a release raises); None,
+    having changed nothing, for anything else (the caller checks and raises)."""
+    cdef cnp.ndarray refs = <cnp.ndarray?> cache._refs
+    cdef list free_list = <list?> cache._free
+    cdef int64_t BS = cnp.PyArray_DIMS(<cnp.ndarray?> cache._k)[2]
+    cdef int64_t NB = cnp.PyArray_DIMS(refs)[0], blk
+    cdef int64_t* refp
+    cdef Py_ssize_t used, i
+    cdef _PagedTruncated w
+    if type(seq_id) is not int or type(n) is not int:
+        return None
+    seq = (<dict?> cache._seqs).get(seq_id)
+    if seq is None:
+        return None
+    length = seq.length
+    blocks = seq.blocks
+    if (type(length) is not int or type(blocks) is not list or not 0 <= n <= length
+            or cnp.PyArray_TYPE(refs) != cnp.NPY_INT64 or cnp.PyArray_NDIM(refs) != 1
+            or not cnp.PyArray_IS_C_CONTIGUOUS(refs)):
+        return None
+    refp = <int64_t*> cnp.PyArray_DATA(refs)
+    used = (<int64_t> n + BS - 1) // BS
+    w = _PagedTruncated.__new__(_PagedTruncated)
+    w.seq, w.blocks, w.free, w.refs, w.length = seq, blocks, free_list, refs, length
+    w.used, w.free_len = used, len(free_list)
+    w.dropped = (<list> blocks)[used:]
+    w.counts = []
+    for i in range(len(w.dropped)):
+        blk = w.dropped[i]
+        if blk < 0 or blk >= NB or refp[blk] < 1:
+            return None
+        w.counts.append(refp[blk])
+    log = _open_log()
+    try:
+        for blk in w.dropped:
+            cache._release(blk)
+        del (<list> blocks)[used:]
+        seq.length = n
+    except BaseException:  # the call did not happen
+        w.restore()
+        raise
+    if log is not None:  # until the entry point returns, it may still be undone
+        (<list> log).append(w)
+    return True

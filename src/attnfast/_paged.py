@@ -238,30 +238,12 @@ class PagedKVCache:
         """Roll one sequence back to its first n tokens (0 <= n <= its length), e.g. to drop
         rejected speculative tokens; the blocks it no longer needs return to the pool unless
         another sequence holds them."""
-        seq = self._seqs.get(seq_id) if type(seq_id) is int else None
-        if seq is None or type(n) is not int or not 0 <= n <= seq.length:
-            (sid,), _ = check_seq_ids([seq_id], self._seqs)   # raises, naming the argument
-            seq = self._seqs[sid]
-            (n,) = check_truncate(n, np.array([seq.length]), [sid]).tolist()
-        # What it changes, kept first (O(blocks dropped), never the pool): the blocks it
-        # drops, their counts, the free list's length, the length.
-        used = -(-n // self.block_size)
-        blocks, length, free_len = seq.blocks, seq.length, len(self._free)
-        dropped = blocks[used:]
-        refs = [int(self._refs[blk]) for blk in dropped]
-
-        def restore():  # (may run twice)
-            del self._free[free_len:]
-            for blk, count in zip(dropped, refs):
-                self._refs[blk] = count
-            blocks[used:] = dropped
-            seq.length = length
-
-        Undo().call(restore)  # joins the transaction's log: anything raised puts it back
-        for blk in dropped:
-            self._release(blk)
-        del blocks[used:]
-        seq.length = n
+        if _ext.paged_truncate(self, seq_id, n):  # releases, sets, logs what it changed
+            return
+        (sid,), _ = check_seq_ids([seq_id], self._seqs)   # raises, naming the argument
+        (kept,) = check_truncate(n, np.array([self._seqs[sid].length]), [sid]).tolist()
+        if not _ext.paged_truncate(self, sid, kept):  # checked: Python ints now
+            raise RuntimeError(f"PagedKVCache: the blocks of sequence {sid} are inconsistent")
 
     # ---- tokens and attention ----
     @transaction(lock="_lock")
