@@ -270,3 +270,22 @@ def test_prompt_sized_steps_on_the_fast_path(rng):
     with pytest.raises(KeyboardInterrupt):
         cache.step(ids, q, k, v)
     assert state(cache) == snap
+
+
+@pytest.mark.parametrize("out_ndim", [3, 4])
+def test_a_bare_id_with_4d_queries_and_out_of_either_rank(rng, out_ndim):
+    """A bare id lifts only the 3-D arrays (as the full path does): a 3-D out with 4-D q
+    (Tq = 3) is filled, on the fast path too, with the reference's values."""
+    cache = af.PagedKVCache(8, BS, HKV, D, v_head_dim=DV)
+    model = Model(cache)
+    s = model.add()
+    q, k, v = tokens(rng, 1, t=5)
+    cache.append(s, k[0], v[0])
+    model.append([s], k, v)
+    out = np.zeros((1, H, 3, DV)[4 - out_ndim:], np.float32)
+    for call in range(2):
+        q = tokens(rng, 1, tq=3)[0]
+        before = fast_calls()
+        got = cache.attend(s, q, out=out)
+        assert got is out and fast_calls() == before + call
+        model.check([s], q, out.reshape(1, H, 3, DV))

@@ -555,8 +555,15 @@ cdef class _PagedStepWritten:
         self.restored = True
 
 
-cdef inline bint _exact_int(x):
-    return type(x) is int
+cdef bint _has_shape(cnp.ndarray a, tuple shape):
+    """a's shape is `shape` (a tuple of ints)."""
+    cdef int i
+    if cnp.PyArray_NDIM(a) != len(shape):
+        return False
+    for i in range(cnp.PyArray_NDIM(a)):
+        if cnp.PyArray_DIMS(a)[i] != <cnp.npy_intp> shape[i]:
+            return False
+    return True
 
 
 def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tuple out_shape,
@@ -636,7 +643,7 @@ def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tupl
     target = None
     if out is not None:
         target = _usable_out(out, q, k, v, k_new, v_new)
-        if target is None:
+        if target is None or not _has_shape(<cnp.ndarray> target, out_shape):
             return None      # the full path raises its error, naming out
     seqs = [None] * B
     for b in range(B):
@@ -817,8 +824,9 @@ def paged_table_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cache_seqlens,
     target = None
     if out is not None:
         target = _usable_out(out, q, k, v, block_table, k_scale)
-        if target is None or (v_scale is not None
-                              and _apart(<cnp.ndarray> target, <cnp.ndarray> v_scale) != 1):
+        if (target is None or not _has_shape(<cnp.ndarray> target, out_shape)
+                or (v_scale is not None
+                    and _apart(<cnp.ndarray> target, <cnp.ndarray> v_scale) != 1)):
             return None      # the full path raises its error, naming out
     # The table as the kernels take it: int64, rows contiguous (a copy unless it is so).
     if (cnp.PyArray_TYPE(tab_in) == cnp.NPY_INT64

@@ -456,14 +456,12 @@ class PagedKVCache:
         threads = fast_threads(num_threads)
         if threads is None or not fast_query_offset(query_offset):
             return None
-        squeeze = q.ndim == 3  # one bare id, 3-D arrays (the plan was made so)
-        if squeeze:
-            if type(seq_ids) is not int:
-                return None
-            q = q[None]
-            if k_new is not None:
-                k_new, v_new = k_new[None], v_new[None]
-            given, out = out, (None if out is None else out[None])
+        # One bare id: each 3-D array gains the sequence axis, as _run_locked lifts them
+        single, given = type(seq_ids) is int, out
+        squeeze = single and q.ndim == 3
+        if single:
+            q, k_new, v_new, out = (a[None] if a is not None and a.ndim == 3 else a
+                                    for a in (q, k_new, v_new, out))
         if k_new is not None and k_new.dtype != self._k.dtype:
             k_new, v_new = fast_tokens(k_new, v_new, self._k.dtype)
             if self._latent:  # the values: the latent rows' prefix, written with them
@@ -472,11 +470,7 @@ class PagedKVCache:
                                  causal, scale, window, threads, query_offset,
                                  kernels_interruptible(), lse_dtype,
                                  _shared_prefix.MIN_PREFIX_KEYS)
-        if result is None or not squeeze:
-            return result
-        if lse_dtype is not None:
-            return (result[0][0] if given is None else given), result[1][0]
-        return result[0] if given is None else given
+        return None if result is None else _finish(result, lse_dtype is not None, squeeze, given)
 
     def _run_locked(self, seq_ids, q, k_new, v_new, *, return_lse, out, tree_mask, **options):
         return_lse = check_flag(return_lse, "return_lse")
@@ -509,10 +503,18 @@ class PagedKVCache:
                       self._v_scale, call.block_table)]
             result = run_cache_kernels(call, user_out, return_lse, parts, tree,
                                        self._key_rotation)
-        if squeeze:  # a caller's out comes back as itself
-            first = (result[0] if return_lse else result)[0] if out is None else out
-            return (first, result[1][0]) if return_lse else first
-        return result
+        return _finish(result, return_lse, squeeze, out)
+
+
+def _finish(result, return_lse: bool, squeeze: bool, out):
+    """attend / step's result: 3-D (squeeze: one bare id, 3-D q) or as computed; a caller's
+    `out` comes back as itself (not as the 4-D view the kernels filled)."""
+    first, lse = result if return_lse else (result, None)
+    if squeeze:
+        first, lse = first[0], (None if lse is None else lse[0])
+    if out is not None:
+        first = out
+    return (first, lse) if return_lse else first
 
 
 def _lift(single: bool, x):
