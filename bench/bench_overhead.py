@@ -2,6 +2,9 @@
 
     python bench/bench_overhead.py                      # H=8/2 and 32/8, D=128, L=16
     python bench/bench_overhead.py --heads 32x8 --threads 1 --repeat 31
+    # issue 47's tiny shape: one KV head, D = 8, 16 keys, medians of 3,000 single calls
+    python bench/bench_overhead.py --heads 1x1 --head-dim 8 --threads 1 --number 1 \
+        --repeat 3000 --rounds 1 --no-torch --clock thread
 
 Each entry point runs a decode-shaped problem small enough (B=1, one query token, L=16
 cached keys; KVCache.step appends, up to L=31 over a round) that the C++ kernel takes a few
@@ -22,8 +25,11 @@ Rows:
     attention_with_kvcache/ro   the same without new tokens (attend only)
     attention_with_kvcache/ro(out=)  the same into a caller's out (what engines reuse)
     attention                   attention(q, k, v) with k, v (1, Hkv, L, D), causal
+    attention(return_lse)       the same, returning (out, lse)
     PagedKVCache.attend / .step  one sequence in pools of 8 and 100,000 blocks (step appends,
                                 the round's tokens truncated between rounds)
+    PagedKVCache.step+truncate  step then truncate back, both timed (a speculative step
+                                rejected, or one decode step of a benchmark loop)
     torch: ...                  the same calls with torch tensors in and out
     transformers backend        attnfast.integrations.transformers.attention_forward (decode:
                                 query (1, H, 1, D), key/value (1, Hkv, L, D), no mask), as a
@@ -177,6 +183,8 @@ def _make_cases(heads, kv_heads, head_dim, length, capacity, threads, use_torch,
             lambda: af.attention_with_kvcache(q, k_cache, v_cache, lens_after, out=out4, **nt),
             nothing),
         "attention": (lambda: af.attention(q, k_full, v_full, causal=True, **nt), nothing),
+        "attention(return_lse)": (
+            lambda: af.attention(q, k_full, v_full, causal=True, return_lse=True, **nt), nothing),
     }
     # A paged pool's per-call cost must not grow with the pool (issue 47): one sequence of
     # L - 1 tokens in pools of 8 and 100,000 blocks of 16.
@@ -189,6 +197,11 @@ def _make_cases(heads, kv_heads, head_dim, length, capacity, threads, use_torch,
         cases[f"PagedKVCache.step ({blocks} blocks)"] = (
             lambda pool=pool, sid=sid: pool.step([sid], q, k_tok, v_tok, **nt),
             lambda pool=pool, sid=sid: pool.truncate(sid, L - 1))
+
+        def step_truncate(pool=pool, sid=sid):
+            pool.step([sid], q, k_tok, v_tok, **nt)
+            pool.truncate(sid, L - 1)
+        cases[f"PagedKVCache.step+truncate ({blocks} blocks)"] = (step_truncate, nothing)
     if not use_torch:
         return cases
     try:
@@ -279,11 +292,11 @@ def run(heads_list, *, head_dim=128, length=16, number=16, repeat=201, threads=N
     return results
 
 
-def format_table(results, length, number) -> str:
+def format_table(results, length, number, head_dim=128) -> str:
     lines = []
     for (H, Hkv), times in results.items():
         before = any(name.startswith("before: ") for name in times)
-        lines.append(f"\nH={H}/Hkv={Hkv}, D=128, B=1, one query token, L={length} "
+        lines.append(f"\nH={H}/Hkv={Hkv}, D={head_dim}, B=1, one query token, L={length} "
                      f"(KVCache.step: L={length}..{length + number - 1})")
         if before:
             lines.append(f"{'entry point':32s} {'before us':>10s} {'(overhead)':>10s} "
@@ -312,6 +325,7 @@ def format_table(results, length, number) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--heads", default="8x2,32x8", help="HxHkv list, e.g. 8x2,32x8")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim D (128)")
     p.add_argument("--length", type=int, default=16, help="cached keys L at the start (16)")
     p.add_argument("--number", type=int, default=16, help="calls per timed round (16)")
     p.add_argument("--repeat", type=int, default=201, help="timed rounds; median counts (201)")
@@ -339,10 +353,11 @@ def main(argv=None) -> int:
     print(f"CPU: {cpu_name()} ({os.cpu_count()} CPUs), load average "
           + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     print("command: " + " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])))
-    results = run(heads, length=args.length, number=args.number, repeat=args.repeat,
+    results = run(heads, head_dim=args.head_dim, length=args.length, number=args.number,
+                  repeat=args.repeat,
                   threads=args.threads, use_torch=not args.no_torch, rounds=args.rounds,
                   clock=args.clock, baseline=baseline)
-    print(format_table(results, args.length, args.number))
+    print(format_table(results, args.length, args.number, args.head_dim))
     return 0
 
 

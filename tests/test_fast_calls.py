@@ -1,10 +1,9 @@
 """The fast paths' per-call work in C (attnfast._ext: tensor_view, array_as_tensor,
 layout_key, attention_fast, decode_fast): the calls a model makes per layer and token take
 them (counted in _ext.fast_calls_taken / tensor_views_taken), give the values of an
-independent float64 reference and the bits of the Python tail they replace, decline
-whatever they do not cover (the Python tail or the full checks then run, with their errors),
-and keep the transaction rules (a call interrupted by Ctrl-C leaves caches and lengths as
-they were)."""
+independent float64 reference and the bits of the full path, decline whatever they do not
+cover (the full checks then run, with their errors), and keep the transaction rules (a call
+interrupted by Ctrl-C leaves caches and lengths as they were)."""
 import os
 import signal
 import subprocess
@@ -39,11 +38,10 @@ def taken(kind):
     return _ext.fast_calls_taken[kind]
 
 
-def python_tail(monkeypatch):
-    """From here on the fast paths finish in Python (a stand-in run_attention, passing
-    through: attnfast._checks.fast_tail_in_c is then False)."""
-    real = _ext.run_attention
-    monkeypatch.setattr(_ext, "run_attention", lambda *a, **k: real(*a, **k))
+def full_path():
+    """The next call of each layout runs the full checks (the plans are dropped)."""
+    _checks.ATTENTION_PLANS.clear()
+    _checks.KVCACHE_PLANS.clear()
 
 
 def expected(q, k, v, **options):
@@ -53,7 +51,7 @@ def expected(q, k, v, **options):
 
 # ---------------------------------------------------------------- the C tails are taken
 
-def test_attention_takes_the_c_tail_with_the_references_values(rng, monkeypatch):
+def test_attention_takes_the_c_tail_with_the_references_values(rng):
     q, k, v = normal(rng, B, H, 3, D), normal(rng, B, HKV, 7, D), normal(rng, B, HKV, 7, D)
     given = np.full((B, H, 3, D), np.nan, np.float32)
     first = af.attention(q, k, v, causal=True)          # full checks: store the plans
@@ -66,13 +64,13 @@ def test_attention_takes_the_c_tail_with_the_references_values(rng, monkeypatch)
     np.testing.assert_allclose(out, expected(q, k, v, causal=True), **F32)
     np.testing.assert_array_equal(out, first)
     np.testing.assert_array_equal(given, first)
-    python_tail(monkeypatch)
+    full_path()
     np.testing.assert_array_equal(af.attention(q, k, v, causal=True), out)
-    assert taken("attention") == before + 2, "the Python tail ran in C"
+    assert taken("attention") == before + 2, "the full path ran in C"
 
 
 @pytest.mark.parametrize("lengths", ["int", "int64", "int32"])
-def test_attention_with_kvcache_takes_the_c_tail(rng, monkeypatch, lengths):
+def test_attention_with_kvcache_takes_the_c_tail(rng, lengths):
     q, kn, vn = normal(rng, B, H, 1, D), normal(rng, B, HKV, 1, D), normal(rng, B, HKV, 1, D)
     kc, vc = normal(rng, B, HKV, C, D), normal(rng, B, HKV, C, D)
     seqlens = {"int": 5, "int64": np.array([5, 9]), "int32": np.array([5, 9], np.int32)}[lengths]
@@ -91,7 +89,7 @@ def test_attention_with_kvcache_takes_the_c_tail(rng, monkeypatch, lengths):
         np.testing.assert_allclose(out[b:b + 1], ref, **F32)
     ro = af.attention_with_kvcache(q, kc, vc, np.array(starts) + 1)  # no new tokens: full once
     assert np.array_equal(af.attention_with_kvcache(q, kc, vc, np.array(starts) + 1), ro)
-    python_tail(monkeypatch)
+    full_path()
     kc3, vc3 = kc.copy(), vc.copy()
     again = af.attention_with_kvcache(q, kc3, vc3, seqlens, kn2, vn2)
     np.testing.assert_array_equal(again, out)
@@ -99,7 +97,7 @@ def test_attention_with_kvcache_takes_the_c_tail(rng, monkeypatch, lengths):
     assert taken("kvcache") == before + 2, "only the repeat read-only call was in C"
 
 
-def test_kvcache_step_and_attend_take_the_c_tail(rng, monkeypatch):
+def test_kvcache_step_and_attend_take_the_c_tail(rng):
     cache = af.KVCache(B, HKV, D, C)
     cache.append(normal(rng, B, HKV, 4, D), normal(rng, B, HKV, 4, D))
     q, kn, vn = normal(rng, B, H, 1, D), normal(rng, B, HKV, 1, D), normal(rng, B, HKV, 1, D)
@@ -115,7 +113,7 @@ def test_kvcache_step_and_attend_take_the_c_tail(rng, monkeypatch):
     np.testing.assert_allclose(outs[-1], ref, **F32)
     np.testing.assert_allclose(att, ref, **F32)
     k, v, lengths = cache.k.copy(), cache.v.copy(), cache.lengths.copy()
-    python_tail(monkeypatch)
+    full_path()
     cache.truncate(7)
     np.testing.assert_array_equal(cache.step(q, kn * 3, vn * 3), outs[-1])
     np.testing.assert_array_equal(cache.k, k)
@@ -138,14 +136,14 @@ def test_a_latent_cache_steps_in_c(rng):
 
 # ---------------------------------------------------------------- what the C tails decline
 
-def test_a_16_bit_cache_fed_float32_tokens_takes_the_python_tail(rng):
+def test_a_16_bit_cache_fed_float32_tokens_takes_the_c_tail(rng):
     kc = np.zeros((B, HKV, C, D), np.float16)
     vc = np.zeros((B, HKV, C, D), np.float16)
     q, kn, vn = normal(rng, B, H, 1, D), normal(rng, B, HKV, 1, D), normal(rng, B, HKV, 1, D)
     af.attention_with_kvcache(q.astype(np.float16), kc, vc, 0, kn, vn)   # the plan
     before = taken("kvcache")
     out = af.attention_with_kvcache(q.astype(np.float16), kc, vc, 1, kn, vn)
-    assert taken("kvcache") == before, "converted on write: not the C tail's job"
+    assert taken("kvcache") == before + 1, "rounded first, then the C tail"
     np.testing.assert_array_equal(kc[:, :, 1], kn[:, :, 0].astype(np.float16))
     ref = expected(q.astype(np.float16), kc[:, :, :2], vc[:, :, :2], causal=True)
     np.testing.assert_allclose(out, ref, rtol=2e-3, atol=2e-3)

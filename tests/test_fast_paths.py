@@ -306,16 +306,22 @@ def test_attention_after_a_good_call_still_rejects(rng, case):
 # ---------------------------------------------------------------- Ctrl-C on the fast paths
 
 class _Interrupted:
-    """Stands in for attnfast._ext.run_attention: records `interruptible`, then raises
-    KeyboardInterrupt as the real one does when Ctrl-C stops the kernels."""
+    """Where the kernels run, on every path: stands in for attnfast._ext.run_attention (the
+    full path) and is the C tails' hook (_ext.fast_call_hooks): records `interruptible`,
+    then raises KeyboardInterrupt as the kernels do when Ctrl-C stops them."""
 
-    def __init__(self, real):
-        self.real, self.seen, self.armed = real, [], False
+    def __init__(self, monkeypatch):
+        self.real, self.seen, self.armed = af._ext.run_attention, [], False
+        monkeypatch.setattr(af._ext, "run_attention", self)
+        monkeypatch.setitem(af._ext.fast_call_hooks, "before_kernels", self.hook)
 
-    def __call__(self, *args, **kwargs):
-        self.seen.append(kwargs.get("interruptible"))
+    def hook(self, *, interruptible):
+        self.seen.append(interruptible)
         if self.armed:
             raise KeyboardInterrupt("attnfast: interrupted")
+
+    def __call__(self, *args, **kwargs):
+        self.hook(interruptible=kwargs.get("interruptible"))
         return self.real(*args, **kwargs)
 
 
@@ -324,8 +330,7 @@ def test_ctrl_c_in_a_fast_step_restores_the_lengths(rng, monkeypatch, parent_sig
     cache = cache_with(rng)
     q, kn, vn = normal(rng, B, H, 1, D), normal(rng, B, HKV, 1, D), normal(rng, B, HKV, 1, D)
     cache.step(q, kn, vn)                   # stores the plan
-    fake = _Interrupted(af._ext.run_attention)
-    monkeypatch.setattr(af._ext, "run_attention", fake)
+    fake = _Interrupted(monkeypatch)
     fake.armed = True
     lengths = cache.lengths.tolist()
     with pytest.raises(KeyboardInterrupt):
@@ -347,8 +352,7 @@ def test_fast_paths_are_interruptible_only_under_the_default_handler(rng, monkey
              lambda: af.attention_with_kvcache(q, kc, vc, 3, kn, vn)]
     for call in calls:
         call()                              # store the plans
-    fake = _Interrupted(af._ext.run_attention)
-    monkeypatch.setattr(af._ext, "run_attention", fake)
+    fake = _Interrupted(monkeypatch)
     for call in calls:
         call()
     assert fake.seen == [True] * 3

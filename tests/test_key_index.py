@@ -236,3 +236,26 @@ def test_backward_and_paged_cache_say_not_implemented():
     with pytest.raises(NotImplementedError, match="key_index"):
         attnfast.attention_backward(q, q, q, q, q, np.zeros((1, 2, 3), np.float32),
                                     key_index=np.zeros((1, 3, 1), np.int32))
+
+
+def test_paged_cache_class_step_and_attend():
+    """PagedKVCache.step / attend with key_index: the bits of KVCache holding the same tokens
+    (one bare id as well: its 3-D q takes a (Tq, k) list)."""
+    rng = np.random.default_rng(9)
+    H, Hkv, D, T, k = 4, 2, 32, 100, 20
+    paged = attnfast.PagedKVCache(num_blocks=32, block_size=16, kv_heads=Hkv, head_dim=D)
+    plain = attnfast.KVCache(2, Hkv, D, 128)
+    seqs = [paged.add_sequence(), paged.add_sequence()]
+    kk = rng.standard_normal((2, Hkv, T, D)).astype(np.float32)
+    vv = rng.standard_normal((2, Hkv, T, D)).astype(np.float32)
+    q0 = rng.standard_normal((2, H, T - 1, D)).astype(np.float32)
+    paged.step(seqs, q0, kk[:, :, :T - 1], vv[:, :, :T - 1])
+    plain.step(q0, kk[:, :, :T - 1], vv[:, :, :T - 1])
+    q = rng.standard_normal((2, H, 1, D)).astype(np.float32)
+    index = random_index(rng, 2, 1, 1, k, T)[:, 0]
+    a = paged.step(seqs, q, kk[:, :, T - 1:], vv[:, :, T - 1:], key_index=index)
+    b = plain.step(q, kk[:, :, T - 1:], vv[:, :, T - 1:], key_index=index)
+    assert np.array_equal(a, b)
+    _close(a, reference(q, kk, vv, index[:, None], causal=True)[0], 2e-5)
+    one = paged.attend(seqs[1], q[1], key_index=index[1])
+    assert np.array_equal(one, plain.attend(q, key_index=index)[1])

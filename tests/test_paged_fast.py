@@ -1,5 +1,6 @@
 """The paged fast path: attention_with_kvcache(block_table=...) without new tokens, for a
-layout an earlier call had accepted, skips the full checks (attnfast._kvcache._paged_fast):
+layout an earlier call had accepted, skips the full checks (attnfast._kvcache._paged_fast,
+the per-call values in C: attnfast._ext.paged_table_fast):
 the same bits as the full path, and every value that can differ between such calls (lengths,
 block ids, out) still checked: a bad one falls back to the full path, which raises."""
 import ml_dtypes
@@ -10,7 +11,7 @@ import attnfast as af
 from attnfast import _kvcache
 from attnfast._checks import PAGED_PLANS
 from attnfast._kvcache import quantize_float8
-from reference import reference_attention
+from reference import reference_attention, visible_mask
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
@@ -124,19 +125,38 @@ def test_shared_prefix_still_read_once_on_the_fast_path(rng, count_full_checks):
     np.testing.assert_array_equal(fast, af.attention_with_kvcache(q, k, v, lens + 1, block_table=table))
 
 
-def test_block_id_check_in_c():
-    """_ext.paged_blocks_in_use_ok: lengths in [0, capacity], ids of the blocks in use in
-    [0, num_blocks); entries past a sequence's blocks are not read; anything but int64
-    C-contiguous arrays is declined (the full path decides)."""
+@pytest.mark.parametrize("lengths_kind", ["int", "int32", "int64"])
+def test_return_lse_query_offset_and_out_keep_the_fast_path(rng, lengths_kind, count_full_checks):
+    """return_lse, query_offset, out= and an int32 table are in the plan key or checked per
+    call (attnfast._ext.paged_table_fast): repeat calls take the fast path (counted in
+    _ext.fast_calls_taken["paged"]) with the full path's bits and the reference's values."""
     from attnfast import _ext
-    ok = _ext.paged_blocks_in_use_ok
-    table = np.array([[3, 1, -1], [0, 2, 4]], np.int64)
-    assert ok(table, np.array([32, 48], np.int64), 16, 5, 48)
-    assert ok(table, np.array([0, 0], np.int64), 16, 5, 48)
-    assert not ok(table, np.array([33, 48], np.int64), 16, 5, 48)   # needs the -1 entry
-    assert not ok(table, np.array([32, 48], np.int64), 16, 4, 48)   # id 4 not in a 4-block pool
-    assert not ok(table, np.array([-1, 48], np.int64), 16, 5, 48)
-    assert not ok(table, np.array([32, 49], np.int64), 16, 5, 48)   # beyond capacity
-    assert not ok(table.astype(np.int32), np.array([32, 48], np.int64), 16, 5, 48)
-    assert not ok(np.asfortranarray(table), np.array([32, 48], np.int64), 16, 5, 48)
-    assert not ok(table, np.array([32], np.int64), 16, 5, 48)
+    q, k, v, table, _ = _pools(rng)
+    lens = {"int": 70, "int32": np.array([70, 90, 33], np.int32),
+            "int64": np.array([70, 90, 33], np.int64)}[lengths_kind]
+    out = np.empty((3, 8, 1, 64), np.float32)
+    PAGED_PLANS.clear()
+    kw = dict(block_table=table, return_lse=True, out=out, window=(40, 0))
+    af.attention_with_kvcache(q, k, v, lens, query_offset=20, **kw)
+    for offset in (20, 31, None):
+        q = rng.standard_normal(q.shape).astype(np.float32)
+        taken = _ext.fast_calls_taken["paged"]
+        got, lse = af.attention_with_kvcache(q, k, v, lens, query_offset=offset, **kw)
+        assert got is out and _ext.fast_calls_taken["paged"] == taken + 1
+        assert len(count_full_checks) == 1
+        fast = (out.copy(), lse.copy())
+        PAGED_PLANS.clear()
+        full = af.attention_with_kvcache(q, k, v, lens, query_offset=offset, **kw)
+        np.testing.assert_array_equal(fast[0], full[0])
+        np.testing.assert_array_equal(fast[1], full[1])
+        count_full_checks.clear()
+        count_full_checks.append(1)
+        for b in range(3):
+            n = lens if lengths_kind == "int" else int(lens[b])
+            rows = np.concatenate([k[i] for i in table[b]], axis=1)[:, :n].astype(np.float64)
+            vals = np.concatenate([v[i] for i in table[b]], axis=1)[:, :n].astype(np.float64)
+            seen = visible_mask(1, n, causal=True, window=(40, 0), query_offset=offset)
+            ro, rl, _ = reference_attention(q[b:b + 1].astype(np.float64), rows[None], vals[None],
+                                            mask=seen)
+            np.testing.assert_allclose(fast[0][b:b + 1], ro, rtol=2e-5, atol=2e-5)
+            np.testing.assert_allclose(fast[1][b:b + 1], rl, rtol=2e-5, atol=2e-5)

@@ -24,7 +24,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 import ml_dtypes
 
 import attnfast as af
-from attnfast import _ext, _kvcache, _paged
+from attnfast import _checks, _ext, _kvcache, _paged
 from reference import (TOLERANCE, float32_score_rounding, nan_leak_allowed, reference_attention, reference_nonfinite_rows,
                        visible_mask)
 
@@ -406,15 +406,36 @@ class _patched:
 
 
 # Where a mutating call can be cut short: in the kernels (Ctrl-C), or at any one of its
-# writes into the cache (every write goes through Undo.write).
+# writes into the cache (every write of the full path goes through Undo.write).
 INTERRUPTS = st.tuples(st.sampled_from(["kernels", "write"]),
                        st.sampled_from([KeyboardInterrupt, MemoryError]), st.integers(1, 6))
 
 
-def _interrupt(where, error, after):
-    if where == "kernels":
-        return _patched(_ext, "run_attention", error)
-    return _patched(_kvcache.Undo, "write", error, after)
+class _interrupt:
+    """Cut the call made in the block short. "kernels": where the kernels run, on every path
+    (the full path's _ext.run_attention, and the C tails' hook, _ext.fast_call_hooks). "write":
+    at the after-th Undo.write; the C tails write in C, where nothing can raise, so the plans
+    are dropped first and the full path runs."""
+
+    def __init__(self, where, error, after):
+        self.where = where
+        if where == "kernels":
+            self.patch = _patched(_ext, "run_attention", error)
+        else:
+            self.patch = _patched(_kvcache.Undo, "write", error, after)
+
+    def __enter__(self):
+        fake = self.patch.__enter__()
+        if self.where == "kernels":
+            _ext.fast_call_hooks["before_kernels"] = fake
+        else:
+            for memo in (_checks.ATTENTION_PLANS, _checks.KVCACHE_PLANS, _checks.PAGED_PLANS):
+                memo.clear()
+        return fake
+
+    def __exit__(self, *exc):
+        _ext.fast_call_hooks["before_kernels"] = None
+        return self.patch.__exit__(*exc)
 
 
 _COUNT_FILE = os.environ.get("ATTNFAST_HYPOTHESIS_COUNT_FILE")
@@ -730,26 +751,31 @@ class PagedKVCacheMachine(_CacheMachine):
                              np.concatenate([v, stored(v_new[i], self.dtype)], axis=1))
 
     @precondition(lambda self: self.model)
-    @rule(data=st.data(), t=st.integers(1, 6), with_attention=st.booleans(), causal=st.booleans())
-    def append_or_step(self, data, t, with_attention, causal):
+    @rule(data=st.data(), t=st.integers(1, 6), with_attention=st.booleans(), causal=st.booleans(),
+          calls=st.integers(1, 3))
+    def append_or_step(self, data, t, with_attention, causal, calls):
+        """`calls` calls of one layout: the first plans it, the others take the fast path."""
         arg, ids = self._ids(data)
-        k_new, v_new = self._tokens(len(ids), t)
-        q = self._q(len(ids), self.H, t, self.D)
-        call = ((lambda: self.cache.step(arg, *self._lifted(arg, q, k_new, v_new), causal=causal,
-                                         return_lse=True))
-                if with_attention else (lambda: self.cache.append(arg, *self._lifted(arg, k_new, v_new))))
-        if self._needed(ids, t) > self.cache.num_free_blocks:
-            snap = self._snapshot()
-            with pytest.raises(ValueError, match="out of blocks"):
-                call()
-            assert self._snapshot() == snap
-            return
-        result = call()
-        self._append_model(ids, k_new, v_new)
-        if with_attention:
-            out, lse = result if isinstance(arg, list) else (result[0][None], result[1][None])
-            for i, s in enumerate(ids):
-                self._check_one(q[i], out[i], lse[i], *self.model[s], causal, None, f"sequence {s}")
+        for _ in range(calls):
+            k_new, v_new = self._tokens(len(ids), t)
+            q = self._q(len(ids), self.H, t, self.D)
+            call = ((lambda: self.cache.step(arg, *self._lifted(arg, q, k_new, v_new),
+                                             causal=causal, return_lse=True))
+                    if with_attention
+                    else (lambda: self.cache.append(arg, *self._lifted(arg, k_new, v_new))))
+            if self._needed(ids, t) > self.cache.num_free_blocks:
+                snap = self._snapshot()
+                with pytest.raises(ValueError, match="out of blocks"):
+                    call()
+                assert self._snapshot() == snap
+                return
+            result = call()
+            self._append_model(ids, k_new, v_new)
+            if with_attention:
+                out, lse = result if isinstance(arg, list) else (result[0][None], result[1][None])
+                for i, s in enumerate(ids):
+                    self._check_one(q[i], out[i], lse[i], *self.model[s], causal, None,
+                                    f"sequence {s}")
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), tq=st.integers(1, 6), causal=st.booleans())
@@ -766,10 +792,11 @@ class PagedKVCacheMachine(_CacheMachine):
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), t=st.integers(1, 6), how=INTERRUPTS,
-          kind=st.sampled_from(["step", "append", "fork", "free", "truncate"]))
+          kind=st.sampled_from(["step", "fast step", "append", "fork", "free", "truncate"]))
     def interrupted(self, data, t, how, kind):
         """A call cut short (in the kernels or at any write), or raising at its reference
-        counting, changes nothing: blocks, counts, free list, lengths and pool bytes."""
+        counting, changes nothing: blocks, counts, free list, lengths and pool bytes. "fast
+        step" takes the fast path's plan (a good call of the layout first)."""
         arg, ids = self._ids(data, single_ok=False)
         snap = self._snapshot()
         where, error, after = how
@@ -794,10 +821,14 @@ class PagedKVCacheMachine(_CacheMachine):
             self.cache.__dict__.pop("_release", None)
             assert self._snapshot() == snap
             return
-        if self._needed(ids, t) > self.cache.num_free_blocks:
+        if self._needed(ids, 2 * t if kind == "fast step" else t) > self.cache.num_free_blocks:
             return
         k_new, v_new = self._tokens(len(ids), t)
         q = self._q(len(ids), self.H, t, self.D)
+        if kind == "fast step":  # a good call of the layout first: its plan serves the next
+            self.cache.step(ids, q, k_new, v_new)
+            self._append_model(ids, k_new, v_new)
+            snap = self._snapshot()
         where = "write" if kind == "append" else where  # append runs no kernel
         with _interrupt(where, error, min(after, 2 * len(ids))), pytest.raises(error):
             if kind == "append":

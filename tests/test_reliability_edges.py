@@ -63,6 +63,13 @@ class Interrupt:
         raise KeyboardInterrupt("attnfast: interrupted")
 
 
+def kernels_raise(monkeypatch, fake):
+    """`fake` (a callable that raises) runs where the kernels would, on every path: for
+    attnfast._ext.run_attention (the full path) and as the C tails' hook."""
+    monkeypatch.setattr(_ext, "run_attention", fake)
+    monkeypatch.setitem(_ext.fast_call_hooks, "before_kernels", fake)
+
+
 # ============================================================ 1. whole-element strides
 
 @pytest.mark.parametrize("dtype,pad", [(np.float32, np.int16), (np.float64, np.int32)],
@@ -139,7 +146,7 @@ def _pool_with_a_sequence(rng, num_blocks=64, block_size=4, length=10):
 def test_interrupted_paged_step_gives_back_every_block(rng, monkeypatch):
     cache, a = _pool_with_a_sequence(rng)
     before = paged_state(cache)
-    monkeypatch.setattr(_ext, "run_attention", Interrupt())
+    kernels_raise(monkeypatch, Interrupt())
     with pytest.raises(KeyboardInterrupt):  # 30 tokens: 8 blocks more than it holds
         cache.step(a, normal(rng, 4, 30, 8), normal(rng, 2, 30, 8), normal(rng, 2, 30, 8))
     assert paged_state(cache) == before
@@ -149,11 +156,10 @@ def test_interrupted_paged_step_then_fork_keeps_the_other_sequence(rng, monkeypa
     """The issue's corruption: blocks kept by an interrupted step were shared by a fork
     without copy-on-write, so appending to one sequence overwrote the other's token."""
     cache, a = _pool_with_a_sequence(rng, length=8)  # two full blocks
-    real = _ext.run_attention
-    monkeypatch.setattr(_ext, "run_attention", Interrupt())
+    kernels_raise(monkeypatch, Interrupt())
     with pytest.raises(KeyboardInterrupt):
         cache.step(a, normal(rng, 4, 6, 8), normal(rng, 2, 6, 8), normal(rng, 2, 6, 8))
-    monkeypatch.setattr(_ext, "run_attention", real)
+    monkeypatch.undo()
     b = cache.fork(a)
     kb, vb = normal(rng, 2, 1, 8), normal(rng, 2, 1, 8)
     cache.append(b, kb, vb)
@@ -230,7 +236,7 @@ def test_a_raising_kvcache_step_leaves_every_byte(rng, monkeypatch, dtype, error
 
     def fail(*args, **kwargs):
         raise error("attnfast test")
-    monkeypatch.setattr(_ext, "run_attention", fail)
+    kernels_raise(monkeypatch, fail)
     for index, return_lse in ((None, False), (None, True), ([1], False)):  # fast, full paths
         rows = slice(None) if index is None else slice(1, 2)
         with pytest.raises(error):
@@ -262,7 +268,7 @@ def test_a_raising_functional_call_restores_the_callers_caches(rng, monkeypatch,
     lengths = np.array([3, 5])
     af.attention_with_kvcache(q, kc, vc, lengths, kn, vn, **extra)  # a plan for the fast path
     before = [a.tobytes() for a in arrays]
-    monkeypatch.setattr(_ext, "run_attention", Interrupt())
+    kernels_raise(monkeypatch, Interrupt())
     with pytest.raises(KeyboardInterrupt):
         af.attention_with_kvcache(q, kc, vc, lengths + 1, kn, vn, **extra)
     assert [a.tobytes() for a in arrays] == before

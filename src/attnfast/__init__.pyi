@@ -281,7 +281,7 @@ class PagedKVCache:
                mask: ArrayLike | None = ..., return_lse: Literal[False] = ...,
                out: NDArray[Any] | None = ..., num_threads: int | None = ...,
                query_offset: int | None = ...,
-               tree_mask: ArrayLike | None = ...) -> _Out: ...
+               tree_mask: ArrayLike | None = ..., key_index: ArrayLike | None = ...) -> _Out: ...
     @overload
     def attend(self, seq_ids: _SeqIds, q: ArrayLike, *, causal: bool = ...,
                scale: float | None = ..., window: _Window = ..., softcap: float | None = ...,
@@ -289,7 +289,7 @@ class PagedKVCache:
                mask: ArrayLike | None = ..., return_lse: Literal[True],
                out: NDArray[Any] | None = ..., num_threads: int | None = ...,
                query_offset: int | None = ...,
-               tree_mask: ArrayLike | None = ...) -> _OutLse: ...
+               tree_mask: ArrayLike | None = ..., key_index: ArrayLike | None = ...) -> _OutLse: ...
     @overload
     def attend(self, seq_ids: _SeqIds, q: ArrayLike, *, causal: bool = True,
                scale: float | None = None, window: _Window = None, softcap: float | None = None,
@@ -297,7 +297,7 @@ class PagedKVCache:
                mask: ArrayLike | None = None, return_lse: bool = False,
                out: NDArray[Any] | None = None, num_threads: int | None = None,
                query_offset: int | None = None,
-               tree_mask: ArrayLike | None = None) -> _Out | _OutLse: ...
+               tree_mask: ArrayLike | None = None, key_index: ArrayLike | None = None) -> _Out | _OutLse: ...
     @overload
     def step(self, seq_ids: _SeqIds, q: ArrayLike, k_new: ArrayLike,
              v_new: ArrayLike | None = ..., *,
@@ -306,7 +306,7 @@ class PagedKVCache:
              sinks: ArrayLike | None = ..., mask: ArrayLike | None = ...,
              return_lse: Literal[False] = ..., out: NDArray[Any] | None = ...,
              num_threads: int | None = ..., query_offset: int | None = ...,
-             tree_mask: ArrayLike | None = ...) -> _Out: ...
+             tree_mask: ArrayLike | None = ..., key_index: ArrayLike | None = ...) -> _Out: ...
     @overload
     def step(self, seq_ids: _SeqIds, q: ArrayLike, k_new: ArrayLike,
              v_new: ArrayLike | None = ..., *,
@@ -315,7 +315,7 @@ class PagedKVCache:
              sinks: ArrayLike | None = ..., mask: ArrayLike | None = ...,
              return_lse: Literal[True], out: NDArray[Any] | None = ...,
              num_threads: int | None = ..., query_offset: int | None = ...,
-             tree_mask: ArrayLike | None = ...) -> _OutLse: ...
+             tree_mask: ArrayLike | None = ..., key_index: ArrayLike | None = ...) -> _OutLse: ...
     @overload
     def step(self, seq_ids: _SeqIds, q: ArrayLike, k_new: ArrayLike,
              v_new: ArrayLike | None = None, *,
@@ -324,7 +324,7 @@ class PagedKVCache:
              sinks: ArrayLike | None = None, mask: ArrayLike | None = None,
              return_lse: bool = False, out: NDArray[Any] | None = None,
              num_threads: int | None = None, query_offset: int | None = None,
-             tree_mask: ArrayLike | None = None) -> _Out | _OutLse: ...
+             tree_mask: ArrayLike | None = None, key_index: ArrayLike | None = None) -> _Out | _OutLse: ...
 
 def get_num_threads() -> int: ...
 def set_num_threads(n: int | None) -> None: ...

@@ -12,7 +12,7 @@ from ._interop import accepts_arrays
 from ._key_index import check_key_index
 from ._checks import (BFLOAT16, FLOAT16, FLOAT32, FLOAT64, check_attention, check_flag, check_out,
                       kernel_ready, to_3d, to_4d, ATTENTION_PLANS, attention_key, attention_plan,
-                      bound_window, fast_query_offset, fast_tail_in_c, fast_threads,
+                      bound_window, fast_query_offset, fast_threads,
                       remember)
 
 try:  # the handler as stored, without signal.getsignal's enum conversion (~2 us a call)
@@ -95,15 +95,15 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
     -------
     out, or (out, lse) when return_lse.
     """
-    key = None
-    if (softcap is None and alibi_slopes is None and sinks is None and mask is None
-            and return_lse is False and key_index is None):
-        key = attention_key(q, k, v, out, causal, scale, window)
-        plan = ATTENTION_PLANS.get(key) if key is not None else None
-        if plan is not None:
-            result = _attention_fast(plan, q, k, v, out, causal, num_threads, query_offset)
-            if result is not None:
-                return result
+    # The fast path: a plan for this call's layout and options (the key decides whether one
+    # can serve it at all: attnfast._ext.attention_key), then the per-call checks, in C.
+    key = attention_key(q, k, v, out, causal, scale, window, return_lse,
+                        (softcap, alibi_slopes, sinks, mask, key_index))
+    plan = ATTENTION_PLANS.get(key) if key is not None else None
+    if plan is not None:
+        result = _attention_fast(plan, q, k, v, out, causal, num_threads, query_offset)
+        if result is not None:
+            return result
     return_lse = check_flag(return_lse, "return_lse")
     call = check_attention(q, k, v, causal=causal, scale=scale, window=window,
                            num_threads=num_threads, query_offset=query_offset, softcap=softcap,
@@ -116,37 +116,23 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
                          [("q", call.q), ("k", call.k), ("v", call.v)] + call.options.arrays())
     result = run_kernels(call, user_out, return_lse)
     if key is not None:  # accepted: later calls of this layout take the fast path
-        remember(ATTENTION_PLANS, key, attention_plan(call, q, k, v, out, window))
+        remember(ATTENTION_PLANS, key, attention_plan(call, q, k, v, out, window, return_lse))
     return result
 
 
 def _attention_fast(plan, q, k, v, out, causal, num_threads, query_offset):
     """attention() for a call whose layout an earlier call had accepted (see
-    attnfast._checks.attention_key): only what can differ between such calls is checked
-    here. None when anything is unusual: the full path then runs (and raises as always)."""
-    out_shape, dtype, scale, seqlen_q, seqlen_k, window = plan
+    attnfast._ext.attention_key): what can differ between such calls is checked in C
+    (attnfast._ext.attention_fast). None when anything is unusual: the full path then runs
+    (and raises as always)."""
+    out_shape, dtype, scale, seqlen_q, seqlen_k, window, lse_dtype = plan
     threads = fast_threads(num_threads)
     if threads is None or not fast_query_offset(query_offset):
         return None
     left, right = (-1, -1) if window == (-1, -1) else bound_window(
         window, seqlen_q, seqlen_k, query_offset)
-    interruptible = kernels_interruptible()
-    if fast_tail_in_c():  # the common case, in C (None: declined); below the same in Python
-        result = _ext.attention_fast(q, k, v, out, out_shape, dtype, causal, scale, left, right,
-                                     threads, query_offset, interruptible)
-        if result is not None:
-            return result
-    if not (q.flags.aligned and k.flags.aligned and v.flags.aligned):
-        return None  # kernel_ready would copy
-    if out is None:
-        out = np.empty(out_shape, dtype)
-    elif not (out.flags.writeable and out.flags.aligned and not np.may_share_memory(out, q)
-              and not np.may_share_memory(out, k) and not np.may_share_memory(out, v)):
-        return None  # check_out decides (and raises) exactly
-    _ext.run_attention(q, k, v, out, None, causal=causal, scale=scale, window_left=left,
-                       window_right=right, num_threads=threads,
-                       interruptible=interruptible, query_offset=query_offset)
-    return out
+    return _ext.attention_fast(q, k, v, out, out_shape, dtype, causal, scale, left, right,
+                               threads, query_offset, kernels_interruptible(), lse_dtype)
 
 
 attention.__doc__ += _MASK_DRAWING

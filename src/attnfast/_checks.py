@@ -1021,17 +1021,6 @@ def remember(memo: dict, key, plan) -> None:
     memo[key] = plan
 
 
-RUN_ATTENTION = _ext.run_attention
-
-
-def fast_tail_in_c() -> bool:
-    """Whether a fast path may finish its call in C (attnfast._ext.decode_fast and
-    attention_fast: flags, overlap, token writes, output and kernel call in one call). Not
-    when attnfast._ext.run_attention has been replaced (tests stand in for the kernels there
-    to see or interrupt each kernel call): the same steps then run in Python."""
-    return _ext.run_attention is RUN_ATTENTION
-
-
 def fast_threads(num_threads) -> int | None:
     """resolve_threads() for the fast paths; None for anything but None or an int >= 1
     (the full path then reports it)."""
@@ -1053,36 +1042,29 @@ def fast_query_offset(query_offset) -> bool:
 attention_key, kvcache_key, seqlens_key = _ext.attention_key, _ext.kvcache_key, _ext.seqlens_key
 
 
-def attention_plan(call: AttentionCall, q, k, v, out, window):
+def attention_plan(call: AttentionCall, q, k, v, out, window, return_lse=False):
     """attention(): what a repeat call needs from the accepted `call` (out shape and dtype,
-    scale, Tq, Tk, window as checked), or None unless the kernels took q, k, v (4-D) and
-    out as given."""
+    scale, Tq, Tk, window as checked, lse dtype or None without return_lse), or None unless
+    the kernels took q, k, v (4-D) and out as given."""
     if call.rank != 4 or call.q is not q or call.k is not k or call.v is not v:
         return None
     if out is not None and kernel_ready(out) is not out:
         return None
     return (call.out_shape(), call.dtype, call.scale, call.seqlen_q, call.seqlen_k,
-            check_window(window))
+            check_window(window), call.lse_dtype if return_lse else None)
 
 
-def paged_key(q, k_pool, v_pool, cache_seqlens, block_table, k_scale, v_scale, out, causal,
-              scale, window):
-    """attention_with_kvcache(block_table=...) without new tokens: the plan key of a call
-    (the arrays' layouts, the lengths' type, the options), or None."""
-    key = kvcache_key(q, k_pool, v_pool, seqlens_key(cache_seqlens), None, None, None, causal,
-                      scale, window, False)
-    arrays = None if key is None else _ext.layout_key(block_table, k_scale, v_scale, out)
-    return None if arrays is None else (key, arrays)
-
-
-def paged_plan(call, q, k_scale, v_scale):
-    """What a repeat paged call needs from a call the full path accepted: the checked call
-    itself (its q, lengths and table are replaced per call); None unless the kernels took q
-    and the scales as given."""
-    if (as_float_array(q, "q") is not q or kernel_ready(q) is not q or call.attn.q is not q
+def paged_plan(call, q, k_scale, v_scale, window=None, return_lse=False):
+    """What a repeat paged call (attention_with_kvcache(block_table=...), no new tokens) needs
+    from a call the full path accepted: (the checked call itself, its q, lengths and table
+    replaced per call; the window as checked; the lse dtype or None without return_lse);
+    None with new tokens, for int4 pools, and unless the kernels took q and the scales as
+    given."""
+    if (call.new_tokens or call.k_cache.dtype == INT4_STORAGE or as_float_array(q, "q") is not q
+            or kernel_ready(q) is not q or call.attn.q is not q
             or call.k_scale is not k_scale or call.v_scale is not v_scale):
         return None
-    return call
+    return call, check_window(window), call.attn.lse_dtype if return_lse else None
 
 
 def kvcache_plan(q, k_cache, v_cache, k_new, out, scale, window, return_lse):

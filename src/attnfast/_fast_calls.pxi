@@ -3,8 +3,9 @@
 # the full checks accepted a layout, what is left per call (plan key, flags, memory overlap,
 # the new tokens' writes, the output, the kernel call) costs a few microseconds in Python and
 # a fraction of one here. Every function declines (returns None, having changed nothing)
-# whenever anything differs from the common case; the Python fast path then runs as before
-# (and, if it declines too, the full checks, which raise the usual errors). Their arguments
+# whenever anything differs from the common case; the full checks then run (and raise the
+# usual errors). There is no second, Python copy of this work: tests see which path ran
+# through fast_calls_taken and fail the kernels through fast_call_hooks. Their arguments
 # are positional (keyword parsing would cost a tenth of what is left); the callers name them.
 
 from libc.stdlib cimport malloc, free
@@ -29,7 +30,13 @@ cdef enum:
     _KEY_WORDS_PER_ARRAY = 36   # ndim, 16 dims, 16 strides, type number, byte order, item size
 
 # Calls each C tail took (counted before the kernels run): tests see which path ran.
-fast_calls_taken = {"attention": 0, "kvcache": 0}
+fast_calls_taken = {"attention": 0, "kvcache": 0, "paged": 0}
+
+# For tests: a callable set here runs right before each C tail calls the kernels (with the
+# keyword interruptible=, what the kernels are given), and may raise there what a kernel
+# stopped by Ctrl-C raises (KeyboardInterrupt), or MemoryError, to show that such a call
+# changes nothing. None in production.
+fast_call_hooks = {"before_kernels": None}
 
 
 def layout_key(a0, a1, a2, a3=None, a4=None, a5=None):
@@ -130,8 +137,19 @@ cdef object _empty(tuple shape, dtype):
     return attnfast_empty(len(shape), dims, <PyObject*> dtype)
 
 
+# Below this much work (B * H * Tq * Tk * (D + Dv), ~1 ms on one core) a C tail leaves
+# Python's SIGINT handler in place while the kernels run: a Ctrl-C then raises as they return,
+# inside the entry point's transaction, which undoes the call; stopping them early would save
+# less than the two sigaction calls cost (~1 us, a decode step's kernel time).
+cdef double _INTERRUPTIBLE_WORK = 4e6
+
+
 cdef int _run_one(AttentionParams* p, bint interruptible) except -1:
-    if interruptible:
+    hook = fast_call_hooks["before_kernels"]
+    if hook is not None:
+        hook(interruptible=interruptible)
+    if interruptible and (<double> p.batch * p.heads * p.seqlen_q * p.seqlen_k
+                          * (p.head_dim + p.head_dim_v)) >= _INTERRUPTIBLE_WORK:
         _run_interruptible(p)
     else:
         with nogil:
@@ -141,11 +159,13 @@ cdef int _run_one(AttentionParams* p, bint interruptible) except -1:
 
 def attention_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out, tuple out_shape,
                    out_dtype, bint causal, double scale, int64_t window_left,
-                   int64_t window_right, int num_threads, query_offset, bint interruptible):
+                   int64_t window_right, int num_threads, query_offset, bint interruptible,
+                   lse_dtype=None):
     """The rest of attnfast.attention's fast path (_api._attention_fast) in one call: q, k, v
     4-D of a layout the full path accepted; out None (allocated: out_shape, out_dtype) or an
-    array to fill. None, having done nothing, unless q, k, v are aligned and out (if given)
-    is a writeable aligned ndarray apart from q, k and v."""
+    array to fill; with `lse_dtype` (not None: return_lse) the tuple (out, lse), lse a new
+    (B, H, Tq) array. None, having done nothing, unless q, k, v are aligned and out (if
+    given) is a writeable aligned ndarray apart from q, k and v."""
     cdef AttentionParams p = default_params()
     if not (_aligned(q) and _aligned(k) and _aligned(v)):
         return None
@@ -155,11 +175,12 @@ def attention_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out, tuple out_s
         target = _usable_out(out, q, k, v)
         if target is None:
             return None
-    _fill_params(&p, q, k, v, target, None, causal, scale, window_left, window_right,
+    lse = None if lse_dtype is None else _empty(out_shape[:3], lse_dtype)
+    _fill_params(&p, q, k, v, target, lse, causal, scale, window_left, window_right,
                  num_threads, None, None, None, query_offset, 0.0, None, None, None, None)
     fast_calls_taken["attention"] += 1
     _run_one(&p, interruptible)
-    return target
+    return target if lse is None else (target, lse)
 
 
 cdef bint _rows_contiguous(cnp.ndarray a):
@@ -257,7 +278,7 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
     advanced by t in place. None, having changed nothing, unless every length leaves room
     for t tokens, the arrays are aligned, the caches writeable, the new tokens of the
     caches' dtype with contiguous rows, and nothing that is written overlaps what is read
-    (as the Python fast paths decide; the caches may overlap each other only with advance,
+    (the full path decides the rest; the caches may overlap each other only with advance,
     a latent KVCache's v being a view of its k). A call that raises while attending (Ctrl-C)
     puts back every byte written and the lengths; one that returns leaves what it wrote in
     the log of the open transaction (attnfast._transaction), which puts it back if the
@@ -302,7 +323,7 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
         if not (attnfast_equiv_dtypes(kn, k) and attnfast_equiv_dtypes(vn, v)
                 and _rows_contiguous(kn) and _rows_contiguous(vn) and _rows_contiguous(k)
                 and _rows_contiguous(v)):
-            return None      # converted on write (a 16-bit cache): the Python fast path
+            return None      # converted on write (a 16-bit cache): the full path
         if not (_apart(q, k) == 1 and _apart(q, v) == 1 and _apart(kn, k) == 1
                 and _apart(kn, v) == 1 and _apart(vn, k) == 1 and _apart(vn, v) == 1
                 and (advance or _apart(k, v) == 1)):
@@ -389,15 +410,26 @@ cdef object _option_key(causal, scale, window):
     return causal, scale, window
 
 
-def attention_key(q, k, v, out, causal, scale, window):
-    """attention(): the plan key of a call (arrays exactly numpy.ndarray), or None."""
+def attention_key(q, k, v, out, causal, scale, window, return_lse=False,
+                  tuple unplanned=()):
+    """attention(): the plan key of a call (arrays exactly numpy.ndarray), or None when no
+    plan can serve it: where attention()'s fast-path eligibility is decided. The key holds
+    the layouts of q, k, v and out, causal, scale, window and return_lse with their exact
+    types; `unplanned`: the call's other options, which only the full path takes (the key is
+    None unless each of them is None)."""
+    cdef Py_ssize_t i
     if q is None or k is None or v is None:
         return None
+    if return_lse is not False and return_lse is not True:
+        return None
+    for i in range(len(unplanned)):
+        if unplanned[i] is not None:
+            return None
     layout = layout_key(q, k, v, out)
     if layout is None:
         return None
     options = _option_key(causal, scale, window)
-    return None if options is None else (layout, options)
+    return None if options is None else (layout, options, return_lse)
 
 
 def seqlens_key(cache_seqlens):
@@ -411,14 +443,15 @@ def seqlens_key(cache_seqlens):
 
 
 def kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, out, causal, scale, window,
-                return_lse, tuple unplanned=()):
+                return_lse, tuple unplanned=(), block_table=None, k_scale=None, v_scale=None):
     """attention_with_kvcache() and KVCache.attend/step: the plan key of a call, or None when
     no plan can serve it: where the KV-cache fast path's eligibility is decided. The key
     holds the layouts of q, the caches, the new tokens and `out` (so out's shape, dtype and
     strides were checked once, by the call that stored the plan), the lengths' type
     (`lengths_key`; their values are checked per call), causal, scale, window and
     return_lse with their exact types. `unplanned`: the call's other options, which only
-    the full path takes; the key is None unless each of them is None."""
+    the full path takes; the key is None unless each of them is None. A paged call's
+    block_table and scales add their layouts (the table's width fixes the capacity)."""
     cdef Py_ssize_t i
     if lengths_key is None or q is None or k_cache is None or v_cache is None:
         return None
@@ -433,35 +466,508 @@ def kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, out, causal, sca
     if layout is None:
         return None
     options = _option_key(causal, scale, window)
-    return None if options is None else (layout, lengths_key, options, return_lse)
+    if options is None:
+        return None
+    if block_table is None and k_scale is None and v_scale is None:
+        return layout, lengths_key, options, return_lse
+    paged = layout_key(block_table, k_scale, v_scale)
+    return None if paged is None else (layout, lengths_key, options, return_lse, paged)
 
 
-def paged_blocks_in_use_ok(cnp.ndarray table, cnp.ndarray lengths, int64_t block_size,
-                           int64_t num_blocks, int64_t capacity):
-    """The paged fast path's per-call values, in one pass (attnfast._kvcache._paged_fast):
-    every length in [0, capacity] and every block id a sequence uses (its first
-    ceil(length / block_size) entries of `table`) in [0, num_blocks). `table` int64 (batch,
-    max_blocks) and `lengths` int64 (batch,), both C-contiguous (else False: the full path)."""
-    cdef int64_t b, i, used, batch, width
-    cdef const int64_t* t
-    cdef const int64_t* n
-    if (cnp.PyArray_TYPE(table) != cnp.NPY_INT64 or cnp.PyArray_TYPE(lengths) != cnp.NPY_INT64
-            or cnp.PyArray_NDIM(table) != 2 or cnp.PyArray_NDIM(lengths) != 1
-            or not cnp.PyArray_IS_C_CONTIGUOUS(table) or not cnp.PyArray_IS_C_CONTIGUOUS(lengths)
-            or block_size <= 0):
+# ---- PagedKVCache.attend / step (attnfast._paged): the per-call bookkeeping, in C ----
+#
+# What a repeat call of an accepted layout still has to check and do, in one pass over the
+# sequences it serves: their ids, whether the pool has the blocks an append takes, the block
+# table and lengths the kernels read, that nothing written overlaps what is read, the token
+# writes with the rows they overwrite kept, the blocks taken, the lengths advanced, the
+# kernel call. Anything unusual (an id that is not an int or not live, a shared partly filled
+# last block to copy first, too few free blocks, sequences sharing a long prefix, other
+# dtypes or overlaps) declines, having changed nothing: the full path then runs and raises
+# or composes as always.
+
+cdef void _paged_rows(cnp.ndarray pool, cnp.ndarray new, const int64_t* tab, int64_t width,
+                      const int64_t* info, Py_ssize_t B, int64_t t, char* saved,
+                      bint restore) noexcept nogil:
+    """Token u of sequence b, every KV head h: its pool row (block tab[b, pos // block_size],
+    row pos % block_size, pos = info[3b] + u) = new[b, h, u], the row it overwrites first
+    kept in `saved`, in order; restore: `saved` put back (new unused)."""
+    cdef cnp.npy_intp H = cnp.PyArray_DIMS(pool)[1], BS = cnp.PyArray_DIMS(pool)[2]
+    cdef cnp.npy_intp row = cnp.PyArray_DIMS(pool)[3] * cnp.PyArray_ITEMSIZE(pool)
+    cdef cnp.npy_intp* ps = cnp.PyArray_STRIDES(pool)
+    cdef char* p0 = <char*> cnp.PyArray_DATA(pool)
+    cdef cnp.npy_intp* ns = cnp.PyArray_STRIDES(new)
+    cdef char* n0 = <char*> cnp.PyArray_DATA(new)
+    cdef char* dst
+    cdef cnp.npy_intp b, h, u, pos
+    for b in range(B):
+        for u in range(t):
+            pos = info[3 * b] + u
+            for h in range(H):
+                dst = p0 + tab[b * width + pos // BS] * ps[0] + h * ps[1] + (pos % BS) * ps[2]
+                if restore:
+                    memcpy(dst, saved, row)
+                else:
+                    memcpy(saved, dst, row)
+                    memcpy(dst, n0 + b * ns[0] + h * ns[1] + u * ns[2], row)
+                saved += row
+
+
+cdef class _PagedStepWritten:
+    """What one paged_fast call changed: the pool rows it overwrote (`saved`: k's, then v's
+    from k_bytes on; a latent pool's v rows are its k rows), the blocks it took off the free
+    list (the first `popped`), the sequences' lengths and block lists. restore() puts it all
+    back; it may run again (and then changes nothing)."""
+    cdef list seqs, free
+    cdef cnp.ndarray k, v, kn, vn, refs, table
+    cdef bytes info            # int64 per sequence: (length, blocks held, blocks taken)
+    cdef char* saved
+    cdef cnp.npy_intp k_bytes
+    cdef int64_t t, popped
+    cdef bint latent, written, restored
+
+    def __dealloc__(self):
+        free(self.saved)
+
+    def restore(self):
+        cdef const int64_t* info = <const int64_t*> (<char*> self.info)
+        cdef const int64_t* tab = <const int64_t*> cnp.PyArray_DATA(self.table)
+        cdef int64_t* refs = <int64_t*> cnp.PyArray_DATA(self.refs)
+        cdef int64_t width = cnp.PyArray_DIMS(self.table)[1], blk
+        cdef Py_ssize_t B = len(self.seqs), b, g, i
+        cdef list taken = []
+        if self.restored:
+            return
+        if self.written:
+            if not self.latent:
+                _paged_rows(self.v, self.vn, tab, width, info, B, self.t,
+                            self.saved + self.k_bytes, True)
+            _paged_rows(self.k, self.kn, tab, width, info, B, self.t, self.saved, True)
+        for b in range(B):
+            seq = self.seqs[b]
+            del seq.blocks[info[3 * b + 1]:]
+            seq.length = info[3 * b]
+            for g in range(info[3 * b + 2]):
+                taken.append(tab[b * width + info[3 * b + 1] + g])
+        for i in range(self.popped - 1, -1, -1):  # back on the stack in the order they left
+            blk = taken[i]
+            refs[blk] = 0
+            self.free.append(blk)
+        self.restored = True
+
+
+cdef bint _has_shape(cnp.ndarray a, tuple shape):
+    """a's shape is `shape` (a tuple of ints)."""
+    cdef int i
+    if cnp.PyArray_NDIM(a) != len(shape):
         return False
-    batch, width = cnp.PyArray_DIMS(table)[0], cnp.PyArray_DIMS(table)[1]
-    if cnp.PyArray_DIMS(lengths)[0] != batch:
-        return False
-    t = <const int64_t*> cnp.PyArray_DATA(table)
-    n = <const int64_t*> cnp.PyArray_DATA(lengths)
-    for b in range(batch):
-        if n[b] < 0 or n[b] > capacity:
+    for i in range(cnp.PyArray_NDIM(a)):
+        if cnp.PyArray_DIMS(a)[i] != <cnp.npy_intp> shape[i]:
             return False
-        used = (n[b] + block_size - 1) // block_size
-        if used > width:
-            return False
+    return True
+
+
+def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tuple out_shape,
+               out_dtype, bint causal, double scale, tuple window, int num_threads,
+               query_offset, bint interruptible, lse_dtype, int64_t shared_keys):
+    """The rest of PagedKVCache.attend / step's fast path (_paged.PagedKVCache._run_fast) in
+    one call, for a layout the full path accepted (the plan: t new tokens, out_shape,
+    out_dtype, scale, window as checked): append k_new, v_new (t > 0) to each sequence of
+    `seq_ids` (an int, or a list / tuple of ints, one per row of q), taking blocks from the
+    free list as PagedKVCache._commit does, then attend over every sequence's tokens.
+    Returns out (the caller's `out`, written in place, or a new array), or (out, lse) with
+    `lse_dtype`. None, having changed nothing, unless the ids are distinct live sequences,
+    no sequence's partly filled last block is shared (copy-on-write: the full path), the pool
+    has the blocks needed, no two sequences with `shared_keys` or more keys begin with the
+    same block (shared-prefix decoding: the full path), the new tokens have the pool's dtype
+    with contiguous rows, and nothing written overlaps what the call reads. A call that
+    raises in the kernels (Ctrl-C) puts back every byte, block and length; one that returns
+    leaves what it changed in the log of the open transaction (attnfast._transaction)."""
+    cdef cnp.ndarray k = <cnp.ndarray?> cache._k, v = <cnp.ndarray?> cache._v
+    cdef cnp.ndarray refs = <cnp.ndarray?> cache._refs
+    cdef list free_list = <list?> cache._free
+    cdef dict live = <dict?> cache._seqs
+    cdef bint latent = cache._latent
+    cdef cnp.ndarray kn = None, vn = None, table, seqlens
+    cdef AttentionParams p = default_params()
+    cdef Py_ssize_t B, b, c, i, g, nb, nfree
+    cdef int64_t NB = cnp.PyArray_DIMS(k)[0], Hkv = cnp.PyArray_DIMS(k)[1]
+    cdef int64_t BS = cnp.PyArray_DIMS(k)[2]
+    cdef int64_t n, grow, needed = 0, width = 1, blk, left, right
+    cdef int64_t* info
+    cdef int64_t* tab
+    cdef int64_t* lens
+    cdef int64_t* refp
+    cdef cnp.npy_intp k_bytes = 0, v_bytes = 0
+    cdef list seqs
+    cdef _PagedStepWritten w
+    if type(seq_ids) is int:
+        ids = (seq_ids,)
+    elif type(seq_ids) is list or type(seq_ids) is tuple:
+        ids = seq_ids
+    else:
+        return None
+    B = len(ids)
+    if B < 1 or B != cnp.PyArray_DIMS(q)[0] or B != out_shape[0]:
+        return None
+    if (cnp.PyArray_TYPE(refs) != cnp.NPY_INT64 or cnp.PyArray_NDIM(refs) != 1
+            or cnp.PyArray_DIMS(refs)[0] != NB or not cnp.PyArray_IS_C_CONTIGUOUS(refs)
+            or not (_aligned(q) and _aligned(k) and _aligned(v))):
+        return None
+    refp = <int64_t*> cnp.PyArray_DATA(refs)
+    if t:
+        if type(k_new) is not np.ndarray or type(v_new) is not np.ndarray:
+            return None
+        kn, vn = <cnp.ndarray> k_new, <cnp.ndarray> v_new
+        if (cnp.PyArray_NDIM(kn) != 4 or cnp.PyArray_NDIM(vn) != 4
+                or cnp.PyArray_DIMS(kn)[0] != B or cnp.PyArray_DIMS(kn)[1] != Hkv
+                or cnp.PyArray_DIMS(kn)[2] != t or cnp.PyArray_DIMS(vn)[0] != B
+                or cnp.PyArray_DIMS(vn)[1] != Hkv or cnp.PyArray_DIMS(vn)[2] != t
+                or cnp.PyArray_DIMS(kn)[3] != cnp.PyArray_DIMS(k)[3]
+                or cnp.PyArray_DIMS(vn)[3] != cnp.PyArray_DIMS(v)[3]):
+            return None
+        if not (attnfast_equiv_dtypes(kn, k) and attnfast_equiv_dtypes(vn, v)
+                and _rows_contiguous(kn) and _rows_contiguous(vn) and _rows_contiguous(k)
+                and _rows_contiguous(v) and _writeable(k) and _writeable(v)):
+            return None      # converted on write (a float32 k_new into a 16-bit pool)
+        if latent:  # v_new must be k_new's prefix view (latent_values): written with k
+            if (cnp.PyArray_DATA(vn) != cnp.PyArray_DATA(kn)
+                    or cnp.PyArray_STRIDES(vn)[0] != cnp.PyArray_STRIDES(kn)[0]
+                    or cnp.PyArray_STRIDES(vn)[1] != cnp.PyArray_STRIDES(kn)[1]
+                    or cnp.PyArray_STRIDES(vn)[2] != cnp.PyArray_STRIDES(kn)[2]):
+                return None
+        elif _apart(k, v) != 1:
+            return None
+        if not (_apart(q, k) == 1 and _apart(q, v) == 1 and _apart(kn, k) == 1
+                and _apart(kn, v) == 1 and _apart(vn, k) == 1 and _apart(vn, v) == 1):
+            return None      # the full path decides (and raises) exactly
+    target = None
+    if out is not None:
+        target = _usable_out(out, q, k, v, k_new, v_new)
+        if target is None or not _has_shape(<cnp.ndarray> target, out_shape):
+            return None      # the full path raises its error, naming out
+    seqs = [None] * B
+    for b in range(B):
+        sid = ids[b]
+        if type(sid) is not int:
+            return None
+        seq = live.get(sid)
+        if seq is None:
+            return None      # the full path names the id
+        seqs[b] = seq
+    if B > 1:
+        if B <= 16:
+            for b in range(1, B):
+                for c in range(b):
+                    if seqs[b] is seqs[c]:
+                        return None
+        elif len(set(ids)) != B:
+            return None
+    info = <int64_t*> malloc(3 * B * sizeof(int64_t))
+    if info == NULL:
+        raise MemoryError()
+    try:
+        # The plan: per sequence its length, blocks held, blocks to take; checked first.
+        for b in range(B):
+            seq = seqs[b]
+            blocks = seq.blocks
+            length = seq.length
+            if type(blocks) is not list or type(length) is not int:
+                return None
+            n = length
+            nb = len(<list> blocks)
+            grow = 0
+            if t:
+                if n % BS and n // BS < nb:
+                    blk = (<list> blocks)[n // BS]
+                    if blk < 0 or blk >= NB or refp[blk] > 1:
+                        return None  # a shared partly filled block: copied first (full path)
+                grow = (n + t + BS - 1) // BS - nb
+                if grow < 0:
+                    grow = 0
+            info[3 * b], info[3 * b + 1], info[3 * b + 2] = n, nb, grow
+            needed += grow
+            if nb + grow > width:
+                width = nb + grow
+        nfree = len(free_list)
+        if needed > nfree:
+            return None          # out of blocks: the full path raises, naming them
+        if B >= 2 and shared_keys > 0:  # forks sharing a long prefix read it once (full path)
+            for b in range(1, B):
+                if info[3 * b + 1] == 0 or info[3 * b] + t < shared_keys:
+                    continue
+                for c in range(b):
+                    if (info[3 * c + 1] and info[3 * c] + t >= shared_keys
+                            and (<list> seqs[c].blocks)[0] == (<list> seqs[b].blocks)[0]):
+                        return None
+        # The table (unused entries 0: a valid id, never read) with the blocks to be taken
+        table = _empty((B, width), _INT64)
+        tab = <int64_t*> cnp.PyArray_DATA(table)
+        memset(tab, 0, B * width * sizeof(int64_t))
+        g = nfree - 1
+        for b in range(B):
+            blocks = seqs[b].blocks
+            for i in range(info[3 * b + 1]):
+                blk = (<list> blocks)[i]
+                if blk < 0 or blk >= NB:
+                    return None
+                tab[b * width + i] = blk
+            for i in range(info[3 * b + 2]):  # popped off the free stack's top, in order
+                blk = free_list[g]
+                g -= 1
+                if blk < 0 or blk >= NB or refp[blk] != 0:
+                    return None
+                tab[b * width + info[3 * b + 1] + i] = blk
+        seqlens = _empty((B,), _INT64)
+        lens = <int64_t*> cnp.PyArray_DATA(seqlens)
+        for b in range(B):
+            lens[b] = info[3 * b] + t
+        # the window as bound_window leaves it over this call's width * block_size keys
+        reach = out_shape[2] + width * BS + (0 if query_offset is None else abs(query_offset))
+        left = -1 if window[0] >= reach else window[0]
+        right = -1 if window[1] >= reach else window[1]
+        if target is None:
+            target = _empty(out_shape, out_dtype)
+        lse = None if lse_dtype is None else _empty(out_shape[:3], lse_dtype)
+        w = _PagedStepWritten.__new__(_PagedStepWritten)
+        w.seqs, w.free, w.k, w.v, w.kn, w.vn, w.refs, w.table = (
+            seqs, free_list, k, v, kn, vn, refs, table)
+        w.info = (<char*> info)[:3 * B * sizeof(int64_t)]
+        w.t, w.latent = t, latent
+        if t:
+            k_bytes = B * t * Hkv * cnp.PyArray_DIMS(k)[3] * cnp.PyArray_ITEMSIZE(k)
+            v_bytes = 0 if latent else B * t * Hkv * cnp.PyArray_DIMS(v)[3] * cnp.PyArray_ITEMSIZE(v)
+            w.saved = <char*> malloc(k_bytes + v_bytes + 1)
+            if w.saved == NULL:
+                raise MemoryError()
+            w.k_bytes = k_bytes
+        try:  # from here on, anything raised puts back what was changed
+            if t:
+                w.written = True
+                if k_bytes + v_bytes < (1 << 16):  # a decode step's rows: not worth a GIL switch
+                    _paged_rows(k, kn, tab, width, info, B, t, w.saved, False)
+                    if not latent:
+                        _paged_rows(v, vn, tab, width, info, B, t, w.saved + k_bytes, False)
+                else:  # a prompt's (the cache's lock keeps other threads off the pool)
+                    with nogil:
+                        _paged_rows(k, kn, tab, width, info, B, t, w.saved, False)
+                        if not latent:
+                            _paged_rows(v, vn, tab, width, info, B, t, w.saved + k_bytes,
+                                        False)
+                for b in range(B):
+                    seq = seqs[b]
+                    for i in range(info[3 * b + 2]):
+                        blk = free_list.pop()
+                        w.popped += 1
+                        refp[blk] = 1
+                        seq.blocks.append(blk)
+                    seq.length = lens[b]
+            _fill_params(&p, q, k, v, target, lse, causal, scale, left, right, num_threads,
+                         seqlens, None, None, query_offset, 0.0, None, None, None, table)
+            fast_calls_taken["paged"] += 1
+            _run_one(&p, interruptible)
+            if t:
+                log = _open_log()
+                if log is not None:  # until the entry point returns, it may still be undone
+                    (<list> log).append(w)
+        except BaseException:  # the call did not happen: pool, blocks and lengths as they were
+            w.restore()
+            raise
+        return target if lse is None else (target, lse)
+    finally:
+        free(info)
+
+
+# ---- attention_with_kvcache(block_table=...) without new tokens: the per-call values ----
+
+cdef class SharedPrefix:
+    """paged_table_fast's answer for a call whose sequences share a long prefix: the checked
+    int64 block table and key lengths; the caller runs the shared-prefix composition
+    (attnfast._shared_prefix) over them."""
+    cdef readonly object table, lengths
+
+
+def paged_table_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cache_seqlens, block_table,
+                     k_scale, v_scale, out, tuple out_shape, out_dtype, bint causal,
+                     double scale, tuple window, int num_threads, query_offset,
+                     bint interruptible, lse_dtype, int64_t shared_keys):
+    """The rest of attention_with_kvcache(block_table=...)'s fast path (_kvcache._paged_fast)
+    for a layout the full path accepted, no new tokens: the lengths (a Python int, or an
+    int32 / int64 array (B,)) each in [0, max_blocks * block_size], the ids of the blocks in
+    use (a sequence of n keys reads its first ceil(n / block_size) entries) in
+    [0, num_blocks), `out` (if given) writeable, aligned and apart from every array the call
+    reads; then the kernel call. Returns out, or (out, lse) with `lse_dtype`; a SharedPrefix
+    when two sequences of `shared_keys` or more keys begin with the same block (the caller
+    composes); None, having done nothing, when anything is unusual (the full path raises)."""
+    cdef AttentionParams p = default_params()
+    cdef cnp.ndarray table, lens, given, tab_in
+    cdef int64_t NB = cnp.PyArray_DIMS(k)[0], BS = cnp.PyArray_DIMS(k)[2]
+    cdef cnp.npy_intp B = cnp.PyArray_DIMS(q)[0], W, b, c, i, s0, s1
+    cdef int64_t n, used, blk, left, right
+    cdef int64_t* tab
+    cdef int64_t* L
+    cdef char* src
+    if B < 1 or not (_aligned(q) and _aligned(k) and _aligned(v)):
+        return None
+    if type(block_table) is not np.ndarray:
+        return None
+    tab_in = <cnp.ndarray> block_table
+    if (cnp.PyArray_NDIM(tab_in) != 2 or cnp.PyArray_DIMS(tab_in)[0] != B
+            or not _aligned(tab_in) or not cnp.PyArray_ISNOTSWAPPED(tab_in)
+            or cnp.PyArray_TYPE(tab_in) not in (cnp.NPY_INT64, cnp.NPY_INT32)):
+        return None
+    W = cnp.PyArray_DIMS(tab_in)[1]
+    if W < 1:
+        return None
+    for a in (k_scale, v_scale):
+        if a is not None and (type(a) is not np.ndarray or not _aligned(<cnp.ndarray> a)):
+            return None
+    target = None
+    if out is not None:
+        target = _usable_out(out, q, k, v, block_table, k_scale)
+        if (target is None or not _has_shape(<cnp.ndarray> target, out_shape)
+                or (v_scale is not None
+                    and _apart(<cnp.ndarray> target, <cnp.ndarray> v_scale) != 1)):
+            return None      # the full path raises its error, naming out
+    # The table as the kernels take it: int64, rows contiguous (a copy unless it is so).
+    if (cnp.PyArray_TYPE(tab_in) == cnp.NPY_INT64
+            and (W == 1 or cnp.PyArray_STRIDES(tab_in)[1] == 8)):
+        table = tab_in
+    else:
+        table = _empty((B, W), _INT64)
+        s0, s1 = cnp.PyArray_STRIDES(tab_in)[0], cnp.PyArray_STRIDES(tab_in)[1]
+        src = <char*> cnp.PyArray_DATA(tab_in)
+        tab = <int64_t*> cnp.PyArray_DATA(table)
+        for b in range(B):
+            for i in range(W):
+                if cnp.PyArray_TYPE(tab_in) == cnp.NPY_INT64:
+                    tab[b * W + i] = (<int64_t*> (src + b * s0 + i * s1))[0]
+                else:
+                    tab[b * W + i] = (<int32_t*> (src + b * s0 + i * s1))[0]
+    lens = _empty((B,), _INT64)
+    L = <int64_t*> cnp.PyArray_DATA(lens)
+    if type(cache_seqlens) is int:
+        if not (0 <= cache_seqlens <= W * BS):
+            return None
+        for b in range(B):
+            L[b] = cache_seqlens
+    elif type(cache_seqlens) is np.ndarray:
+        given = <cnp.ndarray> cache_seqlens
+        if (cnp.PyArray_NDIM(given) != 1 or cnp.PyArray_DIMS(given)[0] != B
+                or not _aligned(given) or not cnp.PyArray_ISNOTSWAPPED(given)):
+            return None
+        for b in range(B):
+            if cnp.PyArray_TYPE(given) == cnp.NPY_INT64:
+                L[b] = (<int64_t*> cnp.PyArray_GETPTR1(given, b))[0]
+            elif cnp.PyArray_TYPE(given) == cnp.NPY_INT32:
+                L[b] = (<int32_t*> cnp.PyArray_GETPTR1(given, b))[0]
+            else:
+                return None
+    else:
+        return None
+    s0 = cnp.PyArray_STRIDES(table)[0]
+    src = <char*> cnp.PyArray_DATA(table)
+    for b in range(B):
+        n = L[b]
+        if n < 0 or n > W * BS:
+            return None          # the full path names the length
+        used = (n + BS - 1) // BS
+        tab = <int64_t*> (src + b * s0)
         for i in range(used):
-            if t[b * width + i] < 0 or t[b * width + i] >= num_blocks:
-                return False
+            if tab[i] < 0 or tab[i] >= NB:
+                return None      # the full path names the entry
+    if B >= 2 and shared_keys > 0:  # sequences sharing a long prefix read it once
+        for b in range(1, B):
+            if L[b] < shared_keys:
+                continue
+            for c in range(b):
+                if (L[c] >= shared_keys and (<int64_t*> (src + b * s0))[0]
+                        == (<int64_t*> (src + c * s0))[0]):
+                    shared = SharedPrefix.__new__(SharedPrefix)
+                    (<SharedPrefix> shared).table = table
+                    (<SharedPrefix> shared).lengths = lens
+                    return shared
+    reach = out_shape[2] + W * BS + (0 if query_offset is None else abs(query_offset))
+    left = -1 if window[0] >= reach else window[0]
+    right = -1 if window[1] >= reach else window[1]
+    if target is None:
+        target = _empty(out_shape, out_dtype)
+    lse = None if lse_dtype is None else _empty(out_shape[:3], lse_dtype)
+    _fill_params(&p, q, k, v, target, lse, causal, scale, left, right, num_threads, lens,
+                 k_scale, v_scale, query_offset, 0.0, None, None, None, table)
+    fast_calls_taken["paged"] += 1
+    _run_one(&p, interruptible)
+    return target if lse is None else (target, lse)
+
+
+# ---- PagedKVCache.truncate (attnfast._paged): what it changes, recorded as it goes ----
+
+cdef class _PagedTruncated:
+    """What one paged_truncate call changed: the sequence's dropped blocks, their reference
+    counts before, the free list's length before, the length before. restore() puts it all
+    back; it may run again (and then changes nothing)."""
+    cdef object seq
+    cdef list blocks, dropped, free
+    cdef list counts          # per dropped block: its reference count before
+    cdef cnp.ndarray refs
+    cdef object length
+    cdef Py_ssize_t used, free_len
+
+    def restore(self):
+        cdef int64_t* refs = <int64_t*> cnp.PyArray_DATA(self.refs)
+        cdef Py_ssize_t i
+        del self.free[self.free_len:]
+        for i in range(len(self.dropped)):
+            refs[<int64_t> self.dropped[i]] = <int64_t> self.counts[i]
+        del self.blocks[self.used:]
+        self.blocks.extend(self.dropped)
+        self.seq.length = self.length
+
+
+def paged_truncate(cache, seq_id, n):
+    """PagedKVCache.truncate(seq_id, n) for a live sequence id and 0 <= n <= its length, both
+    Python ints: the blocks past ceil(n / block_size) released (cache._release: back on the
+    free list unless another sequence holds them), the length set. True when done (what it
+    changed is in the open transaction's log, or put back if a release raises); None,
+    having changed nothing, for anything else (the caller checks and raises)."""
+    cdef cnp.ndarray refs = <cnp.ndarray?> cache._refs
+    cdef list free_list = <list?> cache._free
+    cdef int64_t BS = cnp.PyArray_DIMS(<cnp.ndarray?> cache._k)[2]
+    cdef int64_t NB = cnp.PyArray_DIMS(refs)[0], blk
+    cdef int64_t* refp
+    cdef Py_ssize_t used, i
+    cdef _PagedTruncated w
+    if type(seq_id) is not int or type(n) is not int:
+        return None
+    seq = (<dict?> cache._seqs).get(seq_id)
+    if seq is None:
+        return None
+    length = seq.length
+    blocks = seq.blocks
+    if (type(length) is not int or type(blocks) is not list or not 0 <= n <= length
+            or cnp.PyArray_TYPE(refs) != cnp.NPY_INT64 or cnp.PyArray_NDIM(refs) != 1
+            or not cnp.PyArray_IS_C_CONTIGUOUS(refs)):
+        return None
+    refp = <int64_t*> cnp.PyArray_DATA(refs)
+    used = (<int64_t> n + BS - 1) // BS
+    w = _PagedTruncated.__new__(_PagedTruncated)
+    w.seq, w.blocks, w.free, w.refs, w.length = seq, blocks, free_list, refs, length
+    w.used, w.free_len = used, len(free_list)
+    w.dropped = (<list> blocks)[used:]
+    w.counts = []
+    for i in range(len(w.dropped)):
+        blk = w.dropped[i]
+        if blk < 0 or blk >= NB or refp[blk] < 1:
+            return None
+        w.counts.append(refp[blk])
+    log = _open_log()
+    try:
+        for blk in w.dropped:
+            cache._release(blk)
+        del (<list> blocks)[used:]
+        seq.length = n
+    except BaseException:  # the call did not happen
+        w.restore()
+        raise
+    if log is not None:  # until the entry point returns, it may still be undone
+        (<list> log).append(w)
     return True

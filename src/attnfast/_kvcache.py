@@ -25,11 +25,9 @@ from ._checks import (
     PAGED_PLANS,
     bound_window,
     fast_query_offset,
-    fast_tail_in_c,
     fast_threads,
     kvcache_key,
     kvcache_plan,
-    paged_key,
     paged_plan,
     remember,
     seqlens_key,
@@ -47,9 +45,9 @@ from ._checks import (
     check_truncate,
     check_key_rotation,
     default_key_rotation,
-    is_int4_storage,
 )
 from ._rotation import hadamard_rotate, rotate_queries
+from . import _shared_prefix
 from ._shared_prefix import run_paged_kernels
 from ._transaction import Undo, transaction
 from ._tree import run_tree_kernels
@@ -100,15 +98,6 @@ def quantize_rows(x: np.ndarray, cache_dtype: np.dtype) -> tuple[np.ndarray, np.
     return quantize_float8(x) if cache_dtype == FLOAT8_E4M3 else quantize_int8(x)
 
 
-_UNDO_WRITE = Undo.write
-
-
-def decode_tail_in_c() -> bool:
-    """fast_tail_in_c for the KV-cache paths: also not when Undo.write has been replaced
-    (tests cut a call short at one of its writes; the C tail writes without it)."""
-    return fast_tail_in_c() and Undo.write is _UNDO_WRITE
-
-
 def _stored_form(k_new, v_new, cache_dtype, row_scaled: bool, key_rotation=None):
     """k_new, v_new as the cache stores them, converted before anything is written:
     (k, v, k row scales, v row scales), the scales None unless int8 / float8 (int4 rows
@@ -129,6 +118,16 @@ def _stored_form(k_new, v_new, cache_dtype, row_scaled: bool, key_rotation=None)
         with np.errstate(over="ignore", invalid="ignore"):
             k_new, v_new = k_new.astype(cache_dtype), v_new.astype(cache_dtype)
     return k_new, v_new, None, None
+
+
+def fast_tokens(k_new, v_new, cache_dtype):
+    """The fast paths' new tokens in the cache's dtype: float32 tokens for a 16-bit cache
+    rounded as the full path rounds them on write (_stored_form; +-inf beyond the range, no
+    warning), so the C tails copy rows. A plan exists only for unquantised caches."""
+    if k_new is None or (k_new.dtype == cache_dtype and v_new.dtype == cache_dtype):
+        return k_new, v_new
+    with np.errstate(over="ignore", invalid="ignore"):
+        return k_new.astype(cache_dtype), v_new.astype(cache_dtype)
 
 
 def _write_tokens(k_cache, v_cache, seqs, starts, k_new, v_new, k_scale, v_scale,
@@ -288,28 +287,24 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     # one can serve it at all: attnfast._ext.kvcache_key), then the per-call checks, in C.
     key = kvcache_key(q, k_cache, v_cache, seqlens_key(cache_seqlens), k_new, v_new, out,
                       causal, scale, window, return_lse,
-                      (softcap, alibi_slopes, sinks, mask, k_scale, v_scale, block_table,
-                       tree_mask, key_rotation, v_head_dim, key_index))
+                      (softcap, alibi_slopes, sinks, mask, tree_mask, key_rotation, v_head_dim,
+                       key_index),
+                      block_table, k_scale, v_scale)
     if key is not None:
-        plan = KVCACHE_PLANS.get(key)
-        if plan is not None:
-            result = _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                                   out, causal, num_threads, query_offset)
-            if result is not None:
-                return result
-    elif (block_table is not None and k_new is None and v_new is None and softcap is None
-          and alibi_slopes is None and sinks is None and mask is None and return_lse is False
-          and tree_mask is None and key_rotation is None and v_head_dim is None
-          and query_offset is None and key_index is None and not is_int4_storage(k_cache)):
-        # a paged decode step (a serving engine's every layer): its layout accepted before
-        key = paged_key(q, k_cache, v_cache, cache_seqlens, block_table, k_scale, v_scale, out,
-                        causal, scale, window)
-        plan = PAGED_PLANS.get(key) if key is not None else None
-        if plan is not None:
-            result = _paged_fast(plan, q, k_cache, v_cache, cache_seqlens, block_table,
-                                 k_scale, v_scale, out, num_threads)
-            if result is not None:
-                return result
+        if block_table is None:
+            plan = KVCACHE_PLANS.get(key)
+            if plan is not None:
+                result = _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                       out, causal, num_threads, query_offset)
+                if result is not None:
+                    return result
+        else:  # a paged decode step (a serving engine's every layer)
+            plan = PAGED_PLANS.get(key)
+            if plan is not None:
+                result = _paged_fast(plan, q, k_cache, v_cache, cache_seqlens, block_table,
+                                     k_scale, v_scale, out, num_threads, query_offset)
+                if result is not None:
+                    return result
     return_lse = check_flag(return_lse, "return_lse")
     if block_table is not None:
         return _paged_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
@@ -371,51 +366,20 @@ def _read_and_written(call) -> list:
 def _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new, out, causal,
                   num_threads, query_offset):
     """attention_with_kvcache() for a call whose layout and options an earlier call had
-    accepted (see attnfast._ext.kvcache_key): checks what can differ between such calls
-    (lengths, flags, overlap, `out`), writes the new tokens, runs the kernels, returns out
-    (or (out, lse)). None, having changed nothing, when anything is unusual: the full path
-    then runs (and raises as always)."""
+    accepted (see attnfast._ext.kvcache_key): what can differ between such calls (lengths,
+    flags, overlap, `out`), the token writes and the kernel call, in C
+    (attnfast._ext.decode_fast). None, having changed nothing, when anything is unusual: the
+    full path then runs (and raises as always)."""
     t, out_shape, dtype, scale, window, seqlen_q, capacity, lse_dtype = plan
     threads = fast_threads(num_threads)
     if threads is None or not fast_query_offset(query_offset):
         return None
     left, right = (-1, -1) if window == (-1, -1) else bound_window(
         window, seqlen_q, capacity, query_offset)
-    interruptible = kernels_interruptible()
-    if decode_tail_in_c():  # the common case, in C (None: declined); below the same in Python
-        result = _ext.decode_fast(q, k_cache, v_cache, cache_seqlens, k_new, v_new, t, capacity,
-                                  out_shape, dtype, causal, scale, left, right, threads,
-                                  query_offset, interruptible, False, out, lse_dtype)
-        if result is not None:                          # (advance: no)
-            return result
-    if out is not None or lse_dtype is not None:
-        return None  # the Python tail (tests standing in for the kernels): the full path
-    if not q.flags.aligned or not k_cache.flags.aligned or not v_cache.flags.aligned:
-        return None
-    starts = ([cache_seqlens] * out_shape[0] if type(cache_seqlens) is int
-              else cache_seqlens.tolist())
-    if starts and (min(starts) < 0 or max(starts) > capacity - t):
-        return None
-    if t and (not k_cache.flags.writeable or not v_cache.flags.writeable
-              or any(np.may_share_memory(a, b) for a, b in (
-                  (k_cache, v_cache), (q, k_cache), (q, v_cache), (k_new, k_cache),
-                  (k_new, v_cache), (v_new, k_cache), (v_new, v_cache)))):
-        return None  # check_apart decides (and raises) exactly
-    seqlens = np.array([s + t for s in starts] if t else starts, dtype=np.int64)
-    out = np.empty(out_shape, dtype)
-    undo = Undo()
-    try:
-        if t:
-            _write_tokens(k_cache, v_cache, range(len(starts)), starts, k_new, v_new, None,
-                          None, undo)
-        _ext.run_attention(q, k_cache, v_cache, out, None, causal=causal, scale=scale,
-                           window_left=left, window_right=right, num_threads=threads,
-                           seqlens_k=seqlens, interruptible=interruptible,
-                           query_offset=query_offset)
-    except BaseException:  # the call did not happen: the caches as they were
-        undo.restore()
-        raise
-    return out
+    k_new, v_new = fast_tokens(k_new, v_new, k_cache.dtype)
+    return _ext.decode_fast(q, k_cache, v_cache, cache_seqlens, k_new, v_new, t, capacity,
+                            out_shape, dtype, causal, scale, left, right, threads, query_offset,
+                            kernels_interruptible(), False, out, lse_dtype)   # (advance: no)
 
 
 def run_cache_kernels(call, user_out, return_lse, parts, tree=None, key_rotation=None):
@@ -450,33 +414,34 @@ def _run_cache_parts(call, user_out, return_lse, parts, tree):
     return run_kernels(call.attn, user_out, return_lse, parts)
 
 
-def _paged_fast(call, q, k_pool, v_pool, cache_seqlens, block_table, k_scale, v_scale, out,
-                num_threads):
-    """attention_with_kvcache(block_table=...) without new tokens, for a call whose layout an
-    earlier call had accepted (`call`, that call's checked form: PAGED_PLANS): checks what
-    can differ between such calls (the lengths, the block ids in use, `out` apart from what
-    the call reads), then runs the same kernels (run_paged_kernels: shared prefixes too).
-    None, having done nothing, when anything is unusual: the full path then runs (and raises
-    as always). Nothing is written but `out`."""
+def _paged_fast(plan, q, k_pool, v_pool, cache_seqlens, block_table, k_scale, v_scale, out,
+                num_threads, query_offset):
+    """attention_with_kvcache(block_table=...) without new tokens, for a call whose plan key
+    found the plan an earlier call left (PAGED_PLANS: its checked call, window, lse dtype):
+    the lengths, block ids in use, `out` and the kernel call in C (_ext.paged_table_fast);
+    sequences sharing a long prefix run the same composition as the full path
+    (run_paged_kernels). None, having done nothing, when anything is unusual: the full path
+    then runs (and raises as always). Nothing is written but `out`."""
+    call, window, lse_dtype = plan
     threads = fast_threads(num_threads)
-    if threads is None:
+    if threads is None or not fast_query_offset(query_offset):
         return None
     attn = call.attn
-    block_size, num_blocks = k_pool.shape[2], k_pool.shape[0]
-    lengths = (np.full(attn.batch, cache_seqlens, np.int64) if type(cache_seqlens) is int
-               else np.ascontiguousarray(cache_seqlens, dtype=np.int64))
-    table = np.ascontiguousarray(block_table, dtype=np.int64)
-    if not _ext.paged_blocks_in_use_ok(table, lengths, block_size, num_blocks, attn.seqlen_k):
-        return None
-    if out is not None and (not out.flags.writeable or any(
-            a is not None and np.may_share_memory(out, a)
-            for a in (q, k_pool, v_pool, block_table, k_scale, v_scale))):
-        return None  # check_out decides (and raises) exactly
+    result = _ext.paged_table_fast(q, k_pool, v_pool, cache_seqlens, block_table, k_scale,
+                                   v_scale, out, attn.out_shape(), attn.dtype, attn.causal,
+                                   attn.scale, window, threads, query_offset,
+                                   kernels_interruptible(), lse_dtype,
+                                   _shared_prefix.MIN_PREFIX_KEYS)
+    if type(result) is not _ext.SharedPrefix:
+        return result
+    bounded = bound_window(window, attn.seqlen_q, attn.seqlen_k, query_offset)
     fresh = _with_fields(
-        call, attn=_with_fields(attn, q=q, k=k_pool, v=v_pool, num_threads=threads),
-        k_cache=k_pool, v_cache=v_pool, starts=lengths, k_scale=k_scale, v_scale=v_scale,
-        block_table=table)
-    return run_paged_kernels(fresh, out, False, k_pool, v_pool, k_scale, v_scale)
+        call, attn=_with_fields(attn, q=q, k=k_pool, v=v_pool, num_threads=threads,
+                                window=bounded, query_offset=query_offset),
+        k_cache=k_pool, v_cache=v_pool, starts=result.lengths, k_scale=k_scale,
+        v_scale=v_scale, block_table=result.table)
+    return run_paged_kernels(fresh, out, lse_dtype is not None, k_pool, v_pool, k_scale,
+                             v_scale)
 
 
 def _with_fields(checked, **fields):
@@ -512,7 +477,8 @@ def _paged_attention(q, k_pool, v_pool, cache_seqlens, k_new, v_new, block_table
         raise
     if plan_key is not None:  # accepted: later calls of this layout take the fast path
         remember(PAGED_PLANS, plan_key, paged_plan(call, q, options.get("k_scale"),
-                                                     options.get("v_scale")))
+                                                   options.get("v_scale"), options["window"],
+                                                   return_lse))
     return result
 
 
@@ -784,10 +750,11 @@ class KVCache:
 
     def _run_fast(self, key, q, k_new, v_new, out, causal, num_threads, query_offset):
         """attend/step for a call whose plan key (see attnfast._ext.kvcache_key) found the
-        plan an earlier call left. Checks what can differ between such calls (room for the
-        new tokens, writeable arrays, alignment, `out`, num_threads, query_offset), appends,
-        attends. None, having changed nothing, when anything is unusual or the layout is
-        new: the full path runs."""
+        plan an earlier call left: what can differ between such calls (room for the new
+        tokens, writeable arrays, alignment, `out`, num_threads, query_offset), the append,
+        the lengths advanced in place and the kernel call, in C (attnfast._ext.decode_fast).
+        None, having changed nothing, when anything is unusual or the layout is new: the
+        full path runs."""
         plan = KVCACHE_PLANS.get(key)
         if plan is None:
             return None
@@ -795,38 +762,12 @@ class KVCache:
         threads = fast_threads(num_threads)
         if threads is None or not fast_query_offset(query_offset):
             return None
-        k, v, lengths = self._k, self._v, self._lengths
         left, right = (-1, -1) if window == (-1, -1) else bound_window(
             window, seqlen_q, capacity, query_offset)
-        interruptible = kernels_interruptible()
-        if decode_tail_in_c():  # the common case, in C (None: declined); else Python
-            result = _ext.decode_fast(q, k, v, lengths, k_new, v_new, t, capacity, out_shape,
-                                      dtype, causal, scale, left, right, threads, query_offset,
-                                      interruptible, True, out, lse_dtype)
-            if result is not None:  # (advance: the lengths, in place)
-                return result
-        if out is not None or lse_dtype is not None or not q.flags.aligned:
-            return None  # the Python tail (tests standing in for the kernels): the full path
-        starts = lengths.tolist()
-        if t and (max(starts) + t > capacity or not k.flags.writeable
-                  or not v.flags.writeable
-                  or any(np.may_share_memory(a, c) for a in (q, k_new, v_new) for c in (k, v))):
-            return None  # the full path decides (and raises) exactly
-        out = np.empty(out_shape, dtype)
-        undo = Undo()
-        try:
-            if t:
-                _write_tokens(k, v, range(len(starts)), starts, k_new, v_new, None, None,
-                              undo)
-                undo.write(lengths, slice(None), lengths + t)
-            _ext.run_attention(q, k, v, out, None, causal=causal, scale=scale,
-                               window_left=left, window_right=right, num_threads=threads,
-                               seqlens_k=lengths, interruptible=interruptible,
-                               query_offset=query_offset)
-        except BaseException:  # KeyboardInterrupt: the step did not happen
-            undo.restore()
-            raise
-        return out
+        k_new, v_new = fast_tokens(k_new, v_new, self._k.dtype)
+        return _ext.decode_fast(q, self._k, self._v, self._lengths, k_new, v_new, t, capacity,
+                                out_shape, dtype, causal, scale, left, right, threads,
+                                query_offset, kernels_interruptible(), True, out, lse_dtype)
 
     def _run_locked(self, q, k_new, v_new, *, batch_index, causal, scale, window, softcap,
                     alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset,

@@ -14,10 +14,17 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from . import _int4
+from . import _ext, _int4, _shared_prefix
+from ._api import kernels_interruptible
 from ._checks import (
     INT4_STORAGE,
+    KVCACHE_PLANS,
     ROW_SCALED_DTYPES,
+    fast_query_offset,
+    fast_threads,
+    kvcache_key,
+    kvcache_plan,
+    remember,
     default_key_rotation,
     check_flag,
     check_free_blocks,
@@ -31,10 +38,13 @@ from ._checks import (
     check_truncate,
 )
 from ._interop import accepts_arrays
-from ._kvcache import Undo, _read_and_written, _write_paged_tokens, latent_values, run_cache_kernels
+from ._kvcache import (Undo, _read_and_written, _write_paged_tokens, fast_tokens, latent_values,
+                       run_cache_kernels, with_key_index)
 from ._transaction import transaction
 
 __all__ = ["PagedKVCache"]
+
+_LENGTHS = "PagedKVCache.lengths"  # a PagedKVCache's lengths in its plan keys (kvcache_key)
 
 
 class _Sequence:
@@ -228,15 +238,12 @@ class PagedKVCache:
         """Roll one sequence back to its first n tokens (0 <= n <= its length), e.g. to drop
         rejected speculative tokens; the blocks it no longer needs return to the pool unless
         another sequence holds them."""
-        (sid,), _ = check_seq_ids([seq_id], self._seqs)
-        seq = self._seqs[sid]
-        (kept,) = check_truncate(n, np.array([seq.length]), [sid]).tolist()
-        with self._transaction([sid]):
-            used = -(-kept // self.block_size)
-            for blk in seq.blocks[used:]:
-                self._release(blk)
-            del seq.blocks[used:]
-            seq.length = kept
+        if _ext.paged_truncate(self, seq_id, n):  # releases, sets, logs what it changed
+            return
+        (sid,), _ = check_seq_ids([seq_id], self._seqs)   # raises, naming the argument
+        (kept,) = check_truncate(n, np.array([self._seqs[sid].length]), [sid]).tolist()
+        if not _ext.paged_truncate(self, sid, kept):  # checked: Python ints now
+            raise RuntimeError(f"PagedKVCache: the blocks of sequence {sid} are inconsistent")
 
     # ---- tokens and attention ----
     @transaction(lock="_lock")
@@ -269,37 +276,54 @@ class PagedKVCache:
     @accepts_arrays
     def attend(self, seq_ids, q, *, causal=True, scale=None, window=None, softcap=None,
                alibi_slopes=None, sinks=None, mask=None, return_lse=False, out=None,
-               num_threads=None, query_offset=None, tree_mask=None):
+               num_threads=None, query_offset=None, tree_mask=None, key_index=None):
         """Attention of q (n, H, Tq, head_dim) over each sequence's tokens, all sequences in
         one kernel call. Causal by default, bottom-right aligned per sequence; options as in
-        :func:`attnfast.attention_with_kvcache`. A mask's last axis spans the call's key
+        :func:`attnfast.attention_with_kvcache` (``key_index`` (n, Tq, k) or (n, kv_heads, Tq,
+        k): sparse attention over the listed positions of each sequence). A mask's last axis spans the call's key
         positions: ``max_blocks * block_size``, max_blocks being the most blocks any of the
         sequences holds. Sequences sharing leading full blocks (forks) read them once
         (docs/user_guide/paged.md, shared-prefix decoding). ``tree_mask`` (Tq x Tq bool): the
         last Tq tokens of each sequence are a token tree, as in :func:`attnfast.attention_with_kvcache`.
         Returns out (n, H, Tq, v_head_dim), or (out, lse)."""
-        return self._run(seq_ids, q, None, None, causal=causal, scale=scale, window=window,
+        key = kvcache_key(q, self._k, self._v, _LENGTHS, None, None, out, causal, scale, window,
+                          return_lse, (softcap, alibi_slopes, sinks, mask, tree_mask, key_index))
+        if key is not None:
+            result = self._run_fast(key, seq_ids, q, None, None, out, causal, num_threads,
+                                    query_offset)
+            if result is not None:
+                return result
+        return self._run(key, seq_ids, q, None, None, causal=causal, scale=scale, window=window,
                          softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
                          return_lse=return_lse, out=out, num_threads=num_threads,
-                         query_offset=query_offset, tree_mask=tree_mask)
+                         query_offset=query_offset, tree_mask=tree_mask, key_index=key_index)
 
     @transaction(lock="_lock")
     @accepts_arrays
     def step(self, seq_ids, q, k_new, v_new=None, *, causal=True, scale=None, window=None,
              softcap=None, alibi_slopes=None, sinks=None, mask=None, return_lse=False,
-             out=None, num_threads=None, query_offset=None, tree_mask=None):
+             out=None, num_threads=None, query_offset=None, tree_mask=None, key_index=None):
         """The decode step: :meth:`append` k_new, v_new, then :meth:`attend` q, in one call
         (one kernel call for all the sequences). Everything, the free blocks included, is
-        checked before anything is written. A latent pool takes k_new only (v_new None)."""
+        checked before anything is written. A latent pool takes k_new only (v_new None).
+        ``key_index`` as in :meth:`attend`, its positions counting the new tokens."""
         v_new = latent_values(self, k_new, v_new, ndims=(3, 4))
         if k_new is None or v_new is None:
             missing = " and ".join(n for n, a in (("k_new", k_new), ("v_new", v_new)) if a is None)
             raise ValueError(f"step needs both k_new and v_new; {missing} is None (use attend() "
                              "to attend without appending)")
-        return self._run(seq_ids, q, k_new, v_new, causal=causal, scale=scale, window=window,
+        key = kvcache_key(q, self._k, self._v, _LENGTHS, k_new, v_new, out, causal, scale,
+                          window, return_lse, (softcap, alibi_slopes, sinks, mask, tree_mask,
+                                               key_index))
+        if key is not None:
+            result = self._run_fast(key, seq_ids, q, k_new, v_new, out, causal, num_threads,
+                                    query_offset)
+            if result is not None:
+                return result
+        return self._run(key, seq_ids, q, k_new, v_new, causal=causal, scale=scale, window=window,
                          softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
                          return_lse=return_lse, out=out, num_threads=num_threads,
-                         query_offset=query_offset, tree_mask=tree_mask)
+                         query_offset=query_offset, tree_mask=tree_mask, key_index=key_index)
 
     # ---- internals ----
     @contextmanager
@@ -412,10 +436,47 @@ class PagedKVCache:
             table[i, :len(b)] = b
         return table
 
-    def _run(self, seq_ids, q, k_new, v_new, **kwargs):
-        return self._run_locked(seq_ids, q, k_new, v_new, **kwargs)
+    def _run(self, key, seq_ids, q, k_new, v_new, **kwargs):
+        """The full path of attend / step; `key`: the call's plan key (None: no plan can
+        serve such calls), under which a plan is remembered once the call succeeded."""
+        result = self._run_locked(seq_ids, q, k_new, v_new, **kwargs)
+        if key is not None:  # accepted: later calls of this layout take the fast path
+            lift = (lambda a: a[None] if a is not None and a.ndim == 3 else a)  # one bare id
+            remember(KVCACHE_PLANS, key, kvcache_plan(
+                lift(q), self._k, self._v, lift(k_new), lift(kwargs["out"]), kwargs["scale"],
+                kwargs["window"], kwargs["return_lse"]))
+        return result
 
-    def _run_locked(self, seq_ids, q, k_new, v_new, *, return_lse, out, tree_mask, **options):
+    def _run_fast(self, key, seq_ids, q, k_new, v_new, out, causal, num_threads, query_offset):
+        """attend / step for a call whose plan key (attnfast._ext.kvcache_key) found the plan
+        an earlier call left: the ids, blocks, lengths, overlap, token writes and kernel call
+        in C (attnfast._ext.paged_fast). None, having changed nothing, when anything is
+        unusual: the full path runs."""
+        plan = KVCACHE_PLANS.get(key)
+        if plan is None:
+            return None
+        t, out_shape, dtype, scale, window, _, _, lse_dtype = plan
+        threads = fast_threads(num_threads)
+        if threads is None or not fast_query_offset(query_offset):
+            return None
+        # One bare id: each 3-D array gains the sequence axis, as _run_locked lifts them
+        single, given = type(seq_ids) is int, out
+        squeeze = single and q.ndim == 3
+        if single:
+            q, k_new, v_new, out = (a[None] if a is not None and a.ndim == 3 else a
+                                    for a in (q, k_new, v_new, out))
+        if k_new is not None and k_new.dtype != self._k.dtype:
+            k_new, v_new = fast_tokens(k_new, v_new, self._k.dtype)
+            if self._latent:  # the values: the latent rows' prefix, written with them
+                v_new = k_new[..., :self.v_head_dim]
+        result = _ext.paged_fast(self, seq_ids, q, k_new, v_new, out, t, out_shape, dtype,
+                                 causal, scale, window, threads, query_offset,
+                                 kernels_interruptible(), lse_dtype,
+                                 _shared_prefix.MIN_PREFIX_KEYS)
+        return None if result is None else _finish(result, lse_dtype is not None, squeeze, given)
+
+    def _run_locked(self, seq_ids, q, k_new, v_new, *, return_lse, out, tree_mask, key_index=None,
+                    **options):
         return_lse = check_flag(return_lse, "return_lse")
         ids, single = check_seq_ids(seq_ids, self._seqs)
         squeeze = single and np.ndim(q) == 3  # one bare id, 3-D q: 3-D results
@@ -429,6 +490,9 @@ class PagedKVCache:
             q, self._k, self._v, lengths, k_new, v_new, table, k_scale=self._k_scale,
             v_scale=self._v_scale, cache_names=("cache.k", "cache.v"), scale_names=s_names,
             head_dims=self._head_dims, **options)
+        if key_index is not None and squeeze:  # one bare id: its list gains the sequence axis
+            key_index = np.asarray(key_index)[None]
+        call = with_key_index(call, key_index, tree_mask)
         user_out = check_out(_lift(single, out) if out is not None and np.ndim(out) == 3 else out,
                              call.attn.out_shape(), call.attn.dtype, _read_and_written(call))
         tree = check_tree_mask(tree_mask, call)
@@ -446,9 +510,18 @@ class PagedKVCache:
                       self._v_scale, call.block_table)]
             result = run_cache_kernels(call, user_out, return_lse, parts, tree,
                                        self._key_rotation)
-        if squeeze:
-            return (result[0][0], result[1][0]) if return_lse else result[0]
-        return result
+        return _finish(result, return_lse, squeeze, out)
+
+
+def _finish(result, return_lse: bool, squeeze: bool, out):
+    """attend / step's result: 3-D (squeeze: one bare id, 3-D q) or as computed; a caller's
+    `out` comes back as itself (not as the 4-D view the kernels filled)."""
+    first, lse = result if return_lse else (result, None)
+    if squeeze:
+        first, lse = first[0], (None if lse is None else lse[0])
+    if out is not None:
+        first = out
+    return (first, lse) if return_lse else first
 
 
 def _lift(single: bool, x):

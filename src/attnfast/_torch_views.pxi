@@ -305,11 +305,21 @@ def array_as_tensor(a):
     return attnfast_steal(tensor)
 
 
+cdef bint _all_ints(list items):
+    """Every item is exactly an int (a list the general conversion would pass as it is)."""
+    cdef Py_ssize_t i
+    for i in range(len(items)):
+        if type(items[i]) is not int:
+            return False
+    return True
+
+
 def tensor_args(tuple args, Py_ssize_t first):
     """attnfast._interop.accepts_arrays' common case in one call: (args as a list, each plain
     dense CPU tensor from index `first` on replaced by tensor_view's view; the first such
     tensor, or None when there is none). None when an argument is anything but None, bool,
-    int, float, str, a NumPy array or such a tensor (the general conversion then runs)."""
+    int, float, str, a list of ints, a NumPy array or such a tensor (the general conversion
+    then runs)."""
     cdef Py_ssize_t i, n = len(args)
     cdef list converted = None
     template = None
@@ -317,6 +327,8 @@ def tensor_args(tuple args, Py_ssize_t first):
         a = args[i]
         t = type(a)
         if a is None or t is np.ndarray or t is int or t is float or t is bool or t is str:
+            continue
+        if t is list and _all_ints(<list> a):  # e.g. PagedKVCache's seq_ids
             continue
         view = _view_of(a)
         if view is None:
