@@ -414,10 +414,13 @@ def _noted(array: np.ndarray, note: tuple, **face) -> np.ndarray:
     """An array over `array`'s memory, its __array_interface__ changed by `face`, whose base
     carries `note` (found by _note_of, however the array is viewed after)."""
     holder = _Noted()
-    holder.__array_interface__ = {**array.__array_interface__, **face}
+    # described as raw bytes, then viewed as its dtype: NumPy cannot read back every
+    # ml_dtypes type's typestr (float8_e5m2's '<f1')
+    raw = f"|V{array.itemsize}"
+    holder.__array_interface__ = {**array.__array_interface__, "typestr": raw,
+                                  "descr": [("", raw)], **face}
     holder.note, holder._owner = note, array
-    made = np.asarray(holder)
-    return made if made.dtype == array.dtype else made.view(array.dtype)  # bfloat16: 'V2'
+    return np.asarray(holder).view(array.dtype)
 
 
 def _note_of(a: np.ndarray) -> tuple:
@@ -706,9 +709,9 @@ def check_cache_dtype(dtype) -> KVFormat:
     fmt = format_named(dtype)
     if fmt is not None:
         return fmt
-    quoted = ", ".join(f'"{f.name}"' for f in quantized_formats())
-    wanted = (f"dtype must be {_DTYPE_NAMES}, or a quantised format: {quoted} "
-              "(or the ml_dtypes float8 types)")
+    quoted = [f'"{f.name}"' for f in quantized_formats()]
+    wanted = (f"dtype must be {_DTYPE_NAMES}, or a quantised format {', '.join(quoted[:-1])} "
+              f"or {quoted[-1]} (float8 also as the ml_dtypes type)")
     try:
         dt = np.dtype(dtype)
     except TypeError:
