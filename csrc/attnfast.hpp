@@ -6,12 +6,14 @@
 namespace attnfast {
 
 // Element types. Arithmetic accumulates in float32 (float64 for kF64), never in 16 bits.
-// kI8, kF8E4M3 and kQ4 are KV-cache storage types only: symmetric int8 / float8 e4m3fn
-// values, each row with one float32 scale (k_scale / v_scale); or kQ4, 4-bit values in blocks
+// kI8, kF8E4M3, kF8E5M2 and kQ4 are KV-cache storage types only: symmetric int8 / float8
+// e4m3fn / float8 e5m2 values, each row with one float32 scale (k_scale / v_scale); or kQ4, 4-bit values in blocks
 // of 32 that carry their own float16 scale and minimum (value = scale * n + minimum; a row of
 // D values is ceil(D / 32) blocks of 20 bytes, strides counted in bytes; see
 // simd/storage.hpp for the byte order). storage_format() below describes each one.
-enum class DType : int32_t { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kI8 = 4, kF8E4M3 = 5, kQ4 = 6 };
+enum class DType : int32_t {
+    kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kI8 = 4, kF8E4M3 = 5, kQ4 = 6, kF8E5M2 = 7
+};
 
 // What the drivers and checks need to know of a storage type (the kernels' code for it is
 // simd/storage.hpp's). Rows are blocks of block_values values in block_bytes bytes.
@@ -30,7 +32,7 @@ constexpr StorageFormat storage_format(DType t) {
         case DType::kF64: return {1, 8, false, false, false};
         case DType::kF16: case DType::kBF16: return {1, 2, false, false, false};
         case DType::kI8: return {1, 1, true, true, false};
-        case DType::kF8E4M3: return {1, 1, true, true, true};
+        case DType::kF8E4M3: case DType::kF8E5M2: return {1, 1, true, true, true};
         case DType::kQ4: return {32, 20, false, true, true};
     }
     return {1, 0, false, false, false};  // (not a DType)

@@ -28,6 +28,10 @@ struct f16_t { uint16_t bits; };   // IEEE 754 binary16
 // mantissa bits; no infinities, S.1111.111 is NaN. A KV-cache storage type only (one float32
 // scale per row, as int8).
 struct f8e4m3_t { uint8_t bits; };
+// float8 e5m2 (OCP FP8, ml_dtypes.float8_e5m2): sign, 5 exponent bits (bias 15), 2 mantissa
+// bits: the top byte of an IEEE float16, infinities and NaNs included. A KV-cache storage
+// type only (one float32 scale per row, as int8).
+struct f8e5m2_t { uint8_t bits; };
 // int4 (the "int4" cache format): a row of D values is ceil(D / 32) blocks of 32 values, each
 // block 20 bytes: a little-endian uint32 holding the bfloat16 scale in its low half and the
 // bfloat16 minimum in its high half, then 16 bytes, byte i holding the block's value i in its
@@ -78,6 +82,12 @@ template <> struct Float8<f8e4m3_t> {  // exponent bias 7 against float16's 15: 
     static constexpr bool kNanAtAllOnes = true;
     static constexpr float kAllOnesWidened = 1.875f;  // |S.1111.111| through float16, over 2^8
     static constexpr float kWidenScaleFold = 256.0f;
+};
+template <> struct Float8<f8e5m2_t> {  // float16's top byte: byte << 8, exactly its value
+    static constexpr bool kIs = true;
+    static constexpr int kMagShift = 8;
+    static constexpr bool kNanAtAllOnes = false;
+    static constexpr float kWidenScaleFold = 1.0f;
 };
 
 // A float8 value, exactly (its float16 bits widened, times kWidenScaleFold).
@@ -190,6 +200,7 @@ inline void with_storage_type(DType t, Fn&& fn) {
         case DType::kBF16: return fn(Stored<DType::kBF16, bf16_t>{});
         case DType::kI8: return fn(Stored<DType::kI8, int8_t>{});
         case DType::kF8E4M3: return fn(Stored<DType::kF8E4M3, f8e4m3_t>{});
+        case DType::kF8E5M2: return fn(Stored<DType::kF8E5M2, f8e5m2_t>{});
         case DType::kQ4: return fn(Stored<DType::kQ4, q4_t>{});
     }
     unreachable_dtype("storage", t);

@@ -24,6 +24,7 @@ FLOAT64 = np.dtype(np.float64)
 FLOAT16 = np.dtype(np.float16)
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT8_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+FLOAT8_E5M2 = np.dtype(ml_dtypes.float8_e5m2)
 # q dtypes a quantised cache may be read with (float32 arithmetic)
 _FLOAT32_ACCUMULATED = (FLOAT32, FLOAT16, BFLOAT16)
 
@@ -164,6 +165,9 @@ FORMATS: dict[str, KVFormat] = {f.name: f for f in (
     _float8("float8_e4m3fn", FLOAT8_E4M3, 5,
             "3 mantissa bits: relative rounding <= 2^-4 per element (subnormal steps "
             "2^-9 * scale below 2^-6 * scale); row scale max|row| / 448"),
+    _float8("float8_e5m2", FLOAT8_E5M2, 7,
+            "2 mantissa bits: relative rounding <= 2^-3 per element (subnormal steps "
+            "2^-16 * scale below 2^-14 * scale); row scale max|row| / 57344"),
     KVFormat("int4", _int4.STORAGE, 6, block=(_int4.GROUP, _int4.BLOCK_BYTES),
              quantize=_int4.quantize, dequantize=lambda s, scale, dim: _int4.dequantize(s, dim),
              rotate_keys=True,
