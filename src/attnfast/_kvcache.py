@@ -163,8 +163,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
         Row j of sequence b, head g stands for ``k_scale[b, g, j] * k_cache[b, g, j]``
         (symmetric: scale = max|x| / 127). The new tokens' scales are written in place.
         With block_table: (num_blocks, Hkv, block_size), paged like the caches. A
-        float8_e4m3fn cache (``ml_dtypes.float8_e4m3fn``) has the same scales (scale =
-        max|x| / 448).
+        float8_e4m3fn or float8_e5m2 cache (``ml_dtypes.float8_e4m3fn`` / ``float8_e5m2``)
+        has the same scales (scale = max|x| / 448, or / 57344).
         An int4 cache is uint8 arrays of packed rows, ``(B, Hkv, capacity,
         packed_size(D))``, as :class:`attnfast.KVCache` (dtype="int4") holds them: blocks of
         32 values, each with its own bfloat16 scale and minimum in the row (no scale arrays;
@@ -482,7 +482,8 @@ class KVCache:
     ``dtype``: float32, float64, float16 or bfloat16 (stored as given), or a quantised
     format new tokens are quantised into on append (queries float32, float16 or bfloat16):
     ``"int8"`` (a float32 scale per token row in ``k_scale`` / ``v_scale``; keys rotated,
-    see ``key_rotation``), ``ml_dtypes.float8_e4m3fn`` (scales the same) or ``"int4"``
+    see ``key_rotation``), ``ml_dtypes.float8_e4m3fn`` or ``float8_e5m2`` (scales the same;
+    also by name, ``"float8_e5m2"``) or ``"int4"``
     (groups of 32 values with their own bfloat16 scale and minimum, packed into uint8 ``k`` /
     ``v`` rows of 20 * ceil(head_dim / 32) bytes; keys rotated). Formats and their errors:
     the user guide's "KV-cache formats" page.
