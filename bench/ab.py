@@ -15,7 +15,7 @@ Cases (``kind:key=value,...``; sizes take k = 1024):
     decode:H=32,Hkv=8,L=16k,D=128,dtype=bfloat16[,format=int8][,block=16][,Tq=1][,B=1]
         one KV-cache step (KVCache.attend, or PagedKVCache.attend with block=), the cache
         holding the same tokens on both sides; format is the cache's dtype (float32,
-        bfloat16, float16, int8, float8_e4m3fn, int4), dtype that of q. Beside it, attnfast's
+        bfloat16, float16, int8, float8_e4m3fn, float8_e5m2, int4), dtype that of q. Beside it, attnfast's
         native read kernel over a buffer of the cache's bytes, timed in the same rounds: "% read".
     prefill:T=4k,H=8,Hkv=8,D=128,dtype=float32[,causal=1][,B=1]
         attention(q, k, v); beside it NumPy's BLAS float32 GEMM rate of the same run: "% GEMM".
@@ -43,7 +43,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FORMATS = {"float32": np.float32, "float64": np.float64, "bfloat16": ml_dtypes.bfloat16,
            "float16": np.float16, "int8": "int8", "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
-           "int4": "int4"}
+           "float8_e5m2": ml_dtypes.float8_e5m2, "int4": "int4"}
 CASE_DEFAULTS = {
     "decode": {"B": 1, "H": 32, "Hkv": 8, "L": 16384, "D": 128, "Tq": 1, "dtype": "float32",
                "format": None, "block": None},

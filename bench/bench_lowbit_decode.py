@@ -1,4 +1,4 @@
-"""Decode step over low-bit KV caches (int8, float8_e4m3fn, int4) against float32, in one process.
+"""Decode step over low-bit KV caches (int8, float8_e4m3fn, float8_e5m2, int4) against float32, in one process.
 
     python bench/bench_lowbit_decode.py                        # L = 16k, 8/8 and 32/8 heads, 1 and 2 threads
     python bench/bench_lowbit_decode.py --lengths 16384,65536 --repeats 11
@@ -23,7 +23,8 @@ import attnfast as af
 from attnfast import _ext
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "int8": "int8",
-          "int8-widen": "int8", "fp8": ml_dtypes.float8_e4m3fn, "int4": "int4"}
+          "int8-widen": "int8", "fp8": ml_dtypes.float8_e4m3fn, "fp8-e5m2": ml_dtypes.float8_e5m2,
+          "int4": "int4"}
 # int8-widen: the int8 cache through the exact widening path (ATTNFAST_INT8_DOT=widen) where
 # the tier has the vpdpbusd one
 

@@ -10,6 +10,7 @@ the format's, not an idealised one. The formats (the contract of issue 21):
 ========================  =====================================================================
 ``bfloat16``, ``float16``  plain rounding to the 16-bit type (round to nearest even)
 ``fp8``                    float8_e4m3fn codes, one float32 scale per token row: amax / 448
+``fp8 e5m2``               float8_e5m2 codes, one float32 scale per token row: amax / 57344
 ``int8``                   symmetric int8 codes in [-127, 127], one float32 scale per token row:
                            amax / 127
 ``int8-channel``           the same, one scale per channel over the sequence's T tokens
@@ -31,6 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+FP8_E5M2_MAX = 57344.0  # the largest finite float8_e5m2
 INT8_MAX = 127
 INT4_LEVELS = 15  # codes 0..15
 GROUP = 32
@@ -96,6 +98,17 @@ def fp8_token(x, return_parts=False):
     # float32 rounding of the scale can put amax a hair above 448; e4m3fn has no inf, so
     # saturate explicitly rather than let the cast decide
     codes = np.clip(scaled, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    out = codes.astype(np.float64) * scale
+    return (out, codes, scale) if return_parts else out
+
+
+def fp8_e5m2_token(x, return_parts=False):
+    """float8_e5m2 codes with one float32 scale per token row (amax / 57344)."""
+    import ml_dtypes
+    x = _f64(x)
+    scale = (np.abs(x).max(-1, keepdims=True) / FP8_E5M2_MAX).astype(np.float32).astype(np.float64)
+    # saturate: a value rounding past 57344 would become inf
+    codes = np.clip(x / _safe(scale), -FP8_E5M2_MAX, FP8_E5M2_MAX).astype(ml_dtypes.float8_e5m2)
     out = codes.astype(np.float64) * scale
     return (out, codes, scale) if return_parts else out
 
@@ -168,6 +181,7 @@ FORMATS = {
     "bfloat16": (bfloat16, bfloat16),
     "float16": (float16, float16),
     "fp8 per token": (fp8_token, fp8_token),
+    "fp8 e5m2 per token": (fp8_e5m2_token, fp8_e5m2_token),
     "int8 per token": (int8_token, int8_token),
     "int8 per token, rotated keys": (rotated(int8_token), int8_token),
     "int8 per channel keys": (int8_channel, int8_token),

@@ -6,12 +6,45 @@
 namespace attnfast {
 
 // Element types. Arithmetic accumulates in float32 (float64 for kF64), never in 16 bits.
-// kI8, kF8E4M3 and kQ4 are KV-cache storage types only: symmetric int8 / float8 e4m3fn
-// values, each row with one float32 scale (k_scale / v_scale); or kQ4, 4-bit values in blocks
+// kI8, kF8E4M3, kF8E5M2 and kQ4 are KV-cache storage types only: symmetric int8 / float8
+// e4m3fn / float8 e5m2 values, each row with one float32 scale (k_scale / v_scale); or kQ4, 4-bit values in blocks
 // of 32 that carry their own float16 scale and minimum (value = scale * n + minimum; a row of
 // D values is ceil(D / 32) blocks of 20 bytes, strides counted in bytes; see
-// simd/storage.hpp for the byte order).
-enum class DType : int32_t { kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kI8 = 4, kF8E4M3 = 5, kQ4 = 6 };
+// simd/storage.hpp for the byte order). storage_format() below describes each one.
+enum class DType : int32_t {
+    kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kI8 = 4, kF8E4M3 = 5, kQ4 = 6, kF8E5M2 = 7
+};
+
+// What the drivers and checks need to know of a storage type (the kernels' code for it is
+// simd/storage.hpp's). Rows are blocks of block_values values in block_bytes bytes.
+struct StorageFormat {
+    int64_t block_values;  // 1, or int4's 32 (then strides count bytes, not values)
+    int64_t block_bytes;   // bytes of one block (one value when block_values is 1)
+    bool row_scaled;       // one float32 scale per row (k_scale / v_scale)
+    bool cache_only;       // a KV-cache storage type only, never q's (quantised on write)
+    bool decode_only;      // only the decode loop reads it (no prefill kernel)
+};
+// The one switch over storage types outside the kernels (the build has -Werror=switch: a
+// new DType does not compile until it is described here).
+constexpr StorageFormat storage_format(DType t) {
+    switch (t) {
+        case DType::kF32: return {1, 4, false, false, false};
+        case DType::kF64: return {1, 8, false, false, false};
+        case DType::kF16: case DType::kBF16: return {1, 2, false, false, false};
+        case DType::kI8: return {1, 1, true, true, false};
+        case DType::kF8E4M3: case DType::kF8E5M2: return {1, 1, true, true, true};
+        case DType::kQ4: return {32, 20, false, true, true};
+    }
+    return {1, 0, false, false, false};  // (not a DType)
+}
+// Bytes of a stored row of n values (a row-scaled row's scale not included).
+constexpr int64_t stored_row_bytes(DType t, int64_t n) {
+    return (n + storage_format(t).block_values - 1) / storage_format(t).block_values * storage_format(t).block_bytes;
+}
+// Bytes one unit of a stride steps in storage of type t: a value, or a byte of packed blocks.
+constexpr int64_t stride_unit_bytes(DType t) {
+    return storage_format(t).block_values == 1 ? storage_format(t).block_bytes : 1;
+}
 
 // How `mask` is read: bool (one byte, nonzero = keep) or added to the scores.
 enum class MaskKind : int32_t { kNone = 0, kBool = 1, kAdditive = 2 };
@@ -45,9 +78,9 @@ struct AttentionParams {
     int64_t head_dim_v;  // Dv, of v and out
 
     DType dtype;         // of q and out
-    DType kv_dtype;      // of k and v: dtype, or (float32 q) kF16 / kBF16 / kI8 / kF8E4M3 /
-                         // kQ4, or (kF16 / kBF16 q) kI8 / kF8E4M3 / kQ4
-    // kv_dtype kI8 or kF8E4M3 only: float32 dequantisation scales (batch, kv_heads, seqlen_k),
+    DType kv_dtype;      // of k and v: dtype, or (float32 q) kF16 / kBF16, or (float32 / kF16 /
+                         // kBF16 q) a cache-only type (storage_format)
+    // A row-scaled kv_dtype only (storage_format): float32 dequantisation scales (batch, kv_heads, seqlen_k),
     // one per cached row: k[b, g, j, :] stands for k_scale[b, g, j] * (its stored values).
     const float* k_scale;
     const float* v_scale;
@@ -156,7 +189,7 @@ CallPlan plan_attention(const AttentionParams& params);
 
 // Whether only the decode loop reads this KV storage type (every query length then runs
 // through it; see attention_forward).
-inline bool decode_only_format(DType kv) { return kv == DType::kF8E4M3 || kv == DType::kQ4; }
+inline bool decode_only_format(DType kv) { return storage_format(kv).decode_only; }
 
 
 // ---- the lightning indexer of DeepSeek's sparse attention (DSA) ----

@@ -113,7 +113,7 @@ void attention_backward(const BackwardParams& bp) {
     require(p.num_threads >= 1, "num_threads must be >= 1");
     require(p.window_left >= -1 && p.window_right >= -1, "window bounds must be >= -1");
     require(p.softcap >= 0.0, "softcap must be >= 0 (0 = off)");
-    require(p.dtype == p.kv_dtype && p.dtype != DType::kI8, "q, k, v must share one float dtype");
+    require(p.dtype == p.kv_dtype && !storage_format(p.dtype).cache_only, "q, k, v must share one float dtype");
     require(!p.block_table && !p.k_scale && !p.v_scale, "no paged or int8 cache in the backward");
     require(p.lse && bp.dout && bp.delta && bp.dq && bp.dk && bp.dv, "missing array");
     require(bp.dq_row_stride == backward_padded(p.head_dim),

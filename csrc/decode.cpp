@@ -72,16 +72,11 @@ DecodeSplit split_decode(const AttentionParams& p, int64_t chunk_keys) {
     return split;
 }
 
-// Bytes of one stored K (or V) row of `dims` values: int4 rows are blocks of 32 in 20 bytes.
-int64_t stored_row_bytes(const AttentionParams& p, int64_t dims) {
-    return p.kv_dtype == DType::kQ4 ? (dims + 31) / 32 * 20 : dims * dtype_bytes(p.kv_dtype);
-}
-
 // Bytes run_chunk stages a chunk's listed K and V rows (and their row scales) in.
 int64_t staging_bytes(const AttentionParams& p, int64_t chunk_keys) {
     if (!p.key_index) return 0;
-    const int64_t v_bytes = kv_is_latent(p) ? 0 : stored_row_bytes(p, p.head_dim_v);
-    return 64 + chunk_keys * (stored_row_bytes(p, p.head_dim) + v_bytes + 2 * int64_t(sizeof(float)));
+    const int64_t v_bytes = kv_is_latent(p) ? 0 : stored_row_bytes(p.kv_dtype, p.head_dim_v);
+    return 64 + chunk_keys * (stored_row_bytes(p.kv_dtype, p.head_dim) + v_bytes + 2 * int64_t(sizeof(float)));
 }
 
 // The scratch one thread of `kernel` needs for a chunk, in elements of its accumulator type.
@@ -124,7 +119,7 @@ void run_chunk(const AttentionParams& p, const DecodeTask& task, DecodeChunkFn<A
     const int64_t keys = task.key_end - task.key_begin;
     const bool latent = kv_is_latent(p);
     const int64_t eb = dtype_bytes(p.kv_dtype);
-    const int64_t k_bytes = stored_row_bytes(p, p.head_dim), v_bytes = stored_row_bytes(p, p.head_dim_v);
+    const int64_t k_bytes = stored_row_bytes(p.kv_dtype, p.head_dim), v_bytes = stored_row_bytes(p.kv_dtype, p.head_dim_v);
     char* k_rows = stage;
     char* v_rows = latent ? k_rows : k_rows + keys * k_bytes;
     float* k_scales = reinterpret_cast<float*>(v_rows + (latent ? 0 : keys * v_bytes));

@@ -52,14 +52,14 @@ void check_params(const AttentionParams& p) {
                  (p.mask_dtype == DType::kF32 || p.mask_dtype == DType::kF64)),
             "mask must be bool, or additive float32 / float64");
     const DType q = p.dtype, kv = p.kv_dtype;
-    const bool row_scaled = kv == DType::kI8 || kv == DType::kF8E4M3;
-    const bool cache_only = row_scaled || kv == DType::kQ4;  // KV storage types, never q's
+    const bool row_scaled = storage_format(kv).row_scaled;
+    const bool cache_only = storage_format(kv).cache_only;  // KV storage types, never q's
     const bool same = q == kv && !cache_only;
     const bool f32_q_lowp_kv = q == DType::kF32 && (kv == DType::kF16 || kv == DType::kBF16);
     const bool quantized_kv = cache_only && (q == DType::kF32 || q == DType::kF16 || q == DType::kBF16);
     require(same || f32_q_lowp_kv || quantized_kv, "dtype / kv_dtype combination not supported");
     require(row_scaled == (p.k_scale != nullptr && p.v_scale != nullptr),
-            "k_scale and v_scale are required with (and only with) an int8 or float8 cache");
+            "k_scale and v_scale are required with (and only with) a row-scaled (int8, float8) cache");
     if (p.seqlens_k)
         for (int64_t b = 0; b < p.batch; ++b)
             require(p.seqlens_k[b] >= 0 && p.seqlens_k[b] <= p.seqlen_k,

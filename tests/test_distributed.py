@@ -229,7 +229,7 @@ def test_storage_dtypes(caches, dtype):
 # Quantised storage: the shards quantise the float rows that land in them. head_dim 16 and
 # v_head_dim 24 are not the length of an int4 row (20 bytes: one packed block), so the
 # caller's checks must use the head dims, not the stored rows' length.
-QUANTISED = {"int4": "int4", "float8": ml_dtypes.float8_e4m3fn}
+QUANTISED = {"int4": "int4", "float8": ml_dtypes.float8_e4m3fn, "float8_e5m2": "float8_e5m2"}
 QUANT_SPEC = dict(batch=2, kv_heads=2, head_dim=16, v_head_dim=24, capacity_per_shard=32,
                   num_shards=2)
 

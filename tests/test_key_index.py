@@ -206,7 +206,8 @@ def test_rejected_calls_name_key_index_and_write_nothing():
                           seqlens=np.array([10]))[0], 2e-5)
 
 
-@pytest.mark.parametrize("fmt,tol", [("int8", 0.05), (ml_dtypes.float8_e4m3fn, 0.15), ("int4", 0.3)])
+@pytest.mark.parametrize("fmt,tol", [("int8", 0.05), (ml_dtypes.float8_e4m3fn, 0.15),
+                                     (ml_dtypes.float8_e5m2, 0.3), ("int4", 0.3)])
 def test_kvcache_formats(fmt, tol):
     """KVCache.step / attend over quantised caches: the listed keys only. Against the cache's
     own dense attention with a bool mask keeping the same keys (the same stored values: float32

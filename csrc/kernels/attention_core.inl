@@ -65,36 +65,45 @@ inline float exp2_acc(float x) {
 }
 inline double exp2_acc(double x) { return __builtin_exp2(x); }
 
-// ---- storage-type dispatch: every DType named in each switch, no default branch (the
-// build has -Werror=switch, so a new format that a dispatch does not name does not compile)
+// ---- (q, K/V) storage-type dispatch, through storage.hpp's one switch (with_storage_type)
 template <class T> struct As { using type = T; };
 
-// A dtype reached a kernel that has no code for it. The checks before the kernels let none
-// through, so this is a bug: stop, rather than read memory as some other format.
-[[noreturn]] inline void unreachable_dtype(const char* what, DType d) {
-    std::fprintf(stderr, "attnfast: internal error: %s dtype %d reached a kernel without code for it\n",
-                 what, static_cast<int>(d));
-    std::abort();
-}
-
-// fn(As<TQ>{}) with the q (and out) storage type of a float32-accumulated call.
+// fn(As<TQ>{}) with the q (and out) storage type of a float32-accumulated call: float32,
+// bfloat16 or float16.
 template <class Fn>
 inline void with_q_type(DType q, Fn&& fn) {
-    switch (q) {
-        case DType::kF32: return fn(As<float>{});
-        case DType::kBF16: return fn(As<bf16_t>{});
-        case DType::kF16: return fn(As<f16_t>{});
-        case DType::kF64: case DType::kI8: case DType::kF8E4M3: case DType::kQ4: break;
-    }
-    unreachable_dtype("q", q);
+    with_storage_type(q, [&](auto tq) {
+        using T = typename decltype(tq)::type;
+        if constexpr (decltype(tq)::kFormat.cache_only || std::is_same<T, double>::value)
+            unreachable_dtype("q", q);
+        else
+            fn(As<T>{});
+    });
 }
 
-// fn(As<TQ>{}) for q over a 16-bit cache of type T16 (dtype kv16): q is that type or float32.
-template <class Fn>
-inline void with_q_over_16bit(DType q, DType kv16, Fn&& fn) {
-    if (q == kv16) return with_q_type(q, fn);
-    if (q == DType::kF32) return fn(As<float>{});
-    unreachable_dtype("q (over a 16-bit cache of another type)", q);
+// fn(As<TQ>{}, As<TKV>{}) for the call's q and K/V storage types: every float32-accumulated
+// combination (float32; 16-bit q with its own K/V type; float32 q over a 16-bit cache;
+// float32 or 16-bit q over a cache-only format). kDecode: the decode loop's entry, which
+// reads every format; else a prefill kernel's, which reads no decode-only format.
+template <bool kDecode, class Fn>
+inline void with_q_kv_types(const AttentionParams& p, Fn&& fn) {
+    const DType q = p.dtype;
+    with_storage_type(p.kv_dtype, [&](auto tkv) {
+        using T = typename decltype(tkv)::type;
+        constexpr StorageFormat format = decltype(tkv)::kFormat;
+        if constexpr (std::is_same<T, double>::value || (!kDecode && format.decode_only)) {
+            unreachable_dtype("K/V (float64 kernels, or decode only)", p.kv_dtype);
+        } else if constexpr (format.cache_only) {  // any float32-accumulated q
+            with_q_type(q, [&](auto tq) { fn(tq, As<T>{}); });
+        } else if constexpr (std::is_same<T, float>::value) {
+            if (q != DType::kF32) unreachable_dtype("q (over a float32 cache)", q);
+            fn(As<float>{}, As<float>{});
+        } else {  // a 16-bit cache: q of its type or float32
+            if (q == p.kv_dtype) fn(As<T>{}, As<T>{});
+            else if (q == DType::kF32) fn(As<float>{}, As<T>{});
+            else unreachable_dtype("q (over a 16-bit cache of another type)", q);
+        }
+    });
 }
 
 inline float log_acc(float x) { return __builtin_logf(x); }

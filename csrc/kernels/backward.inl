@@ -485,12 +485,10 @@ void key_pass_block(const BackwardParams& bp, const BackwardTask& task, A* ws) {
     key_blocks<T, A>(bp, task.batch, task.head, task.begin, task.end, false, t);
 }
 
+// fn<T, float>(...) with T the call's float32-accumulated dtype (with_q_type: float32,
+// bfloat16 or float16; q, k and v share it).
 #define ATTNFAST_BWD_BY_DTYPE(fn, ...)                                          \
-    switch (bp.attn.dtype) {                                                    \
-        case DType::kBF16: fn<bf16_t, float>(__VA_ARGS__); break;               \
-        case DType::kF16: fn<f16_t, float>(__VA_ARGS__); break;                 \
-        default: fn<float, float>(__VA_ARGS__); break;                          \
-    }
+    with_q_type(bp.attn.dtype, [&](auto stored) { fn<typename decltype(stored)::type, float>(__VA_ARGS__); });
 void group_f32(const BackwardParams& bp, int64_t b, int64_t g, float* ws) {
     ATTNFAST_BWD_BY_DTYPE(group, bp, b, g, ws)
 }

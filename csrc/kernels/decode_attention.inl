@@ -577,32 +577,15 @@ void decode_chunk_f64(const AttentionParams& p, const DecodeTask& t, double* ws,
                       double* m, double* l) {
     decode_loop<TemplatePath<double, double, double>>(p, t, ws, acc, m, l);
 }
-// Runs Fn::run<TQ, TKV>(p, args...) for the call's q and K/V storage types: every
-// float32-accumulated combination (float32; 16-bit q with its own K/V type; float32 q over a
-// 16-bit cache; float32 or 16-bit q over an int8, float8 or int4 cache). Every decode kernel's
-// entry point goes through it (and the template prefill's), so each one instantiates the same
-// combinations.
+// Runs Fn::run<TQ, TKV>(p, args...) for the call's q and K/V storage types
+// (with_q_kv_types: every float32-accumulated combination, every format). Every decode
+// kernel's entry point goes through it (and the template prefill's), so each one
+// instantiates the same combinations.
 template <class Fn, class... Args>
 inline void for_storage_types(const AttentionParams& p, const Args&... args) {
-    const DType q = p.dtype;
-    // (a 16-bit cache: q of its type or float32; a quantised one: any float32-accumulated q)
-    switch (p.kv_dtype) {
-        case DType::kF32:
-            if (q != DType::kF32) unreachable_dtype("q (over a float32 cache)", q);
-            return Fn::template run<float, float>(p, args...);
-        case DType::kBF16:
-            return with_q_over_16bit(q, DType::kBF16, [&](auto tq) { Fn::template run<typename decltype(tq)::type, bf16_t>(p, args...); });
-        case DType::kF16:
-            return with_q_over_16bit(q, DType::kF16, [&](auto tq) { Fn::template run<typename decltype(tq)::type, f16_t>(p, args...); });
-        case DType::kI8:
-            return with_q_type(q, [&](auto tq) { Fn::template run<typename decltype(tq)::type, int8_t>(p, args...); });
-        case DType::kF8E4M3:
-            return with_q_type(q, [&](auto tq) { Fn::template run<typename decltype(tq)::type, fp8_t>(p, args...); });
-        case DType::kQ4:
-            return with_q_type(q, [&](auto tq) { Fn::template run<typename decltype(tq)::type, q4_t>(p, args...); });
-        case DType::kF64: break;  // (the float64 kernels)
-    }
-    unreachable_dtype("K/V", p.kv_dtype);
+    with_q_kv_types<true>(p, [&](auto tq, auto tkv) {
+        Fn::template run<typename decltype(tq)::type, typename decltype(tkv)::type>(p, args...);
+    });
 }
 
 struct TemplateChunk {  // decode_loop with the template policy

@@ -340,21 +340,16 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
     }
 }
 
-template <class T>
-void chunk_for_kv(const AttentionParams& p, const DecodeTask& task, float* ws, float* acc,
-                  float* m, float* l) {
-    with_q_type(p.dtype, [&](auto tq) { chunk<typename decltype(tq)::type, T>(p, task, ws, acc, m, l); });
-}
-
 void chunk_any(const AttentionParams& p, const DecodeTask& task, float* ws, float* acc,
                float* m, float* l) {
-    switch (p.kv_dtype) {  // (gemm_decode_kernel takes these three)
-        case DType::kF32: return chunk_for_kv<float>(p, task, ws, acc, m, l);
-        case DType::kBF16: return chunk_for_kv<bf16_t>(p, task, ws, acc, m, l);
-        case DType::kF16: return chunk_for_kv<f16_t>(p, task, ws, acc, m, l);
-        case DType::kI8: case DType::kF8E4M3: case DType::kQ4: case DType::kF64: break;
-    }
-    unreachable_dtype("K/V (gemm decode)", p.kv_dtype);
+    with_q_kv_types<true>(p, [&](auto tq, auto tkv) {
+        using T = typename decltype(tkv)::type;
+        if constexpr (std::is_same<T, float>::value || std::is_same<T, bf16_t>::value ||
+                      std::is_same<T, f16_t>::value)  // (gemm_decode_kernel takes these three)
+            chunk<typename decltype(tq)::type, T>(p, task, ws, acc, m, l);
+        else
+            unreachable_dtype("K/V (gemm decode)", p.kv_dtype);
+    });
 }
 
 // KernelTable::gemm_decode_kernel: this kernel for a call it covers, else {nullptr} (the

@@ -82,10 +82,10 @@ inline void widen_row(const T* row, int64_t dims, float* out) {
 struct E4m3Table {
     float value[256];
     E4m3Table() {
-        for (int i = 0; i < 256; ++i) value[i] = widen(fp8_t{static_cast<uint8_t>(i)});
+        for (int i = 0; i < 256; ++i) value[i] = widen(f8e4m3_t{static_cast<uint8_t>(i)});
     }
 };
-inline void widen_row(const fp8_t* row, int64_t dims, float* out) {
+inline void widen_row(const f8e4m3_t* row, int64_t dims, float* out) {
     static const E4m3Table table;
     for (int64_t d = 0; d < dims; ++d) out[d] = table.value[row[d].bits];
 }
@@ -125,8 +125,8 @@ void index_scores(const IndexParams& p, int64_t b, int64_t t, int64_t s0, int64_
     switch (p.k_dtype) {
         case DType::kF32: return indexer::scores_of<float>(p, b, t, s0, s1, scores, workspace);
         case DType::kBF16: return indexer::scores_of<bf16_t>(p, b, t, s0, s1, scores, workspace);
-        case DType::kF8E4M3: return indexer::scores_of<fp8_t>(p, b, t, s0, s1, scores, workspace);
-        case DType::kF64: case DType::kF16: case DType::kI8: case DType::kQ4: break;
+        case DType::kF8E4M3: return indexer::scores_of<f8e4m3_t>(p, b, t, s0, s1, scores, workspace);
+        case DType::kF64: case DType::kF16: case DType::kI8: case DType::kQ4: case DType::kF8E5M2: break;
     }
     unreachable_dtype("index keys", p.k_dtype);
 }

@@ -68,17 +68,9 @@ constexpr int64_t kDecodeMaxChunkBytes = 1024 * 1024;
 constexpr int64_t kDecodeMinChunkKeys = 64;
 constexpr int64_t kDecodeMaxChunkKeys = 4096;
 
-// Bytes of one key's K row plus V row as stored (int8 / float8 rows also carry a 4-byte
-// scale, ignored here; int4 rows are blocks of 32 values in 20 bytes).
+// Bytes of one key's K row plus V row as stored (a row-scaled row's 4-byte scale ignored).
 static inline int64_t kv_pair_bytes(const AttentionParams& p) {
-    const int64_t values = p.head_dim + p.head_dim_v;
-    switch (p.kv_dtype) {
-        case DType::kF64: return 8 * values;
-        case DType::kF16: case DType::kBF16: return 2 * values;
-        case DType::kI8: case DType::kF8E4M3: return values;
-        case DType::kQ4: return (p.head_dim + 31) / 32 * 20 + (p.head_dim_v + 31) / 32 * 20;
-        default: return 4 * values;
-    }
+    return stored_row_bytes(p.kv_dtype, p.head_dim) + stored_row_bytes(p.kv_dtype, p.head_dim_v);
 }
 
 // Keys per decode chunk: a function of the sizes and the cache size only (never of the
@@ -215,7 +207,7 @@ struct DecodeKernel {
 // memory, the same strides), so one read of each latent row serves both products.
 static inline bool kv_is_latent(const AttentionParams& p) {
     return p.v == p.k && p.head_dim_v <= p.head_dim &&
-           p.kv_dtype != DType::kI8 && p.kv_dtype != DType::kF8E4M3 && p.kv_dtype != DType::kQ4 &&
+           !storage_format(p.kv_dtype).cache_only &&
            p.v_batch_stride == p.k_batch_stride && p.v_head_stride == p.k_head_stride &&
            p.v_row_stride == p.k_row_stride;
 }
@@ -321,14 +313,7 @@ static inline KeyRange visible_keys(const AttentionParams& p, int64_t row, int64
 
 // ---- views of a call: the same arrays, a part of the problem ----
 
-static inline int64_t dtype_bytes(DType t) {
-    switch (t) {
-        case DType::kF64: return 8;
-        case DType::kF16: case DType::kBF16: return 2;
-        case DType::kI8: case DType::kF8E4M3: case DType::kQ4: return 1;  // (int4: strides in bytes)
-        default: return 4;
-    }
-}
+static inline int64_t dtype_bytes(DType t) { return stride_unit_bytes(t); }
 static inline const void* at_bytes(const void* base, int64_t elements, int64_t elem_bytes) {
     return base ? static_cast<const char*>(base) + elements * elem_bytes : nullptr;
 }

@@ -75,8 +75,9 @@ inline void vld_kv_block(const q4_t* row, int64_t d, V* out) {
 // decode_loop (kPlainRowStreams) a one-row float32 step ran 1.05-1.23x faster (Zen 4, L = 16k
 // / 64k, 1 / 2 threads; HISTORY 37). Not float8, whose widening the W chains hide better
 // (0.96-0.97x one key at a time), nor D = 64 (0.97-0.99x).
-template <class T, int ND> struct OneKeyScores { static constexpr bool value = W == 16 && ND * W == 128; };
-template <int ND> struct OneKeyScores<fp8_t, ND> { static constexpr bool value = false; };
+template <class T, int ND> struct OneKeyScores {
+    static constexpr bool value = W == 16 && ND * W == 128 && !Float8<T>::kIs;
+};
 
 // s[r * ss + j] = q[r] . k[j] for RB query rows (q rows qs apart, D a multiple of W) and
 // the first `keys` (<= W / RB) of W / RB keys (key rows ks apart). Missing keys repeat the

@@ -1008,24 +1008,12 @@ void run_task(const AttentionParams& p, const BlockTask& task, float* workspace)
     for (int64_t sidx = 0; sidx < subs; ++sidx) finish_sub_block<TQ>(p, blocks[sidx], task.batch);
 }
 
-// Every float32-accumulated dtype combination attention_forward accepts (float32, float16 /
-// bfloat16 q k v, float32 q over a 16-bit or int8 cache, 16-bit q over an int8 cache), with
-// every score option.
+// Every float32-accumulated dtype combination attention_forward accepts over a format the
+// prefill reads (with_q_kv_types<false>: not the decode-only ones), with every score option.
 void attend_block(const AttentionParams& p, const BlockTask& task, float* workspace) {
-    const DType q = p.dtype;
-    switch (p.kv_dtype) {
-        case DType::kF32:
-            if (q != DType::kF32) unreachable_dtype("q (over a float32 cache)", q);
-            return run_task<WidenKernel<float, float>>(p, task, workspace);
-        case DType::kBF16:
-            return with_q_over_16bit(q, DType::kBF16, [&](auto tq) { run_task<WidenKernel<typename decltype(tq)::type, bf16_t>>(p, task, workspace); });
-        case DType::kF16:
-            return with_q_over_16bit(q, DType::kF16, [&](auto tq) { run_task<WidenKernel<typename decltype(tq)::type, f16_t>>(p, task, workspace); });
-        case DType::kI8:
-            return with_q_type(q, [&](auto tq) { run_task<WidenKernel<typename decltype(tq)::type, int8_t>>(p, task, workspace); });
-        case DType::kF8E4M3: case DType::kQ4: case DType::kF64: break;  // (decode only; float64 kernels)
-    }
-    unreachable_dtype("K/V (prefill)", p.kv_dtype);
+    with_q_kv_types<false>(p, [&](auto tq, auto tkv) {
+        run_task<WidenKernel<typename decltype(tq)::type, typename decltype(tkv)::type>>(p, task, workspace);
+    });
 }
 
 // KernelTable::prefill_kernel: this kernel takes every call.

@@ -137,13 +137,23 @@ inline Vec vwiden(const f16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(re
 inline Vec vwiden(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-inline Vec vwiden(const fp8_t* p) {  // times 2^-8, as ymm.hpp's widen8
+// A float8 format, times 1 / kWidenScaleFold, as ymm.hpp's widen8 (storage.hpp's Float8).
+template <class T, typename std::enable_if<Float8<T>::kIs, int>::type = 0>
+inline Vec vwiden(const T* p) {
     const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi16(0x7F));
-    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7),
-                                      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
-    const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7F));
-    return _mm512_mask_mov_ps(_mm512_cvtph_ps(h), nan, _mm512_set1_ps(__builtin_nanf("")));
+    if constexpr (Float8<T>::kMagShift == 8 && !Float8<T>::kNanAtAllOnes) {  // the sign in place
+        return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
+    } else {
+        const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi16(0x7F));
+        const __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, Float8<T>::kMagShift),
+                                          _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+        if constexpr (Float8<T>::kNanAtAllOnes) {
+            const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7F));
+            return _mm512_mask_mov_ps(_mm512_cvtph_ps(h), nan, _mm512_set1_ps(__builtin_nanf("")));
+        } else {
+            return _mm512_cvtph_ps(h);
+        }
+    }
 }
 struct Q4Header {  // as avx2.hpp's
     Vec scale, minimum;

@@ -112,13 +112,20 @@ inline Vec vwiden(const int8_t* p) {
     const int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(w)));
     return vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
 }
-// float8 e4m3fn, times 2^-8 (kWidenScaleFold), by float16 bits as ymm.hpp's; S.1111.111 -> NaN.
-inline Vec vwiden(const fp8_t* p) {
+// A float8 format, times 1 / kWidenScaleFold, by float16 bits as ymm.hpp's widen8
+// (storage.hpp's Float8 traits); S.1111.111 -> NaN where kNanAtAllOnes.
+template <class T, typename std::enable_if<Float8<T>::kIs, int>::type = 0>
+inline Vec vwiden(const T* p) {
     const uint16x4_t b = load4_bytes_u16(p);
     const uint16x4_t mag = vand_u16(b, vdup_n_u16(0x7F));
-    const uint16x4_t h = vorr_u16(vshl_n_u16(mag, 7), vshl_n_u16(vand_u16(b, vdup_n_u16(0x80)), 8));
-    const uint32x4_t nan = vreinterpretq_u32_s32(vmovl_s16(vreinterpret_s16_u16(vceq_u16(mag, vdup_n_u16(0x7F)))));
-    return vbslq_f32(nan, vset(__builtin_nanf("")), vcvt_f32_f16(vreinterpret_f16_u16(h)));
+    const uint16x4_t h = vorr_u16(vshl_n_u16(mag, Float8<T>::kMagShift), vshl_n_u16(vand_u16(b, vdup_n_u16(0x80)), 8));
+    const Vec x = vcvt_f32_f16(vreinterpret_f16_u16(h));
+    if constexpr (Float8<T>::kNanAtAllOnes) {
+        const uint32x4_t nan = vreinterpretq_u32_s32(vmovl_s16(vreinterpret_s16_u16(vceq_u16(mag, vdup_n_u16(0x7F)))));
+        return vbslq_f32(nan, vset(__builtin_nanf("")), x);
+    } else {
+        return x;
+    }
 }
 // ---- narrowing: float32 lanes to W stored elements
 inline void vnarrow(float* y, Vec x) { vst1q_f32(y, x); }

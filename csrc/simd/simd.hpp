@@ -26,7 +26,7 @@
 //                        bits as that vector's lane of a transpose_reduce)
 //   hmax range_max       max of lanes / of a range, NaN if any element is NaN
 //   vwiden vwiden_q4 vwiden_q4_block  W stored float32 / bfloat16 / float16 / int8 / float8
-//                        e4m3fn (times 2^-8, kWidenScaleFold) / int4 values to float32 lanes,
+//                        (times 1 / kWidenScaleFold) / int4 values to float32 lanes,
 //                        exactly, in registers
 //   vnarrow              float32 lanes to W stored float32 / float16 / bfloat16 values (round
 //                        to nearest even, NaN kept)
@@ -99,8 +99,7 @@ inline float lane_sum(Vec x) {
 }
 #endif
 // What vwiden leaves in a row's scale: the stored value is kWidenScaleFold<T> * vwiden's lane.
-template <class T> constexpr float kWidenScaleFold = 1.0f;
-template <> constexpr float kWidenScaleFold<fp8_t> = 256.0f;
+template <class T> constexpr float kWidenScaleFold = Float8<T>::kWidenScaleFold;
 }  // namespace simd
 }  // namespace
 }  // namespace ATTNFAST_KERNEL_NS

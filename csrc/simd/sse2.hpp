@@ -145,13 +145,21 @@ inline __m128i load4_bytes_u32(const void* p) {  // 4 bytes zero-extended to 32-
     const __m128i z = _mm_setzero_si128();
     return _mm_unpacklo_epi16(_mm_unpacklo_epi8(load4_bytes(p), z), z);
 }
-// float8 e4m3fn, times 2^-8 (kWidenScaleFold), through float16 bits as ymm.hpp's:
-// (byte + (byte & 0x80)) << 7; S.1111.111 (NaN in e4m3fn) -> NaN.
-inline Vec vwiden(const fp8_t* p) {
+// A float8 format, times 1 / kWidenScaleFold, through float16 bits as ymm.hpp's widen8
+// (storage.hpp's Float8 traits); S.1111.111 -> NaN where kNanAtAllOnes.
+template <class T, typename std::enable_if<Float8<T>::kIs, int>::type = 0>
+inline Vec vwiden(const T* p) {
+    static_assert(Float8<T>::kMagShift == 7 || Float8<T>::kMagShift == 8, "a float8 move of 7 or 8 bits");
     const __m128i b = load4_bytes_u32(p);
-    const __m128i h = _mm_slli_epi32(_mm_add_epi32(b, _mm_and_si128(b, _mm_set1_epi32(0x80))), 7);
-    const __m128i nan = _mm_cmpeq_epi32(_mm_and_si128(b, _mm_set1_epi32(0x7F)), _mm_set1_epi32(0x7F));
-    return _mm_or_ps(widen_f16_bits(h), _mm_castsi128_ps(nan));
+    const __m128i h = Float8<T>::kMagShift == 8
+                          ? _mm_slli_epi32(b, 8)
+                          : _mm_slli_epi32(_mm_add_epi32(b, _mm_and_si128(b, _mm_set1_epi32(0x80))), 7);
+    if constexpr (Float8<T>::kNanAtAllOnes) {
+        const __m128i nan = _mm_cmpeq_epi32(_mm_and_si128(b, _mm_set1_epi32(0x7F)), _mm_set1_epi32(0x7F));
+        return _mm_or_ps(widen_f16_bits(h), _mm_castsi128_ps(nan));
+    } else {
+        return widen_f16_bits(h);
+    }
 }
 inline Vec vwiden(const int8_t* x) {  // each byte into all four of its lane, then >> 24
     __m128i b = load4_bytes(x);

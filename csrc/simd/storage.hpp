@@ -1,5 +1,6 @@
 // Storage types of the reduced-precision paths and their conversions to and from the float32
-// accumulator: bfloat16, IEEE float16 and int8 (a KV cache with one float32 scale per row).
+// accumulator: bfloat16, IEEE float16, and the KV-cache formats (int8, float8, int4); and the
+// one switch from a DType to its storage type (with_storage_type).
 // Part of the SIMD layer; included by its typed vocabulary (typed.hpp) and the kernel files,
 // inside each tier's namespace, so every tier compiles them with its own flags (float16 uses
 // F16C's conversions where the tier has them).
@@ -8,7 +9,11 @@
 // output is stored (round to nearest even; NaN stays NaN).
 #pragma once
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <type_traits>
+#include "../attnfast.hpp"
 #if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -22,7 +27,11 @@ struct f16_t { uint16_t bits; };   // IEEE 754 binary16
 // float8 e4m3fn (OCP FP8, ml_dtypes.float8_e4m3fn): sign, 4 exponent bits (bias 7), 3
 // mantissa bits; no infinities, S.1111.111 is NaN. A KV-cache storage type only (one float32
 // scale per row, as int8).
-struct fp8_t { uint8_t bits; };
+struct f8e4m3_t { uint8_t bits; };
+// float8 e5m2 (OCP FP8, ml_dtypes.float8_e5m2): sign, 5 exponent bits (bias 15), 2 mantissa
+// bits: the top byte of an IEEE float16, infinities and NaNs included. A KV-cache storage
+// type only (one float32 scale per row, as int8).
+struct f8e5m2_t { uint8_t bits; };
 // int4 (the "int4" cache format): a row of D values is ceil(D / 32) blocks of 32 values, each
 // block 20 bytes: a little-endian uint32 holding the bfloat16 scale in its low half and the
 // bfloat16 minimum in its high half, then 16 bytes, byte i holding the block's value i in its
@@ -57,14 +66,36 @@ inline float widen(f16_t x) {
 #endif
 }
 
-// float8 e4m3fn, exactly: (-1)^s 2^(e-7) 1.m, or 2^-6 0.m for e = 0; NaN for S.1111.111.
-inline float widen(fp8_t x) {
-    const uint32_t sign = static_cast<uint32_t>(x.bits & 0x80u) << 24;
-    const uint32_t exp = (x.bits >> 3) & 0xFu, mant = x.bits & 0x7u;
-    if ((x.bits & 0x7Fu) == 0x7Fu) return __builtin_nanf("");
-    if (exp != 0) return bits_to_float(sign | ((exp + 120u) << 23) | (mant << 20));
-    const float mag = static_cast<float>(mant) * 0.001953125f;  // mant * 2^-9, exact
-    return sign ? -mag : mag;
+// ---- one-byte floats: float16 with the low mantissa bits dropped
+// A float8 byte b moved into a float16's bits, ((b & 0x7F) << kMagShift) | ((b & 0x80) << 8),
+// is its value times 1 / kWidenScaleFold, every subnormal exact (both formats' subnormals are
+// 0.m times their smallest normal): widening is that move and a float16 conversion (F16C
+// where the tier has it). kNanAtAllOnes: S.1111.111 is NaN but moves to a finite float16,
+// so widening sets it apart. The ISA widenings (simd/*.hpp) read only these traits.
+template <class T> struct Float8 {
+    static constexpr bool kIs = false;
+    static constexpr float kWidenScaleFold = 1.0f;
+};
+template <> struct Float8<f8e4m3_t> {  // exponent bias 7 against float16's 15: 2^-8
+    static constexpr bool kIs = true;
+    static constexpr int kMagShift = 7;
+    static constexpr bool kNanAtAllOnes = true;
+    static constexpr float kAllOnesWidened = 1.875f;  // |S.1111.111| through float16, over 2^8
+    static constexpr float kWidenScaleFold = 256.0f;
+};
+template <> struct Float8<f8e5m2_t> {  // float16's top byte: byte << 8, exactly its value
+    static constexpr bool kIs = true;
+    static constexpr int kMagShift = 8;
+    static constexpr bool kNanAtAllOnes = false;
+    static constexpr float kWidenScaleFold = 1.0f;
+};
+
+// A float8 value, exactly (its float16 bits widened, times kWidenScaleFold).
+template <class T, typename std::enable_if<Float8<T>::kIs, int>::type = 0>
+inline float widen(T x) {
+    if (Float8<T>::kNanAtAllOnes && (x.bits & 0x7Fu) == 0x7Fu) return __builtin_nanf("");
+    const uint16_t h = static_cast<uint16_t>(((x.bits & 0x7Fu) << Float8<T>::kMagShift) | ((x.bits & 0x80u) << 8));
+    return widen(f16_t{h}) * Float8<T>::kWidenScaleFold;
 }
 
 // Value d of an int4 row, exactly scale * n + minimum in float32 (one rounding).
@@ -123,10 +154,10 @@ template <> struct Narrow<bf16_t> { static bf16_t from(float x) { return narrow_
 template <> struct Narrow<f16_t> { static f16_t from(float x) { return narrow_f16(x); } };
 template <class T, class A> inline T store_from_acc(A x) { return Narrow<T>::from(x); }
 
-// Per-row dequantisation scales of an int8 or float8 cache (1 for every other storage type):
+// Per-row dequantisation scales of a row-scaled cache (1 for every other storage type):
 // row j of (batch, kv head) is scale[j * row_stride] times its stored values.
 struct RowScales {
-    const float* scale = nullptr;  // nullptr: no scales (not an int8 / float8 cache)
+    const float* scale = nullptr;  // nullptr: no scales (not a row-scaled cache)
     int64_t row_stride = 0;
     // Paged cache (AttentionParams::block_table): this batch entry's block ids, or nullptr;
     // `scale` then points at the pool's kv head, blocks block_stride apart.
@@ -139,6 +170,41 @@ struct RowScales {
         return scale[row * row_stride];
     }
 };
+
+// ---- storage-type dispatch
+// A DType's storage type T and the DType itself, for fn(Stored<...>{}) (the format's
+// description: storage_format(kDType), constexpr).
+template <DType D, class T> struct Stored {
+    using type = T;
+    static constexpr DType kDType = D;
+    static constexpr StorageFormat kFormat = storage_format(D);
+};
+
+// A dtype reached a kernel that has no code for it. The checks before the kernels let none
+// through, so this is a bug: stop, rather than read memory as some other format.
+[[noreturn]] inline void unreachable_dtype(const char* what, DType d) {
+    std::fprintf(stderr, "attnfast: internal error: %s dtype %d reached a kernel without code for it\n",
+                 what, static_cast<int>(d));
+    std::abort();
+}
+
+// fn(Stored<t, T>{}) with T the storage type of dtype t: the kernels' one switch over storage
+// types, every DType named, no default branch (-Werror=switch: a new format does not compile
+// until it is named here; callers choose among types by the traits, never by a list).
+template <class Fn>
+inline void with_storage_type(DType t, Fn&& fn) {
+    switch (t) {
+        case DType::kF32: return fn(Stored<DType::kF32, float>{});
+        case DType::kF64: return fn(Stored<DType::kF64, double>{});
+        case DType::kF16: return fn(Stored<DType::kF16, f16_t>{});
+        case DType::kBF16: return fn(Stored<DType::kBF16, bf16_t>{});
+        case DType::kI8: return fn(Stored<DType::kI8, int8_t>{});
+        case DType::kF8E4M3: return fn(Stored<DType::kF8E4M3, f8e4m3_t>{});
+        case DType::kF8E5M2: return fn(Stored<DType::kF8E5M2, f8e5m2_t>{});
+        case DType::kQ4: return fn(Stored<DType::kQ4, q4_t>{});
+    }
+    unreachable_dtype("storage", t);
+}
 
 }  // namespace
 }  // namespace ATTNFAST_KERNEL_NS

@@ -5,7 +5,7 @@
 // this one adds double lanes and the storage types' converting loads (storage.hpp):
 //   Vec<A>, vec_lanes<A>()   one register of A
 //   vload vstore             unaligned whole vectors; vload of bf16_t / f16_t / int8_t /
-//                            fp8_t widens exactly to float32 lanes; vload_row also reads int4
+//                            float8 widens exactly to float32 lanes; vload_row also reads int4
 //   vsum                     the lanes summed in a fixed tree
 //   fmadd splat loadu storeu a * b + c with one rounding where the ISA has FMA; broadcast;
 //                            one unaligned vector move each
@@ -101,9 +101,10 @@ inline Vec<float> vload(const int8_t* p) {  // an int8 cache's values (scaled by
     return f;
 }
 
-// float8 e4m3fn (a float8 cache's values, scaled by the caller): lane by lane, exactly (the
+// A float8 format (a float8 cache's values, scaled by the caller): lane by lane, exactly (the
 // hand-written decode widens in registers; see simd_decode.inl).
-inline Vec<float> vload(const fp8_t* p) {
+template <class T, typename std::enable_if<Float8<T>::kIs, int>::type = 0>
+inline Vec<float> vload(const T* p) {
     Vec<float> f;
     for (int64_t i = 0; i < vec_lanes<float>(); ++i) f[i] = widen(p[i]);
     return f;

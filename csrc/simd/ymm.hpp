@@ -24,19 +24,27 @@ inline __m256 widen8(const bf16_t* x) {
 inline __m256 widen8(const int8_t* x) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x))));
 }
-// float8 e4m3fn, times 2^-8 (kWidenScaleFold: the row scale carries the 2^8): each byte moved
-// into a float16's bits, s.eeee.mmm -> s.0eeee.mmm0000000 = (byte + (byte & 0x80)) << 7, which
-// is the e4m3 value over 2^8 with every subnormal exact (both formats' subnormals are 0.m times
-// their smallest normal), then vcvtph2ps. S.1111.111 (NaN in e4m3fn) comes out as +-1.875, a
-// magnitude no finite e4m3 value over 2^8 has (the largest is 1.75): those lanes are set to
-// all ones, a NaN (a compare in the float domain: no lane-crossing widening of a 16-bit mask).
-inline __m256 widen8(const fp8_t* p) {
+// A float8 format (storage.hpp's Float8 traits), times 1 / kWidenScaleFold (the row scale
+// carries the rest): each byte moved into a float16's bits, then vcvtph2ps. e4m3fn's move,
+// s.eeee.mmm -> s.0eeee.mmm0000000, is (byte + (byte & 0x80)) << 7; a byte whose sign is
+// already in place (kMagShift 8, e5m2) is byte << 8. kNanAtAllOnes: S.1111.111 comes out as
+// +-kAllOnesWidened, a magnitude no finite value widens to: those lanes are set to all ones,
+// a NaN (a compare in the float domain: no lane-crossing widening of a 16-bit mask).
+template <class T, typename std::enable_if<Float8<T>::kIs, int>::type = 0>
+inline __m256 widen8(const T* p) {
+    static_assert(Float8<T>::kMagShift == 7 || Float8<T>::kMagShift == 8, "a float8 move of 7 or 8 bits");
     const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m128i h = _mm_slli_epi16(_mm_add_epi16(b, _mm_and_si128(b, _mm_set1_epi16(0x80))), 7);
+    const __m128i h = Float8<T>::kMagShift == 8
+                          ? _mm_slli_epi16(b, 8)
+                          : _mm_slli_epi16(_mm_add_epi16(b, _mm_and_si128(b, _mm_set1_epi16(0x80))), 7);
     const __m256 x = _mm256_cvtph_ps(h);
-    const __m256 nan = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x), _mm256_set1_ps(1.875f),
-                                     _CMP_EQ_OQ);
-    return _mm256_or_ps(x, nan);
+    if constexpr (Float8<T>::kNanAtAllOnes) {
+        const __m256 nan = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x),
+                                         _mm256_set1_ps(Float8<T>::kAllOnesWidened), _CMP_EQ_OQ);
+        return _mm256_or_ps(x, nan);
+    } else {
+        return x;
+    }
 }
 
 // ---- float32 to 8 stored elements

@@ -12,22 +12,18 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from . import _ext, _int4
+from . import _ext
+from ._formats import FORMATS, KVFormat, format_named, format_of_storage, names, quantized_formats
+from ._formats import FLOAT8_E4M3  # noqa: F401  (the vLLM backend's)
 from ._runtime import _clamp, _positive_int, get_num_threads, resolve_threads
 
 FLOAT32 = np.dtype(np.float32)
 FLOAT64 = np.dtype(np.float64)
 FLOAT16 = np.dtype(np.float16)
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-INT8 = np.dtype(np.int8)
-FLOAT8_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
-# KV-cache storage formats with one float32 scale per (sequence, kv head, token) row
-ROW_SCALED_DTYPES = (INT8, FLOAT8_E4M3)
-# The int4 format's storage: packed blocks with their own scales (attnfast._int4). A uint8
-# cache array is always one; KVCache / PagedKVCache(dtype="int4") own such arrays and know
-# their head dims (a packed row's length does not say them).
-INT4_STORAGE = _int4.STORAGE
-QUANTIZED_DTYPES = ROW_SCALED_DTYPES + (INT4_STORAGE,)  # quantised when tokens are written
+# KV-cache storage formats: attnfast._formats (one entry per format). A packed format's
+# arrays (int4's uint8 blocks) do not say their head dims: KVCache / PagedKVCache own such
+# arrays and know them; attention_with_kvcache takes q's and v_head_dim.
 _KERNEL_DTYPES = (FLOAT32, FLOAT64, FLOAT16, BFLOAT16)
 LOWP_DTYPES = (FLOAT16, BFLOAT16)  # 16-bit storage; arithmetic in float32
 _DTYPE_NAMES = "float32, float64, float16 or bfloat16"
@@ -35,6 +31,35 @@ _DTYPE_NAMES = "float32, float64, float16 or bfloat16"
 
 def _dtype_name(dt: np.dtype) -> str:
     return str(dt)
+
+
+def cache_format(dtype: np.dtype) -> KVFormat | None:
+    """The KV format whose cache arrays have `dtype`, or None (attnfast._formats)."""
+    return format_of_storage(dtype)
+
+
+def is_quantized(dtype: np.dtype) -> bool:
+    """Whether a cache of `dtype` is quantised when tokens are written (int8, float8, int4)."""
+    fmt = format_of_storage(dtype)
+    return fmt is not None and fmt.quantized
+
+
+def is_row_scaled(dtype: np.dtype) -> bool:
+    """Whether a cache of `dtype` has one float32 scale per row (k_scale / v_scale)."""
+    fmt = format_of_storage(dtype)
+    return fmt is not None and fmt.row_scaled
+
+
+def _format_label(dtype: np.dtype) -> str:
+    """A cache dtype as messages name it: its format's name (int4 for uint8 storage)."""
+    fmt = format_of_storage(dtype)
+    return fmt.name if fmt is not None else str(dtype)
+
+
+def _row_scaled_names() -> tuple[str, str]:
+    """('int8', 'float8_e4m3fn or float8_e5m2'): the row-scaled formats, the first apart."""
+    scaled = [f for f in FORMATS.values() if f.row_scaled]
+    return scaled[0].name, names(scaled[1:])
 
 
 def as_float_array(x, name: str) -> np.ndarray:
@@ -51,16 +76,14 @@ def as_float_array(x, name: str) -> np.ndarray:
 
 def check_query_kv_dtypes(q_dtype: np.dtype, kv_dtype: np.dtype, kv_names: str) -> None:
     """q shares the dtype of k and v, except that a float32 q may read a float16 /
-    bfloat16 cache, and a float32 / 16-bit q an int8, float8_e4m3fn or int4 cache."""
-    if q_dtype == kv_dtype and kv_dtype not in QUANTIZED_DTYPES:
-        return
-    if q_dtype == FLOAT32 and kv_dtype in LOWP_DTYPES:
-        return
-    if kv_dtype in QUANTIZED_DTYPES and q_dtype in (FLOAT32, FLOAT16, BFLOAT16):
+    bfloat16 cache, and a float32 / 16-bit q a quantised one (int8, float8, int4): the
+    formats' query_dtypes (attnfast._formats)."""
+    fmt = format_of_storage(kv_dtype)
+    if fmt is not None and q_dtype in fmt.query_dtypes:
         return
     raise TypeError(f"q has dtype {q_dtype} and {kv_names} {kv_dtype}: they must share a dtype, "
                     "except that a float32 q may read float16 or bfloat16 keys and values, and "
-                    "a float32, float16 or bfloat16 q an int8, float8_e4m3fn or int4 cache")
+                    f"a float32, float16 or bfloat16 q an {names(quantized_formats())} cache")
 
 
 def whole_elements(arr: np.ndarray) -> np.ndarray:
@@ -395,10 +418,13 @@ def _noted(array: np.ndarray, note: tuple, **face) -> np.ndarray:
     """An array over `array`'s memory, its __array_interface__ changed by `face`, whose base
     carries `note` (found by _note_of, however the array is viewed after)."""
     holder = _Noted()
-    holder.__array_interface__ = {**array.__array_interface__, **face}
+    # described as raw bytes, then viewed as its dtype: NumPy cannot read back every
+    # ml_dtypes type's typestr (float8_e5m2's '<f1')
+    raw = f"|V{array.itemsize}"
+    holder.__array_interface__ = {**array.__array_interface__, "typestr": raw,
+                                  "descr": [("", raw)], **face}
     holder.note, holder._owner = note, array
-    made = np.asarray(holder)
-    return made if made.dtype == array.dtype else made.view(array.dtype)  # bfloat16: 'V2'
+    return np.asarray(holder).view(array.dtype)
 
 
 def _note_of(a: np.ndarray) -> tuple:
@@ -519,14 +545,14 @@ def is_latent_view(k, v) -> bool:
 
 def check_latent_spec(latent, head_dim: int, head_dim_v: int, dtype) -> bool:
     """KVCache(latent=): a bool; a latent cache stores one row per token whose first
-    head_dim_v elements are the values, so head_dim_v <= head_dim, and not int8, float8 or
-    int4 (its K and V rows would need scales of their own)."""
+    head_dim_v elements are the values, so head_dim_v <= head_dim, and not quantised (int8,
+    float8, int4: its K and V rows would need scales of their own)."""
     latent = check_flag(latent, "latent")
     if latent and head_dim_v > head_dim:
         raise ValueError(f"a latent cache's values are a prefix of its rows: v_head_dim must be "
                          f"<= head_dim, got v_head_dim={head_dim_v}, head_dim={head_dim}")
-    if latent and dtype in QUANTIZED_DTYPES:
-        kind = "int4" if dtype == INT4_STORAGE else dtype
+    if latent and is_quantized(dtype):
+        kind = _format_label(dtype)
         raise NotImplementedError(f"latent=True with dtype={kind} is not supported (one scale "
                                   "per row cannot serve K and its V prefix); use float32, "
                                   "float16 or bfloat16")
@@ -601,23 +627,25 @@ def check_varlen_slopes(alibi_slopes, batch: int, heads: int) -> list:
 # ---- KV cache: attention_with_kvcache and KVCache (attnfast._kvcache) ----
 
 def _exact_dtype(arr: np.ndarray, name: str) -> np.dtype:
-    """The dtype of an array attnfast writes into in place: a kernel dtype or int8, native
-    order (a conversion would be a copy, and the writes would be lost)."""
+    """The dtype of an array attnfast writes into in place: a KV format's storage dtype,
+    native order (a conversion would be a copy, and the writes would be lost)."""
     dt = arr.dtype
-    if (dt in _KERNEL_DTYPES or dt in QUANTIZED_DTYPES) and dt.isnative:
+    if format_of_storage(dt) is not None and dt.isnative:
         return dt
-    raise TypeError(f"{name} must be a {_DTYPE_NAMES} (or int8, float8_e4m3fn) array in native byte order, "
-                    f"got dtype {_dtype_name(dt)}")
+    quantized = [str(f.storage) for f in quantized_formats() if not f.packed]
+    raise TypeError(f"{name} must be a {_DTYPE_NAMES} (or {', '.join(quantized)}) array in native "
+                    f"byte order, got dtype {_dtype_name(dt)}")
 
 
 def check_cache_scales(k_scale, v_scale, cache_dtype: np.dtype, shape: tuple, writes: bool,
                        names=("k_scale", "v_scale")):
-    """The float32 (batch, kv_heads, capacity) row scales of an int8 or float8_e4m3fn cache;
-    None for others."""
-    if cache_dtype not in ROW_SCALED_DTYPES:
+    """The float32 (batch, kv_heads, capacity) row scales of a row-scaled cache (int8,
+    float8); None for others."""
+    if not is_row_scaled(cache_dtype):
+        first, rest = _row_scaled_names()
         for name, a in zip(names, (k_scale, v_scale)):
             if a is not None:
-                raise ValueError(f"{name} is only for an int8 cache (or a float8_e4m3fn one); "
+                raise ValueError(f"{name} is only for an {first} cache (or a {rest} one); "
                                  f"the cache has dtype {cache_dtype}")
         return None, None
     for name, a in zip(names, (k_scale, v_scale)):
@@ -641,25 +669,26 @@ def check_cache_scales(k_scale, v_scale, cache_dtype: np.dtype, shape: tuple, wr
 
 
 def check_key_rotation(key_rotation, cache_dtype: np.dtype, name: str = "key_rotation"):
-    """None or "hadamard" (attnfast._rotation), the latter for int8 / float8 / int4 caches
-    only."""
+    """None or "hadamard" (attnfast._rotation), the latter for quantised caches only."""
     if key_rotation is None:
         return None
     if not isinstance(key_rotation, str) or key_rotation != "hadamard":
         raise ValueError(f"{name} must be None or \"hadamard\", got {key_rotation!r}")
-    if cache_dtype not in QUANTIZED_DTYPES:
-        raise ValueError(f"{name}=\"hadamard\" is for int8, float8_e4m3fn and int4 caches (it makes "
+    if not is_quantized(cache_dtype):
+        raise ValueError(f"{name}=\"hadamard\" is for {names(quantized_formats(), 'and')} caches (it makes "
                          f"their per-token scales robust to outlier channels); the cache has "
                          f"dtype {cache_dtype}")
     return key_rotation
 
 
 def default_key_rotation(key_rotation, cache_dtype: np.dtype):
-    """A cache's key_rotation argument: "auto" -> "hadamard" for int8 and int4 (measured:
-    per-token int8 keys lose 4x accuracy to outlier channels without it, int4 blocks 2x;
-    float8 does not gain), else None; otherwise checked as check_key_rotation."""
+    """A cache's key_rotation argument: "auto" -> "hadamard" for the formats that rotate keys
+    by default, int8 and int4 (measured: per-token int8 keys lose 4x accuracy to outlier
+    channels without it, int4 blocks 2x; float8 does not gain), else None; otherwise checked
+    as check_key_rotation."""
     if isinstance(key_rotation, str) and key_rotation == "auto":
-        return "hadamard" if cache_dtype in (INT8, INT4_STORAGE) else None
+        fmt = format_of_storage(cache_dtype)
+        return "hadamard" if fmt is not None and fmt.rotate_keys else None
     return check_key_rotation(key_rotation, cache_dtype)
 
 
@@ -675,17 +704,26 @@ def check_cache_spec(batch, kv_heads, head_dim, capacity, dtype, v_head_dim):
         raise ValueError(f"KVCache(batch={B}, kv_heads={kv_heads}, capacity={C}, head_dim={D}, "
                          f"v_head_dim={Dv}) is too large: {B * Hkv * C * max(D, Dv)} elements per "
                          "array")
-    wanted = f"dtype must be {_DTYPE_NAMES}, \"int8\", \"int4\" or ml_dtypes.float8_e4m3fn"
-    if isinstance(dtype, str) and dtype == "int4":
-        return B, Hkv, D, C, INT4_STORAGE, Dv
+    return B, Hkv, D, C, check_cache_dtype(dtype).storage, Dv
+
+
+def check_cache_dtype(dtype) -> KVFormat:
+    """A cache's dtype= -> its format (attnfast._formats): a format's name, or a NumPy /
+    ml_dtypes dtype that is a format's storage (not uint8: int4 is named)."""
+    fmt = format_named(dtype)
+    if fmt is not None:
+        return fmt
+    quoted = [f'"{f.name}"' for f in quantized_formats()]
+    wanted = (f"dtype must be {_DTYPE_NAMES}, or a quantised format {', '.join(quoted[:-1])} "
+              f"or {quoted[-1]} (float8 also as the ml_dtypes type)")
     try:
-        dt = FLOAT8_E4M3 if isinstance(dtype, str) and dtype == "float8_e4m3fn" else np.dtype(dtype)
+        dt = np.dtype(dtype)
     except TypeError:
         raise TypeError(f"{wanted}, got {dtype!r}") from None
-    if dt not in _KERNEL_DTYPES and dt not in ROW_SCALED_DTYPES:
-        raise TypeError(f"{wanted}, got {dt}" + (" (an int4 cache is dtype=\"int4\"; uint8 "
-                                                  "is its storage)" if dt == INT4_STORAGE else ""))
-    return B, Hkv, D, C, dt, Dv
+    packed = format_of_storage(dt)
+    hint = (f" (an {packed.name} cache is dtype=\"{packed.name}\"; {dt} is its storage)"
+            if packed is not None and packed.packed else "")
+    raise TypeError(f"{wanted}, got {dt}{hint}")
 
 
 def _integer_array(value, name: str, expected: str) -> np.ndarray:
@@ -777,8 +815,12 @@ def _check_array_pair(k_cache, v_cache, names, four_d: str):
 
 
 def is_int4_storage(cache) -> bool:
-    """Whether a caller's cache array holds int4 rows (uint8: attnfast._int4's packed blocks)."""
-    return isinstance(cache, np.ndarray) and cache.dtype == INT4_STORAGE
+    """Whether a caller's cache array holds a packed format's rows (int4: uint8, the packed
+    blocks of attnfast._int4), whose length does not say the head dim."""
+    if not isinstance(cache, np.ndarray):
+        return False
+    fmt = format_of_storage(cache.dtype)
+    return fmt is not None and fmt.packed
 
 
 def int4_head_dims(q, k_cache, v_head_dim, name: str = "v_head_dim"):
@@ -806,16 +848,17 @@ def _check_head_dims(k_cache, v_cache, names, dtype, head_dims) -> tuple[int, in
     """(D, Dv) of a cache pair: their last axes, or for int4 storage (uint8) `head_dims`,
     which the packed rows must fit (attnfast._int4.packed_size)."""
     kn, vn = names
-    if dtype == INT4_STORAGE:
+    fmt = format_of_storage(dtype)
+    if fmt is not None and fmt.packed:
         if head_dims is None:
-            raise TypeError(f"{kn} and {vn} are uint8: int4 caches are used through "
-                            "attnfast.KVCache / PagedKVCache(dtype=\"int4\"), which know their "
+            raise TypeError(f"{kn} and {vn} are {dtype}: {fmt.name} caches are used through "
+                            f"attnfast.KVCache / PagedKVCache(dtype=\"{fmt.name}\"), which know their "
                             "head dims, or attention_with_kvcache (v_head_dim= gives Dv)")
         D, Dv = head_dims
         for name, a, dim in ((kn, k_cache, D), (vn, v_cache, Dv)):
-            if a.shape[3] != _int4.packed_size(dim):
-                raise ValueError(f"{name} {_shape_str(a)} does not hold int4 rows of {dim} "
-                                 f"values ({_int4.packed_size(dim)} bytes each)")
+            if a.shape[3] != fmt.stored_dim(dim):
+                raise ValueError(f"{name} {_shape_str(a)} does not hold {fmt.name} rows of {dim} "
+                                 f"values ({fmt.row_bytes(dim)} bytes each)")
         return D, Dv
     if k_cache.shape[3] < 1 or v_cache.shape[3] < 1:
         raise ValueError(f"head dims must be >= 1; got {kn} {_shape_str(k_cache)}, "
@@ -856,9 +899,9 @@ def check_new_tokens(k_new, v_new, *, batch, kv_heads, head_dim, head_dim_v, dty
     k_new = as_float_array(k_new, "k_new")
     v_new = as_float_array(v_new, "v_new")
     for name, a in (("k_new", k_new), ("v_new", v_new)):
-        if dtype in QUANTIZED_DTYPES:  # quantised on the way in
+        if is_quantized(dtype):  # quantised on the way in
             if a.dtype not in (FLOAT32, FLOAT16, BFLOAT16):
-                kind = "int4" if dtype == INT4_STORAGE else dtype
+                kind = _format_label(dtype)
                 raise TypeError(f"{name} for an {kind} cache must be float32, float16 or bfloat16 "
                                 f"(quantised on append), got {a.dtype}")
         elif a.dtype != dtype and not (dtype in LOWP_DTYPES and a.dtype == FLOAT32):
@@ -929,7 +972,7 @@ def _kvcache_call(q, k_cache, v_cache, sizes, dtype, cache_names, starts, k_new,
         # v_cache inside k_cache (a latent cache): k_new writes both. Not for a quantised
         # cache: its keys and values are quantised (and the keys rotated) apart, so the two
         # writes to the shared rows would differ (check_apart refuses the overlap).
-        latent = dtype not in QUANTIZED_DTYPES and is_latent_view(k_cache, v_cache)
+        latent = not is_quantized(dtype) and is_latent_view(k_cache, v_cache)
         if latent:
             check_latent_tokens(k_new, v_new, Dv)
         check_apart([(kn, k_cache), (vn, None if latent else v_cache), (sn[0], k_scale),
@@ -1060,7 +1103,7 @@ def paged_plan(call, q, k_scale, v_scale, window=None, return_lse=False):
     replaced per call; the window as checked; the lse dtype or None without return_lse);
     None with new tokens, for int4 pools, and unless the kernels took q and the scales as
     given."""
-    if (call.new_tokens or call.k_cache.dtype == INT4_STORAGE or as_float_array(q, "q") is not q
+    if (call.new_tokens or is_int4_storage(call.k_cache) or as_float_array(q, "q") is not q
             or kernel_ready(q) is not q or call.attn.q is not q
             or call.k_scale is not k_scale or call.v_scale is not v_scale):
         return None
@@ -1072,7 +1115,7 @@ def kvcache_plan(q, k_cache, v_cache, k_new, out, scale, window, return_lse):
     dtype, scale, window as checked, Tq, capacity, lse dtype or None without return_lse);
     None for int8 / float8 / int4 caches (quantised on write) and unless the kernels took
     q, the caches and `out` (if given) as given."""
-    if (k_cache.dtype in QUANTIZED_DTYPES or as_float_array(q, "q") is not q or kernel_ready(q) is not q
+    if (is_quantized(k_cache.dtype) or as_float_array(q, "q") is not q or kernel_ready(q) is not q
             or kernel_ready(k_cache) is not k_cache or kernel_ready(v_cache) is not v_cache
             or (out is not None and kernel_ready(out) is not out)):
         return None
@@ -1124,7 +1167,7 @@ def check_paged_pools(k_cache, v_cache, *, names=("k_cache", "v_cache"), head_di
 def check_paged_scales(k_scale, v_scale, cache_dtype, pool_shape: tuple, writes: bool,
                        names=("k_scale", "v_scale")):
     """An int8 pool's float32 (num_blocks, kv_heads, block_size) row scales."""
-    if cache_dtype in ROW_SCALED_DTYPES:
+    if is_row_scaled(cache_dtype):
         for name, a in zip(names, (k_scale, v_scale)):
             if isinstance(a, np.ndarray) and a.ndim == 3 and a.shape[:2] == pool_shape[:2] \
                     and a.shape[2] != pool_shape[2]:

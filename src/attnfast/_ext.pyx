@@ -197,30 +197,37 @@ cdef inline int64_t _stride(cnp.ndarray a, int axis) except? -1:
     return byte_stride // item
 
 
-import ml_dtypes
 import numpy as np
 
-_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-_FLOAT8_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+from attnfast._formats import BFLOAT16 as _BFLOAT16, FORMATS, c_codes_by_type_num
+
+# C DType codes of the storage formats (attnfast._formats) by NumPy type number: NumPy's own
+# types in a table, ml_dtypes' (numbers of 256 and up, given at import) in a dict.
+cdef enum:
+    _BUILTIN_TYPES = 64
+cdef int _BUILTIN_CODES[_BUILTIN_TYPES]
+for _num in range(_BUILTIN_TYPES):
+    _BUILTIN_CODES[_num] = -1
+cdef dict _OTHER_CODES = {}
+for _num, _code in c_codes_by_type_num().items():
+    if 0 <= _num < _BUILTIN_TYPES:
+        _BUILTIN_CODES[_num] = _code
+    else:
+        _OTHER_CODES[_num] = _code
+# packed formats (int4) by type number: their rows' length is not the head dim
+cdef dict _PACKED_FORMATS = {f.storage.num: f for f in FORMATS.values() if f.packed}
 
 
 cdef DType _dtype_code(cnp.ndarray a) except *:
     cdef int num = cnp.PyArray_TYPE(a)
-    if num == cnp.NPY_FLOAT32:
-        return DType.kF32
-    if num == cnp.NPY_FLOAT64:
-        return DType.kF64
-    if num == cnp.NPY_FLOAT16:
-        return DType.kF16
-    if num == cnp.NPY_INT8:
-        return DType.kI8
-    if num == cnp.NPY_UINT8:  # an int4 cache's packed blocks (attnfast._int4)
-        return DType.kQ4
-    if a.dtype == _BFLOAT16:
-        return DType.kBF16
-    if a.dtype == _FLOAT8_E4M3:
-        return DType.kF8E4M3
-    raise TypeError(f"attnfast._ext: unsupported dtype {a.dtype}")
+    cdef int code = -1
+    if 0 <= num < _BUILTIN_TYPES:
+        code = _BUILTIN_CODES[num]
+    else:
+        code = _OTHER_CODES.get(num, -1)
+    if code < 0:
+        raise TypeError(f"attnfast._ext: unsupported dtype {a.dtype}")
+    return <DType>code
 
 
 cdef int _fill_params(AttentionParams* p, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out, lse,
@@ -252,11 +259,12 @@ cdef int _fill_params(AttentionParams* p, cnp.ndarray q, cnp.ndarray k, cnp.ndar
             _stride(lse_arr, 0), _stride(lse_arr, 1), _stride(lse_arr, 2))
     p.batch, p.heads, p.seqlen_q, p.head_dim = q.shape[0], q.shape[1], q.shape[2], q.shape[3]
     p.kv_heads, p.seqlen_k, p.head_dim_v = k.shape[1], k.shape[2], v.shape[3]
-    if cnp.PyArray_TYPE(k) == cnp.NPY_UINT8:  # int4: rows of 20-byte blocks of 32 values
-        if (head_dim_v < 1 or k.shape[3] != (p.head_dim + 31) // 32 * 20
-                or v.shape[3] != (head_dim_v + 31) // 32 * 20):
-            raise TypeError("attnfast._ext: an int4 (uint8) k / v needs head_dim_v, and rows "
-                            "of ceil(head_dim / 32) and ceil(head_dim_v / 32) 20-byte blocks")
+    fmt = _PACKED_FORMATS.get(cnp.PyArray_TYPE(k)) if _PACKED_FORMATS else None
+    if fmt is not None:  # int4: rows of 20-byte blocks of 32 values
+        if (head_dim_v < 1 or k.shape[3] != fmt.stored_dim(p.head_dim)
+                or v.shape[3] != fmt.stored_dim(head_dim_v)):
+            raise TypeError(f"attnfast._ext: a {fmt.name} ({k.dtype}) k / v needs head_dim_v, "
+                            "and rows of its packed blocks for head_dim and head_dim_v")
         p.head_dim_v = head_dim_v
     scale_blocks = p.batch
     if block_table is not None:

@@ -13,14 +13,12 @@ import threading
 
 import numpy as np
 
-from . import _ext, _int4
+from . import _ext
+from ._formats import format_of_storage, quantize_float8, quantize_int8  # noqa: F401 (re-exported)
 from ._api import kernels_interruptible, run_kernels
 from ._interop import accepts_arrays
 from ._key_index import check_key_index
 from ._checks import (
-    FLOAT8_E4M3,
-    INT4_STORAGE,
-    ROW_SCALED_DTYPES,
     KVCACHE_PLANS,
     PAGED_PLANS,
     bound_window,
@@ -57,63 +55,25 @@ __all__ = ["KVCache", "attention_with_kvcache"]
 _LENGTHS = "KVCache.lengths"  # a KVCache's lengths in its plan keys (attnfast._ext.kvcache_key)
 
 
-def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int8 per row (last axis): scale = max|x| / 127, values round(x / scale).
-    Returns (int8 values, float32 scales of x.shape[:-1]). An all-zero row has scale 0; a
-    row holding NaN or inf gets a NaN scale, so it reads back as NaN (never as numbers)."""
-    x = np.asarray(x, dtype=np.float32)
-    peak = np.max(np.abs(x), axis=-1, initial=0.0) if x.shape[-1] else np.zeros(x.shape[:-1], np.float32)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        scale = (peak / np.float32(127.0)).astype(np.float32)
-        finite = np.isfinite(scale)
-        scale = np.where(finite, scale, np.float32(np.nan)).astype(np.float32)
-        safe = np.where(finite & (scale > 0), scale, np.float32(1.0))
-        values = np.rint(np.where(finite[..., None], x, 0) / safe[..., None])
-    return np.clip(values, -127, 127).astype(np.int8), scale
-
-
-FLOAT8_E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
-
-
-def quantize_float8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """float8_e4m3fn per row (last axis) with a float32 scale: scale = max|x| / 448, values
-    x / scale rounded to nearest even. Returns (float8_e4m3fn values, float32 scales of
-    x.shape[:-1]). As quantize_int8: an all-zero row has scale 0, a row holding NaN or inf a
-    NaN scale (and zero values), so it reads back as NaN."""
-    x = np.asarray(x, dtype=np.float32)
-    peak = np.max(np.abs(x), axis=-1, initial=0.0) if x.shape[-1] else np.zeros(x.shape[:-1], np.float32)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        scale = (peak / np.float32(FLOAT8_E4M3_MAX)).astype(np.float32)
-        finite = np.isfinite(scale)
-        scale = np.where(finite, scale, np.float32(np.nan)).astype(np.float32)
-        safe = np.where(finite & (scale > 0), scale, np.float32(1.0))
-        # |x / scale| <= 448 up to one float32 rounding: clip so it never rounds to NaN
-        values = np.clip(np.where(finite[..., None], x, 0) / safe[..., None],
-                         -FLOAT8_E4M3_MAX, FLOAT8_E4M3_MAX)
-    return values.astype(FLOAT8_E4M3), scale
-
-
 def quantize_rows(x: np.ndarray, cache_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """x quantised per row for a row-scaled cache format (int8 or float8_e4m3fn)."""
-    return quantize_float8(x) if cache_dtype == FLOAT8_E4M3 else quantize_int8(x)
+    """x quantised per row for a row-scaled cache format (int8, float8): (values, scales)."""
+    return format_of_storage(cache_dtype).quantize(x)
 
 
-def _stored_form(k_new, v_new, cache_dtype, row_scaled: bool, key_rotation=None):
+def _stored_form(k_new, v_new, cache_dtype, key_rotation=None):
     """k_new, v_new as the cache stores them, converted before anything is written:
-    (k, v, k row scales, v row scales), the scales None unless int8 / float8 (int4 rows
-    carry their own, attnfast._int4). Values beyond
+    (k, v, k row scales, v row scales), the scales None unless the format is row-scaled
+    (int8, float8; int4 rows carry their own, attnfast._int4). Values beyond
     a 16-bit dtype's range become +-inf, as the cast gives, with no overflow warning
     (docs/user_guide/reliability.md): a warning turned into an error must not stop a write half-way."""
-    if cache_dtype == INT4_STORAGE:  # packed blocks with their own scales (attnfast._int4)
-        if key_rotation == "hadamard":
-            k_new = hadamard_rotate(k_new)
-        return _int4.quantize(k_new), _int4.quantize(v_new), None, None
-    if row_scaled:
+    fmt = format_of_storage(cache_dtype)
+    if fmt.quantized:  # attnfast._formats
         if key_rotation == "hadamard":  # see attnfast._rotation
             k_new = hadamard_rotate(k_new)
-        (k_new, k_rows) = quantize_rows(k_new, cache_dtype)
-        (v_new, v_rows) = quantize_rows(v_new, cache_dtype)
-        return k_new, v_new, k_rows, v_rows
+        if fmt.row_scaled:
+            (k_new, k_rows), (v_new, v_rows) = fmt.quantize(k_new), fmt.quantize(v_new)
+            return k_new, v_new, k_rows, v_rows
+        return fmt.quantize(k_new), fmt.quantize(v_new), None, None
     if k_new.dtype != cache_dtype or v_new.dtype != cache_dtype:
         with np.errstate(over="ignore", invalid="ignore"):
             k_new, v_new = k_new.astype(cache_dtype), v_new.astype(cache_dtype)
@@ -137,8 +97,7 @@ def _write_tokens(k_cache, v_cache, seqs, starts, k_new, v_new, k_scale, v_scale
     what it overwrites goes to `undo`. seqs, starts: lists of ints. key_rotation: None or
     "hadamard" (keys rotated before they are quantised; attnfast._rotation)."""
     t = k_new.shape[2]
-    k_new, v_new, k_rows, v_rows = _stored_form(k_new, v_new, k_cache.dtype, k_scale is not None,
-                                                key_rotation)
+    k_new, v_new, k_rows, v_rows = _stored_form(k_new, v_new, k_cache.dtype, key_rotation)
     for i, (b, s) in enumerate(zip(seqs, starts)):
         rows = (b, slice(None), slice(s, s + t))
         undo.write(k_cache, rows, k_new[i])
@@ -154,8 +113,7 @@ def _write_paged_tokens(k_pool, v_pool, table, starts, k_new, v_new, k_scale, v_
     (starts[i] + u) % block_size of block table[i, (starts[i] + u) // block_size]."""
     t = k_new.shape[2]
     bs = k_pool.shape[2]
-    k_new, v_new, k_rows, v_rows = _stored_form(k_new, v_new, k_pool.dtype, k_scale is not None,
-                                                key_rotation)
+    k_new, v_new, k_rows, v_rows = _stored_form(k_new, v_new, k_pool.dtype, key_rotation)
     for i, s in enumerate(starts.tolist()):
         pos = np.arange(s, s + t)
         rows = (table[i, pos // bs], slice(None), pos % bs)
@@ -205,8 +163,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
         Row j of sequence b, head g stands for ``k_scale[b, g, j] * k_cache[b, g, j]``
         (symmetric: scale = max|x| / 127). The new tokens' scales are written in place.
         With block_table: (num_blocks, Hkv, block_size), paged like the caches. A
-        float8_e4m3fn cache (``ml_dtypes.float8_e4m3fn``) has the same scales (scale =
-        max|x| / 448).
+        float8_e4m3fn or float8_e5m2 cache (``ml_dtypes.float8_e4m3fn`` / ``float8_e5m2``)
+        has the same scales (scale = max|x| / 448, or / 57344).
         An int4 cache is uint8 arrays of packed rows, ``(B, Hkv, capacity,
         packed_size(D))``, as :class:`attnfast.KVCache` (dtype="int4") holds them: blocks of
         32 values, each with its own bfloat16 scale and minimum in the row (no scale arrays;
@@ -514,7 +472,8 @@ class KVCache:
     ``dtype``: float32, float64, float16 or bfloat16 (stored as given), or a quantised
     format new tokens are quantised into on append (queries float32, float16 or bfloat16):
     ``"int8"`` (a float32 scale per token row in ``k_scale`` / ``v_scale``; keys rotated,
-    see ``key_rotation``), ``ml_dtypes.float8_e4m3fn`` (scales the same) or ``"int4"``
+    see ``key_rotation``), ``ml_dtypes.float8_e4m3fn`` or ``float8_e5m2`` (scales the same;
+    also by name, ``"float8_e5m2"``) or ``"int4"``
     (groups of 32 values with their own bfloat16 scale and minimum, packed into uint8 ``k`` /
     ``v`` rows of 20 * ceil(head_dim / 32) bytes; keys rotated). Formats and their errors:
     the user guide's "KV-cache formats" page.
@@ -546,14 +505,14 @@ class KVCache:
         self._latent = check_latent_spec(latent, D, Dv, dt)
         self._key_rotation = default_key_rotation(key_rotation, dt)
         self._head_dims = (D, Dv)
-        # int4: rows of packed blocks (attnfast._int4), their length not the head dim
-        stored = (_int4.packed_size(D), _int4.packed_size(Dv)) if dt == INT4_STORAGE else (D, Dv)
+        fmt = format_of_storage(dt)  # (int4: rows of packed blocks, their length not the head dim)
+        stored = (fmt.stored_dim(D), fmt.stored_dim(Dv))
         self._k = np.zeros((B, Hkv, C, stored[0]), dtype=dt)
         # latent (MLA): one row per token; the values are its first Dv elements (a view)
         self._v = (self._k[..., :Dv] if self._latent
                    else np.zeros((B, Hkv, C, stored[1]), dtype=dt))
         # int8 / float8 storage: one float32 dequantisation scale per (sequence, kv head, token)
-        scaled = dt in ROW_SCALED_DTYPES
+        scaled = fmt.row_scaled
         self._k_scale = np.zeros((B, Hkv, C), np.float32) if scaled else None
         self._v_scale = np.zeros((B, Hkv, C), np.float32) if scaled else None
         self._lengths = np.zeros(B, dtype=np.int64)
@@ -613,7 +572,7 @@ class KVCache:
                          "cache); uint8 for an int4 cache (its packed blocks).")
 
     def __repr__(self) -> str:
-        kind = "'int4'" if self.dtype == INT4_STORAGE else self.dtype
+        kind = format_of_storage(self.dtype).label()
         return (f"KVCache(batch={self.batch}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, "
                 f"capacity={self.capacity}, dtype={kind}, v_head_dim={self.v_head_dim}"
                 f"{', latent=True' if self._latent else ''}; "

@@ -14,12 +14,11 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from . import _ext, _int4, _shared_prefix
+from . import _ext, _shared_prefix
 from ._api import kernels_interruptible
+from ._formats import format_of_storage
 from ._checks import (
-    INT4_STORAGE,
     KVCACHE_PLANS,
-    ROW_SCALED_DTYPES,
     fast_query_offset,
     fast_threads,
     kvcache_key,
@@ -106,12 +105,13 @@ class PagedKVCache:
         # see docs/user_guide/paged.md).
         # (int4: rows of packed blocks, attnfast._int4, their length not the head dim)
         self._head_dims = (D, Dv)
-        stored = (_int4.packed_size(D), _int4.packed_size(Dv)) if dt == INT4_STORAGE else (D, Dv)
+        fmt = format_of_storage(dt)
+        stored = (fmt.stored_dim(D), fmt.stored_dim(Dv))
         self._k = np.zeros((Hkv, NB, BS, stored[0]), dtype=dt).transpose(1, 0, 2, 3)
         # latent (MLA): one row per token; the values are its first Dv elements (a view)
         self._v = (self._k[..., :Dv] if self._latent
                    else np.zeros((Hkv, NB, BS, stored[1]), dtype=dt).transpose(1, 0, 2, 3))
-        scaled = dt in ROW_SCALED_DTYPES  # int8 / float8: one float32 scale per (block, kv head, row)
+        scaled = fmt.row_scaled  # int8 / float8: one float32 scale per (block, kv head, row)
         self._k_scale = np.zeros((Hkv, NB, BS), np.float32).transpose(1, 0, 2) if scaled else None
         self._v_scale = np.zeros((Hkv, NB, BS), np.float32).transpose(1, 0, 2) if scaled else None
         self._refs = np.zeros(NB, dtype=np.int64)     # sequences holding each block
@@ -193,7 +193,7 @@ class PagedKVCache:
         return self._table([self._seqs[s].blocks for s in ids], fill=-1).astype(np.int32)
 
     def __repr__(self) -> str:
-        kind = "'int4'" if self.dtype == INT4_STORAGE else self.dtype
+        kind = format_of_storage(self.dtype).label()
         return (f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, dtype={kind}, "
                 f"v_head_dim={self.v_head_dim}{', latent=True' if self._latent else ''}; "

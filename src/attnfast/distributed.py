@@ -20,12 +20,10 @@ import threading
 
 import numpy as np
 
-from . import _int4
 from ._api import merge_attention_states
+from ._formats import format_of_storage
 from ._checks import (
     FLOAT64,
-    INT4_STORAGE,
-    ROW_SCALED_DTYPES,
     LOWP_DTYPES,
     _positive_int,
     check_batch_index,
@@ -211,8 +209,8 @@ class ShardedKVCache:
     Parameters
     ----------
     batch, kv_heads, head_dim, dtype, v_head_dim
-        As in :class:`attnfast.KVCache` (every storage dtype: int8, float8_e4m3fn and int4
-        included; new K/V rows of a quantised cache are float32, float16 or bfloat16, sent as
+        As in :class:`attnfast.KVCache` (every storage format of attnfast._formats: int8,
+        float8 and int4 included; new K/V rows of a quantised cache are float32, float16 or bfloat16, sent as
         given and quantised by the shard that stores them).
     capacity_per_shard : int
         Tokens per sequence each shard holds.
@@ -283,8 +281,8 @@ class ShardedKVCache:
         self._lock = threading.Lock()
         # zero-stride stand-ins of the whole cache, for the argument checks (no memory); an
         # int4 cache's rows are packed blocks (attnfast._int4), their length not the head dim
-        self._stored_dims = ((_int4.packed_size(D), _int4.packed_size(Dv))
-                             if dt == INT4_STORAGE else (D, Dv))
+        self._format = format_of_storage(dt)
+        self._stored_dims = (self._format.stored_dim(D), self._format.stored_dim(Dv))
         self._k_one = np.zeros(1, dt)
         self._v_one = np.zeros(1, dt)
         self._s_one = np.zeros(2, np.float32)  # [0]: k_scale's stand-in, [1]: v_scale's
@@ -294,7 +292,7 @@ class ShardedKVCache:
         self._actors = []
         self._closed = False
         try:
-            spec = "int4" if dt == INT4_STORAGE else dt  # (KVCache takes int4 by name)
+            spec = self._format.name  # (KVCache takes every format by name)
             for opts in per_shard:
                 self._actors.append(cls.options(**opts).remote(B, Hkv, D, C, spec, Dv, NL))
             self._gather([(s, a.ping.remote()) for s, a in enumerate(self._actors)])
@@ -334,7 +332,7 @@ class ShardedKVCache:
                       doc="The shards' Ray actor handles, shard 0 first.")
 
     def __repr__(self) -> str:
-        kind = "'int4'" if self.dtype == INT4_STORAGE else self.dtype
+        kind = self._format.label()
         return (f"ShardedKVCache(batch={self.batch}, kv_heads={self.kv_heads}, "
                 f"head_dim={self.head_dim}, capacity_per_shard={self.capacity_per_shard}, "
                 f"num_shards={self.num_shards}, dtype={kind}, v_head_dim={self.v_head_dim}, "
@@ -476,7 +474,7 @@ class ShardedKVCache:
         k = stand_in(self._k_one, shape + (self._stored_dims[0],))  # (attnfast._checks)
         v = stand_in(self._v_one, shape + (self._stored_dims[1],))
         s = ((stand_in(self._s_one[:1], shape), stand_in(self._s_one[1:], shape))
-             if self._dtype in ROW_SCALED_DTYPES else (None, None))
+             if self._format.row_scaled else (None, None))
         return k, v, s
 
     def _run(self, q, k_new, v_new, *, layer, batch_index, causal, scale, window, softcap,

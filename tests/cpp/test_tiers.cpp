@@ -146,6 +146,24 @@ struct F8 {  // a float8 e4m3fn cache value (the row's float32 scale is kept bes
     }
     explicit operator double() const { return decode(bits); }
 };
+struct F8E5M2 {  // a float8 e5m2 cache value: float16's top byte (the row's scale beside it)
+    uint8_t bits;
+    F8E5M2() = default;
+    static double decode(uint8_t b) {
+        F16 h;
+        h.bits = static_cast<uint16_t>(b << 8);
+        return static_cast<double>(h);
+    }
+    explicit F8E5M2(double x) : bits(0x7F) {  // the nearest finite value (NaN stays NaN)
+        if (std::isnan(x)) return;
+        double best = kInf;
+        for (int b = 0; b < 256; ++b) {
+            const double d = std::fabs(decode(static_cast<uint8_t>(b)) - x);
+            if (d < best) best = d, bits = static_cast<uint8_t>(b);
+        }
+    }
+    explicit operator double() const { return decode(bits); }
+};
 template <class T> attnfast::DType dtype_of();
 template <> attnfast::DType dtype_of<float>() { return attnfast::DType::kF32; }
 template <> attnfast::DType dtype_of<double>() { return attnfast::DType::kF64; }
@@ -153,6 +171,7 @@ template <> attnfast::DType dtype_of<Bf16>() { return attnfast::DType::kBF16; }
 template <> attnfast::DType dtype_of<F16>() { return attnfast::DType::kF16; }
 template <> attnfast::DType dtype_of<I8>() { return attnfast::DType::kI8; }
 template <> attnfast::DType dtype_of<F8>() { return attnfast::DType::kF8E4M3; }
+template <> attnfast::DType dtype_of<F8E5M2>() { return attnfast::DType::kF8E5M2; }
 // Relative error the output's rounding to T adds (beyond the float32 arithmetic's).
 template <class T> double rounding_of() { return 0; }
 template <> double rounding_of<Bf16>() { return 4e-3; }  // half an ulp: 2^-9
@@ -239,8 +258,9 @@ template <class T, class TKV = T>
 bool run_case(const Case& c, uint64_t seed, const char* dtype) {
     using A = typename std::conditional<std::is_same<T, double>::value, double, float>::type;
     // int8 or float8: K/V rows with float32 scales, stored values spanning +-kStoredMax
-    constexpr bool kInt8 = std::is_same<TKV, I8>::value || std::is_same<TKV, F8>::value;
-    const double kStoredMax = std::is_same<TKV, F8>::value ? 448.0 : 127.0;
+    constexpr bool kInt8 = std::is_same<TKV, I8>::value || std::is_same<TKV, F8>::value ||
+                           std::is_same<TKV, F8E5M2>::value;
+    const double kStoredMax = std::is_same<TKV, F8>::value ? 448.0 : std::is_same<TKV, F8E5M2>::value ? 57344.0 : 127.0;
     const double tol = sizeof(A) == 4 ? 2e-5 : 1e-12;
     const double out_rel = tol + rounding_of<T>();  // relative tolerance of out
     const double out_abs = tol + (std::is_same<T, Bf16>::value && std::is_same<TKV, Bf16>::value && g_bf16_rounds_p
@@ -617,6 +637,8 @@ long run_dtypes(const Case& c, uint64_t& seed, long& checks) {
     run(run_case<float, F8>(c, seed++, "f32/f8"));
     run(run_case<Bf16, F8>(c, seed++, "bf16/f8"));
     run(run_case<F16, F8>(c, seed++, "f16/f8"));
+    run(run_case<float, F8E5M2>(c, seed++, "f32/f8e5m2"));
+    run(run_case<Bf16, F8E5M2>(c, seed++, "bf16/f8e5m2"));
     return failed;
 }
 
@@ -931,7 +953,7 @@ void run_tier(const std::string& tier, bool nan_only, Stats& total) {
     } else {
         st.failures += nan_failed;
     }
-    std::printf("tier %-8s %4ld problems (9 dtype combinations, threads 1 and 3): %ld failed%s\n", tier.c_str(),
+    std::printf("tier %-8s %4ld problems (14 dtype combinations, threads 1 and 3): %ld failed%s\n", tier.c_str(),
                 st.checks, st.failures,
                 known ? (nan_failed ? "  [NaN-contract failures XFAIL]" : "  [XPASS: NaN contract now holds]") : "");
     std::fflush(stdout);

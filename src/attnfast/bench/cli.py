@@ -27,7 +27,7 @@ from .costs import attention_flops, kv_bytes_per_token
 from .limits import (MIB, SETTLE_S, available_cpus, blas_description, busy_warning, cpu_flags,
                      cpu_name, last_level_cache_bytes, load_average, measure_gemm,
                      measure_read_bandwidth)
-from .options import CACHE_ONLY_DTYPES, parse_dtypes, parse_heads, parse_int_list
+from .options import CACHE_ONLY_DTYPES, KV_DTYPES, parse_dtypes, parse_heads, parse_int_list
 from .plot import bench_plot
 from .report import bench_report, fmt_len, write_json
 from .timing import (DecodeBench, Progress, Threads, activation_dtype, linear_fit, median,
@@ -58,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=128, help="head dimension D = Dv (default 128)")
     p.add_argument("--batch", type=int, default=1, help="batch size B (default 1)")
     p.add_argument("--dtype", type=parse_dtypes, default=[np.dtype(np.float32)],
-                   help="KV cache dtypes, a comma list of float32 (default), float64, float16, "
-                        "bfloat16, int8, float8_e4m3fn, int4: decode table and linear fit per dtype (GB/s "
+                   help="KV cache dtypes, a comma list of " + ", ".join(KV_DTYPES) + " (default "
+                        "float32): decode table and linear fit per dtype (GB/s "
                         "from the bytes read, scales included); prefill, (c) run in the "
                         "first dtype that is not a cache-only one")
     p.add_argument("--tokens", type=int, default=32, help="tokens generated in (c) (default 32)")

@@ -36,8 +36,9 @@ def decode_bytes(b: int, hkv: int, length: int, d: int, dv: int, itemsize: int) 
 def kv_bytes_per_token(kv_heads: int, d: int, dv: int, dt: np.dtype) -> int:
     """Bytes of K and V one cached token holds over all KV heads (int8: plus its 2 float32
     scales per KV head; int4: its packed blocks, scales included)."""
-    if dt.name == "int4":
-        from .._int4 import packed_size
-        return kv_heads * (packed_size(d) + packed_size(dv))
-    scales = 2 * 4 if dt.name in ("int8", "float8_e4m3fn") else 0
-    return kv_heads * ((d + dv) * dt.itemsize + scales)
+    from .._formats import FORMATS
+    fmt = FORMATS.get(dt.name)
+    if fmt is None:
+        return kv_heads * (d + dv) * dt.itemsize
+    scales = 2 * 4 if fmt.row_scaled else 0
+    return kv_heads * (fmt.row_bytes(d) + fmt.row_bytes(dv) + scales)

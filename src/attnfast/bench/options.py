@@ -5,11 +5,13 @@ import argparse
 
 import numpy as np
 
+from .._formats import FORMATS
+
 __all__ = ["KV_DTYPES", "parse_int_list", "parse_heads", "parse_dtype", "parse_dtypes"]
 
-KV_DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "float8_e4m3fn", "int4")
+KV_DTYPES = tuple(FORMATS)  # every KV-cache storage format (attnfast._formats)
 # KV-cache-only storage formats (queries and new tokens are float32 for them)
-CACHE_ONLY_DTYPES = ("int8", "float8_e4m3fn", "int4")
+CACHE_ONLY_DTYPES = tuple(name for name, fmt in FORMATS.items() if fmt.quantized)
 
 
 class CacheFormat(str):
@@ -64,18 +66,11 @@ def parse_heads(text: str) -> tuple[int, int]:
 
 
 def parse_dtype(text: str) -> "np.dtype | CacheFormat":
-    """A NumPy dtype from its name; ``bfloat16`` is ml_dtypes'; ``int4`` a CacheFormat."""
-    if text == "int4":
-        return CacheFormat("int4")
-    if text == "float8_e4m3fn":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.float8_e4m3fn)
-    if text == "bfloat16":
-        try:
-            import ml_dtypes
-        except ImportError:
-            raise argparse.ArgumentTypeError("dtype bfloat16 needs ml_dtypes (pip install ml_dtypes)") from None
-        return np.dtype(ml_dtypes.bfloat16)
+    """A NumPy dtype from its name: a KV format's storage dtype (attnfast._formats: bfloat16
+    and float8 are ml_dtypes'), a packed format's name (``int4``) a CacheFormat."""
+    fmt = FORMATS.get(text)
+    if fmt is not None:
+        return CacheFormat(fmt.name) if fmt.packed else fmt.storage
     try:
         return np.dtype(text)
     except TypeError:

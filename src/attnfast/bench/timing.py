@@ -141,8 +141,10 @@ class Progress:
 
 def activation_dtype(dt: np.dtype) -> np.dtype:
     """Queries and new tokens for a cache of dtype dt (float32 for an int8 / float8 / int4
-    cache)."""
-    return np.dtype(np.float32) if dt.name in ("int8", "float8_e4m3fn", "int4") else dt
+    cache: a quantised format of attnfast._formats)."""
+    from .._formats import FORMATS
+    fmt = FORMATS.get(dt.name)
+    return np.dtype(np.float32) if fmt is not None and fmt.quantized else dt
 
 
 def random_array(rng, shape, dtype) -> np.ndarray:
