@@ -7,10 +7,10 @@ namespace attnfast {
 
 // Element types. Arithmetic accumulates in float32 (float64 for kF64), never in 16 bits.
 // kI8, kF8E4M3, kF8E5M2 and kQ4 are KV-cache storage types only: symmetric int8 / float8
-// e4m3fn / float8 e5m2 values, each row with one float32 scale (k_scale / v_scale); or kQ4, 4-bit values in blocks
-// of 32 that carry their own float16 scale and minimum (value = scale * n + minimum; a row of
-// D values is ceil(D / 32) blocks of 20 bytes, strides counted in bytes; see
-// simd/storage.hpp for the byte order). storage_format() below describes each one.
+// e4m3fn / float8 e5m2 values, each row with one float32 scale (k_scale / v_scale); or kQ4,
+// 4-bit values in blocks of 32 that carry their own bfloat16 scale and minimum (value =
+// scale * n + minimum; a row of D values is ceil(D / 32) blocks of 20 bytes, strides counted
+// in bytes; see simd/storage.hpp for the byte order). storage_format() describes each one.
 enum class DType : int32_t {
     kF32 = 0, kF64 = 1, kF16 = 2, kBF16 = 3, kI8 = 4, kF8E4M3 = 5, kQ4 = 6, kF8E5M2 = 7
 };
@@ -39,7 +39,8 @@ constexpr StorageFormat storage_format(DType t) {
 }
 // Bytes of a stored row of n values (a row-scaled row's scale not included).
 constexpr int64_t stored_row_bytes(DType t, int64_t n) {
-    return (n + storage_format(t).block_values - 1) / storage_format(t).block_values * storage_format(t).block_bytes;
+    return (n + storage_format(t).block_values - 1) / storage_format(t).block_values *
+           storage_format(t).block_bytes;
 }
 // Bytes one unit of a stride steps in storage of type t: a value, or a byte of packed blocks.
 constexpr int64_t stride_unit_bytes(DType t) {
@@ -80,8 +81,9 @@ struct AttentionParams {
     DType dtype;         // of q and out
     DType kv_dtype;      // of k and v: dtype, or (float32 q) kF16 / kBF16, or (float32 / kF16 /
                          // kBF16 q) a cache-only type (storage_format)
-    // A row-scaled kv_dtype only (storage_format): float32 dequantisation scales (batch, kv_heads, seqlen_k),
-    // one per cached row: k[b, g, j, :] stands for k_scale[b, g, j] * (its stored values).
+    // A row-scaled kv_dtype only (storage_format): float32 dequantisation scales (batch,
+    // kv_heads, seqlen_k), one per cached row: k[b, g, j, :] stands for k_scale[b, g, j] *
+    // (its stored values).
     const float* k_scale;
     const float* v_scale;
     int64_t k_scale_batch_stride, k_scale_head_stride, k_scale_row_stride;

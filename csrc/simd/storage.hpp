@@ -94,7 +94,8 @@ template <> struct Float8<f8e5m2_t> {  // float16's top byte: byte << 8, exactly
 template <class T, typename std::enable_if<Float8<T>::kIs, int>::type = 0>
 inline float widen(T x) {
     if (Float8<T>::kNanAtAllOnes && (x.bits & 0x7Fu) == 0x7Fu) return __builtin_nanf("");
-    const uint16_t h = static_cast<uint16_t>(((x.bits & 0x7Fu) << Float8<T>::kMagShift) | ((x.bits & 0x80u) << 8));
+    const uint16_t h =
+        static_cast<uint16_t>(((x.bits & 0x7Fu) << Float8<T>::kMagShift) | ((x.bits & 0x80u) << 8));
     return widen(f16_t{h}) * Float8<T>::kWidenScaleFold;
 }
 
