@@ -72,11 +72,15 @@ DecodeSplit split_decode(const AttentionParams& p, int64_t chunk_keys) {
     return split;
 }
 
-// Bytes run_chunk stages a chunk's listed K and V rows (and their row scales) in.
+inline int64_t line_up(int64_t bytes) { return (bytes + 63) / 64 * 64; }
+
+// Bytes run_chunk stages a chunk's listed rows in: their K and V row scales (float32), then
+// the K rows, then the V rows (none for a latent cache), each part from a 64-byte line.
 int64_t staging_bytes(const AttentionParams& p, int64_t chunk_keys) {
     if (!p.key_index) return 0;
     const int64_t v_bytes = kv_is_latent(p) ? 0 : stored_row_bytes(p.kv_dtype, p.head_dim_v);
-    return 64 + chunk_keys * (stored_row_bytes(p.kv_dtype, p.head_dim) + v_bytes + 2 * int64_t(sizeof(float)));
+    return line_up(2 * chunk_keys * int64_t(sizeof(float))) +
+           line_up(chunk_keys * stored_row_bytes(p.kv_dtype, p.head_dim)) + line_up(chunk_keys * v_bytes);
 }
 
 // The scratch one thread of `kernel` needs for a chunk, in elements of its accumulator type.
@@ -120,10 +124,10 @@ void run_chunk(const AttentionParams& p, const DecodeTask& task, DecodeChunkFn<A
     const bool latent = kv_is_latent(p);
     const int64_t eb = dtype_bytes(p.kv_dtype);
     const int64_t k_bytes = stored_row_bytes(p.kv_dtype, p.head_dim), v_bytes = stored_row_bytes(p.kv_dtype, p.head_dim_v);
-    char* k_rows = stage;
-    char* v_rows = latent ? k_rows : k_rows + keys * k_bytes;
-    float* k_scales = reinterpret_cast<float*>(v_rows + (latent ? 0 : keys * v_bytes));
+    float* k_scales = reinterpret_cast<float*>(stage);  // (the layout of staging_bytes)
     float* v_scales = k_scales + keys;
+    char* k_rows = stage + line_up(2 * keys * int64_t(sizeof(float)));
+    char* v_rows = latent ? k_rows : k_rows + line_up(keys * k_bytes);
     const int32_t* list = p.key_index + task.batch * p.key_index_batch_stride +
                           task.kv_head * p.key_index_head_stride;
     const KeyRange vis = visible_keys(p, 0, task.seqlen_k);

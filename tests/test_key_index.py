@@ -260,3 +260,21 @@ def test_paged_cache_class_step_and_attend():
     _close(a, reference(q, kk, vv, index[:, None], causal=True)[0], 2e-5)
     one = paged.attend(seqs[1], q[1], key_index=index[1])
     assert np.array_equal(one, plain.attend(q, key_index=index)[1])
+
+
+@pytest.mark.parametrize("D", [37, 64])
+def test_int8_caller_arrays_any_head_dim(int8_widen, D):
+    """A caller's int8 cache with its row scales (odd D too: the staged rows' scales stay
+    aligned), over the dequantised values."""
+    from attnfast._kvcache import quantize_int8
+    rng = np.random.default_rng(10)
+    B, H, C, n = 2, 4, 96, 80
+    k = rng.standard_normal((B, 1, C, D)).astype(np.float32)
+    v = rng.standard_normal((B, 1, C, D)).astype(np.float32)
+    (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
+    q = rng.standard_normal((B, H, 1, D)).astype(np.float32)
+    index = random_index(rng, B, 1, 1, 25, n)
+    out = attention_with_kvcache(q, kq, vq, n, k_scale=ks, v_scale=vs, key_index=index[:, 0])
+    kd = kq.astype(np.float64) * ks[..., None]
+    vd = vq.astype(np.float64) * vs[..., None]
+    _close(out, reference(q, kd, vd, index, causal=True, seqlens=np.array([n, n]))[0], 2e-5)
