@@ -132,16 +132,23 @@ def test_fp8_cache_matches_float64_reference(dtype):
 
 def test_fp8_row_scales_follow_the_cache_tensor():
     """Layers sharing one cache tensor (vLLM's KV sharing) share its row scales; another
-    cache gets its own."""
+    cache gets its own; the scales go when the cache's memory does."""
     torch = pytest.importorskip("torch")
     cache = torch.zeros(4, 2, 32, 128, dtype=torch.uint8)
-    k_pool, _ = afv.split_kv_cache(cache, "fp8")
+    k_pool, v_pool = afv.split_kv_cache(cache, "fp8")
     first = afv.row_scales(cache, k_pool)
     assert first[0].shape == (4, 2, 32) and first[0].dtype == np.float32
     again = afv.row_scales(cache.view(4, 2, 32, 128), k_pool)   # another view, same memory
     assert again[0] is first[0] and again[1] is first[1]
     other = torch.zeros_like(cache)
     assert afv.row_scales(other, afv.split_kv_cache(other, "fp8")[0])[0] is not first[0]
+    # freed with the cache's memory (an engine's caches come and go; addresses are reused)
+    import gc
+    import weakref
+    gone = weakref.ref(first[0])
+    del cache, k_pool, v_pool, first, again
+    gc.collect()
+    assert gone() is None
 
 
 def test_fp8_cache_arguments_checked():

@@ -49,9 +49,11 @@ classes do (the classes are created on first use, see :func:`backend_class`).
 """
 from __future__ import annotations
 
+import copy
 import os
 import re
 import warnings
+import weakref
 
 import numpy as np
 
@@ -162,20 +164,24 @@ def new_row_scales(k_pool):
     return np.zeros(k_pool.shape[:3], np.float32)
 
 
-_ROW_SCALES: dict = {}  # data_ptr of a vLLM fp8 cache -> (its shape, k_scale, v_scale)
+# The row scales of vLLM's fp8 caches: per storage (held weakly, so the scales are freed with
+# the cache's memory: nothing is keyed by an address a later cache could reuse), per region of
+# it ((data_ptr, shape): the views vLLM hands each layer of one cache share them; another
+# region of one large buffer has its own).
+_ROW_SCALES = weakref.WeakKeyDictionary()
 
 
 def row_scales(kv_cache, k_pool):
-    """The float32 row scales (k_scale, v_scale) kept for one vLLM fp8 cache tensor, made
-    (zeroed, :func:`new_row_scales`) the first time it is seen. Keyed by the cache's memory,
-    so that layers sharing a cache (vLLM's KV sharing: one layer writes, others read) share
-    its scales too; a new cache at the same address (another engine) gets new ones."""
-    key = kv_cache.data_ptr()
-    entry = _ROW_SCALES.get(key)
-    if entry is None or entry[0] != tuple(kv_cache.shape):
-        entry = _ROW_SCALES[key] = (tuple(kv_cache.shape), new_row_scales(k_pool),
-                                    new_row_scales(k_pool))
-    return entry[1], entry[2]
+    """The float32 row scales (k_scale, v_scale) kept for one vLLM fp8 cache, made (zeroed,
+    :func:`new_row_scales`) the first time its memory is seen and freed with that memory.
+    Every view of the same memory gets the same scales, so layers sharing a cache (vLLM's KV
+    sharing: one layer writes, others read) share them too."""
+    regions = _ROW_SCALES.setdefault(kv_cache.untyped_storage(), {})
+    key = (kv_cache.data_ptr(), tuple(kv_cache.shape))
+    entry = regions.get(key)
+    if entry is None:
+        entry = regions[key] = (new_row_scales(k_pool), new_row_scales(k_pool))
+    return entry
 
 
 def write_kv_cache(key, value, k_pool, v_pool, slot_mapping, k_scale=None, v_scale=None):
@@ -391,8 +397,6 @@ def _define_classes() -> dict:
                                           "causality is not supported")
             tokens = attn_metadata.num_actual_tokens
             k_pool, v_pool, k_scale, v_scale = self._pools(kv_cache)
-            if self.sinks is not None and self.sinks.dtype != torch.float32:
-                self.sinks = self.sinks.to(torch.float32)  # attnfast takes float32 sinks
             paged_attention(query[:tokens], k_pool, v_pool, output[:tokens],
                             attn_metadata.query_start_loc, attn_metadata.seq_lens,
                             attn_metadata.block_table, scale=self.scale,
@@ -400,9 +404,20 @@ def _define_classes() -> dict:
                             window=None if self.sliding_window == -1
                             else (self.sliding_window - 1, 0),
                             softcap=self.logits_soft_cap or None,
-                            alibi_slopes=self.alibi_slopes, sinks=self.sinks,
+                            alibi_slopes=self.alibi_slopes, sinks=self._float32_sinks(),
                             k_scale=k_scale, v_scale=v_scale)
             return output
+
+        def _float32_sinks(self):
+            """vLLM's sinks as attnfast takes them (float32), converted once and kept beside
+            them; vLLM's own attribute is left as vLLM set it."""
+            sinks = self.sinks
+            if sinks is None or sinks.dtype == torch.float32:
+                return sinks
+            cached = getattr(self, "_attnfast_sinks", None)
+            if cached is None or cached[0] is not sinks:
+                cached = self._attnfast_sinks = (sinks, sinks.to(torch.float32))
+            return cached[1]
 
     class AttnfastCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         """vLLM's metadata builder. For decoder layers over an fp8 (e4m3) cache, which attnfast
@@ -410,15 +425,15 @@ def _define_classes() -> dict:
         without AVX-512 or AMX, and attnfast's layers do not read its plan."""
 
         def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
-            cache_config = vllm_config.cache_config
-            cache_dtype = cache_config.cache_dtype
             decoder = not isinstance(kv_cache_spec, (CrossAttentionSpec, EncoderOnlyAttentionSpec))
-            if decoder and cache_dtype in FLOAT8_CACHE_DTYPES:
+            if decoder and vllm_config.cache_config.cache_dtype in FLOAT8_CACHE_DTYPES:
+                # vLLM's planner sees a copy of the configuration with an unquantised cache;
+                # vLLM's own configuration is never changed.
+                cache_config = copy.copy(vllm_config.cache_config)
                 cache_config.cache_dtype = "auto"
-            try:
-                super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-            finally:
-                cache_config.cache_dtype = cache_dtype
+                vllm_config = copy.copy(vllm_config)
+                vllm_config.cache_config = cache_config
+            super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 
     class AttnfastCPUBackend(CPUAttentionBackend):
         """vLLM's ``CPUAttentionBackend`` (cache layout) with :class:`AttnfastCPUBackendImpl`
