@@ -113,9 +113,11 @@ def index_topk(q, weights, k_index, topk, *, cache_seqlens=None, k_scale=None, b
     if cache_seqlens is None:
         lengths = np.full(B, capacity, np.int64)
     else:
-        lengths = np.ascontiguousarray(np.broadcast_to(np.asarray(cache_seqlens), (B,)), dtype=np.int64)
-        if np.asarray(cache_seqlens).dtype.kind not in "iu":
-            raise TypeError("cache_seqlens must be an int or integers")
+        given = np.asarray(cache_seqlens)
+        if given.dtype.kind not in "iu" or given.shape not in ((), (B,)):
+            raise TypeError(f"cache_seqlens must be an int or integers (B,) = ({B},), got "
+                            f"{given.dtype} {_shape_str(given)}")
+        lengths = np.ascontiguousarray(np.broadcast_to(given, (B,)), dtype=np.int64)
         if lengths.size and (lengths.min() < 0 or lengths.max() > capacity):
             raise ValueError(f"cache_seqlens must be in [0, {capacity}], got {lengths.tolist()}")
     if table is not None:
