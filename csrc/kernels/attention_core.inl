@@ -6,10 +6,11 @@
 // rule for infinite inputs) and the online-softmax step (softmax_block). Visibility (causal,
 // window) is kernel_table.hpp's visible_keys.
 //
-// Units: every kernel scores in base 2. A scaled score s = scale q . k is carried as
+// Units: every float32 kernel scores in base 2. A scaled score s = scale q . k is carried as
 // x = s log2(e) (the staged query rows carry scale log2(e)), so that each softmax weight is
 // one exp2(x - m) with no multiply; the score options convert their constants once
-// (RowOptions), and only the lse leaves in natural units: lse = ln(2) (m + log2 l). Included by kernels/isa_*.cpp and the .inl files
+// (RowOptions), and only the lse leaves in natural units: lse = ln(2) (m + log2 l). float64
+// keeps base e (SoftmaxBase). Included by kernels/isa_*.cpp and the .inl files
 // that use it, after ATTNFAST_KERNEL_NS is defined (a namespace unique to that file, so the
 // per-ISA copies never merge at link time).
 //
@@ -41,7 +42,6 @@ template <class A> inline A max_of(A a, A b) { return (a > b || a != a) ? a : b;
 
 constexpr double kLog2e = 1.4426950408889634074;  // log2(e): natural-log units -> base 2
 constexpr double kLn2 = 0.6931471805599453094;    // ln(2): base 2 -> natural-log units
-
 // 2^x for float: simd::exp2_neg's steps on one lane (n = round(x), r = x - n exact, the same
 // degree-6 polynomial for 2^r, times 2^n). The softmax only takes x <= 0 (a score minus the
 // running max); below -126 (and -inf) exactly 0, never denormal; NaN stays NaN.
@@ -64,6 +64,23 @@ inline float exp2_acc(float x) {
     return poly * two_n;
 }
 inline double exp2_acc(double x) { return __builtin_exp2(x); }
+
+// The online softmax's exponent base for an accumulator type. float32 (every hand-written
+// kernel and the float32 templates): base 2, the scores carrying log2 e in their scale, each
+// weight one exp2. float64, the reference precision: base e, as the float64 results were
+// before (a power-of-two scale leaves its scores exact; log2 e would round every one, and
+// the lse's round trip through base 2 cost the float64 backward up to 7x its naive error).
+template <class A> struct SoftmaxBase;
+template <> struct SoftmaxBase<float> {
+    static constexpr double kUnit = kLog2e;  // a natural-log score times this is the kernels'
+    static float exp(float x) { return exp2_acc(x); }
+    static float to_natural(float m) { return m * static_cast<float>(kLn2); }
+};
+template <> struct SoftmaxBase<double> {
+    static constexpr double kUnit = 1.0;
+    static double exp(double x) { return __builtin_exp(x); }
+    static double to_natural(double m) { return m; }
+};
 
 // ---- (q, K/V) storage-type dispatch, through storage.hpp's one switch (with_storage_type)
 template <class T> struct As { using type = T; };
@@ -204,10 +221,10 @@ struct RowOptions {
     RowOptions(const AttentionParams& p, int64_t batch, int64_t head, int64_t row,
                int64_t seqlen_k) {
         if (p.softcap > 0) {
-            softcap = static_cast<A>(p.softcap * kLog2e);
-            inv_softcap = static_cast<A>(1.0 / (p.softcap * kLog2e));
+            softcap = static_cast<A>(p.softcap * SoftmaxBase<A>::kUnit);
+            inv_softcap = static_cast<A>(1.0 / (p.softcap * SoftmaxBase<A>::kUnit));
         }
-        if (p.alibi_slopes) slope = static_cast<A>(p.alibi_slopes[batch * p.alibi_batch_stride + head] * kLog2e);
+        if (p.alibi_slopes) slope = static_cast<A>(p.alibi_slopes[batch * p.alibi_batch_stride + head] * SoftmaxBase<A>::kUnit);
         aligned = aligned_row(p, row, seqlen_k);
         if (p.mask) {
             mask_kind = p.mask_kind;
@@ -226,7 +243,7 @@ struct RowOptions {
                 const int64_t dist = aligned - (first_key + j);
                 s[j] -= slope * static_cast<A>(dist < 0 ? -dist : dist);
             }
-        const A log2e = static_cast<A>(kLog2e);
+        const A log2e = static_cast<A>(SoftmaxBase<A>::kUnit);
         if (bool_mask) {
             for (int64_t j = 0; j < n; ++j)
                 if (!bool_mask[(first_key + j) * col_stride]) s[j] = neg_inf<A>();
@@ -259,7 +276,7 @@ __attribute__((always_inline)) inline bool softmax_block(A* srow, int64_t width,
     }
     const A m_new = m > block_max ? m : block_max;
     if (m != m_new && m != neg_inf<A>()) {  // (exp2(-inf) = 0 needs no pass over acc_row)
-        const A correction = exp2_acc(m - m_new);
+        const A correction = SoftmaxBase<A>::exp(m - m_new);
         l *= correction;
         for (int64_t c = 0; c < Dv; ++c) acc_row[c] *= correction;
     }

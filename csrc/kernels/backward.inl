@@ -1,10 +1,11 @@
 // The backward kernels (csrc/backward.hpp), compiled by every kernels/isa_*.cpp with its own
 // flags. It reuses attention_core.inl's and decode_attention.inl's score options
-// (RowOptions, visible_keys) and exp2, in base 2 as the forward, so the backward sees exactly
-// the scores the forward saw, and the typed vector layer (csrc/simd/typed.hpp: Vec<A>, fmadd, splat, loadu, storeu).
+// (RowOptions, visible_keys) and its exponential base (SoftmaxBase), so the backward sees
+// exactly the scores the forward saw, and the typed vector layer (csrc/simd/typed.hpp: Vec<A>, fmadd, splat, loadu, storeu).
 //
 // FlashAttention-2's backward over tiles of Bt query rows x Bt keys. Per tile pair:
-//   S  = q (scale log2(e) K)^T -> P = 2^(S' - lse log2 e)   (S' = S after the score options)
+//   S  = q (scale u K)^T  -> P = base^(S' - lse u)   (S' = S after the score options; base 2
+//                                                    and u = log2 e in float32, e and 1 in float64)
 //   dP = dO V^T          -> dS = P (dP - delta) softcap'(S)
 //   dV += P^T dO,  dK += dS^T q,  dQ += dS K     (dK and dQ times scale when written)
 // Every product is one register-blocked micro-GEMM (gemm below): C (+)= A B with B's rows
@@ -238,7 +239,8 @@ void load_keys(const BackwardParams& bp, int64_t b, int64_t g, bool with_kr, int
     const AttentionParams& a = bp.attn;
     const T* k = rows_at<T>(a.k, a.k_batch_stride, a.k_head_stride, a.k_row_stride, b, g, kb.j0);
     const T* v = rows_at<T>(a.v, a.v_batch_stride, a.v_head_stride, a.v_row_stride, b, g, kb.j0);
-    load_tile_transposed<T, A>(k, a.k_row_stride, kb.nc, a.head_dim, static_cast<A>(a.scale * kLog2e), kb.kt);
+    load_tile_transposed<T, A>(k, a.k_row_stride, kb.nc, a.head_dim, static_cast<A>(a.scale * SoftmaxBase<A>::kUnit),
+                               kb.kt);
     load_tile_transposed<T, A>(v, a.v_row_stride, kb.nc, a.head_dim_v, A(1), kb.vt);
     if (with_kr) load_tile<T, A>(k, a.k_row_stride, kb.nc, a.head_dim, dp, A(1), kb.kr);
     kb.k_nonfinite = any_nonfinite(k, a.k_row_stride, kb.nc, a.head_dim);
@@ -275,9 +277,9 @@ void load_queries(const BackwardParams& bp, int64_t b, int64_t h, int64_t i0, in
     t.dout_nonfinite = any_nonfinite(d, bp.dout_row_stride, nr, a.head_dim_v);
 }
 
-// The last step of one row of a tile pair, s = its scores after the score options (base 2),
-// l2 = its lse times log2(e), g = its dP, columns [lo, end) visible: s = P = 2^(s - l2),
-// g = dS = P (g - d) slope (slope: softcap's derivative, or none), other columns 0. float32
+// The last step of one row of a tile pair, s = its scores after the score options and l2
+// its lse, both in the softmax's units (SoftmaxBase: base 2 for float32, e for float64),
+// g = its dP, columns [lo, end) visible: s = P = base^(s - l2), g = dS = P (g - d) slope (slope: softcap's derivative, or none), other columns 0. float32
 // on the SIMD layer (exp2_neg, the forward's exponential; the tiles are vector-aligned),
 // float64 lane by lane.
 template <class A>
@@ -285,7 +287,7 @@ inline void finish_row(A* __restrict s, A* __restrict g, const A* __restrict slo
                        int64_t lo, int64_t end) {
     for (int64_t j = 0; j < Bt; ++j) {
         const bool seen = j >= lo && j < end;
-        const A pj = seen ? exp2_acc(s[j] - l2) : A(0);
+        const A pj = seen ? SoftmaxBase<A>::exp(s[j] - l2) : A(0);
         g[j] = seen ? pj * (g[j] - d) * (slope ? slope[j] : A(1)) : A(0);
         s[j] = pj;
     }
@@ -361,8 +363,8 @@ void probs_and_dscores(const BackwardParams& bp, int64_t batch, int64_t head, in
         }
         options.apply(s, j0, nc);
         const int64_t lo = vis.begin - j0, hi = vis.end - j0;  // visible columns [lo, hi)
-        finish_row(s, g, cap != A(0) ? slope : nullptr, l * static_cast<A>(kLog2e), delta[i], lo < 0 ? 0 : lo,
-                   hi < nc ? hi : nc);
+        finish_row(s, g, cap != A(0) ? slope : nullptr, l * static_cast<A>(SoftmaxBase<A>::kUnit), delta[i],
+                   lo < 0 ? 0 : lo, hi < nc ? hi : nc);
     }
 }
 

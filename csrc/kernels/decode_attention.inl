@@ -144,12 +144,12 @@ inline A range_exp_sum(A* __restrict x, int64_t n, A m) {
     int64_t j = 0;
     for (; j + kLanes <= n; j += kLanes)
         for (int u = 0; u < kLanes; ++u) {
-            const A e = exp2_acc(x[j + u] - m);
+            const A e = SoftmaxBase<A>::exp(x[j + u] - m);
             x[j + u] = e;
             part[u] += e;
         }
     for (int u = 0; j + u < n; ++u) {
-        const A e = exp2_acc(x[j + u] - m);
+        const A e = SoftmaxBase<A>::exp(x[j + u] - m);
         x[j + u] = e;
         part[u] += e;
     }
@@ -365,7 +365,7 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
     const RowScales v_scale = row_scales(p, p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride,
                                          p.v_scale_row_stride, task.batch, task.kv_head);
     const int64_t kb = task.key_begin;
-    const A scale = static_cast<A>(p.scale * kLog2e);  // scores in base 2 (attention_core.inl)
+    const A scale = static_cast<A>(p.scale * SoftmaxBase<A>::kUnit);  // (the softmax's base)
     const int64_t v_row_bytes = kv_row_bytes<T>(Dv);
     const bool options = p.softcap > 0 || p.alibi_slopes || p.mask;
 
@@ -554,22 +554,22 @@ void decode_merge(const AttentionParams& p, int64_t batch, int64_t kv_head, int6
         // The sink (once per row, after the chunks): one more term of the denominator.
         A total = 0;
         if (p.sinks) {
-            const A sink = static_cast<A>(p.sinks[head] * kLog2e);
+            const A sink = static_cast<A>(p.sinks[head] * SoftmaxBase<A>::kUnit);
             top = max_of(top, sink);
-            total = exp2_acc(sink - top);
+            total = SoftmaxBase<A>::exp(sink - top);
         }
         // Chunks in their fixed order, so the bits never depend on who computed them.
         for (int64_t e = 0; e < Dv; ++e) sum[e] = 0;
         for (int64_t c = 0; c < chunks; ++c) {
             const A mc = m[c * rows + r];
             if (mc == neg_inf<A>()) continue;
-            const A w = exp2_acc(mc - top);
+            const A w = SoftmaxBase<A>::exp(mc - top);
             total += w * l[c * rows + r];
             axpy(sum, w, acc + (c * rows + r) * Dv, Dv);
         }
         const A inv = A(1) / total;
         for (int64_t e = 0; e < Dv; ++e) orow[e] = store_from_acc<T>(sum[e] * inv);
-        if (lse_at) *lse_at = top * static_cast<A>(kLn2) + log_acc(total);  // natural units
+        if (lse_at) *lse_at = SoftmaxBase<A>::to_natural(top) + log_acc(total);  // natural units
     }
 }
 
