@@ -843,8 +843,10 @@ def int4_decode(packed, dim):
 
 def int8_mirrored_query(q, scale):
     """The query a vpdpbusd int8 decode reads (docs/user_guide/formats.md: each row of q x
-    scale quantised to int8 with its own scale max|x| / 127, round to nearest even), as the
-    float64 q it stands for. A tier without that path reads q itself."""
+    scale x log2 e, the kernels' base-2 units, quantised to int8 with its own scale
+    max|x| / 127, round to nearest even), as the float64 q it stands for. A tier without
+    that path reads q itself."""
+    scale = scale * math.log2(math.e)
     x = q.astype(np.float32) * np.float32(scale)
     sq = (np.max(np.abs(x), axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
     inv = np.where(sq > 0, np.float32(1) / np.where(sq > 0, sq, 1), 0).astype(np.float32)
