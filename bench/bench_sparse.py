@@ -7,15 +7,56 @@ Each of the `new` queries (the last tokens; causal) lists `topk` random distinct
 may see; attnfast.attention(..., key_index=) reads only those rows, the dense call reads every
 key under a bool mask of the same selection (built here: Tq x L bytes). One run of each, in
 turns, `--repeats` times; medians, and the largest difference of the two outputs.
+
+    python bench/bench_sparse.py --indexer --index-heads 64 --keys 131072 --topk 2048
+
+times attnfast.index_topk for one decode query (64 indexer heads x 128, float8 e4m3 keys
+with a scale per token, or --key-dtype float32 / bfloat16), the same with topk = 1 (the
+scores alone: the rest is the top-k's share), and its roofline max(132 B x L / read, FLOPs
+/ bfloat16 GEMM) from the machine limits measured in the same run.
 """
 import argparse
 import statistics
 import time
 
+import ml_dtypes
 import numpy as np
 
 import attnfast
 from attnfast.bench.limits import cpu_name
+
+
+def indexer(args):
+    from attnfast.bench import limits as machine
+    rng = np.random.default_rng(0)
+    Hi, Di, L = args.index_heads, args.index_dim, args.keys
+    dtype = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "bfloat16": ml_dtypes.bfloat16,
+             "float32": np.float32}[args.key_dtype]
+    q = rng.standard_normal((1, Hi, 1, Di), dtype=np.float32)
+    w = rng.standard_normal((1, 1, Hi), dtype=np.float32)
+    k = rng.standard_normal((1, L, Di), dtype=np.float32).astype(dtype)
+    scale = rng.uniform(0.5, 2, (1, L)).astype(np.float32)
+    lim = machine.measure_limits(args.threads, 512 << 20, 2048, True, 0.5, dtypes=("bfloat16",))
+    ways = {n: (lambda n=n: attnfast.index_topk(q, w, k, n, k_scale=scale, num_threads=args.threads))
+            for n in (args.topk, 1)}
+    times = {n: [] for n in ways}
+    for fn in ways.values():
+        fn()
+    for _ in range(max(args.repeats, 5)):
+        for n, fn in ways.items():
+            t0 = time.perf_counter()
+            fn()
+            times[n].append(time.perf_counter() - t0)
+    full, scores = (statistics.median(times[n]) for n in ways)
+    flops = 2 * Hi * Di * L
+    gemm = machine.gemm_limit(lim, "bfloat16")
+    roof = max((Di * np.dtype(dtype).itemsize + 4) * L / (lim["read_gbps"] * 1e9), flops / (gemm * 1e9))
+    print(f"{cpu_name()}, tier {attnfast._ext.runtime_info()['isa']}, {args.threads} thread(s): read "
+          f"{lim['read_gbps']:.1f} GB/s, bfloat16 GEMM {gemm:.0f} GFLOP/s")
+    print(f"index_topk {Hi} x {Di}, {args.key_dtype} keys, L = {L}, top-{args.topk}: {full * 1e3:.1f} ms "
+          f"({flops / full / 1e9:.0f} GFLOP/s) = {100 * roof / full:.0f} % of its roofline "
+          f"({roof * 1e3:.1f} ms); top-1: {scores * 1e3:.1f} ms, so the top-k is "
+          f"{100 * (full - scores) / full:.1f} %")
 
 
 def main():
@@ -27,7 +68,14 @@ def main():
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--indexer", action="store_true", help="time index_topk instead")
+    ap.add_argument("--index-heads", type=int, default=64)
+    ap.add_argument("--index-dim", type=int, default=128)
+    ap.add_argument("--keys", type=int, default=131072)
+    ap.add_argument("--key-dtype", default="float8_e4m3fn")
     args = ap.parse_args()
+    if args.indexer:
+        return indexer(args)
     H, Hkv = (int(x) for x in args.heads.split("x"))
     D, P, T, topk = args.head_dim, args.prompt, args.new, args.topk
     rng = np.random.default_rng(0)
