@@ -615,7 +615,8 @@ def _not_huge(c):
     return c["seqlen_q"] * c["seqlen_k"] < 2048 * 2048
 
 
-def run_flash_output(c, case_id):
+def _flash_problem(c, case_id):
+    """A flash-attn grid case's generator (after drawing), q, k, v and options."""
     rng = np.random.default_rng(seed_of(case_id))
     sq, sk = c["seqlen_q"], c["seqlen_k"]
     B = _flash_batch(sq, sk)
@@ -623,8 +624,13 @@ def run_flash_output(c, case_id):
     window = _flash_window(rng, c)
     q, k, v = _flash_qkv(rng, c, B, H, Hkv, sq, sk)
     slopes = (rng.random((B, H)) * 0.3).astype(np.float32) if c["alibi"] else None
-    o = _opts(c, window, slopes)
+    return rng, q, k, v, _opts(c, window, slopes)
+
+
+def run_flash_output(c, case_id):
+    _, q, k, v, o = _flash_problem(c, case_id)
     out = af.attention(q, k, v, **_af_opts(o))
+    B, H, sq = q.shape[:3]
     assert out.dtype == c["dtype"] and out.shape == (B, H, sq, c["d"])
     if c["deterministic"]:
         np.testing.assert_array_equal(af.attention(q, k, v, num_threads=1, **_af_opts(o)), out)
@@ -644,14 +650,8 @@ def test_flash_attn_output_grads(case, request):
 
 
 def run_flash_grads(c, case_id, factor=None):
-    rng = np.random.default_rng(seed_of(case_id))
-    sq, sk, d, dt = c["seqlen_q"], c["seqlen_k"], c["d"], c["dtype"]
-    B = _flash_batch(sq, sk)
-    H, Hkv = _flash_heads(c)
-    window = _flash_window(rng, c)
-    q, k, v = _flash_qkv(rng, c, B, H, Hkv, sq, sk)
-    slopes = (rng.random((B, H)) * 0.3).astype(np.float32) if c["alibi"] else None
-    o = _opts(c, window, slopes)
+    rng, q, k, v, o = _flash_problem(c, case_id)
+    dt = c["dtype"]
     out, lse = af.attention(q, k, v, return_lse=True, **_af_opts(o))
     dout = rng.standard_normal(out.shape, dtype=np.float32).astype(dt)
     grads = af.attention_backward(dout, q, k, v, out, lse, **_af_opts(o))

@@ -1,7 +1,6 @@
 """Public attention functions: check (attnfast._checks), then run the C++ kernels."""
 from __future__ import annotations
 
-import dataclasses
 import signal
 import threading
 
@@ -9,7 +8,7 @@ import numpy as np
 
 from . import _ext
 from ._interop import accepts_arrays
-from ._key_index import check_key_index
+from ._key_index import with_key_index
 from ._checks import (BFLOAT16, FLOAT16, FLOAT32, FLOAT64, check_attention, check_flag, check_out,
                       kernel_ready, to_3d, to_4d, ATTENTION_PLANS, attention_key, attention_plan,
                       bound_window, fast_query_offset, fast_threads,
@@ -108,10 +107,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
     call = check_attention(q, k, v, causal=causal, scale=scale, window=window,
                            num_threads=num_threads, query_offset=query_offset, softcap=softcap,
                            alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
-    if key_index is not None:
-        call = dataclasses.replace(call, options=dataclasses.replace(call.options, key_index=check_key_index(
-            key_index, rank=call.rank, batch=call.batch, kv_heads=call.kv_heads,
-            seqlen_q=call.seqlen_q, seqlens=call.seqlen_k, options=call.options)))
+    call = with_key_index(call, key_index, call.seqlen_k)
     user_out = check_out(out, call.out_shape(), call.dtype,
                          [("q", call.q), ("k", call.k), ("v", call.v)] + call.options.arrays())
     result = run_kernels(call, user_out, return_lse)

@@ -1,11 +1,9 @@
 """attnfast.explain: which kernel a call would run, and how its work would be split."""
 from __future__ import annotations
 
-import dataclasses
-
 from . import _ext
 from ._api import kernel_call
-from ._key_index import check_key_index
+from ._key_index import with_key_index as attach_key_index
 from ._kvcache import with_key_index
 from ._checks import check_attention, check_kvcache_attention, check_paged_kvcache_attention
 from ._shared_prefix import plan_shared_prefix
@@ -111,11 +109,7 @@ def explain(q, k, v, *, cache_seqlens=None, k_new=None, v_new=None, k_scale=None
                                scale=scale, window=window, num_threads=num_threads,
                                query_offset=query_offset, softcap=softcap,
                                alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
-        if key_index is not None:
-            call = dataclasses.replace(call, options=dataclasses.replace(
-                call.options, key_index=check_key_index(
-                    key_index, rank=call.rank, batch=call.batch, kv_heads=call.kv_heads,
-                    seqlen_q=call.seqlen_q, seqlens=call.seqlen_k, options=call.options)))
+        call = attach_key_index(call, key_index, call.seqlen_k)
         part = (slice(None), call.k, call.v, None)
     else:
         options = dict(causal=True if causal is None else causal, scale=scale, window=window,

@@ -2,15 +2,13 @@
 top-k (csrc/indexer.cpp, csrc/kernels/index_scores.inl)."""
 from __future__ import annotations
 
-import operator
-
 import ml_dtypes
 import numpy as np
 
 from . import _ext
 from ._checks import _shape_str, check_flag
 from ._interop import accepts_arrays
-from ._runtime import resolve_threads
+from ._runtime import _positive_int, resolve_threads
 
 __all__ = ["index_topk"]
 
@@ -80,12 +78,7 @@ def index_topk(q, weights, k_index, topk, *, cache_seqlens=None, k_scale=None, b
         raise ValueError(f"q {_shape_str(q)}: need Hi >= 1 and 1 <= Di <= {_MAX_HEAD_DIM}")
     q32 = np.ascontiguousarray(q, dtype=np.float32)
     w32 = _float32(weights, "weights", (B, Tq, Hi), f"(B, Tq, Hi) = ({B}, {Tq}, {Hi})")
-    try:
-        k_top = operator.index(topk)
-    except TypeError:
-        raise TypeError(f"topk must be an int, got {type(topk).__name__}") from None
-    if k_top < 1:
-        raise ValueError(f"topk must be >= 1, got {k_top}")
+    k_top = _positive_int(topk, "topk")
     causal = check_flag(causal, "causal")
     return_scores = check_flag(return_scores, "return_scores")
 

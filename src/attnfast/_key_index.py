@@ -7,6 +7,8 @@ The kernels gather the listed rows a chunk at a time and read no other key
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ._checks import _shape_str
@@ -60,3 +62,13 @@ def check_key_index(key_index, *, rank: int, batch: int, kv_heads: int, seqlen_q
         raise ValueError(f"key_index lists key {int(values[counts > 1][0])} twice for query "
                          f"{i} of sequence {b}: positions must be distinct (-1 may repeat)")
     return np.ascontiguousarray(view, dtype=np.int32)
+
+
+def with_key_index(call, key_index, seqlens):
+    """A checked AttentionCall with key_index checked (check_key_index) against `seqlens`,
+    the keys each sequence holds, and carried in its options; the call itself without one."""
+    if key_index is None:
+        return call
+    index = check_key_index(key_index, rank=call.rank, batch=call.batch, kv_heads=call.kv_heads,
+                            seqlen_q=call.seqlen_q, seqlens=seqlens, options=call.options)
+    return dataclasses.replace(call, options=dataclasses.replace(call.options, key_index=index))

@@ -17,7 +17,7 @@ from . import _ext
 from ._formats import format_of_storage, quantize_float8, quantize_int8  # noqa: F401 (re-exported)
 from ._api import kernels_interruptible, run_kernels
 from ._interop import accepts_arrays
-from ._key_index import check_key_index
+from ._key_index import with_key_index as attach_key_index
 from ._checks import (
     KVCACHE_PLANS,
     PAGED_PLANS,
@@ -305,12 +305,7 @@ def with_key_index(call, key_index, tree_mask=None):
         return call
     if tree_mask is not None:
         raise NotImplementedError("key_index with tree_mask is not implemented")
-    attn = call.attn
-    index = check_key_index(key_index, rank=4, batch=attn.batch, kv_heads=attn.kv_heads,
-                            seqlen_q=attn.seqlen_q, seqlens=call.seqlens_after,
-                            options=attn.options)
-    return _with_fields(call, attn=dataclasses.replace(
-        attn, options=dataclasses.replace(attn.options, key_index=index)))
+    return _with_fields(call, attn=attach_key_index(call.attn, key_index, call.seqlens_after))
 
 
 def _read_and_written(call) -> list:
