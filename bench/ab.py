@@ -12,8 +12,9 @@ tiers. Each extension loads RTLD_LOCAL, so the two builds share no symbols.
 
 Cases (``kind:key=value,...``; sizes take k = 1024):
 
-    decode:H=32,Hkv=8,L=16k,D=128,dtype=bfloat16[,format=int8][,block=16][,Tq=1][,B=1]
-        one KV-cache step (KVCache.attend, or PagedKVCache.attend with block=), the cache
+    decode:H=32,Hkv=8,L=16k,D=128,dtype=bfloat16[,format=int8][,block=16][,Tq=1][,B=1][,Dv=..][,latent=1]
+        one KV-cache step (latent=1: an MLA latent cache, V the first Dv elements of each K row,
+        e.g. decode:H=128,Hkv=1,D=576,Dv=512,latent=1,L=8k) (KVCache.attend, or PagedKVCache.attend with block=), the cache
         holding the same tokens on both sides; format is the cache's dtype (float32,
         bfloat16, float16, int8, float8_e4m3fn, float8_e5m2, int4), dtype that of q. Beside it, attnfast's
         native read kernel over a buffer of the cache's bytes, timed in the same rounds: "% read".
@@ -45,8 +46,8 @@ FORMATS = {"float32": np.float32, "float64": np.float64, "bfloat16": ml_dtypes.b
            "float16": np.float16, "int8": "int8", "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
            "float8_e5m2": ml_dtypes.float8_e5m2, "int4": "int4"}
 CASE_DEFAULTS = {
-    "decode": {"B": 1, "H": 32, "Hkv": 8, "L": 16384, "D": 128, "Tq": 1, "dtype": "float32",
-               "format": None, "block": None},
+    "decode": {"B": 1, "H": 32, "Hkv": 8, "L": 16384, "D": 128, "Dv": None, "latent": 0, "Tq": 1,
+               "dtype": "float32", "format": None, "block": None},
     "prefill": {"B": 1, "H": 8, "Hkv": 8, "T": 4096, "D": 128, "dtype": "float32", "causal": 0},
 }
 
@@ -69,6 +70,8 @@ def parse_case(text: str) -> dict:
             case[key] = int(value[:-1]) * 1024 if value.endswith("k") else int(value)
     if case.get("format") is None and kind == "decode":
         case["format"] = case["dtype"]
+    if kind == "decode" and case["Dv"] is None:
+        case["Dv"] = case["D"]
     return case
 
 
@@ -132,14 +135,17 @@ def decode_call(side: Side, case: dict, tokens, q, threads: int):
     """(the timed call, the cache's bytes) for one side's cache holding `tokens`."""
     af, (k, v) = side.af, tokens
     fmt = FORMATS[case["format"]]
+    shape = dict(v_head_dim=case["Dv"], latent=bool(case["latent"]))
+    if case["latent"]:
+        v = None  # the values are the first Dv elements of each K row
     if case["block"]:
         per_seq = -(-case["L"] // case["block"])
-        cache = af.PagedKVCache(case["B"] * per_seq, case["block"], case["Hkv"], case["D"], dtype=fmt)
+        cache = af.PagedKVCache(case["B"] * per_seq, case["block"], case["Hkv"], case["D"], dtype=fmt, **shape)
         seqs = [cache.add_sequence() for _ in range(case["B"])]
         cache.append(seqs, k, v)
         fn = lambda: cache.attend(seqs, q, num_threads=threads)
     else:
-        cache = af.KVCache(case["B"], case["Hkv"], case["D"], case["L"], dtype=fmt)
+        cache = af.KVCache(case["B"], case["Hkv"], case["D"], case["L"], dtype=fmt, **shape)
         cache.append(k, v)
         fn = lambda: cache.attend(q, num_threads=threads)
     nbytes = sum(np.asarray(a).nbytes for a in (cache.k, cache.v, cache.k_scale, cache.v_scale)
@@ -155,8 +161,9 @@ def run_case(case: dict, a: Side, b: Side, threads: int, rounds: int, rng) -> di
     row = {"case": case_label(case), "threads": threads, "tier_a": a.tier(), "tier_b": b.tier()}
     if case["kind"] == "decode":
         kv_dtype = np.float32 if isinstance(FORMATS[case["format"]], str) else FORMATS[case["format"]]
-        shape = (case["B"], case["Hkv"], case["L"], case["D"])
-        tokens = tuple(rng.standard_normal(shape, dtype=np.float32).astype(kv_dtype) for _ in range(2))
+        shape = (case["B"], case["Hkv"], case["L"])
+        tokens = tuple(rng.standard_normal(shape + (d,), dtype=np.float32).astype(kv_dtype)
+                       for d in (case["D"], case["Dv"]))
         q = rng.standard_normal((case["B"], case["H"], case["Tq"], case["D"]), dtype=np.float32).astype(act)
         fa, nbytes = decode_call(a, case, tokens, q, threads)
         fb, _ = decode_call(b, case, tokens, q, threads)

@@ -48,7 +48,8 @@ static inline bool takes_decode_path(const AttentionParams& p) {
 // decode path removes that step. Measured on Zen 3 (avx2; bench/HISTORY.md 27): 32/8 heads,
 // L = 16k, Tq = 17, float32: 11 ms per row on prefill, 5.4-6.2 on gemm_decode; 8/8, Tq = 17:
 // 2.6 on prefill, 2.2-2.3 on simd_decode; 8/8 at Tq = 24: prefill ahead again (1.8-2.0
-// against 2.0-2.4).
+// against 2.0-2.4). bfloat16 on AVX512_BF16 (gemm_decode's pair tile against bf16_decode,
+// Zen 4, one thread, 32/8, L = 16k): Tq = 8 1.29x, Tq = 16 1.49x (HISTORY 46).
 constexpr int64_t kGemmDecodeMinRows = 32;
 constexpr int64_t kGemmDecodeMaxQueryRows = 64;
 constexpr int64_t kFewRowsDecodeMaxQueryRows = 20;

@@ -178,6 +178,33 @@ inline void vwiden_q4_block(const uint8_t* block, Vec* out) {
     out[1] = vfma(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), hd.scale, hd.minimum);
 }
 
+#if defined(__AVX512BF16__)
+// ---- bfloat16 pair dot products (vdpbf16ps): a Pairs vector holds W 32-bit lanes of two
+// bfloat16 values each, the lower-addressed one in the low half; vdot_pairs adds both products
+// of each lane pair to the float32 lane, exactly as float32 arithmetic would round a
+// two-term dot product (products exact, one float32 accumulation).
+using Pairs = __m512bh;
+inline Pairs pairs_load(const uint32_t* p) { return (__m512bh)_mm512_load_si512(p); }
+inline Pairs pairs_bcast(const uint32_t* p) {  // p: any 2-byte alignment (a stored bfloat16 row)
+    int32_t word;
+    __builtin_memcpy(&word, p, sizeof word);
+    return (__m512bh)_mm512_set1_epi32(word);
+}
+inline Vec vdot_pairs(Vec acc, Pairs a, Pairs b) { return _mm512_dpbf16_ps(acc, a, b); }
+// lanes (lo[x], hi[x]) of two float32 vectors rounded to bfloat16 (nearest even), stored aligned.
+inline void pairs_store_rounded(uint32_t* p, Vec lo, Vec hi) {
+    const __m512i l = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
+    const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
+    _mm512_store_si512(p, _mm512_or_si512(l, _mm512_slli_epi32(h, 16)));
+}
+// W stored bfloat16 values of two rows (unaligned) as W pairs (a[x], b[x]), stored aligned.
+inline void pairs_interleave(uint32_t* p, const bf16_t* a, const bf16_t* b) {
+    const __m512i l = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
+    const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+    _mm512_store_si512(p, _mm512_or_si512(l, _mm512_slli_epi32(h, 16)));
+}
+#endif
+
 }  // namespace simd
 }  // namespace
 }  // namespace ATTNFAST_KERNEL_NS
