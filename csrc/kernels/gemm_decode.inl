@@ -361,19 +361,23 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
     const Vec inv_cap = simd::vset(capped ? static_cast<float>(1.0 / (p.softcap * kLog2e)) : 0.0f);
     const Vec score_scale = simd::vset(scale);
 
-    // Cache lines of one stored K row, and score-block calls per tile (full tiles).
+    // Cache lines of one stored K row (and V row, none when latent), and score-block calls
+    // per tile (full tiles).
+    const bool latent = kv_is_latent(p);
     const int64_t row_lines = (D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+    const int64_t v_row_lines = latent ? 0 : (Dv * static_cast<int64_t>(sizeof(T)) + 63) / 64;
     const int64_t score_calls = (full_rows / (kNV * W) + (rp - full_rows) / W) *
                                 ((U + kUnitBlock - 1) / kUnitBlock) * ((kTileKeys + kNK - 1) / kNK);
     for (int64_t t0 = used_lo; t0 < used_hi; t0 += kTileKeys) {
         const int64_t nt = used_hi - t0 < kTileKeys ? used_hi - t0 : kTileKeys;
         Tile::rows(p, k, v, kb + t0, nt, buf, krows, vrows);
-        // The next tile's K rows, prefetched into L2 a few lines per score block while this
-        // tile computes, so that its copy does not wait for memory (hardware prefetchers
-        // stop at page boundaries and do not run ahead by a whole tile). (Its V rows too:
-        // measured no faster for GQA on Zen 3, not kept.)
+        // The next tile's K and V rows, prefetched into L2 a few lines per score block while
+        // this tile computes, so that its reads do not wait for memory (hardware prefetchers
+        // stop at page boundaries and do not run ahead by a whole tile).
         const int64_t next_t0 = t0 + kTileKeys;
-        const int64_t next_lines = next_t0 < used_hi ? (used_hi - next_t0 < kTileKeys ? used_hi - next_t0 : kTileKeys) * row_lines : 0;
+        const int64_t next_keys = next_t0 < used_hi ? (used_hi - next_t0 < kTileKeys ? used_hi - next_t0 : kTileKeys) : 0;
+        const int64_t next_k_lines = next_keys * row_lines;
+        const int64_t next_lines = next_k_lines + next_keys * v_row_lines;
         const int64_t lines_per_call = (next_lines + score_calls - 1) / score_calls;
         int64_t next_line = 0;
         // Scores of every row against the tile's keys: per query block, units in blocks of
@@ -383,9 +387,13 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
                 const int64_t u1 = u0 + kUnitBlock < U ? u0 + kUnitBlock : U;
                 for (int64_t j0 = 0; j0 < nt; j0 += kNK) {
                     const int64_t nk = nt - j0 < kNK ? nt - j0 : kNK;
-                    for (int64_t x = 0; x < lines_per_call && next_line < next_lines; ++x, ++next_line)
-                        __builtin_prefetch(reinterpret_cast<const char*>(k.at(kb + next_t0 + next_line / row_lines)) +
-                                               next_line % row_lines * 64, 0, 2);
+                    for (int64_t x = 0; x < lines_per_call && next_line < next_lines; ++x, ++next_line) {
+                        const int64_t vl = next_line - next_k_lines;
+                        __builtin_prefetch(vl < 0 ? reinterpret_cast<const char*>(k.at(kb + next_t0 + next_line / row_lines)) +
+                                                        next_line % row_lines * 64
+                                                  : reinterpret_cast<const char*>(v.at(kb + next_t0 + vl / v_row_lines)) +
+                                                        vl % v_row_lines * 64, 0, 2);
+                    }
                     if (r < full_rows)
                         score_block<Dot, kNV, kNK>(qt + r * U, rp, krows + j0, nk, u0, u1, st + j0 * rp + r);
                     else
@@ -396,15 +404,30 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
         for (int64_t r = 0; r < rp; r += W) {
             Vec bmax = simd::vset(-__builtin_inff());
             Vec bad = simd::vzero();  // NaN in a lane that met a non-finite visible score
-            for (int64_t j = 0; j < nt; ++j) {
-                Vec s = simd::vload(st + j * rp + r);
-                if (!Tile::kScaledQuery) s = simd::vmul(s, score_scale);
-                const simd::Mask keep = simd::key_visible(lo + r, hi + r, static_cast<int32_t>(t0 + j));
-                bad = simd::vadd(bad, simd::select(keep, simd::vsub(s, s), simd::vzero()));
-                if (capped) s = simd::vmul(cap, simd::tanh_vec(simd::vmul(s, inv_cap)));
-                s = simd::keep_or_neg_inf(keep, s);
-                simd::vstore(st + j * rp + r, s);
-                bmax = simd::vmax(s, bmax);
+            // Every row of the vector sees every key of the tile (the interior of a chunk):
+            // no visibility masks, the same values.
+            bool whole = true;
+            for (int x = 0; x < W; ++x) whole = whole && lo[r + x] <= t0 && hi[r + x] >= t0 + nt;
+            if (whole) {
+                for (int64_t j = 0; j < nt; ++j) {
+                    Vec s = simd::vload(st + j * rp + r);
+                    if (!Tile::kScaledQuery) s = simd::vmul(s, score_scale);
+                    bad = simd::vadd(bad, simd::vsub(s, s));
+                    if (capped) s = simd::vmul(cap, simd::tanh_vec(simd::vmul(s, inv_cap)));
+                    if (capped || !Tile::kScaledQuery) simd::vstore(st + j * rp + r, s);
+                    bmax = simd::vmax(s, bmax);
+                }
+            } else {
+                for (int64_t j = 0; j < nt; ++j) {
+                    Vec s = simd::vload(st + j * rp + r);
+                    if (!Tile::kScaledQuery) s = simd::vmul(s, score_scale);
+                    const simd::Mask keep = simd::key_visible(lo + r, hi + r, static_cast<int32_t>(t0 + j));
+                    bad = simd::vadd(bad, simd::select(keep, simd::vsub(s, s), simd::vzero()));
+                    if (capped) s = simd::vmul(cap, simd::tanh_vec(simd::vmul(s, inv_cap)));
+                    s = simd::keep_or_neg_inf(keep, s);
+                    simd::vstore(st + j * rp + r, s);
+                    bmax = simd::vmax(s, bmax);
+                }
             }
             const Vec m_old = simd::vload(m + r);
             const Vec m_new = simd::vadd(simd::vmax(bmax, m_old), bad);  // NaN stays NaN
