@@ -456,10 +456,22 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
                 value_block<Dot, 1, kNK>(acct + r, rp, pt + r, corr + r, vrows, steps, d0,
                                          Dv - d0 < kNK ? Dv - d0 : kNK);
     }
-    // The chunk's partial result in the merge's layout: rows x Dv, max and sum per row.
+    // The chunk's partial result in the merge's layout: rows x Dv, max and sum per row; the
+    // accumulators transposed in blocks of kChunk x kChunk (a scalar copy with acct's stride
+    // measured ~9 % of an MLA task of 256 keys).
+    constexpr int64_t C = simd::kChunk;
+    for (int64_t r0 = 0; r0 < rows; r0 += C) {
+        int64_t d0 = 0;
+        for (; d0 + C <= Dv; d0 += C) {
+            simd::Chunk block[C];
+            for (int64_t i = 0; i < C; ++i) block[i] = simd::chunk_load(acct + (d0 + i) * rp + r0);
+            simd::transpose_chunks(block);
+            for (int64_t j = 0; j < C && r0 + j < rows; ++j) simd::chunk_storeu(acc + (r0 + j) * Dv + d0, block[j]);
+        }
+        for (int64_t r = r0; r < r0 + C && r < rows; ++r)
+            for (int64_t d = d0; d < Dv; ++d) acc[r * Dv + d] = acct[d * rp + r];
+    }
     for (int64_t r = 0; r < rows; ++r) {
-        float* acc_row = acc + r * Dv;
-        for (int64_t d = 0; d < Dv; ++d) acc_row[d] = acct[d * rp + r];
         m_out[r] = m[r];
         l_out[r] = l[r];
     }
