@@ -24,7 +24,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 import ml_dtypes
 
 import attnfast as af
-from attnfast import _checks, _ext, _kvcache, _paged
+from attnfast import _ext, _kvcache, _paged, _plans, _transaction
 from reference import (TOLERANCE, float32_score_rounding, nan_leak_allowed, reference_attention, reference_nonfinite_rows,
                        visible_mask)
 
@@ -406,7 +406,8 @@ class _patched:
 
 
 # Where a mutating call can be cut short: in the kernels (Ctrl-C), or at any one of its
-# writes into the cache (every write of the full path goes through Undo.write).
+# writes into the cache (every token write of the full path goes through
+# attnfast._transaction.write_rows).
 INTERRUPTS = st.tuples(st.sampled_from(["kernels", "write"]),
                        st.sampled_from([KeyboardInterrupt, MemoryError]), st.integers(1, 6))
 
@@ -414,22 +415,22 @@ INTERRUPTS = st.tuples(st.sampled_from(["kernels", "write"]),
 class _interrupt:
     """Cut the call made in the block short. "kernels": where the kernels run, on every path
     (the full path's _ext.run_attention, and the C tails' hook, _ext.fast_call_hooks). "write":
-    at the after-th Undo.write; the C tails write in C, where nothing can raise, so the plans
-    are dropped first and the full path runs."""
+    at the after-th write_rows of the full path; the C tails write in C, where nothing can
+    raise, so the plans are dropped first and the full path runs."""
 
     def __init__(self, where, error, after):
         self.where = where
         if where == "kernels":
             self.patch = _patched(_ext, "run_attention", error)
         else:
-            self.patch = _patched(_kvcache.Undo, "write", error, after)
+            self.patch = _patched(_transaction, "write_rows", error, after)
 
     def __enter__(self):
         fake = self.patch.__enter__()
         if self.where == "kernels":
             _ext.fast_call_hooks["before_kernels"] = fake
         else:
-            for memo in (_checks.ATTENTION_PLANS, _checks.KVCACHE_PLANS, _checks.PAGED_PLANS):
+            for memo in (_plans.ATTENTION_PLANS, _plans.KVCACHE_PLANS, _plans.PAGED_PLANS):
                 memo.clear()
         return fake
 
@@ -453,6 +454,11 @@ class _CacheMachine(RuleBasedStateMachine):
             if _FINISHED[name] % 100 == 0:
                 with open(_COUNT_FILE, "a") as f:
                     f.write(f"{name} {_FINISHED[name]} runs (incl. shrinking)\n")
+
+    def _writes(self):
+        """The token writer's writes per call (k, v and an int8 cache's scales): where a
+        "write" interrupt can fall."""
+        return 4 if self.dtype == np.int8 else 2
 
     def _draw_dtypes(self, data, dtype):
         self.dtype = dtype
@@ -576,7 +582,7 @@ class KVCacheMachine(_CacheMachine):
         where, error, after = how
         where = "write" if kind == "append" else where  # append runs no kernel
         snap = self._snapshot()
-        with _interrupt(where, error, min(after, 2 * len(seqs))), pytest.raises(error):
+        with _interrupt(where, error, min(after, self._writes())), pytest.raises(error):
             if kind == "append":
                 self.cache.append(k_new, v_new, batch_index=index)
             else:
@@ -830,7 +836,7 @@ class PagedKVCacheMachine(_CacheMachine):
             self._append_model(ids, k_new, v_new)
             snap = self._snapshot()
         where = "write" if kind == "append" else where  # append runs no kernel
-        with _interrupt(where, error, min(after, 2 * len(ids))), pytest.raises(error):
+        with _interrupt(where, error, min(after, self._writes())), pytest.raises(error):
             if kind == "append":
                 self.cache.append(ids, k_new, v_new)
             else:
