@@ -274,8 +274,7 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
                 for i in range(t):
                     starts[B + 2 * (b * t + i)] = b
                     starts[B + 2 * (b * t + i) + 1] = starts[b] + i
-            _write_rows(k, kn, starts + B, B, t)   # (each joins the open transaction's log)
-            _write_rows(v, vn, starts + B, B, t)
+            _write_rows([k, v], [kn, vn], starts + B, B, t)  # (joins the transaction's log)
         if advance and t:
             _keep_int64s(lens)
         for b in range(B):
@@ -600,9 +599,8 @@ def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tupl
                     n = info[3 * b] + i
                     slots[2 * (b * t + i)] = tab[b * width + n // BS]
                     slots[2 * (b * t + i) + 1] = n % BS
-            _write_rows(k, kn, slots, B, t)
-            if not latent:  # (a latent pool's v rows are its k rows)
-                _write_rows(v, vn, slots, B, t)
+            # (a latent pool's v rows are its k rows)
+            _write_rows([k] if latent else [k, v], [kn] if latent else [kn, vn], slots, B, t)
             (<list> _open_log()).append(w)
             for b in range(B):
                 seq = seqs[b]

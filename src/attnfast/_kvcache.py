@@ -63,7 +63,9 @@ _LENGTHS = "KVCache.lengths"  # a KVCache's lengths in its plan keys (attnfast._
 def fast_tokens(k_new, v_new, cache_dtype):
     """The fast paths' new tokens in the cache's dtype, rounded as the full path writes them
     (stored_form), so the C tails copy rows. A plan exists only for unquantised caches."""
-    return (k_new, v_new) if k_new is None else stored_form(k_new, v_new, cache_dtype)[:2]
+    if k_new is None or (k_new.dtype == cache_dtype and v_new.dtype == cache_dtype):
+        return k_new, v_new  # (the common case, first: this runs on every fast call)
+    return stored_form(k_new, v_new, cache_dtype)[:2]
 
 
 @transaction()

@@ -106,21 +106,16 @@ def write_tokens(pools, blocks, rows, k_new, v_new, key_rotation=None) -> None:
     v_scale), the scales None but for row-scaled formats. Rounded or quantised to the
     pools' format first (key_rotation: None or "hadamard", keys rotated before they are
     quantised: attnfast._rotation); what each write overwrites is logged."""
-    k_pool, v_pool, k_scale, v_scale = pools
-    stored = stored_form(k_new, v_new, k_pool.dtype, key_rotation)
-    for pool, new in zip((k_pool, v_pool, k_scale, v_scale), stored):
-        if pool is not None:
-            if pool.ndim == 3:  # row scales: rows of one float32
-                pool, new = pool[..., None], new[..., None]
-            write_rows(pool, new, blocks, rows)
+    stored = stored_form(k_new, v_new, pools[0].dtype, key_rotation)
+    pairs = [(p, x) if p.ndim == 4 else (p[..., None], x[..., None])  # row scales: 1 float32
+             for p, x in zip(pools, stored) if p is not None]
+    write_rows([p for p, _ in pairs], [x for _, x in pairs], blocks, rows)
 
 
 def copy_rows(pools, source: int, target: int, count: int) -> None:
     """Rows 0 .. count of block `source` copied into block `target` of each pool (k, v and
     row scales, None skipped): a shared block copied before it is written (copy-on-write)."""
     rows = np.arange(count)[None, :]
-    for pool in pools:
-        if pool is not None:
-            if pool.ndim == 3:
-                pool = pool[..., None]
-            write_rows(pool, pool[source:source + 1, :, :count], np.full_like(rows, target), rows)
+    pools = [p if p.ndim == 4 else p[..., None] for p in pools if p is not None]
+    write_rows(pools, [p[source:source + 1, :, :count] for p in pools],
+               np.full_like(rows, target), rows)

@@ -14,6 +14,7 @@
 # returned, as any signal arriving after a call is.
 
 from cpython.ref cimport PyObject
+from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
 cdef extern from *:
@@ -135,69 +136,102 @@ cdef void _move_rows(cnp.ndarray pool, cnp.ndarray new, const int64_t* slots, cn
                 saved += row
 
 
+cdef cnp.npy_intp _rows_bytes(cnp.ndarray pool, cnp.npy_intp tokens):
+    return tokens * cnp.PyArray_DIMS(pool)[1] * cnp.PyArray_DIMS(pool)[3] * cnp.PyArray_ITEMSIZE(pool)
+
+
 cdef class _RowsWritten:
-    """What one write of token rows overwrote; calling it puts the rows back (again if need be)."""
-    cdef cnp.ndarray pool, slots, saved
+    """What one write of token rows into `pools` (in order) overwrote; calling it puts the
+    rows back, the last pool's first (again if need be)."""
+    cdef list pools
+    cdef char* buffer          # the slots (2 n t int64), then the rows overwritten
     cdef cnp.npy_intp n, t
 
+    def __dealloc__(self):
+        free(self.buffer)
+
     def __call__(self):
-        _move_rows(self.pool, None, <int64_t*> cnp.PyArray_DATA(self.slots), self.n, self.t,
-                   <char*> cnp.PyArray_DATA(self.saved), True)
+        cdef cnp.npy_intp total = 2 * self.n * self.t * sizeof(int64_t), i
+        for pool in self.pools:
+            total += _rows_bytes(<cnp.ndarray> pool, self.n * self.t)
+        for i in range(len(self.pools) - 1, -1, -1):
+            total -= _rows_bytes(<cnp.ndarray> self.pools[i], self.n * self.t)
+            _move_rows(<cnp.ndarray> self.pools[i], None, <int64_t*> self.buffer, self.n,
+                       self.t, self.buffer + total, True)
 
 
-cdef _RowsWritten _write_rows(cnp.ndarray pool, cnp.ndarray new, const int64_t* slots,
-                              cnp.npy_intp n, cnp.npy_intp t):
-    """_move_rows into `pool`, the rows overwritten kept in the entry returned, which joins
-    the open transaction's log before anything is written."""
+cdef _RowsWritten _write_rows(list pools, list news, const int64_t* slots, cnp.npy_intp n,
+                              cnp.npy_intp t):
+    """_move_rows of news[j] into pools[j], in order, the rows overwritten kept in the entry
+    returned, which joins the open transaction's log before anything is written."""
     cdef _RowsWritten w = _RowsWritten.__new__(_RowsWritten)
-    w.pool, w.n, w.t = pool, n, t
-    w.slots = _empty((2 * n * t,), _INT64)
-    memcpy(cnp.PyArray_DATA(w.slots), slots, 2 * n * t * sizeof(int64_t))
-    w.saved = _empty((n * t * cnp.PyArray_DIMS(pool)[1] * cnp.PyArray_DIMS(pool)[3]
-                      * cnp.PyArray_ITEMSIZE(pool),), _UINT8)
+    cdef cnp.npy_intp total = 2 * n * t * sizeof(int64_t), j
+    for pool in pools:
+        total += _rows_bytes(<cnp.ndarray> pool, n * t)
+    w.buffer = <char*> malloc(total + 1)
+    if w.buffer == NULL:
+        raise MemoryError()
+    w.pools, w.n, w.t = pools, n, t
+    memcpy(w.buffer, slots, 2 * n * t * sizeof(int64_t))
     log = _open_log()
     if log is not None:
         (<list> log).append(w)
-    _move_rows(pool, new, slots, n, t, <char*> cnp.PyArray_DATA(w.saved), False)
+    total = 2 * n * t * sizeof(int64_t)
+    for j in range(len(pools)):
+        _move_rows(<cnp.ndarray> pools[j], <cnp.ndarray> news[j], slots, n, t, w.buffer + total,
+                   False)
+        total += _rows_bytes(<cnp.ndarray> pools[j], n * t)
     return w
 
 
-def write_rows(cnp.ndarray pool, cnp.ndarray new, cnp.ndarray blocks, cnp.ndarray rows):
+def write_rows(list pools, list news, cnp.ndarray blocks, cnp.ndarray rows):
     """The token writer (attnfast._transaction.write_tokens): token u of sequence i,
-    new[i, :, u] (new: (n, H, t, R), the pool's dtype), to row rows[i, u] of block
-    blocks[i, u] of pool (X, H, S, R) (a contiguous cache's blocks are its sequences), every
-    head; what it overwrites joins the open transaction's log first. Any strides."""
-    cdef cnp.npy_intp n = cnp.PyArray_DIMS(new)[0], t = cnp.PyArray_DIMS(new)[2], i
-    cdef cnp.ndarray slots
+    news[j][i, :, u] (news[j]: (n, H, t, R), the dtype of pools[j]), to row rows[i, u] of
+    block blocks[i, u] of pools[j] (X, H, S, R) (a contiguous cache's blocks are its
+    sequences), every head, for each j in order; what it overwrites joins the open
+    transaction's log first. Any strides."""
+    cdef cnp.ndarray pool, new, slots
+    cdef cnp.npy_intp n = cnp.PyArray_DIMS(<cnp.ndarray?> news[0])[0], i
+    cdef cnp.npy_intp t = cnp.PyArray_DIMS(<cnp.ndarray?> news[0])[2]
     cdef int64_t* s
-    if (cnp.PyArray_NDIM(pool) != 4 or cnp.PyArray_NDIM(new) != 4
-            or not attnfast_equiv_dtypes(pool, new) or not cnp.PyArray_ISWRITEABLE(pool)
-            or cnp.PyArray_DIMS(new)[1] != cnp.PyArray_DIMS(pool)[1]
-            or cnp.PyArray_DIMS(new)[3] != cnp.PyArray_DIMS(pool)[3]
-            or (<object> blocks).shape != (n, t) or (<object> rows).shape != (n, t)):
-        raise ValueError("write_rows: pool, new, blocks and rows do not fit")
     slots = np.stack([blocks, rows], axis=-1).astype(np.int64).reshape(-1)
     s = <int64_t*> cnp.PyArray_DATA(slots)
-    for i in range(n * t):  # (the callers checked them: a guard against writing elsewhere)
-        if not (0 <= s[2 * i] < cnp.PyArray_DIMS(pool)[0]
-                and 0 <= s[2 * i + 1] < cnp.PyArray_DIMS(pool)[2]):
-            raise IndexError(f"write_rows: slot {i} is outside the pool")
-    _write_rows(pool, new, s, n, t)
+    for pool, new in zip(pools, news):
+        if (cnp.PyArray_NDIM(pool) != 4 or cnp.PyArray_NDIM(new) != 4
+                or not attnfast_equiv_dtypes(pool, new) or not _writeable(pool)
+                or cnp.PyArray_DIMS(new)[0] != n or cnp.PyArray_DIMS(new)[2] != t
+                or cnp.PyArray_DIMS(new)[1] != cnp.PyArray_DIMS(pool)[1]
+                or cnp.PyArray_DIMS(new)[3] != cnp.PyArray_DIMS(pool)[3]
+                or (<object> blocks).shape != (n, t) or (<object> rows).shape != (n, t)):
+            raise ValueError("write_rows: pools, news, blocks and rows do not fit")
+        for i in range(n * t):  # (the callers checked them: a guard against writing elsewhere)
+            if not (0 <= s[2 * i] < cnp.PyArray_DIMS(pool)[0]
+                    and 0 <= s[2 * i + 1] < cnp.PyArray_DIMS(pool)[2]):
+                raise IndexError(f"write_rows: slot {i} is outside the pool")
+    _write_rows(pools, news, s, n, t)
 
 
 cdef class _Int64sKept:
-    """An int64 array's values before a call changed them (a KVCache's lengths)."""
-    cdef cnp.ndarray array, kept
+    """A C-contiguous int64 array's values before a call changed them (a KVCache's lengths)."""
+    cdef cnp.ndarray array
+    cdef int64_t* kept
+
+    def __dealloc__(self):
+        free(self.kept)
 
     def __call__(self):
-        memcpy(cnp.PyArray_DATA(self.array), cnp.PyArray_DATA(self.kept),
-               cnp.PyArray_NBYTES(self.kept))
+        memcpy(cnp.PyArray_DATA(self.array), self.kept, cnp.PyArray_NBYTES(self.array))
 
 
-cdef _keep_int64s(cnp.ndarray array):
+cdef int _keep_int64s(cnp.ndarray array) except -1:
     """Log `array` (int64, C-contiguous) as it is now, in the open transaction."""
     cdef _Int64sKept w = _Int64sKept.__new__(_Int64sKept)
-    w.array, w.kept = array, array.copy()
+    w.kept = <int64_t*> malloc(cnp.PyArray_NBYTES(array) + 1)
+    if w.kept == NULL:
+        raise MemoryError()
+    w.array = array
+    memcpy(w.kept, cnp.PyArray_DATA(array), cnp.PyArray_NBYTES(array))
     log = _open_log()
     if log is not None:
         (<list> log).append(w)
+    return 0
