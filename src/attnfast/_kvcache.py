@@ -254,8 +254,9 @@ def _read_and_written(call) -> list:
 
 
 def _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new, out, causal,
-                  num_threads, query_offset):
-    """attention_with_kvcache() for a call whose layout and options an earlier call had
+                  num_threads, query_offset, advance=False):
+    """attention_with_kvcache() (and, with `advance`, KVCache.attend / step, whose lengths
+    array is advanced in place) for a call whose layout and options an earlier call had
     accepted (see attnfast._ext.kvcache_key): what can differ between such calls (lengths,
     flags, overlap, `out`), the token writes and the kernel call, in C
     (attnfast._ext.decode_fast). None, having changed nothing, when anything is unusual: the
@@ -269,7 +270,7 @@ def _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new, out, c
     k_new, v_new = fast_tokens(k_new, v_new, k_cache.dtype)
     return _ext.decode_fast(q, k_cache, v_cache, cache_seqlens, k_new, v_new, t, capacity,
                             out_shape, dtype, causal, scale, left, right, threads, query_offset,
-                            kernels_interruptible(), False, out, lse_dtype)   # (advance: no)
+                            kernels_interruptible(), advance, out, lse_dtype)
 
 
 def run_cache_kernels(call, user_out, return_lse, parts, tree=None, key_rotation=None):
@@ -622,25 +623,13 @@ class KVCache:
         return result
 
     def _run_fast(self, key, q, k_new, v_new, out, causal, num_threads, query_offset):
-        """attend/step for a call whose plan key (see attnfast._ext.kvcache_key) found the
-        plan an earlier call left: what can differ between such calls (room for the new
-        tokens, writeable arrays, alignment, `out`, num_threads, query_offset), the append,
-        the lengths advanced in place and the kernel call, in C (attnfast._ext.decode_fast).
-        None, having changed nothing, when anything is unusual or the layout is new: the
-        full path runs."""
+        """attend/step by the plan an earlier call of this layout left (_kvcache_fast, the
+        lengths advanced in place); None, having changed nothing, without one or when
+        anything is unusual: the full path runs."""
         plan = KVCACHE_PLANS.get(key)
-        if plan is None:
-            return None
-        t, out_shape, dtype, scale, window, seqlen_q, capacity, lse_dtype = plan
-        threads = fast_threads(num_threads)
-        if threads is None or not fast_query_offset(query_offset):
-            return None
-        left, right = (-1, -1) if window == (-1, -1) else bound_window(
-            window, seqlen_q, capacity, query_offset)
-        k_new, v_new = fast_tokens(k_new, v_new, self._k.dtype)
-        return _ext.decode_fast(q, self._k, self._v, self._lengths, k_new, v_new, t, capacity,
-                                out_shape, dtype, causal, scale, left, right, threads,
-                                query_offset, kernels_interruptible(), True, out, lse_dtype)
+        return None if plan is None else _kvcache_fast(
+            plan, q, self._k, self._v, self._lengths, k_new, v_new, out, causal, num_threads,
+            query_offset, True)  # (advance)
 
     def _run_locked(self, q, k_new, v_new, *, batch_index, causal, scale, window, softcap,
                     alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset,
