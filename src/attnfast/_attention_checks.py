@@ -10,6 +10,7 @@ from ._runtime import resolve_threads
 from ._scalars import (_as_int, bound_window, check_flag, check_query_offset, check_scale,
                        check_softcap, check_window)
 
+
 def _float32_vector(x, name: str, shapes: tuple, shape_text: str) -> np.ndarray:
     if not isinstance(x, np.ndarray):
         x = np.asarray(x)

@@ -11,6 +11,7 @@ from ._formats import KVFormat, format_named, format_of_storage, quantized_forma
 from ._runtime import _positive_int
 from ._scalars import _as_int, _integer_array, _ints_per_sequence, check_flag
 
+
 def check_latent_spec(latent, head_dim: int, head_dim_v: int, dtype) -> bool:
     """KVCache(latent=): a bool; a latent cache stores one row per token whose first
     head_dim_v elements are the values, so head_dim_v <= head_dim, and not quantised (int8,

@@ -16,7 +16,6 @@ from ._scalars import (_ints_per_sequence, bound_window, check_flag, check_query
                        check_scale, check_window)
 from ._written import check_apart, check_latent_tokens, check_written, is_latent_view
 
-# ---- KV cache: attention_with_kvcache and KVCache (attnfast._kvcache) ----
 
 def _exact_dtype(arr: np.ndarray, name: str) -> np.dtype:
     """The dtype of an array attnfast writes into in place: a KV format's storage dtype,

@@ -235,6 +235,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
                                                   window, return_lse))
     return result
 
+
 def with_key_index(call, key_index, tree_mask=None):
     """A checked KV-cache call (KVCacheCall) with its key_index checked (attnfast._key_index)
     against each sequence's length after the new tokens; the call itself without one."""

@@ -9,10 +9,8 @@ from ._descriptors import AttentionCall
 from ._runtime import _clamp, get_num_threads
 from ._scalars import _MAX_QUERY_OFFSET, check_scale, check_window
 
-# ---- Fast paths: repeat calls of a layout already accepted ----
-#
 # A model calls attention once per layer per generated token, with the same shapes every
-# time, and the full checks above cost more than a short decode kernel. What they conclude
+# time, and the full checks cost more than a short decode kernel. What they conclude
 # from shapes, strides, dtypes and option values is remembered in a plan keyed by exactly
 # those, stored only after the full path accepted a call that it could hand to the kernels
 # as given (no copy, no reshape, no int8 quantisation). A call whose key finds a plan

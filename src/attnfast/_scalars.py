@@ -8,6 +8,7 @@ import numpy as np
 
 from ._arrays import _compute_dtype
 
+
 def check_scale(scale, head_dim: int, dtype: np.dtype) -> float:
     """scale: a real number > 0 that stays finite and non-zero in the compute precision
     (float32 for float32 inputs), also once multiplied by log2(e) as the kernels do."""

@@ -17,6 +17,7 @@ import numpy as np
 # It depends only on flags, shape and strides, so a fast path whose plan key holds an array's
 # layout and that re-checks its writeable flag need not repeat it.
 
+
 class _ReadOnlyCopy:
     """The base of a read_only_copy: the copy's memory (owner kept alive), read-only, and
     what the caller's argument was (found by _copied_from however the array is viewed)."""
