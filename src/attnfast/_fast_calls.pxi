@@ -288,7 +288,7 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
         free(starts)
 
 
-_INT64, _UINT8 = np.dtype(np.int64), np.dtype(np.uint8)
+_INT64 = np.dtype(np.int64)
 
 
 # ---- plan keys (attnfast._plans): what a plan is stored and found under ----
