@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import attnfast as af
-from attnfast import _checks, _ext, _kvcache
+from attnfast import _ext, _kvcache, _plans, _transaction
 from reference import TOLERANCE, reference_attention
 
 PKG = os.path.dirname(os.path.abspath(af.__file__)) + os.sep
@@ -236,7 +236,7 @@ CASES = [(name, mode) for name in sorted(SCENARIOS) for mode in MODES
 
 def _prepare(mode, make, seed):
     if mode == "full":
-        for memo in (_checks.ATTENTION_PLANS, _checks.KVCACHE_PLANS, _checks.PAGED_PLANS):
+        for memo in (_plans.ATTENTION_PLANS, _plans.KVCACHE_PLANS, _plans.PAGED_PLANS):
             memo.clear()
     return make(np.random.default_rng(seed))
 
@@ -317,28 +317,28 @@ def test_torch_tensors_too():
 
 
 def test_a_second_interrupt_while_putting_back_does_not_stop_it(monkeypatch):
-    """Ctrl-C pressed again while a rolled-back call puts its writes back: every write is
-    still put back (each restore may run again), and the first interrupt is the one raised."""
+    """Ctrl-C pressed again while a rolled-back call runs its undo log: every change is
+    still put back (each log entry may run again), and the first interrupt is the one raised."""
     rng = np.random.default_rng(3)
     c = _filled_cache(rng, "int8")
     q, k, v = _tokens(rng, c)
     before = kvcache_state(c)
-    real = _kvcache.Undo.restore
-    calls = []
+    real, calls = _transaction.write_rows, []
 
-    def restore(self):  # twice: the newest entry put back, then Ctrl-C before it is dropped
-        calls.append(1)
-        if len(calls) <= 2 and self._saved:
-            array, index, old = self._saved[-1]
-            array[index] = old
-            raise KeyboardInterrupt("again")
-        return real(self)
-    monkeypatch.setattr(_kvcache.Undo, "restore", restore)
+    def write_rows(*args):  # the write's undo is followed by one interrupted twice
+        real(*args)
+
+        def interrupted():
+            calls.append(1)
+            if len(calls) <= 2:
+                raise KeyboardInterrupt("again")
+        _transaction.logged(interrupted)
+    monkeypatch.setattr(_transaction, "write_rows", write_rows)
 
     def bookkeeping(*args):  # after the kernels: the call has written everything
         raise KeyboardInterrupt("first")
     monkeypatch.setattr(_kvcache, "remember", bookkeeping)
-    _checks.KVCACHE_PLANS.clear()  # the full path, which remembers the plan after the commit
+    _plans.KVCACHE_PLANS.clear()  # the full path, which remembers the plan after the commit
     with pytest.raises(KeyboardInterrupt, match="first"):
         c.step(q, k, v)
     assert kvcache_state(c) == before and len(calls) == 3
@@ -361,7 +361,7 @@ def test_an_error_after_the_commit_undoes_the_call(where, monkeypatch):
         "attention_with_kvcache": (functional(), _kvcache, "_kvcache_fast"),
         "attention_with_kvcache lse": (functional(return_lse=True), _kvcache, "_kvcache_fast"),
         "attention_with_kvcache paged": (functional(block_table=True), _kvcache,
-                                         "_paged_attention")}[where]
+                                         "run_cache_kernels")}[where]
     make(np.random.default_rng(4))[0]()  # the layout's plan: the fast paths run
     call, state, _ = make(np.random.default_rng(4))
     before = state()
@@ -413,7 +413,7 @@ def test_the_lock_is_held_until_the_call_has_returned():
     real = _kvcache.remember
     _kvcache.remember = bookkeeping
     try:
-        _checks.KVCACHE_PLANS.clear()  # the full path, which remembers the plan
+        _plans.KVCACHE_PLANS.clear()  # the full path, which remembers the plan
         c.step(q, k, v)
     finally:
         _kvcache.remember = real

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import attnfast as af
-from attnfast import _checks, _ext
+from attnfast import _plans, _ext
 from reference import TOLERANCE, reference_attention
 
 B, H, HKV, D, C = 2, 4, 2, 16, 24
@@ -27,11 +27,11 @@ def normal(rng, *shape, dtype=np.float32):
 
 @pytest.fixture(autouse=True)
 def _fresh_plans():
-    _checks.ATTENTION_PLANS.clear()
-    _checks.KVCACHE_PLANS.clear()
+    _plans.ATTENTION_PLANS.clear()
+    _plans.KVCACHE_PLANS.clear()
     yield
-    _checks.ATTENTION_PLANS.clear()
-    _checks.KVCACHE_PLANS.clear()
+    _plans.ATTENTION_PLANS.clear()
+    _plans.KVCACHE_PLANS.clear()
 
 
 def taken(kind):
@@ -40,8 +40,8 @@ def taken(kind):
 
 def full_path():
     """The next call of each layout runs the full checks (the plans are dropped)."""
-    _checks.ATTENTION_PLANS.clear()
-    _checks.KVCACHE_PLANS.clear()
+    _plans.ATTENTION_PLANS.clear()
+    _plans.KVCACHE_PLANS.clear()
 
 
 def expected(q, k, v, **options):

@@ -1,4 +1,4 @@
-"""The per-layout fast paths (attnfast._checks "Fast paths"): a call shaped like one already
+"""The per-layout fast paths (attnfast._plans): a call shaped like one already
 accepted skips the full checks. Each test here first makes the fast path ready (a good call
 of the same layout), then checks that what must not take it still gets exactly the error of
 the full path (same type, same message) and writes nothing, and that what takes it gives the
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import attnfast as af
-from attnfast import _api, _checks, _kvcache
+from attnfast import _api, _kvcache, _plans
 from reference import TOLERANCE, reference_attention
 
 B, H, HKV, D, C = 2, 4, 2, 16, 24
@@ -22,8 +22,8 @@ def normal(rng, *shape, dtype=np.float32):
 
 
 def clear_plans():
-    _checks.ATTENTION_PLANS.clear()
-    _checks.KVCACHE_PLANS.clear()
+    _plans.ATTENTION_PLANS.clear()
+    _plans.KVCACHE_PLANS.clear()
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +47,7 @@ def assert_same_error(warm, bad, state=None):
     plan, and changes nothing that `state()` sees."""
     expected = full_path_error(bad)
     warm()
-    assert _checks.ATTENTION_PLANS or _checks.KVCACHE_PLANS, "the good call stored no plan"
+    assert _plans.ATTENTION_PLANS or _plans.KVCACHE_PLANS, "the good call stored no plan"
     before = state() if state is not None else None
     with pytest.raises(expected[0]) as info:
         bad()
@@ -60,7 +60,8 @@ def forbid_full_checks(monkeypatch):
     """From here on, a call that runs the full checks fails the test."""
     def refuse(*args, **kwargs):
         raise AssertionError("the full checks ran: the fast path was not taken")
-    for module, name in ((_api, "check_attention"), (_kvcache, "check_kvcache_attention"),
+    for module, name in ((_api, "check_attention"), (_kvcache, "caller_caches"),
+                         (_kvcache, "check_kvcache_attention"),
                          (_kvcache, "check_paged_kvcache_attention")):
         monkeypatch.setattr(module, name, refuse)
 
@@ -81,9 +82,9 @@ def test_repeat_calls_take_a_plan_and_give_the_full_paths_bits(rng):
     q = normal(rng, B, H, 1, D)
     k, v = normal(rng, B, HKV, 9, D), normal(rng, B, HKV, 9, D)
     first = af.attention(q, k, v, causal=True)  # full path; stores the plan
-    assert len(_checks.ATTENTION_PLANS) == 1
+    assert len(_plans.ATTENTION_PLANS) == 1
     calls = []
-    real = _checks.check_attention
+    real = _api.check_attention
     try:
         _api.check_attention = lambda *a, **kw: calls.append(1) or real(*a, **kw)
         again = af.attention(q, k, v, causal=True)
@@ -109,7 +110,7 @@ def test_fast_kvcache_step_equals_the_full_path(rng, monkeypatch):
     forbid_full_checks(monkeypatch)
     for q, kn, vn in toks:
         out_fast = b.step(q, kn, vn)
-    assert _checks.KVCACHE_PLANS
+    assert _plans.KVCACHE_PLANS
     np.testing.assert_array_equal(out_full, out_fast)
     assert cache_state(a) == cache_state(b)
     monkeypatch.undo()
@@ -130,7 +131,7 @@ def test_fast_attention_with_kvcache_equals_the_full_path(rng, monkeypatch):
             full = af.attention_with_kvcache(q, kc, vc, seqlens + step, kn, vn)
             if step == 0:
                 af.attention_with_kvcache(q, kc2, vc2, seqlens + step, kn, vn)  # stores the plan
-                assert _checks.KVCACHE_PLANS
+                assert _plans.KVCACHE_PLANS
             forbid_full_checks(monkeypatch)
             fast = af.attention_with_kvcache(q, kc2, vc2, seqlens + step, kn, vn)
             np.testing.assert_array_equal(full, fast)
@@ -141,9 +142,9 @@ def test_fast_attention_with_kvcache_equals_the_full_path(rng, monkeypatch):
 def test_plans_are_bounded():
     rng = np.random.default_rng(0)
     k = normal(rng, 1, 1, 3, 4)
-    for t in range(_checks._PLAN_LIMIT + 5):
+    for t in range(_plans._PLAN_LIMIT + 5):
         af.attention(normal(rng, 1, 1, t + 1, 4), k, k)
-    assert 0 < len(_checks.ATTENTION_PLANS) <= _checks._PLAN_LIMIT
+    assert 0 < len(_plans.ATTENTION_PLANS) <= _plans._PLAN_LIMIT
 
 
 # ---------------------------------------------------------------- ... and must not be taken
@@ -189,7 +190,7 @@ def test_kvcache_step_into_a_full_cache_after_good_steps(rng):
     q, kn, vn = normal(rng, B, H, 1, D), normal(rng, B, HKV, 1, D), normal(rng, B, HKV, 1, D)
     cache.step(q, kn, vn)
     cache.step(q, kn, vn)  # fast path; the cache is now full
-    assert _checks.KVCACHE_PLANS
+    assert _plans.KVCACHE_PLANS
     before = cache_state(cache)
     with pytest.raises(ValueError, match="cache full"):
         cache.step(q, kn, vn)
@@ -451,9 +452,10 @@ def test_every_parameter_is_classified(rng):
 def test_options_outside_the_fast_path_run_the_full_checks(rng, monkeypatch, entry):
     call = _entry_points(rng)[entry][1]
     call()                                  # the plan of the plain call
-    assert _checks.ATTENTION_PLANS or _checks.KVCACHE_PLANS
+    assert _plans.ATTENTION_PLANS or _plans.KVCACHE_PLANS
     ran = []
-    for module, name in ((_api, "check_attention"), (_kvcache, "check_kvcache_attention"),
+    for module, name in ((_api, "check_attention"), (_kvcache, "caller_caches"),
+                         (_kvcache, "check_kvcache_attention"),
                          (_kvcache, "check_paged_kvcache_attention")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import attnfast as af
-from attnfast import _checks, _ext
+from attnfast import _plans, _ext
 
 B, H, HKV, TQ, D, C = 2, 4, 2, 1, 8, 16
 LENS = (9, 14)
@@ -16,9 +16,9 @@ LENS = (9, 14)
 
 @pytest.fixture(autouse=True)
 def _fresh_plans():
-    _checks.KVCACHE_PLANS.clear()
+    _plans.KVCACHE_PLANS.clear()
     yield
-    _checks.KVCACHE_PLANS.clear()
+    _plans.KVCACHE_PLANS.clear()
 
 
 def fast_calls():
@@ -197,7 +197,7 @@ def test_a_refused_out_is_named_and_nothing_is_written(rng, kind):
         assert fast_calls() == before, attempt
         # a good out of the same layout: accepted; it stores the plan the next attempt finds
         af.attention_with_kvcache(q, kc, vc, sl, kn, vn, out=good)
-        assert _checks.KVCACHE_PLANS
+        assert _plans.KVCACHE_PLANS
 
 
 def test_a_refused_out_after_a_plan_with_return_lse_and_a_kvcache(rng):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import attnfast as af
-from attnfast import _checks, _ext
+from attnfast import _plans, _ext
 from reference import reference_attention
 
 H, HKV, D, DV, BS = 4, 2, 8, 6, 4
@@ -18,9 +18,9 @@ H, HKV, D, DV, BS = 4, 2, 8, 6, 4
 
 @pytest.fixture(autouse=True)
 def _fresh_plans():
-    _checks.KVCACHE_PLANS.clear()
+    _plans.KVCACHE_PLANS.clear()
     yield
-    _checks.KVCACHE_PLANS.clear()
+    _plans.KVCACHE_PLANS.clear()
     _ext.fast_call_hooks["before_kernels"] = None
 
 
@@ -103,7 +103,7 @@ def test_fast_and_full_paths_give_the_same_bits(rng):
     for step in range(6):
         q, k, v = tokens(rng, 2, t=2)
         fast = pools[0].step([1, 0], q, k, v)     # plans once, then fast
-        _checks.KVCACHE_PLANS.clear()
+        _plans.KVCACHE_PLANS.clear()
         before = fast_calls()
         full = pools[1].step([1, 0], q, k, v)     # always the full path
         assert fast_calls() == before

@@ -9,7 +9,7 @@ import pytest
 
 import attnfast as af
 from attnfast import _kvcache
-from attnfast._checks import PAGED_PLANS
+from attnfast._plans import PAGED_PLANS
 from attnfast._kvcache import quantize_float8
 from reference import reference_attention, visible_mask
 

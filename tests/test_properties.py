@@ -24,7 +24,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 import ml_dtypes
 
 import attnfast as af
-from attnfast import _checks, _ext, _kvcache, _paged
+from attnfast import _ext, _kvcache, _paged, _plans, _transaction
 from reference import (TOLERANCE, float32_score_rounding, nan_leak_allowed, reference_attention, reference_nonfinite_rows,
                        visible_mask)
 
@@ -373,25 +373,29 @@ def cache_tolerance(out_dtype, q_dtype, cache_dtype):
 
 
 class _Raises:
-    """Stands in for a function and raises `error` on its `after`-th call (1 = the first):
-    a KeyboardInterrupt or MemoryError in the middle of a call."""
+    """Stands in for a function and raises `error` on its `after`-th call (1 = the first;
+    having run it, with `after_real`): a KeyboardInterrupt or MemoryError in the middle of a
+    call."""
 
-    def __init__(self, real, error, after=1):
-        self.real, self.error, self.after, self.calls = real, error, after, 0
+    def __init__(self, real, error, after=1, after_real=False):
+        self.real, self.error, self.after, self.after_real = real, error, after, after_real
+        self.calls = 0
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
-        if self.calls >= self.after:
-            raise self.error("attnfast property test")
-        return self.real(*args, **kwargs)
+        if self.calls < self.after:
+            return self.real(*args, **kwargs)
+        if self.after_real:
+            self.real(*args, **kwargs)
+        raise self.error("attnfast property test")
 
 
 class _patched:
     """Replace obj.name by a _Raises for the block (hypothesis rules cannot use monkeypatch)."""
 
-    def __init__(self, obj, name, error, after=1):
+    def __init__(self, obj, name, error, after=1, after_real=False):
         self.obj, self.name = obj, name
-        self.fake = _Raises(getattr(obj, name), error, after)
+        self.fake = _Raises(getattr(obj, name), error, after, after_real)
 
     def __enter__(self):
         fake = self.fake
@@ -405,8 +409,9 @@ class _patched:
         setattr(self.obj, self.name, self.fake.real)
 
 
-# Where a mutating call can be cut short: in the kernels (Ctrl-C), or at any one of its
-# writes into the cache (every write of the full path goes through Undo.write).
+# Where a mutating call can be cut short: in the kernels (Ctrl-C), or at its first write into
+# the cache, once written (every row write of the full path goes through
+# attnfast._transaction.write_rows: a copy-on-write copy, or the new tokens).
 INTERRUPTS = st.tuples(st.sampled_from(["kernels", "write"]),
                        st.sampled_from([KeyboardInterrupt, MemoryError]), st.integers(1, 6))
 
@@ -414,22 +419,22 @@ INTERRUPTS = st.tuples(st.sampled_from(["kernels", "write"]),
 class _interrupt:
     """Cut the call made in the block short. "kernels": where the kernels run, on every path
     (the full path's _ext.run_attention, and the C tails' hook, _ext.fast_call_hooks). "write":
-    at the after-th Undo.write; the C tails write in C, where nothing can raise, so the plans
-    are dropped first and the full path runs."""
+    once the full path's first write_rows has written; the C tails write in C, where nothing
+    can raise, so the plans are dropped first and the full path runs."""
 
-    def __init__(self, where, error, after):
+    def __init__(self, where, error):
         self.where = where
         if where == "kernels":
             self.patch = _patched(_ext, "run_attention", error)
         else:
-            self.patch = _patched(_kvcache.Undo, "write", error, after)
+            self.patch = _patched(_transaction, "write_rows", error, after_real=True)
 
     def __enter__(self):
         fake = self.patch.__enter__()
         if self.where == "kernels":
             _ext.fast_call_hooks["before_kernels"] = fake
         else:
-            for memo in (_checks.ATTENTION_PLANS, _checks.KVCACHE_PLANS, _checks.PAGED_PLANS):
+            for memo in (_plans.ATTENTION_PLANS, _plans.KVCACHE_PLANS, _plans.PAGED_PLANS):
                 memo.clear()
         return fake
 
@@ -573,10 +578,10 @@ class KVCacheMachine(_CacheMachine):
         if kind == "fast step":
             self.cache.step(q, k_new, v_new)
             self._append_model(seqs, k_new, v_new)
-        where, error, after = how
+        where, error, _ = how
         where = "write" if kind == "append" else where  # append runs no kernel
         snap = self._snapshot()
-        with _interrupt(where, error, min(after, 2 * len(seqs))), pytest.raises(error):
+        with _interrupt(where, error), pytest.raises(error):
             if kind == "append":
                 self.cache.append(k_new, v_new, batch_index=index)
             else:
@@ -799,7 +804,7 @@ class PagedKVCacheMachine(_CacheMachine):
         step" takes the fast path's plan (a good call of the layout first)."""
         arg, ids = self._ids(data, single_ok=False)
         snap = self._snapshot()
-        where, error, after = how
+        where, error, after = how  # (after: the block release that fails)
         if kind in ("fork", "free", "truncate"):
             # no kernels, no token writes: fail in the block accounting instead, after the
             # reference counts changed (fork: at the new sequence's record; free, truncate:
@@ -830,7 +835,7 @@ class PagedKVCacheMachine(_CacheMachine):
             self._append_model(ids, k_new, v_new)
             snap = self._snapshot()
         where = "write" if kind == "append" else where  # append runs no kernel
-        with _interrupt(where, error, min(after, 2 * len(ids))), pytest.raises(error):
+        with _interrupt(where, error), pytest.raises(error):
             if kind == "append":
                 self.cache.append(ids, k_new, v_new)
             else:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import attnfast as af
-from attnfast import _ext
+from attnfast import _ext, _transaction
 from reference import TOLERANCE, reference_attention
 
 
@@ -206,24 +206,6 @@ def test_overflow_to_16_bits_is_inf_without_a_warning(rng, dtype, kind):
     assert k.tobytes() == want_k.tobytes() and v.tobytes() == want_v.tobytes()
 
 
-class _FailingSecondWrite(np.ndarray):
-    """A cache array whose second slice assignment raises `error` (set by the constructor)."""
-
-    def __new__(cls, base, error):
-        view = base.view(cls)
-        view.error, view.writes = error, [0]
-        return view
-
-    def __array_finalize__(self, obj):
-        self.error, self.writes = getattr(obj, "error", None), getattr(obj, "writes", [0])
-
-    def __setitem__(self, index, value):
-        self.writes[0] += 1
-        if self.writes[0] == 2:
-            raise self.error("attnfast test")
-        super().__setitem__(index, value)
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
 @pytest.mark.parametrize("error", [KeyboardInterrupt, MemoryError])
 def test_a_raising_kvcache_step_leaves_every_byte(rng, monkeypatch, dtype, error):
@@ -242,8 +224,13 @@ def test_a_raising_kvcache_step_leaves_every_byte(rng, monkeypatch, dtype, error
         with pytest.raises(error):
             cache.step(q[rows], kn[rows], vn[rows], batch_index=index, return_lse=return_lse)
         assert cache_state(cache) == before
+    real = _transaction.write_rows
+
+    def fails_once_written(*args):  # the rows are in, the lengths not yet advanced
+        real(*args)
+        raise error("attnfast test")
     with pytest.raises(error):  # append has no kernel: fail it in the middle of its writes
-        monkeypatch.setattr(cache, "_k", _FailingSecondWrite(cache._k, error))
+        monkeypatch.setattr(_transaction, "write_rows", fails_once_written)
         cache.append(kn, vn)
     monkeypatch.undo()
     assert cache_state(cache) == before
@@ -284,7 +271,7 @@ def test_a_raising_paged_append_fork_and_free_change_nothing(rng, monkeypatch):
 
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(paged, "_write_paged_tokens", boom)
+    monkeypatch.setattr(paged, "write_tokens", boom)
     with pytest.raises(KeyboardInterrupt):  # after copy-on-write of the shared last block
         cache.append(b, normal(rng, 2, 5, 8), normal(rng, 2, 5, 8))
     assert paged_state(cache) == before
@@ -294,20 +281,10 @@ def test_a_raising_paged_append_fork_and_free_change_nothing(rng, monkeypatch):
         cache.free(a)
     assert paged_state(cache) == before
     monkeypatch.undo()
-    refs = cache._refs
-
-    class Flaky(np.ndarray):  # reference counts that fail on the second increment
-        count = 0
-
-        def __setitem__(self, i, value):
-            Flaky.count += 1
-            if Flaky.count == 2:
-                raise KeyboardInterrupt
-            super().__setitem__(i, value)
-    cache._refs = refs.view(Flaky)
+    monkeypatch.setattr(cache, "_new_sequence", boom)  # after the counts went up
     with pytest.raises(KeyboardInterrupt):
         cache.fork(a)
-    cache._refs = np.asarray(cache._refs).view(np.ndarray)
+    monkeypatch.undo()
     assert paged_state(cache) == before
 
 

@@ -84,7 +84,7 @@ def test_plan_stops_at_the_first_differing_block_and_partial_blocks(rng, small_p
     cache, ids = forked(rng, prompt=70, own=[0, 5, 30, 0])  # 4 full blocks + 6 tokens shared
     table = cache.block_table(ids).astype(np.int64)
     lengths = np.array([cache.length(s) for s in ids])
-    opts = af._checks.NO_OPTIONS
+    opts = af._descriptors.NO_OPTIONS
     groups = _shared_prefix.plan_shared_prefix(table, lengths, BS, 1, causal=True,
                                                window=(-1, -1), query_offset=None, options=opts)
     assert groups == [_shared_prefix.SharedGroup((0, 1, 2, 3), 4)]

@@ -1,7 +1,7 @@
 """Written arguments (issue 45, classes 2, 3 and 10).
 
 Every argument attnfast writes into (out=, k_cache / v_cache and their scales, paged pools,
-vLLM pools) is written in place or refused by name (attnfast._checks.check_written), never
+vLLM pools) is written in place or refused by name (attnfast._written.check_written), never
 copied: a torch tensor with the negative or conjugate bit (readable only through a copy), an
 array that overlaps itself (a stride of 0 from expand() / as_strided, or overlapping strides)
 and a read-only array are refused, with nothing written. Arguments that are only read keep
@@ -20,7 +20,7 @@ import pytest
 
 import attnfast as af
 from attnfast import _ext
-from attnfast._checks import overlaps_itself
+from attnfast._written import overlaps_itself
 from reference import reference_attention
 
 torch = pytest.importorskip("torch")

@@ -1,4 +1,4 @@
-"""Public attention functions: check (attnfast._checks), then run the C++ kernels."""
+"""Public attention functions: check (attnfast._attention_checks), then run the C++ kernels."""
 from __future__ import annotations
 
 import signal
@@ -9,10 +9,20 @@ import numpy as np
 from . import _ext
 from ._interop import accepts_arrays
 from ._key_index import with_key_index
-from ._checks import (BFLOAT16, FLOAT16, FLOAT32, FLOAT64, check_attention, check_flag, check_out,
-                      kernel_ready, to_3d, to_4d, ATTENTION_PLANS, attention_key, attention_plan,
-                      bound_window, fast_query_offset, fast_threads,
-                      remember)
+from ._arrays import kernel_ready, to_3d, to_4d
+from ._attention_checks import check_attention
+from ._descriptors import KernelPart
+from ._formats import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
+from ._plans import (
+    attention_key,
+    attention_plan,
+    ATTENTION_PLANS,
+    fast_query_offset,
+    fast_threads,
+    remember,
+)
+from ._scalars import bound_window, check_flag
+from ._written import check_out
 
 try:  # the handler as stored, without signal.getsignal's enum conversion (~2 us a call)
     from _signal import getsignal as _getsignal
@@ -137,9 +147,8 @@ attention.__doc__ += _MASK_DRAWING
 def run_kernels(call, user_out, return_lse, parts=None):
     """Run the C++ kernels for a checked call and return out (and lse).
 
-    ``parts`` lists the kernel calls as (rows of q/out/lse on axis 0, k, v, key lengths per
-    row or None[, k_scale, v_scale of an int8 cache[, int64 block table of a paged cache]]);
-    by default one call over everything with ``call.k`` and ``call.v``.
+    ``parts`` lists the kernel calls (KernelPart); by default one call over everything
+    with ``call.k`` and ``call.v``.
     """
     target = user_out if user_out is not None else np.empty(call.out_shape(), call.dtype)
     target4 = to_4d(target)
@@ -151,9 +160,9 @@ def run_kernels(call, user_out, return_lse, parts=None):
     # only under Python's default SIGINT handler: an ignored SIGINT (e.g. a background job)
     # or a handler of the caller's own must not cut a computation short.
     interruptible = kernels_interruptible()
-    for part in parts or [(slice(None), call.k, call.v, None)]:
+    for part in parts or [KernelPart(k=call.k, v=call.v)]:
         args, kwargs = kernel_call(call, part)
-        rows = part[0]
+        rows = part.rows
         _ext.run_attention(*args, result4[rows], None if lse3 is None else lse3[rows],
                            interruptible=interruptible, **kwargs)
     if result4 is not target4:
@@ -164,17 +173,14 @@ def run_kernels(call, user_out, return_lse, parts=None):
 def kernel_call(call, part):
     """The arguments of _ext.run_attention (and of _ext.plan_attention) for one part of a
     checked call (see run_kernels), but out, lse and interruptible: ((q, k, v), keywords)."""
-    rows, k, v, seqlens = part[:4]
-    k_scale, v_scale = part[4:6] if len(part) > 4 else (None, None)
-    block_table = part[6] if len(part) > 6 else None
-    options = call.options.rows(rows)
-    return (call.q[rows], kernel_ready(k), kernel_ready(v)), dict(
+    seqlens, options = part.seqlens, call.options.rows(part.rows)
+    return (call.q[part.rows], kernel_ready(part.k), kernel_ready(part.v)), dict(
         causal=call.causal, scale=call.scale, window_left=call.window[0],
         window_right=call.window[1], num_threads=call.num_threads,
         seqlens_k=None if seqlens is None else np.ascontiguousarray(seqlens, dtype=np.int64),
-        k_scale=k_scale, v_scale=v_scale, query_offset=call.query_offset,
+        k_scale=part.k_scale, v_scale=part.v_scale, query_offset=call.query_offset,
         softcap=options.softcap, alibi=options.alibi, sinks=options.sinks, mask=options.mask,
-        block_table=block_table, head_dim_v=call.head_dim_v,  # (read for int4 caches only)
+        block_table=part.block_table, head_dim_v=call.head_dim_v,  # (read for int4 caches only)
         key_index=options.key_index)
 
 

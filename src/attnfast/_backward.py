@@ -5,7 +5,8 @@ import numpy as np
 
 from . import _ext
 from ._interop import accepts_arrays
-from ._checks import as_float_array, check_attention, check_cu_seqlens, kernel_ready, to_3d, to_4d
+from ._arrays import as_float_array, kernel_ready, to_3d, to_4d
+from ._attention_checks import check_attention, check_cu_seqlens
 
 __all__ = ["attention_backward", "attention_varlen_backward"]
 

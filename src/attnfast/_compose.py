@@ -12,7 +12,8 @@ import numpy as np
 
 from . import _ext
 from ._api import kernel_call, merge_attention_states, run_kernels
-from ._checks import FLOAT64, ScoreOptions
+from ._descriptors import ScoreOptions
+from ._formats import FLOAT64
 
 
 def compute_queries(attn) -> np.ndarray:
@@ -24,7 +25,7 @@ def compute_queries(attn) -> np.ndarray:
 
 def _part_call(attn, q, *, seqlen_k, causal, window, query_offset, options):
     if options is None:
-        options = ScoreOptions(attn.options.softcap)
+        options = ScoreOptions(softcap=attn.options.softcap)
     return dataclasses.replace(attn, q=q, batch=q.shape[0], seqlen_q=q.shape[2],
                                seqlen_k=seqlen_k, dtype=q.dtype, causal=causal, window=window,
                                query_offset=query_offset, options=options)

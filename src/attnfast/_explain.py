@@ -5,7 +5,9 @@ from . import _ext
 from ._api import kernel_call
 from ._key_index import with_key_index as attach_key_index
 from ._kvcache import with_key_index
-from ._checks import check_attention, check_kvcache_attention, check_paged_kvcache_attention
+from ._attention_checks import check_attention
+from ._cache_checks import caller_caches, check_kvcache_attention, check_paged_kvcache_attention
+from ._descriptors import KernelPart
 from ._shared_prefix import plan_shared_prefix
 
 __all__ = ["explain"]
@@ -110,21 +112,22 @@ def explain(q, k, v, *, cache_seqlens=None, k_new=None, v_new=None, k_scale=None
                                query_offset=query_offset, softcap=softcap,
                                alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
         call = attach_key_index(call, key_index, call.seqlen_k)
-        part = (slice(None), call.k, call.v, None)
+        part = KernelPart(k=call.k, v=call.v)
     else:
         options = dict(causal=True if causal is None else causal, scale=scale, window=window,
-                       num_threads=num_threads, k_scale=k_scale, v_scale=v_scale,
-                       query_offset=query_offset, softcap=softcap, alibi_slopes=alibi_slopes,
-                       sinks=sinks, mask=mask, v_head_dim=v_head_dim)
+                       num_threads=num_threads, query_offset=query_offset, softcap=softcap,
+                       alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
+        caches = caller_caches(k, v, k_scale, v_scale, paged=block_table is not None, q=q,
+                               v_head_dim=v_head_dim)
         if block_table is None:
-            cache = check_kvcache_attention(q, k, v, cache_seqlens, k_new, v_new, **options)
+            cache = check_kvcache_attention(q, caches, cache_seqlens, k_new, v_new, **options)
         else:
-            cache = check_paged_kvcache_attention(q, k, v, cache_seqlens, k_new, v_new,
+            cache = check_paged_kvcache_attention(q, caches, cache_seqlens, k_new, v_new,
                                                   block_table, **options)
         cache = with_key_index(cache, key_index)
         call = cache.attn
-        part = (slice(None), k, v, cache.seqlens_after, cache.k_scale, cache.v_scale,
-                cache.block_table)
+        part = KernelPart(k=k, v=v, seqlens=cache.seqlens_after, k_scale=cache.k_scale,
+                          v_scale=cache.v_scale, block_table=cache.block_table)
     args, kwargs = kernel_call(call, part)
     plan = _ext.plan_attention(*args, **kwargs)
     plan["shared_prefix"] = None

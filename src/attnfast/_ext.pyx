@@ -1,9 +1,9 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """Thin typed bridge from Python to the C++ core (csrc/attnfast.hpp).
 
-Arguments arrive already checked and shaped by attnfast._checks: q, k, v, out are 4-D
-(B, H, T, D) arrays whose last axis is contiguous, lse is 3-D (B, H, Tq) or None. This module
-only fills the params struct, releases the GIL and calls the kernels.
+Arguments arrive already checked and shaped (attnfast._attention_checks, _cache_checks): q,
+k, v, out are 4-D (B, H, T, D) arrays whose last axis is contiguous, lse is 3-D (B, H, Tq) or
+None. This module only fills the params struct, releases the GIL and calls the kernels.
 """
 from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.string cimport memset
@@ -187,8 +187,8 @@ cdef void _run_interruptible(AttentionParams* p, int64_t count=-1) except *:
 
 
 cdef inline int64_t _stride(cnp.ndarray a, int axis) except? -1:
-    """Stride of `axis` in elements. attnfast._checks hands over whole-element strides only
-    (whole_elements); anything else is refused here rather than truncated."""
+    """Stride of `axis` in elements. The checks hand over whole-element strides only
+    (attnfast._arrays.whole_elements); anything else is refused here rather than truncated."""
     cdef int64_t byte_stride = cnp.PyArray_STRIDES(a)[axis]
     cdef int64_t item = cnp.PyArray_ITEMSIZE(a)
     if byte_stride % item:
@@ -375,20 +375,20 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
 
     softcap (0 = off), alibi (float32 (B, H), heads contiguous), sinks (float32 (H,),
     contiguous), mask (4-D (B, H, Tq, Tk) bool / float32 / float64 view, any strides):
-    the score options, checked by attnfast._checks.ScoreOptions.
+    the score options, checked into attnfast._descriptors.ScoreOptions.
     k_scale, v_scale: with an int8 or float8_e4m3fn k/v, float32 (B, Hkv, Tk) row scales (strides in whole
-    elements; checked by attnfast._checks).
+    elements; checked by attnfast._attention_checks).
     interruptible: call from the main thread only, under Python's default SIGINT handler;
     Ctrl-C then stops the kernels early (out and lse unspecified) and raises
     KeyboardInterrupt.
 
     seqlens_k: None, or a C-contiguous int64 array (B,) of keys valid per batch entry, each
-    in [0, k.shape[2]] (checked by attnfast._checks; the core re-checks as a guard).
+    in [0, k.shape[2]] (checked by attnfast._cache_checks; the core re-checks as a guard).
 
     block_table: None, or an int64 (B, max_blocks) array with a contiguous last axis: a paged
     cache. k, v are then pools (num_blocks, Hkv, block_size, D|Dv), k_scale / v_scale
     (num_blocks, Hkv, block_size), and the keys span max_blocks * block_size positions
-    (seqlens_k[b] of them valid; checked by attnfast._checks, the core re-checks the ids).
+    (seqlens_k[b] of them valid; checked by attnfast._cache_checks, the core re-checks the ids).
 
     key_index: None, or an int32 (B, 1 or Hkv, Tq, k) view, last axis contiguous: the keys
     each query row sees (-1: none; checked by attnfast._key_index, the core re-checks ranges).

@@ -1,4 +1,4 @@
-# Included by _ext.pyx: the per-call work of attnfast's fast paths (attnfast._checks, "Fast
+# Included by _ext.pyx: the per-call work of attnfast's fast paths (attnfast._plans, "Fast
 # paths"), in C. A model calls attention once per layer per token with the same layout; once
 # the full checks accepted a layout, what is left per call (plan key, flags, memory overlap,
 # the new tokens' writes, the output, the kernel call) costs a few microseconds in Python and
@@ -110,7 +110,7 @@ cdef object _usable_out(out, cnp.ndarray a, cnp.ndarray b, cnp.ndarray c, d=None
     """The per-call checks of a caller's `out` that a plan key cannot hold (its layout is in
     the key, so check_out's shape, dtype and self-overlap rules held when the plan was made):
     `out` as an ndarray when it is exactly one, writeable (not a read-only copy of a torch
-    tensor with the negative bit: attnfast._checks.check_written), aligned, and apart from
+    tensor with the negative bit: attnfast._written.check_written), aligned, and apart from
     each of the arrays the call reads or writes (a .. e; d, e may be None); else None (the
     fast path declines and the full path raises its usual error, naming out)."""
     cdef cnp.ndarray target
@@ -183,84 +183,6 @@ def attention_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out, tuple out_s
     return target if lse is None else (target, lse)
 
 
-cdef bint _rows_contiguous(cnp.ndarray a):
-    """The last axis of 4-D `a` is contiguous (the token writes copy whole rows)."""
-    return cnp.PyArray_DIMS(a)[3] <= 1 or cnp.PyArray_STRIDES(a)[3] == cnp.PyArray_ITEMSIZE(a)
-
-
-cdef void _copy_rows(cnp.ndarray cache, cnp.ndarray new, const int64_t* starts, char* saved,
-                     bint restore) noexcept nogil:
-    """Token u of sequence b, head h: cache[b, h, starts[b] + u] = new[b, h, u], the row it
-    overwrites first kept in `saved`, in order (restore: put `saved` back instead)."""
-    cdef cnp.npy_intp B = cnp.PyArray_DIMS(new)[0], H = cnp.PyArray_DIMS(new)[1]
-    cdef cnp.npy_intp T = cnp.PyArray_DIMS(new)[2]
-    cdef cnp.npy_intp row = cnp.PyArray_DIMS(new)[3] * cnp.PyArray_ITEMSIZE(new)
-    cdef cnp.npy_intp* cs = cnp.PyArray_STRIDES(cache)
-    cdef cnp.npy_intp* ns = cnp.PyArray_STRIDES(new)
-    cdef char* c0 = <char*> cnp.PyArray_DATA(cache)
-    cdef char* n0 = <char*> cnp.PyArray_DATA(new)
-    cdef char* dst
-    cdef cnp.npy_intp b, h, u
-    for b in range(B):
-        for h in range(H):
-            for u in range(T):
-                dst = c0 + b * cs[0] + h * cs[1] + (starts[b] + u) * cs[2]
-                if restore:
-                    memcpy(dst, saved, row)
-                else:
-                    memcpy(saved, dst, row)
-                    memcpy(dst, n0 + b * ns[0] + h * ns[1] + u * ns[2], row)
-                saved += row
-
-
-cdef void _put_rows_back(cnp.ndarray cache, cnp.npy_intp B, cnp.npy_intp H, cnp.npy_intp T,
-                         cnp.npy_intp row, const int64_t* starts, const char* saved) noexcept:
-    """_copy_rows(..., restore=True) from the dims kept in a _TokensWritten."""
-    cdef cnp.npy_intp* cs = cnp.PyArray_STRIDES(cache)
-    cdef char* c0 = <char*> cnp.PyArray_DATA(cache)
-    cdef cnp.npy_intp b, h, u
-    for b in range(B):
-        for h in range(H):
-            for u in range(T):
-                memcpy(c0 + b * cs[0] + h * cs[1] + (starts[b] + u) * cs[2], saved, row)
-                saved += row
-
-
-cdef class _TokensWritten:
-    """What one decode_fast call wrote: the rows it overwrote (in order, k's then v's) and,
-    with advance, the lengths it advanced. Kept in the log of the transaction the call runs
-    in (attnfast._ext.transaction) until that returns; restore() puts it all back (and may
-    run again)."""
-    cdef cnp.ndarray k, v, lens
-    cdef bytes starts, saved
-    cdef cnp.npy_intp batch, heads, tokens, k_row, v_row
-
-    def restore(self):
-        cdef const int64_t* starts = <const int64_t*> (<char*> self.starts)
-        cdef const char* saved = <char*> self.saved
-        cdef cnp.npy_intp b
-        _put_rows_back(self.v, self.batch, self.heads, self.tokens, self.v_row, starts,
-                       saved + self.batch * self.heads * self.tokens * self.k_row)
-        _put_rows_back(self.k, self.batch, self.heads, self.tokens, self.k_row, starts, saved)
-        if self.lens is not None:
-            for b in range(self.batch):
-                (<int64_t*> cnp.PyArray_DATA(self.lens))[b] = starts[b]
-
-
-cdef _TokensWritten _tokens_written(cnp.ndarray k, cnp.ndarray v, cnp.ndarray kn,
-                                    cnp.ndarray vn, lens, const int64_t* starts,
-                                    const char* saved, cnp.npy_intp saved_bytes):
-    cdef _TokensWritten w = _TokensWritten.__new__(_TokensWritten)
-    w.k, w.v, w.lens = k, v, lens
-    w.batch, w.heads, w.tokens = (cnp.PyArray_DIMS(kn)[0], cnp.PyArray_DIMS(kn)[1],
-                                  cnp.PyArray_DIMS(kn)[2])
-    w.k_row = cnp.PyArray_DIMS(kn)[3] * cnp.PyArray_ITEMSIZE(kn)
-    w.v_row = cnp.PyArray_DIMS(vn)[3] * cnp.PyArray_ITEMSIZE(vn)
-    w.starts = (<const char*> starts)[:w.batch * sizeof(int64_t)]
-    w.saved = saved[:saved_bytes]
-    return w
-
-
 def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_new,
                 int64_t t, int64_t capacity, tuple out_shape, out_dtype, bint causal,
                 double scale, int64_t window_left, int64_t window_right, int num_threads,
@@ -276,26 +198,22 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
     lengths: the tokens cached per sequence: a Python int (every sequence) or an int32 /
     int64 array (B,); with ``advance`` (KVCache) an int64 C-contiguous array that is
     advanced by t in place. None, having changed nothing, unless every length leaves room
-    for t tokens, the arrays are aligned, the caches writeable, the new tokens of the
-    caches' dtype with contiguous rows, and nothing that is written overlaps what is read
-    (the full path decides the rest; the caches may overlap each other only with advance,
-    a latent KVCache's v being a view of its k). A call that raises while attending (Ctrl-C)
-    puts back every byte written and the lengths; one that returns leaves what it wrote in
-    the log of the open transaction (attnfast._transaction), which puts it back if the
-    entry point raises before it returns.
+    for t tokens, the arrays are aligned, the caches writeable (in a transaction, whose
+    log takes what the writes overwrite and the lengths: attnfast._transaction), the new
+    tokens of the caches' dtype, and nothing that is written overlaps what is read (the full
+    path decides the rest; the caches may overlap each other only with advance, a latent
+    KVCache's v being a view of its k).
     """
     cdef AttentionParams p = default_params()
-    cdef cnp.npy_intp B = cnp.PyArray_DIMS(q)[0], b
+    cdef cnp.npy_intp B = cnp.PyArray_DIMS(q)[0], b, i
     cdef cnp.ndarray lens, kn, vn, seqlens
     cdef int64_t* starts = NULL
     cdef int64_t* after
-    cdef char* saved = NULL
-    cdef cnp.npy_intp k_bytes = 0, v_bytes = 0
     cdef int64_t common
     if not (_aligned(q) and _aligned(k) and _aligned(v)) or B < 1:
         return None
-    if t and not (_writeable(k) and _writeable(v)):
-        return None
+    if t and not (_writeable(k) and _writeable(v) and _open_log() is not None):
+        return None  # (writes are undone by the open transaction)
     if advance:
         if type(lengths) is not np.ndarray:
             return None
@@ -320,9 +238,7 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
         if type(k_new) is not np.ndarray or type(v_new) is not np.ndarray:
             return None
         kn, vn = <cnp.ndarray> k_new, <cnp.ndarray> v_new
-        if not (attnfast_equiv_dtypes(kn, k) and attnfast_equiv_dtypes(vn, v)
-                and _rows_contiguous(kn) and _rows_contiguous(vn) and _rows_contiguous(k)
-                and _rows_contiguous(v)):
+        if not (attnfast_equiv_dtypes(kn, k) and attnfast_equiv_dtypes(vn, v)):
             return None      # converted on write (a 16-bit cache): the full path
         if not (_apart(q, k) == 1 and _apart(q, v) == 1 and _apart(kn, k) == 1
                 and _apart(kn, v) == 1 and _apart(vn, k) == 1 and _apart(vn, v) == 1
@@ -335,7 +251,7 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
             return None      # the full path raises its error, naming out
     seqlens = lens if advance else _empty((B,), _INT64)
     after = <int64_t*> cnp.PyArray_DATA(seqlens)
-    starts = <int64_t*> malloc(B * sizeof(int64_t))
+    starts = <int64_t*> malloc((B + 2 * B * t) * sizeof(int64_t))  # + the token slots
     if starts == NULL:
         raise MemoryError()
     try:
@@ -353,45 +269,29 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
         if target is None:
             target = _empty(out_shape, out_dtype)
         lse = None if lse_dtype is None else _empty(out_shape[:3], lse_dtype)
-        if t:
-            k_bytes = cnp.PyArray_SIZE(kn) * cnp.PyArray_ITEMSIZE(kn)
-            v_bytes = cnp.PyArray_SIZE(vn) * cnp.PyArray_ITEMSIZE(vn)
-            saved = <char*> malloc(k_bytes + v_bytes)
-            if saved == NULL:
-                raise MemoryError()
-            _copy_rows(k, kn, starts, saved, False)
-            _copy_rows(v, vn, starts, saved + k_bytes, False)
+        if t:  # sequence b's token u: row starts[b] + u of the cache's "block" b
+            for b in range(B):
+                for i in range(t):
+                    starts[B + 2 * (b * t + i)] = b
+                    starts[B + 2 * (b * t + i) + 1] = starts[b] + i
+            _write_rows([k, v], [kn, vn], starts + B, B, t)  # (joins the transaction's log)
+        if advance and t:
+            _keep_int64s(lens)
         for b in range(B):
             after[b] = starts[b] + t
-        try:
-            _fill_params(&p, q, k, v, target, lse, causal, scale, window_left, window_right,
-                         num_threads, seqlens, None, None, query_offset, 0.0, None, None, None,
-                         None)
-            fast_calls_taken["kvcache"] += 1
-            _run_one(&p, interruptible)
-            if t:
-                log = _open_log()
-                if log is not None:  # until the entry point returns, it may still be undone
-                    (<list> log).append(_tokens_written(k, v, kn, vn, lens if advance else None,
-                                                        starts, saved, k_bytes + v_bytes))
-        except BaseException:  # the call did not happen: caches and lengths as they were
-            if t:
-                _copy_rows(v, vn, starts, saved + k_bytes, True)
-                _copy_rows(k, kn, starts, saved, True)
-            if advance:
-                for b in range(B):
-                    after[b] = starts[b]
-            raise
+        _fill_params(&p, q, k, v, target, lse, causal, scale, window_left, window_right,
+                     num_threads, seqlens, None, None, query_offset, 0.0, None, None, None, None)
+        fast_calls_taken["kvcache"] += 1
+        _run_one(&p, interruptible)  # (raising: the transaction puts back what was written)
         return target if lse is None else (target, lse)
     finally:
         free(starts)
-        free(saved)
 
 
 _INT64 = np.dtype(np.int64)
 
 
-# ---- plan keys (attnfast._checks "Fast paths"): what a plan is stored and found under ----
+# ---- plan keys (attnfast._plans): what a plan is stored and found under ----
 
 cdef frozenset _KEY_SCALE_TYPES = frozenset((float, int, np.float64, np.float32, np.float16))
 
@@ -485,50 +385,18 @@ def kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, out, causal, sca
 # dtypes or overlaps) declines, having changed nothing: the full path then runs and raises
 # or composes as always.
 
-cdef void _paged_rows(cnp.ndarray pool, cnp.ndarray new, const int64_t* tab, int64_t width,
-                      const int64_t* info, Py_ssize_t B, int64_t t, char* saved,
-                      bint restore) noexcept nogil:
-    """Token u of sequence b, every KV head h: its pool row (block tab[b, pos // block_size],
-    row pos % block_size, pos = info[3b] + u) = new[b, h, u], the row it overwrites first
-    kept in `saved`, in order; restore: `saved` put back (new unused)."""
-    cdef cnp.npy_intp H = cnp.PyArray_DIMS(pool)[1], BS = cnp.PyArray_DIMS(pool)[2]
-    cdef cnp.npy_intp row = cnp.PyArray_DIMS(pool)[3] * cnp.PyArray_ITEMSIZE(pool)
-    cdef cnp.npy_intp* ps = cnp.PyArray_STRIDES(pool)
-    cdef char* p0 = <char*> cnp.PyArray_DATA(pool)
-    cdef cnp.npy_intp* ns = cnp.PyArray_STRIDES(new)
-    cdef char* n0 = <char*> cnp.PyArray_DATA(new)
-    cdef char* dst
-    cdef cnp.npy_intp b, h, u, pos
-    for b in range(B):
-        for u in range(t):
-            pos = info[3 * b] + u
-            for h in range(H):
-                dst = p0 + tab[b * width + pos // BS] * ps[0] + h * ps[1] + (pos % BS) * ps[2]
-                if restore:
-                    memcpy(dst, saved, row)
-                else:
-                    memcpy(saved, dst, row)
-                    memcpy(dst, n0 + b * ns[0] + h * ns[1] + u * ns[2], row)
-                saved += row
-
-
 cdef class _PagedStepWritten:
-    """What one paged_fast call changed: the pool rows it overwrote (`saved`: k's, then v's
-    from k_bytes on; a latent pool's v rows are its k rows), the blocks it took off the free
-    list (the first `popped`), the sequences' lengths and block lists. restore() puts it all
-    back; it may run again (and then changes nothing)."""
+    """What one paged_fast call changed in the bookkeeping: the blocks it took off the free
+    list (the first `popped`), the sequences' lengths and block lists (the pool rows it
+    wrote are _RowsWritten entries of their own). Calling it puts it back; it may run again
+    (and then changes nothing)."""
     cdef list seqs, free
-    cdef cnp.ndarray k, v, kn, vn, refs, table
+    cdef cnp.ndarray refs, table
     cdef bytes info            # int64 per sequence: (length, blocks held, blocks taken)
-    cdef char* saved
-    cdef cnp.npy_intp k_bytes
-    cdef int64_t t, popped
-    cdef bint latent, written, restored
+    cdef int64_t popped
+    cdef bint restored
 
-    def __dealloc__(self):
-        free(self.saved)
-
-    def restore(self):
+    def __call__(self):
         cdef const int64_t* info = <const int64_t*> (<char*> self.info)
         cdef const int64_t* tab = <const int64_t*> cnp.PyArray_DATA(self.table)
         cdef int64_t* refs = <int64_t*> cnp.PyArray_DATA(self.refs)
@@ -537,11 +405,6 @@ cdef class _PagedStepWritten:
         cdef list taken = []
         if self.restored:
             return
-        if self.written:
-            if not self.latent:
-                _paged_rows(self.v, self.vn, tab, width, info, B, self.t,
-                            self.saved + self.k_bytes, True)
-            _paged_rows(self.k, self.kn, tab, width, info, B, self.t, self.saved, True)
         for b in range(B):
             seq = self.seqs[b]
             del seq.blocks[info[3 * b + 1]:]
@@ -573,15 +436,14 @@ def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tupl
     one call, for a layout the full path accepted (the plan: t new tokens, out_shape,
     out_dtype, scale, window as checked): append k_new, v_new (t > 0) to each sequence of
     `seq_ids` (an int, or a list / tuple of ints, one per row of q), taking blocks from the
-    free list as PagedKVCache._commit does, then attend over every sequence's tokens.
+    free list as PagedKVCache._append does, then attend over every sequence's tokens.
     Returns out (the caller's `out`, written in place, or a new array), or (out, lse) with
     `lse_dtype`. None, having changed nothing, unless the ids are distinct live sequences,
     no sequence's partly filled last block is shared (copy-on-write: the full path), the pool
     has the blocks needed, no two sequences with `shared_keys` or more keys begin with the
-    same block (shared-prefix decoding: the full path), the new tokens have the pool's dtype
-    with contiguous rows, and nothing written overlaps what the call reads. A call that
-    raises in the kernels (Ctrl-C) puts back every byte, block and length; one that returns
-    leaves what it changed in the log of the open transaction (attnfast._transaction)."""
+    same block (shared-prefix decoding: the full path), the new tokens have the pool's dtype,
+    and nothing written overlaps what the call reads. What it changes (bytes, blocks,
+    lengths) goes to the open transaction's log first (attnfast._transaction)."""
     cdef cnp.ndarray k = <cnp.ndarray?> cache._k, v = <cnp.ndarray?> cache._v
     cdef cnp.ndarray refs = <cnp.ndarray?> cache._refs
     cdef list free_list = <list?> cache._free
@@ -597,7 +459,7 @@ def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tupl
     cdef int64_t* tab
     cdef int64_t* lens
     cdef int64_t* refp
-    cdef cnp.npy_intp k_bytes = 0, v_bytes = 0
+    cdef int64_t* slots
     cdef list seqs
     cdef _PagedStepWritten w
     if type(seq_ids) is int:
@@ -626,8 +488,7 @@ def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tupl
                 or cnp.PyArray_DIMS(vn)[3] != cnp.PyArray_DIMS(v)[3]):
             return None
         if not (attnfast_equiv_dtypes(kn, k) and attnfast_equiv_dtypes(vn, v)
-                and _rows_contiguous(kn) and _rows_contiguous(vn) and _rows_contiguous(k)
-                and _rows_contiguous(v) and _writeable(k) and _writeable(v)):
+                and _writeable(k) and _writeable(v) and _open_log() is not None):
             return None      # converted on write (a float32 k_new into a 16-bit pool)
         if latent:  # v_new must be k_new's prefix view (latent_values): written with k
             if (cnp.PyArray_DATA(vn) != cnp.PyArray_DATA(kn)
@@ -662,7 +523,7 @@ def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tupl
                         return None
         elif len(set(ids)) != B:
             return None
-    info = <int64_t*> malloc(3 * B * sizeof(int64_t))
+    info = <int64_t*> malloc((3 * B + 2 * B * t) * sizeof(int64_t))  # + the token slots
     if info == NULL:
         raise MemoryError()
     try:
@@ -729,49 +590,30 @@ def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tupl
             target = _empty(out_shape, out_dtype)
         lse = None if lse_dtype is None else _empty(out_shape[:3], lse_dtype)
         w = _PagedStepWritten.__new__(_PagedStepWritten)
-        w.seqs, w.free, w.k, w.v, w.kn, w.vn, w.refs, w.table = (
-            seqs, free_list, k, v, kn, vn, refs, table)
+        w.seqs, w.free, w.refs, w.table = seqs, free_list, refs, table
         w.info = (<char*> info)[:3 * B * sizeof(int64_t)]
-        w.t, w.latent = t, latent
-        if t:
-            k_bytes = B * t * Hkv * cnp.PyArray_DIMS(k)[3] * cnp.PyArray_ITEMSIZE(k)
-            v_bytes = 0 if latent else B * t * Hkv * cnp.PyArray_DIMS(v)[3] * cnp.PyArray_ITEMSIZE(v)
-            w.saved = <char*> malloc(k_bytes + v_bytes + 1)
-            if w.saved == NULL:
-                raise MemoryError()
-            w.k_bytes = k_bytes
-        try:  # from here on, anything raised puts back what was changed
-            if t:
-                w.written = True
-                if k_bytes + v_bytes < (1 << 16):  # a decode step's rows: not worth a GIL switch
-                    _paged_rows(k, kn, tab, width, info, B, t, w.saved, False)
-                    if not latent:
-                        _paged_rows(v, vn, tab, width, info, B, t, w.saved + k_bytes, False)
-                else:  # a prompt's (the cache's lock keeps other threads off the pool)
-                    with nogil:
-                        _paged_rows(k, kn, tab, width, info, B, t, w.saved, False)
-                        if not latent:
-                            _paged_rows(v, vn, tab, width, info, B, t, w.saved + k_bytes,
-                                        False)
-                for b in range(B):
-                    seq = seqs[b]
-                    for i in range(info[3 * b + 2]):
-                        blk = free_list.pop()
-                        w.popped += 1
-                        refp[blk] = 1
-                        seq.blocks.append(blk)
-                    seq.length = lens[b]
-            _fill_params(&p, q, k, v, target, lse, causal, scale, left, right, num_threads,
-                         seqlens, None, None, query_offset, 0.0, None, None, None, table)
-            fast_calls_taken["paged"] += 1
-            _run_one(&p, interruptible)
-            if t:
-                log = _open_log()
-                if log is not None:  # until the entry point returns, it may still be undone
-                    (<list> log).append(w)
-        except BaseException:  # the call did not happen: pool, blocks and lengths as they were
-            w.restore()
-            raise
+        if t:  # what changes goes to the open transaction's log first (it undoes a raise)
+            slots = info + 3 * B  # sequence b's token u: (block, row) of position info[3b] + u
+            for b in range(B):
+                for i in range(t):
+                    n = info[3 * b] + i
+                    slots[2 * (b * t + i)] = tab[b * width + n // BS]
+                    slots[2 * (b * t + i) + 1] = n % BS
+            # (a latent pool's v rows are its k rows)
+            _write_rows([k] if latent else [k, v], [kn] if latent else [kn, vn], slots, B, t)
+            (<list> _open_log()).append(w)
+            for b in range(B):
+                seq = seqs[b]
+                for i in range(info[3 * b + 2]):
+                    blk = free_list.pop()
+                    w.popped += 1
+                    refp[blk] = 1
+                    seq.blocks.append(blk)
+                seq.length = lens[b]
+        _fill_params(&p, q, k, v, target, lse, causal, scale, left, right, num_threads,
+                     seqlens, None, None, query_offset, 0.0, None, None, None, table)
+        fast_calls_taken["paged"] += 1
+        _run_one(&p, interruptible)
         return target if lse is None else (target, lse)
     finally:
         free(info)
@@ -902,22 +744,14 @@ def paged_table_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cache_seqlens,
 # ---- PagedKVCache.truncate (attnfast._paged): what it changes, recorded as it goes ----
 
 cdef class _PagedTruncated:
-    """What one paged_truncate call changed: the sequence's dropped blocks, their reference
-    counts before, the free list's length before, the length before. restore() puts it all
-    back; it may run again (and then changes nothing)."""
-    cdef object seq
-    cdef list blocks, dropped, free
-    cdef list counts          # per dropped block: its reference count before
-    cdef cnp.ndarray refs
-    cdef object length
-    cdef Py_ssize_t used, free_len
+    """A sequence's block list and length before paged_truncate changed them (the blocks it
+    released log themselves: PagedKVCache._release). Calling it puts them back; it may run
+    again."""
+    cdef object seq, length
+    cdef list blocks, dropped
+    cdef Py_ssize_t used
 
-    def restore(self):
-        cdef int64_t* refs = <int64_t*> cnp.PyArray_DATA(self.refs)
-        cdef Py_ssize_t i
-        del self.free[self.free_len:]
-        for i in range(len(self.dropped)):
-            refs[<int64_t> self.dropped[i]] = <int64_t> self.counts[i]
+    def __call__(self):
         del self.blocks[self.used:]
         self.blocks.extend(self.dropped)
         self.seq.length = self.length
@@ -925,49 +759,32 @@ cdef class _PagedTruncated:
 
 def paged_truncate(cache, seq_id, n):
     """PagedKVCache.truncate(seq_id, n) for a live sequence id and 0 <= n <= its length, both
-    Python ints: the blocks past ceil(n / block_size) released (cache._release: back on the
-    free list unless another sequence holds them), the length set. True when done (what it
-    changed is in the open transaction's log, or put back if a release raises); None,
-    having changed nothing, for anything else (the caller checks and raises)."""
-    cdef cnp.ndarray refs = <cnp.ndarray?> cache._refs
-    cdef list free_list = <list?> cache._free
+    Python ints, in a transaction: the blocks past ceil(n / block_size) released
+    (cache._release: back on the free list unless another sequence holds them), the length
+    set, each change in the open transaction's log first. True when done; None, having
+    changed nothing, for anything else (the caller checks and raises)."""
     cdef int64_t BS = cnp.PyArray_DIMS(<cnp.ndarray?> cache._k)[2]
-    cdef int64_t NB = cnp.PyArray_DIMS(refs)[0], blk
-    cdef int64_t* refp
-    cdef Py_ssize_t used, i
+    cdef int64_t NB = cnp.PyArray_DIMS(<cnp.ndarray?> cache._k)[0]
     cdef _PagedTruncated w
-    if type(seq_id) is not int or type(n) is not int:
+    log = _open_log()
+    if type(seq_id) is not int or type(n) is not int or log is None:
         return None
     seq = (<dict?> cache._seqs).get(seq_id)
     if seq is None:
         return None
-    length = seq.length
-    blocks = seq.blocks
-    if (type(length) is not int or type(blocks) is not list or not 0 <= n <= length
-            or cnp.PyArray_TYPE(refs) != cnp.NPY_INT64 or cnp.PyArray_NDIM(refs) != 1
-            or not cnp.PyArray_IS_C_CONTIGUOUS(refs)):
+    length, blocks = seq.length, seq.blocks
+    if type(length) is not int or type(blocks) is not list or not 0 <= n <= length:
         return None
-    refp = <int64_t*> cnp.PyArray_DATA(refs)
-    used = (<int64_t> n + BS - 1) // BS
     w = _PagedTruncated.__new__(_PagedTruncated)
-    w.seq, w.blocks, w.free, w.refs, w.length = seq, blocks, free_list, refs, length
-    w.used, w.free_len = used, len(free_list)
-    w.dropped = (<list> blocks)[used:]
-    w.counts = []
-    for i in range(len(w.dropped)):
-        blk = w.dropped[i]
-        if blk < 0 or blk >= NB or refp[blk] < 1:
+    w.seq, w.blocks, w.length = seq, blocks, length
+    w.used = (<int64_t> n + BS - 1) // BS
+    w.dropped = (<list> blocks)[w.used:]
+    for blk in w.dropped:
+        if type(blk) is not int or not 0 <= blk < NB:
             return None
-        w.counts.append(refp[blk])
-    log = _open_log()
-    try:
-        for blk in w.dropped:
-            cache._release(blk)
-        del (<list> blocks)[used:]
-        seq.length = n
-    except BaseException:  # the call did not happen
-        w.restore()
-        raise
-    if log is not None:  # until the entry point returns, it may still be undone
-        (<list> log).append(w)
+    (<list> log).append(w)
+    for blk in w.dropped:
+        cache._release(blk)
+    del (<list> blocks)[w.used:]
+    seq.length = n
     return True

@@ -6,7 +6,8 @@ import ml_dtypes
 import numpy as np
 
 from . import _ext
-from ._checks import _shape_str, check_flag
+from ._arrays import _shape_str
+from ._scalars import check_flag
 from ._interop import accepts_arrays
 from ._runtime import _positive_int, resolve_threads
 

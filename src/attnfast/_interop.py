@@ -4,9 +4,9 @@ Every public function is wrapped by :func:`accepts_arrays`. Before the function 
 argument that is a torch tensor (or another object with ``__dlpack__``) becomes a NumPy view
 of the same memory (no copy; bfloat16 travels as int16 and is reinterpreted as
 ml_dtypes.bfloat16). Other objects (NumPy arrays, lists, objects with ``__array__``) pass
-through unchanged: argument checking stays in attnfast._checks. When any argument was a
-torch tensor, NumPy results come back as torch tensors sharing their memory (and ``out=``
-given as a tensor comes back as that very tensor, written in place).
+through unchanged: argument checking stays in the checks (attnfast._attention_checks, ...).
+When any argument was a torch tensor, NumPy results come back as torch tensors sharing their
+memory (and ``out=`` given as a tensor comes back as that very tensor, written in place).
 
 torch is never imported by attnfast itself: only when an argument's type comes from torch,
 by which time the caller has imported it.
@@ -20,7 +20,7 @@ import sys
 import ml_dtypes
 import numpy as np
 
-from ._checks import read_only_copy
+from ._written import read_only_copy
 from ._ext import array_as_tensor, register_torch, tensor_args, tensor_view
 
 __all__ = ["accepts_arrays", "to_numpy", "wrap_like", "is_torch"]
@@ -59,7 +59,7 @@ def to_numpy(x, name: str):
     A torch tensor's array holds the tensor's storage, not the tensor (another thread's
     ``x.set_()`` cannot free what a call reads). A tensor whose values exist only as a copy
     (the negative or conjugate bit) becomes a read-only copy that says so
-    (attnfast._checks.read_only_copy): it can be read, and an argument that is written is
+    (attnfast._written.read_only_copy): it can be read, and an argument that is written is
     refused by name (check_written) rather than written into the copy."""
     if x is None or isinstance(x, np.ndarray):
         return x

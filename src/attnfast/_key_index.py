@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from ._checks import _shape_str
+from ._arrays import _shape_str
 
 
 def check_key_index(key_index, *, rank: int, batch: int, kv_heads: int, seqlen_q: int,

@@ -3,7 +3,7 @@
 `KVCache` owns preallocated K/V arrays and a length per sequence; `attention_with_kvcache`
 is the functional form over caller-owned arrays (flash-attn's ``flash_attn_with_kvcache``,
 in PyTorch SDPA's (batch, heads, tokens, dim) layout). Both check everything first
-(attnfast._checks), write new tokens only then, and run the C++ kernels, which pick the
+(attnfast._cache_checks), write new tokens only then, and run the C++ kernels, which pick the
 bandwidth-bound decode path for queries of up to 16 tokens.
 """
 from __future__ import annotations
@@ -18,36 +18,41 @@ from ._formats import format_of_storage, quantize_float8, quantize_int8  # noqa:
 from ._api import kernels_interruptible, run_kernels
 from ._interop import accepts_arrays
 from ._key_index import with_key_index as attach_key_index
-from ._checks import (
-    KVCACHE_PLANS,
-    PAGED_PLANS,
-    bound_window,
+from ._cache_args import (
+    check_batch_index,
+    check_cache_room,
+    check_cache_spec,
+    check_latent_spec,
+    check_leading_sequences,
+    check_truncate,
+    default_key_rotation,
+)
+from ._cache_checks import (
+    caller_caches,
+    check_key_rotation,
+    check_kvcache_attention,
+    check_new_tokens,
+    check_paged_kvcache_attention,
+    check_tree_mask,
+)
+from ._descriptors import CacheLayout, KernelPart
+from ._plans import (
     fast_query_offset,
     fast_threads,
     kvcache_key,
     kvcache_plan,
+    KVCACHE_PLANS,
     paged_plan,
+    PAGED_PLANS,
     remember,
     seqlens_key,
-    check_batch_index,
-    check_cache_room,
-    check_cache_spec,
-    check_flag,
-    check_leading_sequences,
-    check_kvcache_attention,
-    check_latent_spec,
-    check_paged_kvcache_attention,
-    check_new_tokens,
-    check_out,
-    check_tree_mask,
-    check_truncate,
-    check_key_rotation,
-    default_key_rotation,
 )
-from ._rotation import hadamard_rotate, rotate_queries
+from ._scalars import bound_window, check_flag
+from ._written import check_out
+from ._rotation import rotate_queries
 from . import _shared_prefix
 from ._shared_prefix import run_paged_kernels
-from ._transaction import Undo, transaction
+from ._transaction import assign, stored_form, token_slots, transaction, write_tokens
 from ._tree import run_tree_kernels
 
 __all__ = ["KVCache", "attention_with_kvcache"]
@@ -55,74 +60,12 @@ __all__ = ["KVCache", "attention_with_kvcache"]
 _LENGTHS = "KVCache.lengths"  # a KVCache's lengths in its plan keys (attnfast._ext.kvcache_key)
 
 
-def quantize_rows(x: np.ndarray, cache_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """x quantised per row for a row-scaled cache format (int8, float8): (values, scales)."""
-    return format_of_storage(cache_dtype).quantize(x)
-
-
-def _stored_form(k_new, v_new, cache_dtype, key_rotation=None):
-    """k_new, v_new as the cache stores them, converted before anything is written:
-    (k, v, k row scales, v row scales), the scales None unless the format is row-scaled
-    (int8, float8; int4 rows carry their own, attnfast._int4). Values beyond
-    a 16-bit dtype's range become +-inf, as the cast gives, with no overflow warning
-    (docs/user_guide/reliability.md): a warning turned into an error must not stop a write half-way."""
-    fmt = format_of_storage(cache_dtype)
-    if fmt.quantized:  # attnfast._formats
-        if key_rotation == "hadamard":  # see attnfast._rotation
-            k_new = hadamard_rotate(k_new)
-        if fmt.row_scaled:
-            (k_new, k_rows), (v_new, v_rows) = fmt.quantize(k_new), fmt.quantize(v_new)
-            return k_new, v_new, k_rows, v_rows
-        return fmt.quantize(k_new), fmt.quantize(v_new), None, None
-    if k_new.dtype != cache_dtype or v_new.dtype != cache_dtype:
-        with np.errstate(over="ignore", invalid="ignore"):
-            k_new, v_new = k_new.astype(cache_dtype), v_new.astype(cache_dtype)
-    return k_new, v_new, None, None
-
-
 def fast_tokens(k_new, v_new, cache_dtype):
-    """The fast paths' new tokens in the cache's dtype: float32 tokens for a 16-bit cache
-    rounded as the full path rounds them on write (_stored_form; +-inf beyond the range, no
-    warning), so the C tails copy rows. A plan exists only for unquantised caches."""
+    """The fast paths' new tokens in the cache's dtype, rounded as the full path writes them
+    (stored_form), so the C tails copy rows. A plan exists only for unquantised caches."""
     if k_new is None or (k_new.dtype == cache_dtype and v_new.dtype == cache_dtype):
-        return k_new, v_new
-    with np.errstate(over="ignore", invalid="ignore"):
-        return k_new.astype(cache_dtype), v_new.astype(cache_dtype)
-
-
-def _write_tokens(k_cache, v_cache, seqs, starts, k_new, v_new, k_scale, v_scale,
-                  undo: Undo, key_rotation=None) -> None:
-    """k_cache[seqs[i], :, starts[i]:starts[i] + t] = k_new[i], and the same for v (rounded
-    to a 16-bit cache's dtype, or quantised with its row scales into an int8 cache);
-    what it overwrites goes to `undo`. seqs, starts: lists of ints. key_rotation: None or
-    "hadamard" (keys rotated before they are quantised; attnfast._rotation)."""
-    t = k_new.shape[2]
-    k_new, v_new, k_rows, v_rows = _stored_form(k_new, v_new, k_cache.dtype, key_rotation)
-    for i, (b, s) in enumerate(zip(seqs, starts)):
-        rows = (b, slice(None), slice(s, s + t))
-        undo.write(k_cache, rows, k_new[i])
-        undo.write(v_cache, rows, v_new[i])
-        if k_scale is not None:
-            undo.write(k_scale, rows, k_rows[i])
-            undo.write(v_scale, rows, v_rows[i])
-
-
-def _write_paged_tokens(k_pool, v_pool, table, starts, k_new, v_new, k_scale, v_scale,
-                        undo: Undo, key_rotation=None) -> None:
-    """The paged form of _write_tokens: token starts[i] + u of sequence i goes to row
-    (starts[i] + u) % block_size of block table[i, (starts[i] + u) // block_size]."""
-    t = k_new.shape[2]
-    bs = k_pool.shape[2]
-    k_new, v_new, k_rows, v_rows = _stored_form(k_new, v_new, k_pool.dtype, key_rotation)
-    for i, s in enumerate(starts.tolist()):
-        pos = np.arange(s, s + t)
-        rows = (table[i, pos // bs], slice(None), pos % bs)
-        # advanced indices on axes 0 and 2 put the token axis first: (t, Hkv, D)
-        undo.write(k_pool, rows, np.swapaxes(k_new[i], 0, 1))
-        undo.write(v_pool, rows, np.swapaxes(v_new[i], 0, 1))
-        if k_scale is not None:
-            undo.write(k_scale, rows, k_rows[i].T)
-            undo.write(v_scale, rows, v_rows[i].T)
+        return k_new, v_new  # (the common case, first: this runs on every fast call)
+    return stored_form(k_new, v_new, cache_dtype)[:2]
 
 
 @transaction()
@@ -264,35 +207,30 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
                 if result is not None:
                     return result
     return_lse = check_flag(return_lse, "return_lse")
-    if block_table is not None:
-        return _paged_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
-                                causal=causal, scale=scale, window=window, softcap=softcap,
-                                alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
-                                return_lse=return_lse, out=out, num_threads=num_threads,
-                                query_offset=query_offset, k_scale=k_scale, v_scale=v_scale,
-                                tree_mask=tree_mask, key_rotation=key_rotation,
-                                v_head_dim=v_head_dim, plan_key=key, key_index=key_index)
-    call = check_kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                                   causal=causal, scale=scale, window=window,
-                                   num_threads=num_threads, k_scale=k_scale, v_scale=v_scale,
-                                   query_offset=query_offset, softcap=softcap,
-                                   alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
-                                   v_head_dim=v_head_dim)
+    paged = block_table is not None
+    caches = caller_caches(k_cache, v_cache, k_scale, v_scale, paged=paged, q=q,
+                           v_head_dim=v_head_dim)
+    options = dict(causal=causal, scale=scale, window=window, num_threads=num_threads,
+                   query_offset=query_offset, softcap=softcap, alibi_slopes=alibi_slopes,
+                   sinks=sinks, mask=mask)
+    call = (check_paged_kvcache_attention(q, caches, cache_seqlens, k_new, v_new, block_table,
+                                          **options) if paged
+            else check_kvcache_attention(q, caches, cache_seqlens, k_new, v_new, **options))
     call = with_key_index(call, key_index, tree_mask)
     rotation = check_key_rotation(key_rotation, k_cache.dtype)
     user_out = check_out(out, call.attn.out_shape(), call.attn.dtype, _read_and_written(call))
     tree = check_tree_mask(tree_mask, call)
-    undo = Undo()
-    try:
-        if call.new_tokens:
-            _write_tokens(k_cache, v_cache, range(call.attn.batch), call.starts.tolist(),
-                          call.k_new, call.v_new, call.k_scale, call.v_scale, undo, rotation)
-        parts = [(slice(None), k_cache, v_cache, call.seqlens_after, call.k_scale, call.v_scale)]
-        result = run_cache_kernels(call, user_out, return_lse, parts, tree, rotation)
-    except BaseException:  # the call did not happen: the caches as they were
-        undo.restore()
-        raise
-    if key is not None:  # accepted: later calls of this layout take the fast path
+    if call.new_tokens:  # (undone by the transaction if the call raises)
+        write_tokens((k_cache, v_cache, call.k_scale, call.v_scale),
+                     *token_slots(call.starts, call.new_tokens, table=call.block_table,
+                                  block_size=k_cache.shape[2]),
+                     call.k_new, call.v_new, rotation)
+    parts = [KernelPart(k=k_cache, v=v_cache, seqlens=call.seqlens_after, k_scale=call.k_scale,
+                        v_scale=call.v_scale, block_table=call.block_table)]
+    result = run_cache_kernels(call, user_out, return_lse, parts, tree, rotation)
+    if key is not None and paged:  # accepted: later calls of this layout take the fast path
+        remember(PAGED_PLANS, key, paged_plan(call, q, k_scale, v_scale, window, return_lse))
+    elif key is not None:
         remember(KVCACHE_PLANS, key, kvcache_plan(q, k_cache, v_cache, call.k_new, out, scale,
                                                   window, return_lse))
     return result
@@ -311,14 +249,15 @@ def with_key_index(call, key_index, tree_mask=None):
 def _read_and_written(call) -> list:
     """Every array of a checked KV-cache call other than `out` (the caches and scales it
     reads or writes, and what it reads): `out` must overlap none of them."""
-    return [("q", call.attn.q), ("k_cache", call.k_cache), ("v_cache", call.v_cache),
-            ("k_new", call.k_new), ("v_new", call.v_new), ("k_scale", call.k_scale),
-            ("v_scale", call.v_scale), ("block_table", call.block_table)] + call.attn.options.arrays()
+    return ([("q", call.attn.q)] + call.cache.arrays() + [
+        ("k_new", call.k_new), ("v_new", call.v_new), ("block_table", call.block_table)]
+        + call.attn.options.arrays())
 
 
 def _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new, out, causal,
-                  num_threads, query_offset):
-    """attention_with_kvcache() for a call whose layout and options an earlier call had
+                  num_threads, query_offset, advance=False):
+    """attention_with_kvcache() (and, with `advance`, KVCache.attend / step, whose lengths
+    array is advanced in place) for a call whose layout and options an earlier call had
     accepted (see attnfast._ext.kvcache_key): what can differ between such calls (lengths,
     flags, overlap, `out`), the token writes and the kernel call, in C
     (attnfast._ext.decode_fast). None, having changed nothing, when anything is unusual: the
@@ -332,7 +271,7 @@ def _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new, out, c
     k_new, v_new = fast_tokens(k_new, v_new, k_cache.dtype)
     return _ext.decode_fast(q, k_cache, v_cache, cache_seqlens, k_new, v_new, t, capacity,
                             out_shape, dtype, causal, scale, left, right, threads, query_offset,
-                            kernels_interruptible(), False, out, lse_dtype)   # (advance: no)
+                            kernels_interruptible(), advance, out, lse_dtype)
 
 
 def run_cache_kernels(call, user_out, return_lse, parts, tree=None, key_rotation=None):
@@ -362,8 +301,9 @@ def _run_cache_parts(call, user_out, return_lse, parts, tree):
     if tree is not None:
         return run_tree_kernels(call.attn, user_out, return_lse, parts, tree)
     if call.block_table is not None and len(parts) == 1 and call.attn.options.key_index is None:
-        _, k_pool, v_pool, _, k_scale, v_scale, _ = parts[0]  # (shared prefixes: every key)
-        return run_paged_kernels(call, user_out, return_lse, k_pool, v_pool, k_scale, v_scale)
+        part = parts[0]  # (shared prefixes: every key)
+        return run_paged_kernels(call, user_out, return_lse, part.k, part.v, part.k_scale,
+                                 part.v_scale)
     return run_kernels(call.attn, user_out, return_lse, parts)
 
 
@@ -391,8 +331,8 @@ def _paged_fast(plan, q, k_pool, v_pool, cache_seqlens, block_table, k_scale, v_
     fresh = _with_fields(
         call, attn=_with_fields(attn, q=q, k=k_pool, v=v_pool, num_threads=threads,
                                 window=bounded, query_offset=query_offset),
-        k_cache=k_pool, v_cache=v_pool, starts=result.lengths, k_scale=k_scale,
-        v_scale=v_scale, block_table=result.table)
+        cache=_with_fields(call.cache, k=k_pool, v=v_pool, k_scale=k_scale, v_scale=v_scale),
+        starts=result.lengths, block_table=result.table)
     return run_paged_kernels(fresh, out, lse_dtype is not None, k_pool, v_pool, k_scale,
                              v_scale)
 
@@ -404,35 +344,6 @@ def _with_fields(checked, **fields):
     copy.__dict__.update(checked.__dict__)
     copy.__dict__.update(fields)
     return copy
-
-
-def _paged_attention(q, k_pool, v_pool, cache_seqlens, k_new, v_new, block_table, *,
-                     return_lse, out, tree_mask=None, key_rotation=None, plan_key=None,
-                     key_index=None, **options):
-    """attention_with_kvcache with a block table (arguments as there, return_lse checked;
-    plan_key: PAGED_PLANS' key of a call the fast path may repeat, remembered on success)."""
-    call = check_paged_kvcache_attention(q, k_pool, v_pool, cache_seqlens, k_new, v_new,
-                                         block_table, **options)
-    call = with_key_index(call, key_index, tree_mask)
-    rotation = check_key_rotation(key_rotation, k_pool.dtype)
-    user_out = check_out(out, call.attn.out_shape(), call.attn.dtype, _read_and_written(call))
-    tree = check_tree_mask(tree_mask, call)
-    undo = Undo()
-    try:
-        if call.new_tokens:
-            _write_paged_tokens(k_pool, v_pool, call.block_table, call.starts, call.k_new,
-                                call.v_new, call.k_scale, call.v_scale, undo, rotation)
-        parts = [(slice(None), k_pool, v_pool, call.seqlens_after, call.k_scale, call.v_scale,
-                  call.block_table)]
-        result = run_cache_kernels(call, user_out, return_lse, parts, tree, rotation)
-    except BaseException:  # the call did not happen: the pools as they were
-        undo.restore()
-        raise
-    if plan_key is not None:  # accepted: later calls of this layout take the fast path
-        remember(PAGED_PLANS, plan_key, paged_plan(call, q, options.get("k_scale"),
-                                                   options.get("v_scale"), options["window"],
-                                                   return_lse))
-    return result
 
 
 def latent_values(cache, k_new, v_new, ndims):
@@ -599,14 +510,7 @@ class KVCache:
         for name, a in (("cache.k", self._k), ("cache.v", self._v)):
             if not a.flags.writeable:
                 raise ValueError(f"{name} is read-only, but k_new/v_new must be written into it")
-        undo = Undo()
-        try:
-            _write_tokens(self._k, self._v, seqs.tolist(), self._lengths[seqs].tolist(), k_new,
-                          v_new, self._k_scale, self._v_scale, undo, self._key_rotation)
-            undo.write(self._lengths, seqs, self._lengths[seqs] + t)
-        except BaseException:  # the call did not happen: the cache as it was
-            undo.restore()
-            raise
+        self._write(seqs, self._lengths[seqs], k_new, v_new)
 
     @transaction(lock="_lock")
     @accepts_arrays
@@ -673,14 +577,31 @@ class KVCache:
     def truncate(self, n) -> None:
         """Roll every sequence back to n tokens (or sequence b to n[b]), e.g. to drop rejected
         speculative tokens. n may not exceed a sequence's current length (ValueError)."""
-        Undo().write(self._lengths, slice(None), check_truncate(n, self._lengths))
+        assign(self._lengths, slice(None), check_truncate(n, self._lengths))
 
     @transaction(lock="_lock")
     def reset(self) -> None:
         """Empty every sequence (lengths = 0; the arrays are kept, not cleared)."""
-        Undo().write(self._lengths, slice(None), 0)
+        assign(self._lengths, slice(None), 0)
 
     # ---- internals ----
+    def _write(self, seqs, starts, k_new, v_new) -> None:
+        """The t new tokens of the sequences `seqs` written at `starts`, their lengths
+        advanced (each change logged: attnfast._transaction)."""
+        t = k_new.shape[2]
+        write_tokens((self._k, self._v, self._k_scale, self._v_scale),
+                     *token_slots(starts, t, seqs=seqs), k_new, v_new, self._key_rotation)
+        assign(self._lengths, seqs, starts + t)
+
+    def _layout(self, n: int) -> CacheLayout:
+        """The cache as the checks see a call on n of its sequences (its whole arrays are the
+        ones guarded: written in place, apart from what the call reads)."""
+        return CacheLayout(sizes=(n, self.kv_heads, self.capacity), head_dim=self.head_dim,
+                           head_dim_v=self.v_head_dim, dtype=self.dtype,
+                           names=("cache.k", "cache.v"),
+                           scale_names=("cache.k_scale", "cache.v_scale"), k=self._k, v=self._v,
+                           k_scale=self._k_scale, v_scale=self._v_scale)
+
     def _views(self, seqs):
         """(rows of the selection, batch slice of the cache) for each kernel call: one call
         when the indices are evenly spaced (a strided view, no copy), else one per sequence."""
@@ -703,25 +624,13 @@ class KVCache:
         return result
 
     def _run_fast(self, key, q, k_new, v_new, out, causal, num_threads, query_offset):
-        """attend/step for a call whose plan key (see attnfast._ext.kvcache_key) found the
-        plan an earlier call left: what can differ between such calls (room for the new
-        tokens, writeable arrays, alignment, `out`, num_threads, query_offset), the append,
-        the lengths advanced in place and the kernel call, in C (attnfast._ext.decode_fast).
-        None, having changed nothing, when anything is unusual or the layout is new: the
-        full path runs."""
+        """attend/step by the plan an earlier call of this layout left (_kvcache_fast, the
+        lengths advanced in place); None, having changed nothing, without one or when
+        anything is unusual: the full path runs."""
         plan = KVCACHE_PLANS.get(key)
-        if plan is None:
-            return None
-        t, out_shape, dtype, scale, window, seqlen_q, capacity, lse_dtype = plan
-        threads = fast_threads(num_threads)
-        if threads is None or not fast_query_offset(query_offset):
-            return None
-        left, right = (-1, -1) if window == (-1, -1) else bound_window(
-            window, seqlen_q, capacity, query_offset)
-        k_new, v_new = fast_tokens(k_new, v_new, self._k.dtype)
-        return _ext.decode_fast(q, self._k, self._v, self._lengths, k_new, v_new, t, capacity,
-                                out_shape, dtype, causal, scale, left, right, threads,
-                                query_offset, kernels_interruptible(), True, out, lse_dtype)
+        return None if plan is None else _kvcache_fast(
+            plan, q, self._k, self._v, self._lengths, k_new, v_new, out, causal, num_threads,
+            query_offset, True)  # (advance)
 
     def _run_locked(self, q, k_new, v_new, *, batch_index, causal, scale, window, softcap,
                     alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset,
@@ -732,41 +641,20 @@ class KVCache:
         t = np.shape(k_new)[2] if k_new is not None and np.ndim(k_new) == 4 else 0
         if t:
             check_cache_room(self._lengths, seqs, t, self.capacity)
-        # Checked against a stand-in of the selection's shape: the first n sequences, a view
-        # (no copy) with the cache's own strides and flags, as the written arrays are checked
-        # (attnfast._checks.check_written: a stride of 0 would be refused as self-overlapping).
-        n = seqs.size
-        k_sel, v_sel = self._k[:n], self._v[:n]
-        ks_sel = vs_sel = None
-        if self._k_scale is not None:  # the scales' stand-ins, as k_sel
-            ks_sel, vs_sel = self._k_scale[:n], self._v_scale[:n]
-        call = check_kvcache_attention(q, k_sel, v_sel, self._lengths[seqs], k_new, v_new,
-                                       causal=causal, scale=scale, window=window,
-                                       num_threads=num_threads, k_scale=ks_sel, v_scale=vs_sel,
-                                       query_offset=query_offset, softcap=softcap,
-                                       alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
-                                       cache_names=("cache.k", "cache.v"),
-                                       scale_names=("cache.k_scale", "cache.v_scale"),
-                                       head_dims=self._head_dims)
+        call = check_kvcache_attention(q, self._layout(seqs.size), self._lengths[seqs], k_new,
+                                       v_new, causal=causal, scale=scale, window=window,
+                                       num_threads=num_threads, query_offset=query_offset,
+                                       softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                                       mask=mask)
         call = with_key_index(call, key_index, tree_mask)
-        user_out = check_out(out, call.attn.out_shape(), call.attn.dtype,
-                             _read_and_written(call) + [
-                                 ("cache.k", self._k), ("cache.v", self._v),
-                                 ("cache.k_scale", self._k_scale),
-                                 ("cache.v_scale", self._v_scale)])
+        user_out = check_out(out, call.attn.out_shape(), call.attn.dtype, _read_and_written(call))
         tree = check_tree_mask(tree_mask, call)
-        undo = Undo()
-        try:
-            if call.new_tokens:
-                _write_tokens(self._k, self._v, seqs.tolist(), call.starts.tolist(), call.k_new,
-                              call.v_new, self._k_scale, self._v_scale, undo, self._key_rotation)
-            undo.write(self._lengths, seqs, call.seqlens_after)
-            int8 = self._k_scale is not None
-            parts = [(rows, self._k[cache_rows], self._v[cache_rows], self._lengths[cache_rows],
-                      self._k_scale[cache_rows] if int8 else None,
-                      self._v_scale[cache_rows] if int8 else None)
-                     for rows, cache_rows in self._views(seqs)]
-            return run_cache_kernels(call, user_out, return_lse, parts, tree, self._key_rotation)
-        except BaseException:  # KeyboardInterrupt: the step did not happen
-            undo.restore()
-            raise
+        if call.new_tokens:  # (undone by the transaction if the call raises)
+            self._write(seqs, call.starts, call.k_new, call.v_new)
+        scaled = self._k_scale is not None
+        parts = [KernelPart(rows=rows, k=self._k[cache_rows], v=self._v[cache_rows],
+                            seqlens=self._lengths[cache_rows],
+                            k_scale=self._k_scale[cache_rows] if scaled else None,
+                            v_scale=self._v_scale[cache_rows] if scaled else None)
+                 for rows, cache_rows in self._views(seqs)]
+        return run_cache_kernels(call, user_out, return_lse, parts, tree, self._key_rotation)

@@ -4,42 +4,42 @@
 block table of the sequences it serves and runs `attention_with_kvcache(..., block_table=)`'s
 kernels over all of them at once. Blocks are reference-counted, so `fork` shares a prefix
 without copying it; a shared, partly filled last block is copied before it is appended to
-(copy-on-write). Every method checks everything (attnfast._checks) before it changes
-anything: running out of blocks raises and leaves the cache as it was.
+(copy-on-write). Every method checks everything (attnfast._cache_checks, _cache_args)
+before it changes anything: running out of blocks raises and leaves the cache as it was.
 """
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
 
 import numpy as np
 
 from . import _ext, _shared_prefix
 from ._api import kernels_interruptible
 from ._formats import format_of_storage
-from ._checks import (
-    KVCACHE_PLANS,
+from ._cache_args import (
+    check_free_blocks,
+    check_latent_spec,
+    check_paged_spec,
+    check_seq_ids,
+    check_truncate,
+    default_key_rotation,
+)
+from ._cache_checks import check_new_tokens, check_paged_kvcache_attention, check_tree_mask
+from ._plans import (
     fast_query_offset,
     fast_threads,
     kvcache_key,
     kvcache_plan,
+    KVCACHE_PLANS,
     remember,
-    default_key_rotation,
-    check_flag,
-    check_free_blocks,
-    check_latent_spec,
-    check_new_tokens,
-    check_out,
-    check_paged_kvcache_attention,
-    check_paged_spec,
-    check_seq_ids,
-    check_tree_mask,
-    check_truncate,
 )
+from ._scalars import check_flag
+from ._written import check_out
+from ._descriptors import CacheLayout, KernelPart
 from ._interop import accepts_arrays
-from ._kvcache import (Undo, _read_and_written, _write_paged_tokens, fast_tokens, latent_values,
+from ._kvcache import (_read_and_written, fast_tokens, latent_values,
                        run_cache_kernels, with_key_index)
-from ._transaction import transaction
+from ._transaction import assign, copy_rows, logged, token_slots, transaction, write_tokens
 
 __all__ = ["PagedKVCache"]
 
@@ -114,6 +114,11 @@ class PagedKVCache:
         scaled = fmt.row_scaled  # int8 / float8: one float32 scale per (block, kv head, row)
         self._k_scale = np.zeros((Hkv, NB, BS), np.float32).transpose(1, 0, 2) if scaled else None
         self._v_scale = np.zeros((Hkv, NB, BS), np.float32).transpose(1, 0, 2) if scaled else None
+        # the pools as the checks see them (attnfast._cache_checks)
+        self._layout = CacheLayout(sizes=(NB, Hkv, BS), head_dim=D, head_dim_v=Dv, dtype=dt,
+                                   names=("cache.k", "cache.v"),
+                                   scale_names=("cache.k_scale", "cache.v_scale"), k=self._k,
+                                   v=self._v, k_scale=self._k_scale, v_scale=self._v_scale)
         self._refs = np.zeros(NB, dtype=np.int64)     # sequences holding each block
         self._free = list(range(NB - 1, -1, -1))      # a stack: the lowest id is taken first
         self._seqs: dict[int, _Sequence] = {}
@@ -204,19 +209,21 @@ class PagedKVCache:
     @transaction(lock="_lock")
     def add_sequence(self) -> int:
         """A new, empty sequence (it takes no block until tokens are appended); its id."""
-        with self._transaction(()):
-            sid = self._next_id
-            self._next_id += 1
-            self._seqs[sid] = _Sequence()
-            return sid
+        return self._new_sequence(_Sequence())
 
     @transaction(lock="_lock")
     def free(self, seq_id) -> None:
         """Forget a sequence; the blocks no other sequence holds return to the pool."""
         (sid,), _ = check_seq_ids([seq_id], self._seqs)
-        with self._transaction([sid]):
-            for blk in self._seqs.pop(sid).blocks:
-                self._release(blk)
+        seq, order = self._seqs[sid], list(self._seqs)
+
+        def undo():  # the sequence back in its place (ids in the order they were added)
+            if sid not in self._seqs:
+                self._seqs = {s: seq if s == sid else self._seqs[s] for s in order}
+        logged(undo)
+        del self._seqs[sid]
+        for blk in seq.blocks:
+            self._release(blk)
 
     @transaction(lock="_lock")
     def fork(self, seq_id) -> int:
@@ -224,14 +231,10 @@ class PagedKVCache:
         copied now; a shared partly filled block is copied when either one appends to it).
         Returns the new id."""
         (sid,), _ = check_seq_ids([seq_id], self._seqs)
-        with self._transaction([sid]):
-            src = self._seqs[sid]
-            for blk in src.blocks:
-                self._refs[blk] += 1
-            new = self._next_id
-            self._next_id += 1
-            self._seqs[new] = _Sequence(src.blocks, src.length)
-            return new
+        src = self._seqs[sid]
+        held = np.array(src.blocks, np.int64)
+        assign(self._refs, held, self._refs[held] + 1)
+        return self._new_sequence(_Sequence(src.blocks, src.length))
 
     @transaction(lock="_lock")
     def truncate(self, seq_id, n) -> None:
@@ -264,13 +267,7 @@ class PagedKVCache:
             raise ValueError("append needs both k_new and v_new; both are None")
         plan = self._plan(ids, t)
         starts = np.array([self._seqs[s].length for s in ids], dtype=np.int64)
-        with self._transaction(ids, taken=sum(c + g for c, g in plan)) as undo:
-            self._commit(ids, plan, undo)
-            table = self._table([self._seqs[s].blocks for s in ids])
-            _write_paged_tokens(self._k, self._v, table, starts, k_new, v_new,
-                                self._k_scale, self._v_scale, undo, self._key_rotation)
-            for s in ids:
-                self._seqs[s].length += t
+        self._append(ids, plan, self._table(self._tentative(ids, plan)), starts, k_new, v_new)
 
     @transaction(lock="_lock")
     @accepts_arrays
@@ -326,46 +323,52 @@ class PagedKVCache:
                          query_offset=query_offset, tree_mask=tree_mask, key_index=key_index)
 
     # ---- internals ----
-    @contextmanager
-    def _transaction(self, ids, taken=0):
-        """The body of a mutating call on the sequences `ids` that takes at most `taken` free
-        blocks: if it raises anything at all (KeyboardInterrupt, MemoryError, ...), the free
-        list, reference counts, sequences, their block lists and lengths, and the pool bytes
-        written through the Undo it yields are put back as they were before it. The Undo
-        joins the open transaction (attnfast._transaction), which puts it all back if the
-        call raises later, before it has returned.
+    # Every change below is logged first (attnfast._transaction): a call that raises puts
+    # back the blocks, counts, lengths and bytes it changed, and only those.
+    def _new_sequence(self, seq: _Sequence) -> int:
+        sid = self._next_id
 
-        What it saves is what the call can change, never the pool: the free list below its
-        last `taken` entries is never popped (a block released and taken again within the
-        call is one of `ids`' blocks), and only the blocks of `ids` and those last entries can
-        change their reference counts. So a call costs the same over 8 blocks or 10^6."""
-        free_len, next_id, seqs = len(self._free), self._next_id, dict(self._seqs)
-        tail = self._free[free_len - taken:] if taken else []
-        held = {sid: (list(self._seqs[sid].blocks), self._seqs[sid].length) for sid in ids}
-        touched = np.array(sorted({b for blocks, _ in held.values() for b in blocks} | set(tail)),
-                           dtype=np.int64)
-        refs = self._refs[touched]
+        def undo():
+            self._seqs.pop(sid, None)
+            self._next_id = sid
+        logged(undo)
+        self._next_id = sid + 1
+        self._seqs[sid] = seq
+        return sid
 
-        def restore():  # the bookkeeping as it was (may run twice)
-            del self._free[free_len - taken:]
-            self._free.extend(tail)
-            self._refs[touched] = refs
-            self._next_id, self._seqs = next_id, seqs
-            for sid, (blocks, length) in held.items():
-                seqs[sid].blocks, seqs[sid].length = list(blocks), length
+    def _take(self) -> int:
+        """The free block on top of the stack (the lowest id when none was freed), now held."""
+        free, n = self._free, len(self._free) - 1
+        blk = free[n]
 
-        undo = Undo()
-        undo.call(restore)  # first in, last out: after the bytes
-        try:
-            yield undo
-        except BaseException:
-            undo.restore()
-            raise
+        def undo():
+            free[n:] = [blk]
+            self._refs[blk] = 0
+        logged(undo)
+        free.pop()
+        self._refs[blk] = 1
+        return blk
 
     def _release(self, blk: int) -> None:
-        self._refs[blk] -= 1
-        if self._refs[blk] == 0:
-            self._free.append(blk)
+        """One holder fewer for `blk`; back on the free list when it has none."""
+        free, n, count = self._free, len(self._free), int(self._refs[blk])
+
+        def undo():
+            del free[n:]
+            self._refs[blk] = count
+        logged(undo)
+        self._refs[blk] = count - 1
+        if count == 1:
+            free.append(blk)
+
+    @staticmethod
+    def _update(seq: _Sequence, blocks: list, length: int) -> None:
+        old = seq.blocks, seq.length  # (block lists are replaced, never changed in place)
+
+        def undo():
+            seq.blocks, seq.length = old
+        logged(undo)
+        seq.blocks, seq.length = blocks, length
 
     def _plan(self, ids, t):
         """For appending t tokens to each of `ids`: per sequence (copy its shared partial last
@@ -391,9 +394,9 @@ class PagedKVCache:
         return plan
 
     def _tentative(self, ids, plan):
-        """The block lists `ids` would have after _commit(ids, plan), without taking blocks."""
+        """The block lists `ids` would have after _append(ids, plan, ..), taking no block."""
         taken = sum(copy + grow for copy, grow in plan)
-        upcoming = self._free[len(self._free) - taken:][::-1] if taken else []  # _commit's order
+        upcoming = self._free[len(self._free) - taken:][::-1] if taken else []  # _take order
         lists, n = [], 0
         for sid, (copy, grow) in zip(ids, plan):
             seq = self._seqs[sid]
@@ -406,26 +409,27 @@ class PagedKVCache:
             lists.append(blocks)
         return lists
 
-    def _commit(self, ids, plan, undo: Undo) -> None:
-        """Take the planned blocks, copying shared partial blocks (copy-on-write; the rows
-        copied over go to `undo`). Call within _transaction."""
-        bs = self.block_size
+    def _append(self, ids, plan, table, starts, k_new, v_new) -> None:
+        """Take the blocks of `plan` (copying shared partly filled ones first: copy-on-write),
+        which give `table` (_tentative's), and write k_new, v_new (None: no tokens) at
+        `starts`."""
+        bs, pools = self.block_size, (self._k, self._v, self._k_scale, self._v_scale)
+        t = 0 if k_new is None else k_new.shape[2]
         for sid, (copy, grow) in zip(ids, plan):
             seq = self._seqs[sid]
+            if not (copy or grow or t):
+                continue
+            blocks = list(seq.blocks)
             if copy:
-                i = seq.length // bs
-                old, new = seq.blocks[i], self._free.pop()
-                rows = seq.length % bs
-                for pool in (self._k, self._v, self._k_scale, self._v_scale):
-                    if pool is not None:
-                        undo.write(pool, (new, slice(None), slice(0, rows)), pool[old, :, :rows])
-                self._refs[new] = 1
-                self._release(old)
-                seq.blocks[i] = new
-            for _ in range(grow):
-                blk = self._free.pop()
-                self._refs[blk] = 1
-                seq.blocks.append(blk)
+                i, new = seq.length // bs, self._take()
+                copy_rows(pools, blocks[i], new, seq.length % bs)
+                self._release(blocks[i])
+                blocks[i] = new
+            blocks += [self._take() for _ in range(grow)]
+            self._update(seq, blocks, seq.length + t)
+        if t:
+            write_tokens(pools, *token_slots(starts, t, table=table, block_size=bs), k_new,
+                         v_new, self._key_rotation)
 
     @staticmethod
     def _table(block_lists, fill=0) -> np.ndarray:
@@ -485,31 +489,20 @@ class PagedKVCache:
         plan = self._plan(ids, t) if t else [(False, 0)] * len(ids)
         lengths = np.array([self._seqs[s].length for s in ids], dtype=np.int64)
         table = self._table(self._tentative(ids, plan))
-        s_names = ("cache.k_scale", "cache.v_scale")
-        call = check_paged_kvcache_attention(
-            q, self._k, self._v, lengths, k_new, v_new, table, k_scale=self._k_scale,
-            v_scale=self._v_scale, cache_names=("cache.k", "cache.v"), scale_names=s_names,
-            head_dims=self._head_dims, **options)
+        call = check_paged_kvcache_attention(q, self._layout, lengths, k_new, v_new, table,
+                                             **options)
         if key_index is not None and squeeze:  # one bare id: its list gains the sequence axis
             key_index = np.asarray(key_index)[None]
         call = with_key_index(call, key_index, tree_mask)
         user_out = check_out(_lift(single, out) if out is not None and np.ndim(out) == 3 else out,
                              call.attn.out_shape(), call.attn.dtype, _read_and_written(call))
         tree = check_tree_mask(tree_mask, call)
-        # KeyboardInterrupt (or anything else) from here on: the blocks taken, the rows
-        # written and the lengths all go back, as if the call had not happened.
-        with self._transaction(ids, taken=sum(c + g for c, g in plan)) as undo:
-            self._commit(ids, plan, undo)  # the blocks of `table`, now taken
-            if call.new_tokens:
-                _write_paged_tokens(self._k, self._v, call.block_table, call.starts, call.k_new,
-                                    call.v_new, self._k_scale, self._v_scale, undo,
-                                    self._key_rotation)
-            for s, n in zip(ids, call.seqlens_after.tolist()):
-                self._seqs[s].length = n
-            parts = [(slice(None), self._k, self._v, call.seqlens_after, self._k_scale,
-                      self._v_scale, call.block_table)]
-            result = run_cache_kernels(call, user_out, return_lse, parts, tree,
-                                       self._key_rotation)
+        # (raising from here on, the transaction puts back every change: blocks, rows, lengths)
+        self._append(ids, plan, call.block_table, call.starts, call.k_new, call.v_new)
+        parts = [KernelPart(k=self._k, v=self._v, seqlens=call.seqlens_after,
+                            k_scale=self._k_scale, v_scale=self._v_scale,
+                            block_table=call.block_table)]
+        result = run_cache_kernels(call, user_out, return_lse, parts, tree, self._key_rotation)
         return _finish(result, return_lse, squeeze, out)
 
 

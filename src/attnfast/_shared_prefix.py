@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._api import run_kernels
-from ._checks import ScoreOptions
+from ._descriptors import KernelPart, ScoreOptions
 from ._compose import compute_queries, finish, merge_into, plan_part, run_part, start_result
 
 __all__ = ["SharedGroup", "plan_shared_prefix", "run_paged_kernels", "stats"]
@@ -102,7 +102,7 @@ def plan_shared_prefix(table, lengths, block_size, seqlen_q, *, causal, window, 
 
 
 def run_paged_kernels(call, user_out, return_lse, k_pool, v_pool, k_scale, v_scale):
-    """run_kernels for a checked paged call (attnfast._checks.KVCacheCall), reading the
+    """run_kernels for a checked paged call (attnfast._descriptors.KVCacheCall), reading the
     blocks sequences share once per group when plan_shared_prefix finds groups."""
     attn, table, lengths = call.attn, call.block_table, call.seqlens_after
     block_size = k_pool.shape[2]
@@ -110,8 +110,9 @@ def run_paged_kernels(call, user_out, return_lse, k_pool, v_pool, k_scale, v_sca
                                 window=attn.window, query_offset=attn.query_offset,
                                 options=attn.options)
     if not groups:
-        parts = [(slice(None), k_pool, v_pool, lengths, k_scale, v_scale, table)]
-        return run_kernels(attn, user_out, return_lse, parts)
+        return run_kernels(attn, user_out, return_lse, [KernelPart(
+            k=k_pool, v=v_pool, seqlens=lengths, k_scale=k_scale, v_scale=v_scale,
+            block_table=table)])
     stats["shared_calls"] += 1
     stats["groups"] += len(groups)
     out, lse = start_result(attn, user_out, return_lse)
@@ -131,10 +132,12 @@ def run_paged_kernels(call, user_out, return_lse, k_pool, v_pool, k_scale, v_sca
             own_table = np.zeros((rows.size, 1), np.int64)  # no own keys: never read
         opts = attn.options
         own_options = ScoreOptions(
-            opts.softcap, None, opts.sinks,  # the sinks join exactly one part
-            None if opts.mask is None else opts.mask[rows][..., prefix_keys:])
-        own = run_part(attn, q[rows], (slice(None), k_pool, v_pool, lengths[rows] - prefix_keys,
-                                       k_scale, v_scale, own_table),
+            softcap=opts.softcap, sinks=opts.sinks,  # the sinks join exactly one part
+            mask=None if opts.mask is None else opts.mask[rows][..., prefix_keys:])
+        own = run_part(attn, q[rows], KernelPart(k=k_pool, v=v_pool,
+                                                 seqlens=lengths[rows] - prefix_keys,
+                                                 k_scale=k_scale, v_scale=v_scale,
+                                                 block_table=own_table),
                        seqlen_k=own_table.shape[1] * block_size, causal=attn.causal,
                        window=attn.window, options=own_options,
                        query_offset=None if attn.query_offset is None
@@ -143,10 +146,12 @@ def run_paged_kernels(call, user_out, return_lse, k_pool, v_pool, k_scale, v_sca
     rest = np.flatnonzero(~grouped)
     if rest.size:  # sequences of no group: the unshared call, in the caller's precision
         opts = attn.options
-        sub_options = ScoreOptions(opts.softcap, None, opts.sinks,
-                                   None if opts.mask is None else opts.mask[rest])
-        rest_out = run_part(attn, attn.q[rest], (slice(None), k_pool, v_pool, lengths[rest],
-                                                 k_scale, v_scale, table[rest]),
+        sub_options = ScoreOptions(softcap=opts.softcap, sinks=opts.sinks,
+                                   mask=None if opts.mask is None else opts.mask[rest])
+        rest_out = run_part(attn, attn.q[rest], KernelPart(k=k_pool, v=v_pool,
+                                                           seqlens=lengths[rest],
+                                                           k_scale=k_scale, v_scale=v_scale,
+                                                           block_table=table[rest]),
                             seqlen_k=attn.seqlen_k, causal=attn.causal, window=attn.window,
                             query_offset=attn.query_offset, options=sub_options)
         merge_into(out, lse, rest, [rest_out])
@@ -162,7 +167,8 @@ def _stacked_prefix(attn, q, k_pool, v_pool, k_scale, v_scale, prefix_blocks, pr
     table = np.ascontiguousarray(prefix_blocks[None], np.int64)
     per_call = max(1, MAX_STACKED_ROWS // Tq)
     wide = max(1, MAX_GEMM_STACKED_ROWS // Tq)
-    part = (slice(None), k_pool, v_pool, np.array([prefix_keys], np.int64), k_scale, v_scale, table)
+    part = KernelPart(k=k_pool, v=v_pool, seqlens=np.array([prefix_keys], np.int64),
+                      k_scale=k_scale, v_scale=v_scale, block_table=table)
     if n > per_call and wide > per_call:
         probe = np.zeros((1, H, min(n, wide) * Tq, q.shape[3]), q.dtype)
         if plan_part(attn, probe, part, seqlen_k=prefix_keys)["kernel"] in GEMM_KERNELS:

@@ -1,7 +1,9 @@
 # Included by _ext.pyx: transactions (attnfast._transaction). A call that changes a cache
-# either returns, or raises having changed nothing: its writes are logged (Undo objects and
-# decode_fast's _TokensWritten join the log of the transaction open in their thread) and put
-# back when anything is raised before the call has returned, KeyboardInterrupt included.
+# either returns, or raises having changed nothing: before each change it makes, it puts a
+# callable that undoes that change (and may run twice) in the log of the transaction open in
+# its thread: Python's (_transaction.assign, logged) and C's (write_rows, the fast paths)
+# alike. When anything is raised before the call has returned, KeyboardInterrupt included,
+# the log runs newest first.
 #
 # The part that needs C is the end. CPython hands a pending signal to Python code only
 # between bytecodes of a Python frame (after each call returns, at backward jumps, ...), so
@@ -12,6 +14,8 @@
 # returned, as any signal arriving after a call is.
 
 from cpython.ref cimport PyObject
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
 
 cdef extern from *:
     """
@@ -28,13 +32,12 @@ cdef inline object _open_log():
 
 
 def open_log():
-    """The undo log (a list) of the transaction open in this thread, or None: what a write
-    joins so that the call it belongs to can be undone until it returns (attnfast._transaction)."""
+    """The undo log (a list of callables) of the transaction open in this thread, or None."""
     return _open_log()
 
 
 cdef int _roll_back(list log) except -1:
-    """Put back, newest first, what each entry of `log` saved (entry.restore()). Another
+    """Run each entry of `log` (a callable undoing one change), newest first. Another
     KeyboardInterrupt meanwhile (Ctrl-C pressed again) does not stop it: an entry that was
     interrupted is restored again (every restore may run twice). Other errors of a restore
     are retried a few times, then that entry is given up (the first exception is the one the
@@ -45,7 +48,7 @@ cdef int _roll_back(list log) except -1:
         failures = 0
         while True:
             try:
-                entry.restore()
+                entry()
                 break
             except KeyboardInterrupt:
                 continue
@@ -92,3 +95,143 @@ def transaction(fn, lock_attr=None):
     def transactional(*args, **kwargs):
         return _transact(fn, lock_attr, args, kwargs)
     return transactional
+
+
+# ---- the token writer: every write of new tokens into a cache, Python's and C's ----
+
+cdef void _copy_row(char* dst, cnp.npy_intp dst_step, const char* src, cnp.npy_intp src_step,
+                    cnp.npy_intp n, cnp.npy_intp item) noexcept nogil:
+    cdef cnp.npy_intp j
+    if dst_step == item and src_step == item:
+        memcpy(dst, src, n * item)
+    else:
+        for j in range(n):
+            memcpy(dst + j * dst_step, src + j * src_step, item)
+
+
+cdef void _move_rows(cnp.ndarray pool, cnp.ndarray new, const int64_t* slots, cnp.npy_intp n,
+                     cnp.npy_intp t, char* saved, bint restore) noexcept nogil:
+    """Token u of sequence i, every head h: pool[block, h, row] = new[i, h, u], (block, row)
+    = slots[2 (i t + u) : +2]; the row it overwrites first kept in `saved`, in order
+    (restore: `saved` put back; new unused)."""
+    cdef cnp.npy_intp H = cnp.PyArray_DIMS(pool)[1], R = cnp.PyArray_DIMS(pool)[3]
+    cdef cnp.npy_intp item = cnp.PyArray_ITEMSIZE(pool), row = R * item
+    cdef cnp.npy_intp* ps = cnp.PyArray_STRIDES(pool)
+    cdef char* p0 = <char*> cnp.PyArray_DATA(pool)
+    cdef cnp.npy_intp* ns
+    cdef char* dst
+    cdef cnp.npy_intp i, u, h, k
+    for i in range(n):
+        for u in range(t):
+            k = 2 * (i * t + u)
+            for h in range(H):
+                dst = p0 + slots[k] * ps[0] + h * ps[1] + slots[k + 1] * ps[2]
+                if restore:
+                    _copy_row(dst, ps[3], saved, item, R, item)
+                else:
+                    ns = cnp.PyArray_STRIDES(new)
+                    _copy_row(saved, item, dst, ps[3], R, item)
+                    _copy_row(dst, ps[3], <char*> cnp.PyArray_DATA(new) + i * ns[0] + h * ns[1]
+                              + u * ns[2], ns[3], R, item)
+                saved += row
+
+
+cdef cnp.npy_intp _rows_bytes(cnp.ndarray pool, cnp.npy_intp tokens):
+    return tokens * cnp.PyArray_DIMS(pool)[1] * cnp.PyArray_DIMS(pool)[3] * cnp.PyArray_ITEMSIZE(pool)
+
+
+cdef class _RowsWritten:
+    """What one write of token rows into `pools` (in order) overwrote; calling it puts the
+    rows back, the last pool's first (again if need be)."""
+    cdef list pools
+    cdef char* buffer          # the slots (2 n t int64), then the rows overwritten
+    cdef cnp.npy_intp n, t
+
+    def __dealloc__(self):
+        free(self.buffer)
+
+    def __call__(self):
+        cdef cnp.npy_intp total = 2 * self.n * self.t * sizeof(int64_t), i
+        for pool in self.pools:
+            total += _rows_bytes(<cnp.ndarray> pool, self.n * self.t)
+        for i in range(len(self.pools) - 1, -1, -1):
+            total -= _rows_bytes(<cnp.ndarray> self.pools[i], self.n * self.t)
+            _move_rows(<cnp.ndarray> self.pools[i], None, <int64_t*> self.buffer, self.n,
+                       self.t, self.buffer + total, True)
+
+
+cdef _RowsWritten _write_rows(list pools, list news, const int64_t* slots, cnp.npy_intp n,
+                              cnp.npy_intp t):
+    """_move_rows of news[j] into pools[j], in order, the rows overwritten kept in the entry
+    returned, which joins the open transaction's log before anything is written."""
+    cdef _RowsWritten w = _RowsWritten.__new__(_RowsWritten)
+    cdef cnp.npy_intp total = 2 * n * t * sizeof(int64_t), j
+    for pool in pools:
+        total += _rows_bytes(<cnp.ndarray> pool, n * t)
+    w.buffer = <char*> malloc(total + 1)
+    if w.buffer == NULL:
+        raise MemoryError()
+    w.pools, w.n, w.t = pools, n, t
+    memcpy(w.buffer, slots, 2 * n * t * sizeof(int64_t))
+    log = _open_log()
+    if log is not None:
+        (<list> log).append(w)
+    total = 2 * n * t * sizeof(int64_t)
+    for j in range(len(pools)):
+        _move_rows(<cnp.ndarray> pools[j], <cnp.ndarray> news[j], slots, n, t, w.buffer + total,
+                   False)
+        total += _rows_bytes(<cnp.ndarray> pools[j], n * t)
+    return w
+
+
+def write_rows(list pools, list news, cnp.ndarray blocks, cnp.ndarray rows):
+    """The token writer (attnfast._transaction.write_tokens): token u of sequence i,
+    news[j][i, :, u] (news[j]: (n, H, t, R), the dtype of pools[j]), to row rows[i, u] of
+    block blocks[i, u] of pools[j] (X, H, S, R) (a contiguous cache's blocks are its
+    sequences), every head, for each j in order; what it overwrites joins the open
+    transaction's log first. Any strides."""
+    cdef cnp.ndarray pool, new, slots
+    cdef cnp.npy_intp n = cnp.PyArray_DIMS(<cnp.ndarray?> news[0])[0], i
+    cdef cnp.npy_intp t = cnp.PyArray_DIMS(<cnp.ndarray?> news[0])[2]
+    cdef int64_t* s
+    slots = np.stack([blocks, rows], axis=-1).astype(np.int64).reshape(-1)
+    s = <int64_t*> cnp.PyArray_DATA(slots)
+    for pool, new in zip(pools, news):
+        if (cnp.PyArray_NDIM(pool) != 4 or cnp.PyArray_NDIM(new) != 4
+                or not attnfast_equiv_dtypes(pool, new) or not _writeable(pool)
+                or cnp.PyArray_DIMS(new)[0] != n or cnp.PyArray_DIMS(new)[2] != t
+                or cnp.PyArray_DIMS(new)[1] != cnp.PyArray_DIMS(pool)[1]
+                or cnp.PyArray_DIMS(new)[3] != cnp.PyArray_DIMS(pool)[3]
+                or (<object> blocks).shape != (n, t) or (<object> rows).shape != (n, t)):
+            raise ValueError("write_rows: pools, news, blocks and rows do not fit")
+        for i in range(n * t):  # (the callers checked them: a guard against writing elsewhere)
+            if not (0 <= s[2 * i] < cnp.PyArray_DIMS(pool)[0]
+                    and 0 <= s[2 * i + 1] < cnp.PyArray_DIMS(pool)[2]):
+                raise IndexError(f"write_rows: slot {i} is outside the pool")
+    _write_rows(pools, news, s, n, t)
+
+
+cdef class _Int64sKept:
+    """A C-contiguous int64 array's values before a call changed them (a KVCache's lengths)."""
+    cdef cnp.ndarray array
+    cdef int64_t* kept
+
+    def __dealloc__(self):
+        free(self.kept)
+
+    def __call__(self):
+        memcpy(cnp.PyArray_DATA(self.array), self.kept, cnp.PyArray_NBYTES(self.array))
+
+
+cdef int _keep_int64s(cnp.ndarray array) except -1:
+    """Log `array` (int64, C-contiguous) as it is now, in the open transaction."""
+    cdef _Int64sKept w = _Int64sKept.__new__(_Int64sKept)
+    w.kept = <int64_t*> malloc(cnp.PyArray_NBYTES(array) + 1)
+    if w.kept == NULL:
+        raise MemoryError()
+    w.array = array
+    memcpy(w.kept, cnp.PyArray_DATA(array), cnp.PyArray_NBYTES(array))
+    log = _open_log()
+    if log is not None:
+        (<list> log).append(w)
+    return 0

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._checks import ScoreOptions
+import dataclasses
+
+from ._descriptors import KernelPart, ScoreOptions
 from ._compose import compute_queries, finish, merge_into, run_part, start_result
 
 __all__ = ["run_tree_kernels"]
@@ -37,19 +39,18 @@ def run_tree_kernels(attn, user_out, return_lse, parts, tree):
     tq, heads = attn.seqlen_q, attn.heads
     opts = attn.options
     for part in parts:
-        rows, k, v, seqlens = part[:4]
-        k_scale, v_scale = part[4:6] if len(part) > 4 else (None, None)
-        table = part[6] if len(part) > 6 else None
-        seqlens = np.asarray(seqlens, np.int64)
-        q_rows = q[rows]
+        seqlens = np.asarray(part.seqlens, np.int64)
+        q_rows = q[part.rows]
         n = q_rows.shape[0]
-        cached = run_part(attn, q_rows, (slice(None), k, v, seqlens - tq) + tuple(part[4:]),
+        cached = run_part(attn, q_rows,
+                          dataclasses.replace(part, rows=slice(None), seqlens=seqlens - tq),
                           seqlen_k=attn.seqlen_k,
-                          options=ScoreOptions(opts.softcap, None, opts.sinks))
-        tails = [_tail(a, seqlens, tq, table) for a in (k, v, k_scale, v_scale)]
-        tree_view = np.broadcast_to(tree[rows][:, None], (n, heads, tq, tq))
-        new = run_part(attn, q_rows, (slice(None), tails[0], tails[1],
-                                      np.full(n, tq, np.int64), tails[2], tails[3]),
-                       seqlen_k=tq, options=ScoreOptions(opts.softcap, None, None, tree_view))
-        merge_into(out, lse, rows, [cached, new])
+                          options=ScoreOptions(softcap=opts.softcap, sinks=opts.sinks))
+        k, v, k_scale, v_scale = (_tail(a, seqlens, tq, part.block_table)
+                                  for a in (part.k, part.v, part.k_scale, part.v_scale))
+        tree_view = np.broadcast_to(tree[part.rows][:, None], (n, heads, tq, tq))
+        new = run_part(attn, q_rows, KernelPart(k=k, v=v, seqlens=np.full(n, tq, np.int64),
+                                                k_scale=k_scale, v_scale=v_scale),
+                       seqlen_k=tq, options=ScoreOptions(softcap=opts.softcap, mask=tree_view))
+        merge_into(out, lse, part.rows, [cached, new])
     return finish(out, lse, return_lse)

@@ -6,10 +6,17 @@ import numpy as np
 from . import _ext
 from ._api import attention, kernel_call, kernels_interruptible
 from ._interop import accepts_arrays
-from ._checks import (as_float_array, check_block_table, check_cu_seqlens, check_flag,
-                      check_key_rotation, check_out, check_paged_kvcache_attention,
-                      check_paged_pools, check_query_kv_dtypes, check_varlen_slopes,
-                      int4_head_dims, _as_int, _ints_per_sequence, _shape_str)
+from ._arrays import _shape_str, as_float_array, check_query_kv_dtypes
+from ._attention_checks import check_cu_seqlens, check_varlen_slopes
+from ._cache_checks import (
+    check_block_table,
+    check_key_rotation,
+    check_paged_kvcache_attention,
+    caller_caches,
+)
+from ._descriptors import KernelPart
+from ._scalars import _as_int, _ints_per_sequence, check_flag
+from ._written import check_out
 from ._rotation import rotate_queries
 
 __all__ = ["attention_varlen", "explain_varlen"]
@@ -183,9 +190,9 @@ def _ragged_problems(q, k_pool, v_pool, cu_seqlens_q, cu_seqlens_k, seqused_k, b
     if q.ndim != 3:
         raise ValueError(f"q must be 3-D (total_q, heads, head_dim) for varlen, got shape "
                          f"{_shape_str(q)}")
-    head_dims = int4_head_dims(q, k_pool, v_head_dim)  # int4 pools: (D, Dv); else None
-    (_, _, block_size, _), dim_v, pool_dtype = check_paged_pools(k_pool, v_pool, names=("k", "v"),
-                                                                 head_dims=head_dims)
+    pools = caller_caches(k_pool, v_pool, k_scale, v_scale, paged=True, names=("k", "v"), q=q,
+                          v_head_dim=v_head_dim)
+    block_size, dim_v, pool_dtype = pools.sizes[2], pools.head_dim_v, pools.dtype
     rotation = check_key_rotation(key_rotation, pool_dtype)
     out_dtype = q.dtype
     if rotation == "hadamard":  # the keys are stored rotated: q the same way (float32)
@@ -225,22 +232,20 @@ def _ragged_problems(q, k_pool, v_pool, cu_seqlens_q, cu_seqlens_k, seqused_k, b
         else:
             rows = q[q0:q1].transpose(1, 0, 2)[None]
         call = check_paged_kvcache_attention(
-            rows, k_pool, v_pool, used[b:end], None, None, table[b:end], causal=causal,
-            scale=scale, window=window, num_threads=num_threads, k_scale=k_scale,
-            v_scale=v_scale, softcap=softcap, alibi_slopes=slopes[b] if end - b == 1 else None,
-            sinks=sinks, cache_names=("k", "v"), head_dims=head_dims)
-        part = (slice(None), k_pool, v_pool, call.seqlens_after, call.k_scale, call.v_scale,
-                call.block_table)
+            rows, pools, used[b:end], None, None, table[b:end], causal=causal, scale=scale,
+            window=window, num_threads=num_threads, softcap=softcap,
+            alibi_slopes=slopes[b] if end - b == 1 else None, sinks=sinks)
+        part = KernelPart(k=k_pool, v=v_pool, seqlens=call.seqlens_after, k_scale=call.k_scale,
+                          v_scale=call.v_scale, block_table=call.block_table)
         problems.append((q0, q1, call, kernel_call(call.attn, part), end - b > 1))
         b = end
     if problems:
         dtype, lse_dtype = problems[0][2].attn.dtype, problems[0][2].attn.lse_dtype
     else:  # nothing to compute: the dtypes a call would have
         probe = check_paged_kvcache_attention(
-            q[:0].transpose(1, 0, 2)[None], k_pool, v_pool, used[:1] if batch else 0, None, None,
+            q[:0].transpose(1, 0, 2)[None], pools, used[:1] if batch else 0, None, None,
             table[:1] if batch else np.zeros((1, 1), np.int64), causal=causal, scale=scale,
-            window=window, num_threads=num_threads, k_scale=k_scale, v_scale=v_scale,
-            cache_names=("k", "v"), head_dims=head_dims)
+            window=window, num_threads=num_threads)
         dtype, lse_dtype = probe.attn.dtype, probe.attn.lse_dtype
     if rotation == "hadamard":
         dtype = out_dtype

@@ -22,21 +22,20 @@ import numpy as np
 
 from ._api import merge_attention_states
 from ._formats import format_of_storage
-from ._checks import (
-    FLOAT64,
-    LOWP_DTYPES,
-    _positive_int,
+from ._arrays import LOWP_DTYPES
+from ._cache_args import (
     check_batch_index,
     check_cache_room,
     check_cache_spec,
-    check_flag,
-    check_kvcache_attention,
     check_leading_sequences,
-    check_new_tokens,
-    check_out,
     check_truncate,
-    stand_in,
 )
+from ._cache_checks import check_kvcache_attention, check_new_tokens
+from ._descriptors import CacheLayout
+from ._formats import FLOAT64
+from ._runtime import _positive_int
+from ._scalars import check_flag
+from ._written import check_out
 from ._interop import accepts_arrays
 
 __all__ = ["ShardedKVCache", "ShardError"]
@@ -279,13 +278,7 @@ class ShardedKVCache:
         self._dag = None
         self._lengths = np.zeros((NL, B), dtype=np.int64)
         self._lock = threading.Lock()
-        # zero-stride stand-ins of the whole cache, for the argument checks (no memory); an
-        # int4 cache's rows are packed blocks (attnfast._int4), their length not the head dim
         self._format = format_of_storage(dt)
-        self._stored_dims = (self._format.stored_dim(D), self._format.stored_dim(Dv))
-        self._k_one = np.zeros(1, dt)
-        self._v_one = np.zeros(1, dt)
-        self._s_one = np.zeros(2, np.float32)  # [0]: k_scale's stand-in, [1]: v_scale's
         # per shard, the local lengths its actor is known to hold (-1: unknown, sync next call)
         self._known = np.zeros((S, NL, B), np.int64)
         cls = _actor_class(ray)
@@ -467,15 +460,13 @@ class ShardedKVCache:
             result.append(list(a))
         return result
 
-    def _stand_ins(self, n):
-        """Zero-stride arrays shaped like the selected part of the whole cache (an int4
-        cache's: rows of packed blocks, as KVCache holds them)."""
-        shape = (n, self._kv_heads, self.capacity)
-        k = stand_in(self._k_one, shape + (self._stored_dims[0],))  # (attnfast._checks)
-        v = stand_in(self._v_one, shape + (self._stored_dims[1],))
-        s = ((stand_in(self._s_one[:1], shape), stand_in(self._s_one[1:], shape))
-             if self._format.row_scaled else (None, None))
-        return k, v, s
+    def _layout(self, n):
+        """The selected n sequences of the whole cache as the checks see them: sizes and
+        format only (the shards' memory is in their actors, whose own checks guard it)."""
+        return CacheLayout(sizes=(n, self._kv_heads, self.capacity), head_dim=self._head_dim,
+                           head_dim_v=self._v_head_dim, dtype=self._dtype,
+                           names=("cache.k", "cache.v"),
+                           scale_names=("cache.k_scale", "cache.v_scale"))
 
     def _run(self, q, k_new, v_new, *, layer, batch_index, causal, scale, window, softcap,
              alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset):
@@ -485,7 +476,7 @@ class ShardedKVCache:
             layers = self._layers(layer)
             seqs = check_batch_index(batch_index, self._batch)
             qs, ks, vs = self._split_layers(layers, layer, q=q, k_new=k_new, v_new=v_new)
-            k_sel, v_sel, s_sel = self._stand_ins(seqs.size)
+            layout = self._layout(seqs.size)
             calls, checked = [], []
             for li, l in enumerate(layers):
                 t = np.shape(ks[li])[2] if ks[li] is not None and np.ndim(ks[li]) == 4 else 0
@@ -502,13 +493,10 @@ class ShardedKVCache:
                 if t:
                     check_cache_room(self._lengths[l], seqs, t, self.capacity)
                 call = check_kvcache_attention(
-                    qs[li], k_sel, v_sel, self._lengths[l][seqs], ks[li], vs[li], causal=causal,
-                    scale=scale, window=window, num_threads=num_threads, k_scale=s_sel[0],
-                    v_scale=s_sel[1], query_offset=query_offset, softcap=softcap,
-                    alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
-                    cache_names=("cache.k", "cache.v"),
-                    scale_names=("cache.k_scale", "cache.v_scale"),
-                    head_dims=(self._head_dim, self._v_head_dim))
+                    qs[li], layout, self._lengths[l][seqs], ks[li], vs[li], causal=causal,
+                    scale=scale, window=window, num_threads=num_threads,
+                    query_offset=query_offset, softcap=softcap, alibi_slopes=alibi_slopes,
+                    sinks=sinks, mask=mask)
                 calls.append(call)
                 checked.append((call.k_new, call.v_new, call.new_tokens) if call.new_tokens
                                else None)

@@ -214,7 +214,7 @@ def _kvcache_kernel(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, 
 # which hands the op a resolved clone of each such mutated argument (k_cache, ...) and copies
 # it back only for ops that return it (this one fails an internal assert instead, its writes
 # left in the clone). The op's own kernel takes such calls: attnfast reads a read argument
-# with the bit through a copy and refuses a written one by name (attnfast._checks.
+# with the bit through a copy and refuses a written one by name (attnfast._written.
 # check_written), as the plain attnfast.attention_with_kvcache does (issue 45.2).
 _MATH_BITS = torch.library.Library("attnfast", "IMPL")
 for _key in ("Negative", "Conjugate"):

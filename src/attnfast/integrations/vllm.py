@@ -57,9 +57,10 @@ import weakref
 
 import numpy as np
 
-from .._checks import FLOAT8_E4M3, check_written
+from .._formats import FLOAT8_E4M3
+from .._written import check_written
 from .._interop import to_numpy
-from .._kvcache import quantize_float8
+from .._transaction import write_tokens
 from .._kvcache import attention_with_kvcache
 from .._varlen import attention_varlen
 
@@ -209,21 +210,17 @@ def write_kv_cache(key, value, k_pool, v_pool, slot_mapping, k_scale=None, v_sca
                          f"{'given' if v_scale is not None else 'None'}")
     for name, a in (("k_pool", k_pool), ("v_pool", v_pool), ("k_scale", k_scale),
                     ("v_scale", v_scale)):
-        if a is not None:  # written in place, or refused by name (attnfast._checks)
+        if a is not None:  # written in place, or refused by name (attnfast._written)
             check_written(a, name, "the new tokens are written into it")
     tokens = slots.shape[0]
     keep = slots >= 0
     if not keep.all():
         slots, keys, values = slots[keep], keys[:tokens][keep], values[:tokens][keep]
     keys, values = keys[:slots.shape[0]], values[:slots.shape[0]]
-    block_size = k_pool.shape[2]
-    blocks, rows = np.divmod(slots, block_size)
-    if float8:  # quantised first: nothing is written if that fails
-        (keys, key_scales), (values, value_scales) = quantize_float8(keys), quantize_float8(values)
-        k_scale[blocks, :, rows] = key_scales
-        v_scale[blocks, :, rows] = value_scales
-    k_pool[blocks, :, rows] = keys
-    v_pool[blocks, :, rows] = values
+    blocks, rows = np.divmod(slots.astype(np.int64), k_pool.shape[2])
+    # one token per "sequence" (quantised first: nothing is written if that fails)
+    write_tokens((k_pool, v_pool, k_scale, v_scale), blocks[:, None], rows[:, None],
+                 np.asarray(keys)[:, :, None], np.asarray(values)[:, :, None])
 
 
 def paged_attention(query, k_pool, v_pool, output, query_start_loc, seq_lens, block_table, *,
