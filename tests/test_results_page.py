@@ -126,3 +126,30 @@ def test_committed_page_is_generated_from_the_committed_runs():
                     if (root / "docs" / "images" / f"{kind}-{what}.png").exists()]
              for kind in runs}
     assert (root / "docs" / "results.md").read_text() == results.render_page(runs, plots)
+
+
+def test_sparse_section_from_json(tmp_path):
+    """bench_mla.py / bench_sparse.py --json parts render as the page's sparse tables, with
+    the ratios computed from the stored times."""
+    from attnfast.bench import sparse_results
+    path = tmp_path / "results" / "sparse" / "test-kind.json"
+    mla_row = dict(threads=1, L=32768, dtype="bfloat16", kernel="latent_decode", regime="compute",
+                   attnfast_ms=100.0, torch_ms=200.0, top_k=2048, sparse_ms=4.0, torch_sparse_ms=6.0,
+                   sparse_roofline_ms=3.0, sparse_of_roofline=0.75, dense_over_sparse=25.0)
+    sparse_results.store_part(str(path), "mla", [mla_row])
+    sparse_results.store_part(str(path), "prefill", [dict(threads=1, heads="8/2", D=128, new=4096,
+                                                          prompt=32768, topk=2048, sparse_s=2.0,
+                                                          dense_s=7.0)])
+    data = json.loads(path.read_text())
+    assert set(data) == {"mla", "prefill"}  # the second part kept the first
+    assert data["mla"]["meta"]["tier"] and data["mla"]["meta"]["command"].startswith("python ")
+    (tmp_path / "results" / "test-kind.json").write_text(json.dumps(synthetic_run()))
+    out = tmp_path / "results.md"
+    assert results.main(["--results-dir", str(tmp_path / "results"), "--out", str(out),
+                         "--no-plots"]) == 0
+    page = out.read_text()
+    assert "## Sparse attention (DeepSeek-V3.2 / GLM-5): test-kind" in page
+    assert cells(page, "1")[:10] == ["1", "32768", "bfloat16", "2048", "4.00", "75 %", "100.0", "25.0x",
+                                     "6.00", "1.50x"]
+    prefill = [line for line in page.splitlines() if line.startswith("| 1 | 8/2 |")]
+    assert prefill and prefill[0].rstrip(" |").endswith("3.5x")

@@ -1,0 +1,111 @@
+"""Sparse attention's stored runs: ``bench/results/sparse/<cpu-kind>.json`` and its section of
+the results page.
+
+``bench/bench_mla.py --top-k K --json F`` and ``bench/bench_sparse.py [--indexer] --json F``
+each store their part of one file (``"mla"``, ``"indexer"``, ``"prefill"``), with the CPU, its
+flags, the kernel tier, the date, the commit and the command; the other parts are kept. The
+results page (:mod:`attnfast.bench.results`) renders one table per part.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+__all__ = ["run_meta", "store_part", "render_sparse_section", "load_sparse_runs"]
+
+
+def run_meta() -> dict:
+    """The CPU, its flags, attnfast's tier, the date, the commit and the command of this run."""
+    import attnfast
+    from .limits import cpu_flags, cpu_name, load_average
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=False).stdout.strip() or None
+    except OSError:
+        commit = None
+    return {"cpu": cpu_name(), "cpu_flags": cpu_flags(), "tier": attnfast._ext.runtime_info()["isa"],
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": commit, "load_average": load_average(),
+            "command": "python " + " ".join(sys.argv)}
+
+
+def store_part(path: str, part: str, rows: list, **extra) -> None:
+    """Writes ``{part: {meta, rows, **extra}}`` into the JSON file at ``path``, keeping its other
+    parts."""
+    data = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+    data[part] = dict(meta=run_meta(), rows=rows, **extra)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+
+
+def load_sparse_runs(results_dir: str) -> dict:
+    """{cpu kind: sparse JSON} of every ``sparse/*.json`` under ``results_dir``."""
+    sparse_dir = os.path.join(results_dir, "sparse")
+    runs = {}
+    if os.path.isdir(sparse_dir):
+        for name in sorted(os.listdir(sparse_dir)):
+            if name.endswith(".json"):
+                with open(os.path.join(sparse_dir, name)) as f:
+                    runs[name[:-len(".json")]] = json.load(f)
+    return runs
+
+
+def _run_line(meta: dict) -> str:
+    load = meta.get("load_average")
+    return (f"{meta['cpu']}, tier `{meta['tier']}`, {meta['date']}, commit `{meta.get('commit')}`"
+            + (f", load average {load:.1f}" if load is not None else "") + ":\n\n    "
+            + meta["command"] + "\n")
+
+
+def render_sparse_section(kind: str, data: dict) -> str:
+    """The "Sparse attention" section of one CPU kind: MLA decode over the selected keys
+    against the dense step and a torch gather + matmul; the lightning indexer; a sparse
+    prefill chunk against the same attention as a dense masked call."""
+    out = [f"## Sparse attention (DeepSeek-V3.2 / GLM-5): {kind}\n"]
+    mla = data.get("mla")
+    if mla:
+        out.append("\n### MLA decode over the top-k keys (`key_index=`), one query token\n\n"
+                   + _run_line(mla["meta"]) + "\n"
+                   "Roofline: max(bytes / read, FLOPs / GEMM of the dtype), both measured in the "
+                   "same run; with 128 heads the step is compute-bound.\n\n"
+                   "| threads | L | dtype | top-k | sparse ms | % of its roofline | dense ms | "
+                   "dense / sparse | torch gather + matmul ms | torch / sparse |\n"
+                   "|---|---|---|---|---|---|---|---|---|---|\n")
+        for r in mla["rows"]:
+            if not r.get("top_k"):
+                continue
+            out.append(f"| {r['threads']} | {r['L']} | {r['dtype']} | {r['top_k']} | "
+                       f"{r['sparse_ms']:.2f} | {100 * r['sparse_of_roofline']:.0f} % | "
+                       f"{r['attnfast_ms']:.1f} | {r['dense_over_sparse']:.1f}x | "
+                       f"{r['torch_sparse_ms']:.2f} | {r['torch_sparse_ms'] / r['sparse_ms']:.2f}x |\n")
+    idx = data.get("indexer")
+    if idx:
+        out.append("\n### The lightning indexer (`index_topk`), one decode query\n\n"
+                   + _run_line(idx["meta"]) + "\n"
+                   "Roofline: max((key bytes + 4-byte scale) x L / read, 2 x heads x dim x L / "
+                   "bfloat16 GEMM); \"top-k share\": the time above the same call with top-1.\n\n"
+                   "| threads | heads x dim | keys | L | top-k | ms | GFLOP/s | % of roofline | "
+                   "top-k share |\n|---|---|---|---|---|---|---|---|---|\n")
+        for r in idx["rows"]:
+            out.append(f"| {r['threads']} | {r['heads']} x {r['dim']} | {r['key_dtype']} | {r['L']} | "
+                       f"{r['topk']} | {r['ms']:.1f} | {r['gflops']:.0f} | "
+                       f"{100 * r['of_roofline']:.0f} % | {100 * r['topk_share']:.1f} % |\n")
+    pre = data.get("prefill")
+    if pre:
+        out.append("\n### Prefill of a chunk, each query over its own top-k\n\n"
+                   + _run_line(pre["meta"]) + "\n"
+                   "| threads | heads | D | new tokens | after | top-k | sparse s | dense masked s | "
+                   "dense / sparse |\n|---|---|---|---|---|---|---|---|---|\n")
+        for r in pre["rows"]:
+            out.append(f"| {r['threads']} | {r['heads']} | {r['D']} | {r['new']} | {r['prompt']} | "
+                       f"{r['topk']} | {r['sparse_s']:.2f} | {r['dense_s']:.2f} | "
+                       f"{r['dense_s'] / r['sparse_s']:.1f}x |\n")
+    return "".join(out)
