@@ -246,35 +246,43 @@ void load_keys(const BackwardParams& bp, int64_t b, int64_t g, bool with_kr, int
     kb.k_nonfinite = any_nonfinite(k, a.k_row_stride, kb.nc, a.head_dim);
 }
 
-// Query rows [i0, i0 + nr) of head h: q and dout as the products read them. Rows of the
-// accumulator type whose width is already whole vectors are read in place (no copy per tile
-// pair); others are converted into the tiles qs and dout, padded with zeros.
+// nr rows of q and of dout (q_stride, d_stride elements apart) as the products read them.
+// Rows of the accumulator type whose width is already whole vectors are read in place (no
+// copy per tile pair); others are converted into the tiles qs and dout, padded with zeros.
+template <class T, class A>
+void load_query_rows(const BackwardParams& bp, const T* q, int64_t q_stride, const T* d, int64_t d_stride,
+                     int64_t nr, Tiles<A>& t) {
+    const AttentionParams& a = bp.attn;
+    if constexpr (sizeof(T) == sizeof(A)) {  // T is A
+        if (a.head_dim == t.dp) {
+            t.q_rows = reinterpret_cast<const A*>(q), t.q_ld = q_stride;
+        } else {
+            load_tile<T, A>(q, q_stride, nr, a.head_dim, t.dp, A(1), t.qs);
+            t.q_rows = t.qs, t.q_ld = t.dp;
+        }
+        if (a.head_dim_v == t.dvp) {
+            t.dout_rows = reinterpret_cast<const A*>(d), t.dout_ld = d_stride;
+        } else {
+            load_tile<T, A>(d, d_stride, nr, a.head_dim_v, t.dvp, A(1), t.dout);
+            t.dout_rows = t.dout, t.dout_ld = t.dvp;
+        }
+    } else {
+        load_tile<T, A>(q, q_stride, nr, a.head_dim, t.dp, A(1), t.qs);
+        load_tile<T, A>(d, d_stride, nr, a.head_dim_v, t.dvp, A(1), t.dout);
+        t.q_rows = t.qs, t.q_ld = t.dp, t.dout_rows = t.dout, t.dout_ld = t.dvp;
+    }
+    t.q_nonfinite = any_nonfinite(q, q_stride, nr, a.head_dim);
+    t.dout_nonfinite = any_nonfinite(d, d_stride, nr, a.head_dim_v);
+}
+
+// Query rows [i0, i0 + nr) of head h (load_query_rows).
 template <class T, class A>
 void load_queries(const BackwardParams& bp, int64_t b, int64_t h, int64_t i0, int64_t nr, Tiles<A>& t) {
     const AttentionParams& a = bp.attn;
     const T* q = rows_at<T>(a.q, a.q_batch_stride, a.q_head_stride, a.q_row_stride, b, h, i0);
     const T* d = rows_at<T>(bp.dout, bp.dout_batch_stride, bp.dout_head_stride,
                             bp.dout_row_stride, b, h, i0);
-    if constexpr (sizeof(T) == sizeof(A)) {  // T is A
-        if (a.head_dim == t.dp) {
-            t.q_rows = reinterpret_cast<const A*>(q), t.q_ld = a.q_row_stride;
-        } else {
-            load_tile<T, A>(q, a.q_row_stride, nr, a.head_dim, t.dp, A(1), t.qs);
-            t.q_rows = t.qs, t.q_ld = t.dp;
-        }
-        if (a.head_dim_v == t.dvp) {
-            t.dout_rows = reinterpret_cast<const A*>(d), t.dout_ld = bp.dout_row_stride;
-        } else {
-            load_tile<T, A>(d, bp.dout_row_stride, nr, a.head_dim_v, t.dvp, A(1), t.dout);
-            t.dout_rows = t.dout, t.dout_ld = t.dvp;
-        }
-    } else {
-        load_tile<T, A>(q, a.q_row_stride, nr, a.head_dim, t.dp, A(1), t.qs);
-        load_tile<T, A>(d, bp.dout_row_stride, nr, a.head_dim_v, t.dvp, A(1), t.dout);
-        t.q_rows = t.qs, t.q_ld = t.dp, t.dout_rows = t.dout, t.dout_ld = t.dvp;
-    }
-    t.q_nonfinite = any_nonfinite(q, a.q_row_stride, nr, a.head_dim);
-    t.dout_nonfinite = any_nonfinite(d, bp.dout_row_stride, nr, a.head_dim_v);
+    load_query_rows<T, A>(bp, q, a.q_row_stride, d, bp.dout_row_stride, nr, t);
 }
 
 // The last step of one row of a tile pair, s = its scores after the score options and l2
@@ -487,6 +495,184 @@ void key_pass_block(const BackwardParams& bp, const BackwardTask& task, A* ws) {
     key_blocks<T, A>(bp, task.batch, task.head, task.begin, task.end, false, t);
 }
 
+// ---- key_index (sparse attention): each query row's listed keys ----
+//
+// The same tile products over gathered keys. A tile's rows are the query heads of one kv
+// head at one query row i (their q rows a head stride apart, up to Bt of them); its
+// columns are up to Bt of the keys row i lists and sees (list order; -1 and keys causal or
+// window hide skipped), copied from wherever they are. Only listed K/V rows are read.
+// Two passes (backward.cpp), each task owning the rows it writes:
+//  - dk/dv (listed_key_range): keys [begin, end) of kv head g. For each row i in order,
+//    the tile's dK, dV start from the running sums of its keys' rows and are written back
+//    (a row lists a key at most once), so each dk / dv element is one chain over (query
+//    row, query head) in increasing order, whatever the ranges.
+//  - dq (listed_query_rows): rows [begin, end) of a block of query heads, each dq element
+//    one chain over its row's listed keys in list order.
+
+// Up to Bt positions row i of batch entry b lists for kv head g (list entries `from` on)
+// that lie in [range.begin, range.end) (the row's visible keys, narrowed): into pos, in
+// list order. Returns how many; `from` moves past the entries read.
+inline int64_t gather_listed(const AttentionParams& a, int64_t b, int64_t g, int64_t i,
+                             const KeyRange& range, int64_t& from, int64_t* pos) {
+    const int32_t* list = a.key_index + b * a.key_index_batch_stride + g * a.key_index_head_stride +
+                          i * a.key_index_row_stride;
+    int64_t n = 0;
+    for (; from < a.key_index_count && n < Bt; ++from) {
+        const int64_t j = list[from];
+        if (j >= range.begin && j < range.end) pos[n++] = j;  // (-1 too: range.begin >= 0)
+    }
+    return n;
+}
+
+// Keys pos[0, n) of kv head g into kb's kt, vt (and kr with with_kr), as load_keys does
+// for a contiguous block.
+template <class T, class A>
+void load_listed_keys(const BackwardParams& bp, int64_t b, int64_t g, const int64_t* pos, int64_t n,
+                      bool with_kr, int64_t dp, KeyTiles<A>& kb) {
+    const AttentionParams& a = bp.attn;
+    const int64_t D = a.head_dim, Dv = a.head_dim_v;
+    const A k_mul = static_cast<A>(a.scale * SoftmaxBase<A>::kUnit);
+    for (int64_t e = 0; e < D * Bt; ++e) kb.kt[e] = 0;
+    for (int64_t e = 0; e < Dv * Bt; ++e) kb.vt[e] = 0;
+    bool k_nonfinite = false;
+    for (int64_t r = 0; r < n; ++r) {
+        const T* k = rows_at<T>(a.k, a.k_batch_stride, a.k_head_stride, a.k_row_stride, b, g, pos[r]);
+        const T* v = rows_at<T>(a.v, a.v_batch_stride, a.v_head_stride, a.v_row_stride, b, g, pos[r]);
+        for (int64_t e = 0; e < D; ++e) kb.kt[e * Bt + r] = load_acc<A>(k[e]) * k_mul;
+        for (int64_t e = 0; e < Dv; ++e) kb.vt[e * Bt + r] = load_acc<A>(v[e]);
+        if (with_kr) {
+            for (int64_t e = 0; e < D; ++e) kb.kr[r * dp + e] = load_acc<A>(k[e]);
+            for (int64_t e = D; e < dp; ++e) kb.kr[r * dp + e] = 0;
+        }
+        k_nonfinite |= any_nonfinite(k, 0, 1, D);
+    }
+    kb.j0 = 0, kb.j_end = kb.nc = n;
+    kb.k_nonfinite = k_nonfinite;
+}
+
+// Query heads [h0, h0 + nr) at row i: q and dout rows (load_query_rows).
+template <class T, class A>
+void load_head_rows(const BackwardParams& bp, int64_t b, int64_t h0, int64_t i, int64_t nr, Tiles<A>& t) {
+    const AttentionParams& a = bp.attn;
+    const T* q = rows_at<T>(a.q, a.q_batch_stride, a.q_head_stride, a.q_row_stride, b, h0, i);
+    const T* d = rows_at<T>(bp.dout, bp.dout_batch_stride, bp.dout_head_stride, bp.dout_row_stride, b, h0, i);
+    load_query_rows<T, A>(bp, q, a.q_head_stride, d, bp.dout_head_stride, nr, t);
+}
+
+// probs_and_dscores for a tile of gathered keys (every one seen by every row): t.p = P,
+// t.ds = dS for query heads [h0, h0 + nr) at row i; rows whose lse is -inf get 0.
+template <class A>
+void listed_probs_and_dscores(const BackwardParams& bp, int64_t b, int64_t h0, int64_t i, int64_t nr,
+                              const KeyTiles<A>& kb, Tiles<A>& t) {
+    const AttentionParams& a = bp.attn;
+    const int64_t nc = kb.nc;
+    gemm<A, false>(t.q_rows, t.q_ld, 1, kb.kt, Bt, t.p, Bt, nr, Bt, a.head_dim);              // S
+    gemm<A, false>(t.dout_rows, t.dout_ld, 1, kb.vt, Bt, t.ds, Bt, nr, Bt, a.head_dim_v);   // dP
+    // softcap in the softmax's units, as RowOptions converts it
+    const A cap = a.softcap > 0 ? static_cast<A>(a.softcap * SoftmaxBase<A>::kUnit) : A(0);
+    const A inv_cap = a.softcap > 0 ? static_cast<A>(1.0 / (a.softcap * SoftmaxBase<A>::kUnit)) : A(0);
+    const A* lse = static_cast<const A*>(a.lse) + b * a.lse_batch_stride + i * a.lse_row_stride;
+    const A* delta = static_cast<const A*>(bp.delta) + b * a.heads * a.seqlen_q + i;
+    alignas(64) A slope[Bt];
+    for (int64_t r = 0; r < nr; ++r) {
+        A* __restrict s = t.p + r * Bt;
+        A* __restrict g = t.ds + r * Bt;
+        const int64_t h = h0 + r;
+        const A l = lse[h * a.lse_head_stride];
+        if (l == neg_inf<A>()) {
+            for (int64_t j = 0; j < Bt; ++j) s[j] = g[j] = 0;
+            continue;
+        }
+        nonfinite_to_nan(s, nc);
+        if (cap != A(0)) softcap_row(s, slope, cap, inv_cap);
+        finish_row(s, g, cap != A(0) ? slope : nullptr, l * static_cast<A>(SoftmaxBase<A>::kUnit),
+                   delta[h * a.seqlen_q], 0, nc);
+    }
+}
+
+// The dk/dv pass with key_index: dk, dv rows [task.begin, task.end) of kv head task.head.
+template <class T, class A>
+void listed_key_range(const BackwardParams& bp, const BackwardTask& task, A* ws) {
+    const AttentionParams& a = bp.attn;
+    Tiles<A> t(a, ws);
+    KeyTiles<A>& kb = t.keys[0];
+    const int64_t b = task.batch, g = task.head, D = a.head_dim, Dv = a.head_dim_v;
+    const int64_t seqlen_k = batch_seqlen_k(a, b);
+    const int64_t group = a.heads / a.kv_heads;
+    A* dk = static_cast<A*>(bp.dk) + (b * a.kv_heads + g) * a.seqlen_k * D;
+    A* dv = static_cast<A*>(bp.dv) + (b * a.kv_heads + g) * a.seqlen_k * Dv;
+    for (int64_t e = task.begin * D; e < task.end * D; ++e) dk[e] = 0;
+    for (int64_t e = task.begin * Dv; e < task.end * Dv; ++e) dv[e] = 0;
+    int64_t pos[Bt];
+    for (int64_t i = 0; i < a.seqlen_q; ++i) {
+        const KeyRange vis = visible_keys(a, i, seqlen_k);
+        const KeyRange range{vis.begin > task.begin ? vis.begin : task.begin,
+                             vis.end < task.end ? vis.end : task.end};
+        if (range.begin >= range.end) continue;
+        bool loaded = false;  // the row's q and dout, when one tile holds every head
+        for (int64_t from = 0;;) {
+            const int64_t n = gather_listed(a, b, g, i, range, from, pos);
+            if (n == 0) break;
+            load_listed_keys<T, A>(bp, b, g, pos, n, false, t.dp, kb);
+            for (int64_t r = 0; r < n; ++r) {  // the keys' running sums
+                for (int64_t e = 0; e < D; ++e) kb.dk[r * t.dp + e] = dk[pos[r] * D + e];
+                for (int64_t e = D; e < t.dp; ++e) kb.dk[r * t.dp + e] = 0;
+                for (int64_t e = 0; e < Dv; ++e) kb.dv[r * t.dvp + e] = dv[pos[r] * Dv + e];
+                for (int64_t e = Dv; e < t.dvp; ++e) kb.dv[r * t.dvp + e] = 0;
+            }
+            for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += Bt) {
+                const int64_t nr = (g + 1) * group - h0 < Bt ? (g + 1) * group - h0 : Bt;
+                if (!loaded) load_head_rows<T, A>(bp, b, h0, i, nr, t);
+                loaded = group <= Bt;
+                listed_probs_and_dscores<A>(bp, b, h0, i, nr, kb, t);
+                accumulate_product<A>(t.dout_nonfinite, t.p, 1, Bt, t.dout_rows, t.dout_ld, kb.dv,  // dV += P^T dO
+                                      t.dvp, n, t.dvp, nr);
+                accumulate_product<A>(t.q_nonfinite, t.ds, 1, Bt, t.q_rows, t.q_ld, kb.dk, t.dp,  // dK += dS^T q
+                                      n, t.dp, nr);
+            }
+            for (int64_t r = 0; r < n; ++r) {
+                for (int64_t e = 0; e < D; ++e) dk[pos[r] * D + e] = kb.dk[r * t.dp + e];
+                for (int64_t e = 0; e < Dv; ++e) dv[pos[r] * Dv + e] = kb.dv[r * t.dvp + e];
+            }
+        }
+    }
+    const A scale = static_cast<A>(a.scale);  // dK = scale dS^T q
+    for (int64_t e = task.begin * D; e < task.end * D; ++e) dk[e] *= scale;
+}
+
+// The dq pass with key_index: dq rows [task.begin, task.end) of query heads task.head ..
+// (up to Bt of them, within one kv head's group).
+template <class T, class A>
+void listed_query_rows(const BackwardParams& bp, const BackwardTask& task, A* ws) {
+    const AttentionParams& a = bp.attn;
+    Tiles<A> t(a, ws);
+    KeyTiles<A>& kb = t.keys[0];
+    const int64_t b = task.batch, h0 = task.head, group = a.heads / a.kv_heads, g = h0 / group;
+    const int64_t nr = (g + 1) * group - h0 < Bt ? (g + 1) * group - h0 : Bt;
+    const int64_t seqlen_k = batch_seqlen_k(a, b);
+    const int64_t head_ld = a.seqlen_q * bp.dq_row_stride;  // between the heads' dq rows
+    const A scale = static_cast<A>(a.scale);
+    int64_t pos[Bt];
+    for (int64_t i = task.begin; i < task.end; ++i) {
+        A* dq = dq_rows<A>(bp, b, h0, i);
+        for (int64_t r = 0; r < nr; ++r)
+            for (int64_t e = 0; e < bp.dq_row_stride; ++e) dq[r * head_ld + e] = 0;
+        const KeyRange vis = visible_keys(a, i, seqlen_k);
+        bool loaded = false;
+        for (int64_t from = 0; vis.begin < vis.end;) {
+            const int64_t n = gather_listed(a, b, g, i, vis, from, pos);
+            if (n == 0) break;
+            if (!loaded) load_head_rows<T, A>(bp, b, h0, i, nr, t);
+            loaded = true;
+            load_listed_keys<T, A>(bp, b, g, pos, n, true, t.dp, kb);
+            listed_probs_and_dscores<A>(bp, b, h0, i, nr, kb, t);
+            accumulate_product<A>(kb.k_nonfinite, t.ds, Bt, 1, kb.kr, t.dp, dq, head_ld, nr, t.dp, n);  // dQ += dS K
+        }
+        for (int64_t r = 0; r < nr; ++r)
+            for (int64_t e = 0; e < bp.dq_row_stride; ++e) dq[r * head_ld + e] *= scale;
+    }
+}
+
 // fn<T, float>(...) with T the call's float32-accumulated dtype (with_q_type: float32,
 // bfloat16 or float16; q, k and v share it).
 #define ATTNFAST_BWD_BY_DTYPE(fn, ...)                                          \
@@ -500,6 +686,12 @@ void key_block_f32(const BackwardParams& bp, const BackwardTask& t, float* ws) {
 void query_block_f32(const BackwardParams& bp, const BackwardTask& t, float* ws) {
     ATTNFAST_BWD_BY_DTYPE(query_block, bp, t, ws)
 }
+void listed_keys_f32(const BackwardParams& bp, const BackwardTask& t, float* ws) {
+    ATTNFAST_BWD_BY_DTYPE(listed_key_range, bp, t, ws)
+}
+void listed_queries_f32(const BackwardParams& bp, const BackwardTask& t, float* ws) {
+    ATTNFAST_BWD_BY_DTYPE(listed_query_rows, bp, t, ws)
+}
 #undef ATTNFAST_BWD_BY_DTYPE
 void group_f64(const BackwardParams& bp, int64_t b, int64_t g, double* ws) {
     group<double, double>(bp, b, g, ws);
@@ -510,9 +702,16 @@ void key_block_f64(const BackwardParams& bp, const BackwardTask& t, double* ws) 
 void query_block_f64(const BackwardParams& bp, const BackwardTask& t, double* ws) {
     query_block<double, double>(bp, t, ws);
 }
+void listed_keys_f64(const BackwardParams& bp, const BackwardTask& t, double* ws) {
+    listed_key_range<double, double>(bp, t, ws);
+}
+void listed_queries_f64(const BackwardParams& bp, const BackwardTask& t, double* ws) {
+    listed_query_rows<double, double>(bp, t, ws);
+}
 
 const BackwardKernels kBackward = {group_f32, group_f64, key_block_f32, key_block_f64,
-                                   query_block_f32, query_block_f64};
+                                   query_block_f32, query_block_f64, listed_keys_f32,
+                                   listed_keys_f64, listed_queries_f32, listed_queries_f64};
 
 }  // namespace bwd
 
