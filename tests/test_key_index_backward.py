@@ -176,6 +176,25 @@ def test_many_heads_long_lists_same_bits_for_any_thread_count():
         assert np.all(got[:, :, unlisted] == 0)
 
 
+@pytest.mark.parametrize("heads", [(6, 2), (20, 1)])
+def test_every_tier(tier, heads):
+    """Each kernel tier: a tile of 3 query heads (keys kept as rows, dot products) and of 20
+    (keys transposed, micro-GEMMs), padded head dims, softcap; float32 and bfloat16, two
+    threads' bits equal to one's."""
+    rng = np.random.default_rng(7)
+    (H, Hkv), Tq, Tk, D, Dv = heads, 3, 90, 20, 36
+    for dtype, tol in ((np.float32, 2e-5), (BF16, 5e-2)):
+        q, kk, v, dout = problem(rng, dtype, 1, H, Hkv, Tq, Tk, D, Dv)
+        index = random_index(rng, 1, Hkv, Tq, 70, Tk)
+        out, lse = attention(q, kk, v, key_index=index, softcap=3.0, return_lse=True)
+        one, two = (attention_backward(dout, q, kk, v, out, lse, key_index=index, softcap=3.0,
+                                       num_threads=n) for n in (1, 2))
+        want = reference_grads(q, kk, v, dout, index, softcap=3.0)
+        for a, b, ref in zip(one, two, want):
+            assert np.array_equal(a, b)
+            assert_close(a, ref, tol)
+
+
 def test_rejected_calls_name_key_index():
     rng = np.random.default_rng(5)
     q, kk, v, dout = problem(rng, np.float32, 1, 2, 1, 3, 10, 8, 8)

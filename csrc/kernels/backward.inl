@@ -133,16 +133,28 @@ inline void accumulate_product(bool b_nonfinite, const A* a, int64_t a_rs, int64
 }
 
 // Whether rows [0, n) of `dim` values, row_stride apart, hold an inf or a NaN (x - x is
-// 0 exactly for every finite x, widened exactly from any storage type).
+// 0 exactly for every finite x, widened exactly from any storage type, and NaN otherwise:
+// summed, NaN when any is). In whole vectors where it can: lane by lane, it cost the sparse
+// backward a quarter of its time.
 template <class T>
 inline bool any_nonfinite(const T* rows, int64_t row_stride, int64_t n, int64_t dim) {
-    bool bad = false;
-    for (int64_t r = 0; r < n; ++r)
-        for (int64_t e = 0; e < dim; ++e) {
-            const auto x = widen(rows[r * row_stride + e]);
-            bad |= !(x - x == 0);
+    using W = decltype(widen(rows[0]));
+    constexpr int64_t L = vec_lanes<W>();
+    Vec<W> lanes = {};
+    W tail = 0;
+    for (int64_t r = 0; r < n; ++r) {
+        const T* row = rows + r * row_stride;
+        int64_t e = 0;
+        for (; e + L <= dim; e += L) {
+            const Vec<W> x = vload(row + e);
+            lanes += x - x;
         }
-    return bad;
+        for (; e < dim; ++e) {
+            const W x = widen(row[e]);
+            tail += x - x;
+        }
+    }
+    return !(vsum(lanes) + tail == 0);
 }
 
 // Row `first` of one (batch, head) of a (B, H, T, dim) tensor with the given strides.
@@ -287,13 +299,13 @@ void load_queries(const BackwardParams& bp, int64_t b, int64_t h, int64_t i0, in
 
 // The last step of one row of a tile pair, s = its scores after the score options and l2
 // its lse, both in the softmax's units (SoftmaxBase: base 2 for float32, e for float64),
-// g = its dP, columns [lo, end) visible: s = P = base^(s - l2), g = dS = P (g - d) slope (slope: softcap's derivative, or none), other columns 0. float32
+// g = its dP, columns [lo, end) visible: s = P = base^(s - l2), g = dS = P (g - d) slope (slope: softcap's derivative, or none), other columns (up to width, a multiple of kBackwardPad) 0. float32
 // on the SIMD layer (exp2_neg, the forward's exponential; the tiles are vector-aligned),
 // float64 lane by lane.
 template <class A>
 inline void finish_row(A* __restrict s, A* __restrict g, const A* __restrict slope, A l2, A d,
-                       int64_t lo, int64_t end) {
-    for (int64_t j = 0; j < Bt; ++j) {
+                       int64_t lo, int64_t end, int64_t width = Bt) {
+    for (int64_t j = 0; j < width; ++j) {
         const bool seen = j >= lo && j < end;
         const A pj = seen ? SoftmaxBase<A>::exp(s[j] - l2) : A(0);
         g[j] = seen ? pj * (g[j] - d) * (slope ? slope[j] : A(1)) : A(0);
@@ -302,10 +314,10 @@ inline void finish_row(A* __restrict s, A* __restrict g, const A* __restrict slo
 }
 #if ATTNFAST_BWD_SIMD_LAYER
 inline void finish_row(float* __restrict s, float* __restrict g, const float* __restrict slope,
-                       float l2, float d, int64_t lo, int64_t end) {
+                       float l2, float d, int64_t lo, int64_t end, int64_t width = Bt) {
     namespace v = simd;
     const v::Vec lv = v::vset(l2), dv = v::vset(d);
-    for (int64_t j = 0; j < Bt; j += v::W) {
+    for (int64_t j = 0; j < width; j += v::W) {
         const v::Vec pj = v::exp2_neg(v::vsub(v::vload(s + j), lv));
         v::Vec gj = v::vmul(pj, v::vsub(v::vload(g + j), dv));
         if (slope) gj = v::vmul(gj, v::vload(slope + j));
@@ -313,24 +325,26 @@ inline void finish_row(float* __restrict s, float* __restrict g, const float* __
         v::vstore(g + j, gj);
     }
     for (int64_t j = 0; j < lo; ++j) s[j] = g[j] = 0;
-    for (int64_t j = end; j < Bt; ++j) s[j] = g[j] = 0;
+    for (int64_t j = end; j < width; ++j) s[j] = g[j] = 0;
 }
 #endif
 
-// Softcap on a row of scores, keeping its derivative: s = cap tanh(s / cap), slope = 1 -
-// tanh^2 (float32: the SIMD layer's tanh, as the forward's).
+// Softcap on a row of scores (its first `width` columns, a multiple of kBackwardPad), keeping
+// its derivative: s = cap tanh(s / cap), slope = 1 - tanh^2 (float32: the SIMD layer's tanh,
+// as the forward's).
 template <class A>
-inline void softcap_row(A* __restrict s, A* __restrict slope, A cap, A inv_cap) {
-    for (int64_t j = 0; j < Bt; ++j) {
+inline void softcap_row(A* __restrict s, A* __restrict slope, A cap, A inv_cap, int64_t width = Bt) {
+    for (int64_t j = 0; j < width; ++j) {
         const A th = tanh_acc(s[j] * inv_cap);
         s[j] = cap * th;
         slope[j] = 1 - th * th;
     }
 }
 #if ATTNFAST_BWD_SIMD_LAYER
-inline void softcap_row(float* __restrict s, float* __restrict slope, float cap, float inv_cap) {
+inline void softcap_row(float* __restrict s, float* __restrict slope, float cap, float inv_cap,
+                        int64_t width = Bt) {
     namespace v = simd;
-    for (int64_t j = 0; j < Bt; j += v::W) {
+    for (int64_t j = 0; j < width; j += v::W) {
         const v::Vec th = v::tanh_vec(v::vmul(v::vload(s + j), v::vset(inv_cap)));
         v::vstore(s + j, v::vmul(v::vset(cap), th));
         v::vstore(slope + j, v::vfnma(th, th, v::vset(1.0f)));
@@ -501,11 +515,15 @@ void key_pass_block(const BackwardParams& bp, const BackwardTask& task, A* ws) {
 // head at one query row i (their q rows a head stride apart, up to Bt of them); its
 // columns are up to Bt of the keys row i lists and sees (list order; -1 and keys causal or
 // window hide skipped), copied from wherever they are. Only listed K/V rows are read.
+// A tile of few rows (kDotHeads query heads per kv head or fewer) keeps its keys as rows
+// and takes S and dP as dot products (dot_rows): transposing each gathered key, as the
+// products of many rows want it, cost more than the products themselves there.
 // Two passes (backward.cpp), each task owning the rows it writes:
 //  - dk/dv (listed_key_range): keys [begin, end) of kv head g. For each row i in order,
 //    the tile's dK, dV start from the running sums of its keys' rows and are written back
-//    (a row lists a key at most once), so each dk / dv element is one chain over (query
-//    row, query head) in increasing order, whatever the ranges.
+//    (a tile of few rows adds into those rows directly: add_to_rows; a row lists a key at
+//    most once), so each dk / dv element is one chain over (query row, query head) in
+//    increasing order, whatever the ranges.
 //  - dq (listed_query_rows): rows [begin, end) of a block of query heads, each dq element
 //    one chain over its row's listed keys in list order.
 
@@ -524,17 +542,97 @@ inline int64_t gather_listed(const AttentionParams& a, int64_t b, int64_t g, int
     return n;
 }
 
-// Keys pos[0, n) of kv head g into kb's kt, vt (and kr with with_kr), as load_keys does
-// for a contiguous block.
+// Query heads per kv head up to which a tile keeps its keys as rows (dot_rows); a fixed
+// number, so the layout follows the shape alone.
+constexpr int64_t kDotHeads = 16;
+
+// c[m * Bt + r] = mul * (a row m . b row r) for m < rows, r < n (rows of `dim` values, a
+// multiple of the vector lanes, zero-padded), c[m * Bt + r] = 0 for r in [n, width): each
+// dot product one fixed chain of vector fused multiply-adds, then vsum.
+template <class A>
+void dot_rows(const A* __restrict a, int64_t a_ld, int64_t rows, const A* __restrict b, int64_t b_ld,
+              int64_t n, int64_t width, int64_t dim, A mul, A* __restrict c) {
+    constexpr int64_t L = vec_lanes<A>();
+    constexpr int kRows = 4;  // rows per sweep of b: each b vector loaded once for them
+    for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
+        const int mr = rows - m0 < kRows ? static_cast<int>(rows - m0) : kRows;
+        for (int64_t r = 0; r < n; ++r) {
+            Vec<A> acc[kRows] = {};
+            const A* br = b + r * b_ld;
+            for (int64_t e = 0; e < dim; e += L) {
+                const Vec<A> bv = loadu(br + e);
+                for (int m = 0; m < kRows; ++m)
+                    if (m < mr) acc[m] = fmadd(loadu(a + (m0 + m) * a_ld + e), bv, acc[m]);
+            }
+            for (int m = 0; m < mr; ++m) c[(m0 + m) * Bt + r] = vsum(acc[m]) * mul;
+        }
+        for (int m = 0; m < mr; ++m)
+            for (int64_t r = n; r < width; ++r) c[(m0 + m) * Bt + r] = 0;
+    }
+}
+
+// For r < n: row pos[r] of `base` (rows row_len apart) += sum_{m < K} coef[m * Bt + r] *
+// b[m * ldb + (0, dim)]: dK += dS^T q and dV += P^T dO of a tile of few rows, straight into
+// the gradient rows (no copy in and out). Each element one chain of fused multiply-adds over
+// m in increasing order, from the row's running value, as gemm's; zero coefficients
+// skipped when b holds an inf or a NaN (gemm_skipping_zeros' rule).
+template <class A>
+void add_to_rows(A* base, int64_t row_len, const int64_t* pos, int64_t n, const A* coef, const A* b,
+                 int64_t ldb, int64_t K, int64_t dim, bool b_nonfinite) {
+    constexpr int64_t L = vec_lanes<A>();
+    for (int64_t r = 0; r < n; ++r) {
+        A* __restrict row = base + pos[r] * row_len;
+        if (b_nonfinite) {
+            for (int64_t m = 0; m < K; ++m) {
+                const A x = coef[m * Bt + r];
+                if (x == A(0)) continue;
+                for (int64_t e = 0; e < dim; ++e) row[e] = madd(x, b[m * ldb + e], row[e]);
+            }
+            continue;
+        }
+        int64_t e = 0;
+        for (; e + L <= dim; e += L) {
+            Vec<A> acc = loadu(row + e);
+            for (int64_t m = 0; m < K; ++m) acc = fmadd(splat(coef[m * Bt + r]), loadu(b + m * ldb + e), acc);
+            storeu(row + e, acc);
+        }
+        for (; e < dim; ++e) {
+            A acc = row[e];
+            for (int64_t m = 0; m < K; ++m) acc = madd(coef[m * Bt + r], b[m * ldb + e], acc);
+            row[e] = acc;
+        }
+    }
+}
+
+// Keys pos[0, n) of kv head g into kb, as load_keys does for a contiguous block: kt, vt
+// (and kr with with_kr); or, as_rows (dot_rows' layout), K rows in kr and V rows in vt's
+// memory (Bt x dvp), both zero-padded.
 template <class T, class A>
 void load_listed_keys(const BackwardParams& bp, int64_t b, int64_t g, const int64_t* pos, int64_t n,
-                      bool with_kr, int64_t dp, KeyTiles<A>& kb) {
+                      bool with_kr, bool as_rows, int64_t dp, int64_t dvp, KeyTiles<A>& kb) {
     const AttentionParams& a = bp.attn;
     const int64_t D = a.head_dim, Dv = a.head_dim_v;
-    const A k_mul = static_cast<A>(a.scale * SoftmaxBase<A>::kUnit);
-    for (int64_t e = 0; e < D * Bt; ++e) kb.kt[e] = 0;
-    for (int64_t e = 0; e < Dv * Bt; ++e) kb.vt[e] = 0;
     bool k_nonfinite = false;
+    if (as_rows) {
+        for (int64_t r = 0; r < n; ++r) {
+            const T* k = rows_at<T>(a.k, a.k_batch_stride, a.k_head_stride, a.k_row_stride, b, g, pos[r]);
+            const T* v = rows_at<T>(a.v, a.v_batch_stride, a.v_head_stride, a.v_row_stride, b, g, pos[r]);
+            for (int64_t e = 0; e < D; ++e) kb.kr[r * dp + e] = load_acc<A>(k[e]);
+            for (int64_t e = D; e < dp; ++e) kb.kr[r * dp + e] = 0;
+            for (int64_t e = 0; e < Dv; ++e) kb.vt[r * dvp + e] = load_acc<A>(v[e]);
+            for (int64_t e = Dv; e < dvp; ++e) kb.vt[r * dvp + e] = 0;
+            k_nonfinite |= any_nonfinite(k, 0, 1, D);
+        }
+        kb.j0 = 0, kb.j_end = kb.nc = n;
+        kb.k_nonfinite = k_nonfinite;
+        return;
+    }
+    const A k_mul = static_cast<A>(a.scale * SoftmaxBase<A>::kUnit);
+    const int64_t width = backward_padded(n);  // the columns the products read
+    for (int64_t e = 0; e < D; ++e)
+        for (int64_t r = n; r < width; ++r) kb.kt[e * Bt + r] = 0;
+    for (int64_t e = 0; e < Dv; ++e)
+        for (int64_t r = n; r < width; ++r) kb.vt[e * Bt + r] = 0;
     for (int64_t r = 0; r < n; ++r) {
         const T* k = rows_at<T>(a.k, a.k_batch_stride, a.k_head_stride, a.k_row_stride, b, g, pos[r]);
         const T* v = rows_at<T>(a.v, a.v_batch_stride, a.v_head_stride, a.v_row_stride, b, g, pos[r]);
@@ -559,15 +657,22 @@ void load_head_rows(const BackwardParams& bp, int64_t b, int64_t h0, int64_t i, 
     load_query_rows<T, A>(bp, q, a.q_head_stride, d, bp.dout_head_stride, nr, t);
 }
 
-// probs_and_dscores for a tile of gathered keys (every one seen by every row): t.p = P,
-// t.ds = dS for query heads [h0, h0 + nr) at row i; rows whose lse is -inf get 0.
+// probs_and_dscores for a tile of gathered keys (every one seen by every row; as_rows: in
+// dot_rows' layout): t.p = P, t.ds = dS for query heads [h0, h0 + nr) at row i; rows whose
+// lse is -inf get 0.
 template <class A>
 void listed_probs_and_dscores(const BackwardParams& bp, int64_t b, int64_t h0, int64_t i, int64_t nr,
-                              const KeyTiles<A>& kb, Tiles<A>& t) {
+                              const KeyTiles<A>& kb, bool as_rows, Tiles<A>& t) {
     const AttentionParams& a = bp.attn;
-    const int64_t nc = kb.nc;
-    gemm<A, false>(t.q_rows, t.q_ld, 1, kb.kt, Bt, t.p, Bt, nr, Bt, a.head_dim);              // S
-    gemm<A, false>(t.dout_rows, t.dout_ld, 1, kb.vt, Bt, t.ds, Bt, nr, Bt, a.head_dim_v);   // dP
+    const int64_t nc = kb.nc, width = backward_padded(nc);  // columns [nc, width) are 0
+    if (as_rows) {
+        dot_rows<A>(t.q_rows, t.q_ld, nr, kb.kr, t.dp, nc, width, t.dp,                             // S
+                    static_cast<A>(a.scale * SoftmaxBase<A>::kUnit), t.p);
+        dot_rows<A>(t.dout_rows, t.dout_ld, nr, kb.vt, t.dvp, nc, width, t.dvp, A(1), t.ds);    // dP
+    } else {
+        gemm<A, false>(t.q_rows, t.q_ld, 1, kb.kt, Bt, t.p, Bt, nr, width, a.head_dim);              // S
+        gemm<A, false>(t.dout_rows, t.dout_ld, 1, kb.vt, Bt, t.ds, Bt, nr, width, a.head_dim_v);   // dP
+    }
     // softcap in the softmax's units, as RowOptions converts it
     const A cap = a.softcap > 0 ? static_cast<A>(a.softcap * SoftmaxBase<A>::kUnit) : A(0);
     const A inv_cap = a.softcap > 0 ? static_cast<A>(1.0 / (a.softcap * SoftmaxBase<A>::kUnit)) : A(0);
@@ -580,13 +685,13 @@ void listed_probs_and_dscores(const BackwardParams& bp, int64_t b, int64_t h0, i
         const int64_t h = h0 + r;
         const A l = lse[h * a.lse_head_stride];
         if (l == neg_inf<A>()) {
-            for (int64_t j = 0; j < Bt; ++j) s[j] = g[j] = 0;
+            for (int64_t j = 0; j < width; ++j) s[j] = g[j] = 0;
             continue;
         }
         nonfinite_to_nan(s, nc);
-        if (cap != A(0)) softcap_row(s, slope, cap, inv_cap);
+        if (cap != A(0)) softcap_row(s, slope, cap, inv_cap, width);
         finish_row(s, g, cap != A(0) ? slope : nullptr, l * static_cast<A>(SoftmaxBase<A>::kUnit),
-                   delta[h * a.seqlen_q], 0, nc);
+                   delta[h * a.seqlen_q], 0, nc, width);
     }
 }
 
@@ -599,6 +704,7 @@ void listed_key_range(const BackwardParams& bp, const BackwardTask& task, A* ws)
     const int64_t b = task.batch, g = task.head, D = a.head_dim, Dv = a.head_dim_v;
     const int64_t seqlen_k = batch_seqlen_k(a, b);
     const int64_t group = a.heads / a.kv_heads;
+    const bool as_rows = group <= kDotHeads;
     A* dk = static_cast<A*>(bp.dk) + (b * a.kv_heads + g) * a.seqlen_k * D;
     A* dv = static_cast<A*>(bp.dv) + (b * a.kv_heads + g) * a.seqlen_k * Dv;
     for (int64_t e = task.begin * D; e < task.end * D; ++e) dk[e] = 0;
@@ -613,7 +719,15 @@ void listed_key_range(const BackwardParams& bp, const BackwardTask& task, A* ws)
         for (int64_t from = 0;;) {
             const int64_t n = gather_listed(a, b, g, i, range, from, pos);
             if (n == 0) break;
-            load_listed_keys<T, A>(bp, b, g, pos, n, false, t.dp, kb);
+            load_listed_keys<T, A>(bp, b, g, pos, n, false, as_rows, t.dp, t.dvp, kb);
+            if (as_rows) {  // one head block: the products go straight into the rows
+                if (!loaded) load_head_rows<T, A>(bp, b, g * group, i, group, t);
+                loaded = true;
+                listed_probs_and_dscores<A>(bp, b, g * group, i, group, kb, true, t);
+                add_to_rows<A>(dv, Dv, pos, n, t.p, t.dout_rows, t.dout_ld, group, Dv, t.dout_nonfinite);
+                add_to_rows<A>(dk, D, pos, n, t.ds, t.q_rows, t.q_ld, group, D, t.q_nonfinite);
+                continue;
+            }
             for (int64_t r = 0; r < n; ++r) {  // the keys' running sums
                 for (int64_t e = 0; e < D; ++e) kb.dk[r * t.dp + e] = dk[pos[r] * D + e];
                 for (int64_t e = D; e < t.dp; ++e) kb.dk[r * t.dp + e] = 0;
@@ -624,7 +738,7 @@ void listed_key_range(const BackwardParams& bp, const BackwardTask& task, A* ws)
                 const int64_t nr = (g + 1) * group - h0 < Bt ? (g + 1) * group - h0 : Bt;
                 if (!loaded) load_head_rows<T, A>(bp, b, h0, i, nr, t);
                 loaded = group <= Bt;
-                listed_probs_and_dscores<A>(bp, b, h0, i, nr, kb, t);
+                listed_probs_and_dscores<A>(bp, b, h0, i, nr, kb, as_rows, t);
                 accumulate_product<A>(t.dout_nonfinite, t.p, 1, Bt, t.dout_rows, t.dout_ld, kb.dv,  // dV += P^T dO
                                       t.dvp, n, t.dvp, nr);
                 accumulate_product<A>(t.q_nonfinite, t.ds, 1, Bt, t.q_rows, t.q_ld, kb.dk, t.dp,  // dK += dS^T q
@@ -649,6 +763,7 @@ void listed_query_rows(const BackwardParams& bp, const BackwardTask& task, A* ws
     KeyTiles<A>& kb = t.keys[0];
     const int64_t b = task.batch, h0 = task.head, group = a.heads / a.kv_heads, g = h0 / group;
     const int64_t nr = (g + 1) * group - h0 < Bt ? (g + 1) * group - h0 : Bt;
+    const bool as_rows = group <= kDotHeads;
     const int64_t seqlen_k = batch_seqlen_k(a, b);
     const int64_t head_ld = a.seqlen_q * bp.dq_row_stride;  // between the heads' dq rows
     const A scale = static_cast<A>(a.scale);
@@ -664,8 +779,8 @@ void listed_query_rows(const BackwardParams& bp, const BackwardTask& task, A* ws
             if (n == 0) break;
             if (!loaded) load_head_rows<T, A>(bp, b, h0, i, nr, t);
             loaded = true;
-            load_listed_keys<T, A>(bp, b, g, pos, n, true, t.dp, kb);
-            listed_probs_and_dscores<A>(bp, b, h0, i, nr, kb, t);
+            load_listed_keys<T, A>(bp, b, g, pos, n, true, as_rows, t.dp, t.dvp, kb);
+            listed_probs_and_dscores<A>(bp, b, h0, i, nr, kb, as_rows, t);
             accumulate_product<A>(kb.k_nonfinite, t.ds, Bt, 1, kb.kr, t.dp, dq, head_ld, nr, t.dp, n);  // dQ += dS K
         }
         for (int64_t r = 0; r < nr; ++r)
