@@ -11,7 +11,8 @@ namespace attnfast {
 // The forward problem (q, k, v, lse and every score option in `attn`; attn.out is unused)
 // plus the incoming gradient and the gradient buffers. kv_dtype must equal dtype (no int8,
 // no paged cache). With attn.key_index (no ALiBi, no mask), the gradients of attention over
-// the listed keys (sparse_key_range), only those K/V rows read. Accumulator type A: double for kF64, else float.
+// the listed keys (sparse_key_range), only those K/V rows read. Accumulator type A: double
+// for kF64, else float.
 struct BackwardParams {
     AttentionParams attn;  // attn.lse is required: the forward's lse (of type A)
     const void* dout;      // (batch, heads, seqlen_q, head_dim_v), of attn.dtype

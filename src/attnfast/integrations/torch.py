@@ -14,9 +14,10 @@ nothing written on error). The plain functions :func:`attnfast.attention` etc. a
 tensors and cost less per call (no dispatcher); use these ops where a graph is traced.
 
 :func:`attention` is differentiable (q, k, v and sinks; masks, ALiBi slopes and key_index
-get no gradient; with key_index the backward reads only the listed keys): when gradients are being recorded it runs the op ``attnfast::attention_lse``,
-whose forward also returns the lse and whose backward (``torch.library.register_autograd``)
-is :func:`attnfast.attention_backward` as the op ``attnfast::attention_backward``; so it
+get no gradient; with key_index the backward reads only the listed keys): when gradients
+are being recorded it runs the op ``attnfast::attention_lse``, whose forward also returns
+the lse and whose backward (``torch.library.register_autograd``) is
+:func:`attnfast.attention_backward` as the op ``attnfast::attention_backward``; so it
 works under ``torch.autograd``, ``torch.autograd.gradcheck`` (float64) and ``torch.compile``.
 Otherwise it runs the forward-only op ``attnfast::attention``.
 :func:`attention_with_kvcache` is forward only (an inference step): gradients through it
