@@ -8,6 +8,12 @@ may see; attnfast.attention(..., key_index=) reads only those rows, the dense ca
 key under a bool mask of the same selection (built here: Tq x L bytes). One run of each, in
 turns, `--repeats` times; medians, and the largest difference of the two outputs.
 
+    python bench/bench_sparse.py --backward --heads 8x2 --prompt 0 --new 4096 --topk 256
+
+times attention_backward over the same selection instead: key_index= against the dense
+masked backward (the forward's out and lse computed once, untimed); medians, and the largest
+difference of the gradients.
+
     python bench/bench_sparse.py --indexer --index-heads 64 --keys 131072 --topk 2048
 
 times attnfast.index_topk for one decode query (64 indexer heads x 128, float8 e4m3 keys
@@ -75,6 +81,7 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--indexer", action="store_true", help="time index_topk instead")
+    ap.add_argument("--backward", action="store_true", help="time attention_backward instead")
     ap.add_argument("--index-heads", type=int, default=64)
     ap.add_argument("--index-dim", type=int, default=128)
     ap.add_argument("--keys", type=int, default=131072)
@@ -103,6 +110,13 @@ def main():
                                                  num_threads=args.threads),
             "dense masked": lambda: attnfast.attention(q, k, v, causal=True, mask=mask,
                                                        num_threads=args.threads)}
+    if args.backward:
+        out, lse = attnfast.attention(q, k, v, causal=True, key_index=index, return_lse=True)
+        dout = rng.standard_normal(out.shape, dtype=np.float32)
+        ways = {"sparse": lambda: attnfast.attention_backward(
+                    dout, q, k, v, out, lse, causal=True, key_index=index, num_threads=args.threads),
+                "dense masked": lambda: attnfast.attention_backward(
+                    dout, q, k, v, out, lse, causal=True, mask=mask, num_threads=args.threads)}
     times = {name: [] for name in ways}
     outs = {}
     for _ in range(args.repeats):
@@ -111,14 +125,19 @@ def main():
             outs[name] = fn()
             times[name].append(time.perf_counter() - t0)
     s, d = (statistics.median(times[n]) for n in ways)
+    pairs = (zip(outs["sparse"], outs["dense masked"]) if args.backward  # (dq, dk, dv) each
+             else [(outs["sparse"], outs["dense masked"])])
+    diff = max(float(np.abs(a - b).max()) for a, b in pairs)
     print(f"{cpu_name()}, tier {attnfast._ext.runtime_info()['isa']}; "
+          f"{'backward, ' if args.backward else ''}"
           f"H={H}/{Hkv} D={D}, {T} new tokens after {P}, top-{topk}, {args.threads} thread(s): "
           f"sparse {s:.2f} s, dense masked {d:.2f} s -> {d / s:.1f}x; max |diff| "
-          f"{np.abs(outs['sparse'] - outs['dense masked']).max():.1e}")
+          f"{diff:.1e}")
     if args.json:
         from attnfast.bench.sparse_results import store_part
-        store_part(args.json, "prefill", [dict(threads=args.threads, heads=f"{H}/{Hkv}", D=D, new=T,
-                                               prompt=P, topk=topk, sparse_s=s, dense_s=d)])
+        store_part(args.json, "backward" if args.backward else "prefill",
+                   [dict(threads=args.threads, heads=f"{H}/{Hkv}", D=D, new=T, prompt=P, topk=topk,
+                         sparse_s=s, dense_s=d)])
 
 
 if __name__ == "__main__":

@@ -3,11 +3,13 @@
 // per (batch, kv head), or two passes, dk/dv per (batch, kv head, key block), then dq per
 // (batch, head, query block). Each task owns the gradient rows it writes, so there are no
 // atomics, and both schedules reduce every element in the same order: the bits never
-// depend on the thread count.
+// depend on the thread count. With key_index (sparse attention) two passes over the listed
+// keys only (run_listed).
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "backward.hpp"
 #include "kernels/kernel_table.hpp"
@@ -92,6 +94,37 @@ void run_schedule(const BackwardParams& bp,
     }
 }
 
+// With key_index: the dk/dv pass over (batch, kv head, key range), then the dq pass over
+// (batch, block of query heads, block of query rows).
+template <class A>
+void run_listed(const BackwardParams& bp, void (*keys)(const BackwardParams&, const BackwardTask&, A*),
+                void (*queries)(const BackwardParams&, const BackwardTask&, A*)) {
+    const AttentionParams& p = bp.attn;
+    const int64_t group = p.heads / p.kv_heads;
+    std::vector<BackwardTask> key_tasks, query_tasks;
+    const int64_t range = sparse_key_range(p.seqlen_k);
+    for (int64_t b = 0; b < p.batch; ++b)
+        for (int64_t g = 0; g < p.kv_heads; ++g) {
+            for (int64_t j0 = 0; j0 < p.seqlen_k; j0 += range)
+                key_tasks.push_back({b, g, j0, j0 + range < p.seqlen_k ? j0 + range : p.seqlen_k});
+            for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += kBackwardTile)
+                for (int64_t i0 = 0; i0 < p.seqlen_q; i0 += kSparseQueryRows)
+                    query_tasks.push_back({b, h0, i0, i0 + kSparseQueryRows < p.seqlen_q ? i0 + kSparseQueryRows
+                                                                                       : p.seqlen_q});
+        }
+    for (const auto* pass : {&key_tasks, &query_tasks}) {
+        const std::vector<BackwardTask>& tasks = *pass;
+        const int64_t count = static_cast<int64_t>(tasks.size());
+        if (count == 0) continue;
+        const int threads = p.num_threads < count ? p.num_threads : static_cast<int>(count);
+        const Workspaces<A> workspaces(p, threads);
+        auto kernel = pass == &key_tasks ? keys : queries;
+        parallel::for_each_dynamic(count, threads, false, [&](int64_t index, int thread_id) {
+            kernel(bp, tasks[static_cast<size_t>(index)], workspaces.of(thread_id));
+        });
+    }
+}
+
 }  // namespace
 
 int64_t backward_key_blocks(const AttentionParams& p) {
@@ -122,7 +155,24 @@ void attention_backward(const BackwardParams& bp) {
         for (int64_t b = 0; b < p.batch; ++b)
             require(p.seqlens_k[b] >= 0 && p.seqlens_k[b] <= p.seqlen_k,
                     "seqlens_k[b] must be in [0, seqlen_k]");
+    if (p.key_index) {
+        require(p.key_index_count >= 0, "key_index_count must be >= 0");
+        require(!p.alibi_slopes && !p.mask, "key_index does not combine with ALiBi or a mask");
+        for (int64_t b = 0; b < p.batch; ++b)  // every listed position a key of its entry
+            for (int64_t g = 0; g < (p.key_index_head_stride ? p.kv_heads : 1); ++g)
+                for (int64_t i = 0; i < p.seqlen_q; ++i) {
+                    const int32_t* row = p.key_index + b * p.key_index_batch_stride +
+                                         g * p.key_index_head_stride + i * p.key_index_row_stride;
+                    for (int64_t x = 0; x < p.key_index_count; ++x)
+                        require(row[x] >= -1 && row[x] < batch_seqlen_k(p, b), "key_index: position out of range");
+                }
+    }
     const BackwardKernels& kernels = active_backward_kernels();
+    if (p.key_index) {
+        if (p.dtype == DType::kF64) run_listed<double>(bp, kernels.listed_keys_f64, kernels.listed_queries_f64);
+        else run_listed<float>(bp, kernels.listed_keys_f32, kernels.listed_queries_f32);
+        return;
+    }
     if (p.dtype == DType::kF64)
         run_schedule<double>(bp, kernels.group_f64, kernels.key_block_f64, kernels.query_block_f64);
     else

@@ -10,7 +10,9 @@ namespace attnfast {
 
 // The forward problem (q, k, v, lse and every score option in `attn`; attn.out is unused)
 // plus the incoming gradient and the gradient buffers. kv_dtype must equal dtype (no int8,
-// no paged cache). Accumulator type A: double for kF64, else float.
+// no paged cache). With attn.key_index (no ALiBi, no mask), the gradients of attention over
+// the listed keys (sparse_key_range), only those K/V rows read. Accumulator type A: double
+// for kF64, else float.
 struct BackwardParams {
     AttentionParams attn;  // attn.lse is required: the forward's lse (of type A)
     const void* dout;      // (batch, heads, seqlen_q, head_dim_v), of attn.dtype
@@ -53,6 +55,18 @@ static inline bool backward_fused(int64_t groups, int64_t threads) {
     return 5 * rounds * threads <= 7 * groups;
 }
 
+// With key_index (sparse attention) the backward reads only the listed keys, in two passes:
+// dk/dv tasks of sparse_key_range(seqlen_k) keys per (batch, kv head), each scanning every
+// query row's list for its keys (so at most 64 ranges: the scans stay a small share), and dq
+// tasks of kSparseQueryRows query rows per (batch, block of query heads). Both sizes follow
+// from the shape alone, and each task owns the rows it writes: the bits do not depend on
+// the thread count.
+static inline int64_t sparse_key_range(int64_t seqlen_k) {
+    const int64_t per_range = (seqlen_k + 63) / 64;
+    return per_range < 256 ? 256 : per_range;
+}
+constexpr int64_t kSparseQueryRows = 16;
+
 // One unit of backward work: for the dk/dv pass, keys [begin, end) of kv head `head`;
 // for the dq pass, query rows [begin, end) of query head `head`.
 struct BackwardTask {
@@ -89,6 +103,13 @@ struct BackwardKernels {
     // dq rows of one query block of one query head.
     void (*query_block_f32)(const BackwardParams&, const BackwardTask&, float* workspace);
     void (*query_block_f64)(const BackwardParams&, const BackwardTask&, double* workspace);
+    // With key_index: dk/dv rows [begin, end) of kv head `head` (every query row's listed
+    // keys in that range), and dq rows [begin, end) of the query heads `head` .. (up to
+    // kBackwardTile of them, within one kv head's group).
+    void (*listed_keys_f32)(const BackwardParams&, const BackwardTask&, float* workspace);
+    void (*listed_keys_f64)(const BackwardParams&, const BackwardTask&, double* workspace);
+    void (*listed_queries_f32)(const BackwardParams&, const BackwardTask&, float* workspace);
+    void (*listed_queries_f64)(const BackwardParams&, const BackwardTask&, double* workspace);
 };
 
 

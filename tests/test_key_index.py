@@ -232,13 +232,6 @@ def test_kvcache_formats(fmt, tol):
     assert np.array_equal(cache.attend(q, key_index=index[:, 0]), sparse)
 
 
-def test_backward_and_paged_cache_say_not_implemented():
-    q = np.zeros((1, 2, 3, 8), np.float32)
-    with pytest.raises(NotImplementedError, match="key_index"):
-        attnfast.attention_backward(q, q, q, q, q, np.zeros((1, 2, 3), np.float32),
-                                    key_index=np.zeros((1, 3, 1), np.int32))
-
-
 def test_paged_cache_class_step_and_attend():
     """PagedKVCache.step / attend with key_index: the bits of KVCache holding the same tokens
     (one bare id as well: its 3-D q takes a (Tq, k) list)."""

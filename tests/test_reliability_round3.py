@@ -491,8 +491,8 @@ class _Module:
 
 def test_backend_runs_sparse_indices_and_refuses_them_where_it_cannot():
     """indices= (DeepSeek-V3.2 / GLM-5's top-k keys per query) runs eagerly: attention over
-    the listed keys the mask leaves visible, as sdpa over the dense mask of the top-k; with
-    gradients it is refused by name, never dropped."""
+    the listed keys the mask leaves visible, as sdpa over the dense mask of the top-k, and
+    with gradients, sdpa's gradients; block_indices= is refused by name, never dropped."""
     torch, aft = _backend()
     q, k, v = _qkv(torch)
     g = torch.Generator().manual_seed(3)
@@ -504,9 +504,15 @@ def test_backend_runs_sparse_indices_and_refuses_them_where_it_cannot():
                                                             attn_mask=keep, scale=0.25)
     got, _ = aft.attention_forward(_Module(), q, k, v, mask, scaling=0.25, indices=indices)
     torch.testing.assert_close(got.transpose(1, 2).double(), want, rtol=2e-5, atol=2e-5)
-    with pytest.raises(NotImplementedError, match="indices="):
-        aft.attention_forward(_Module(), q.requires_grad_(), k, v, mask, scaling=0.25,
-                              indices=indices)
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    got, _ = aft.attention_forward(_Module(), *leaves, mask, scaling=0.25, indices=indices)
+    got.transpose(1, 2).sum().backward()
+    ref = [x.double().requires_grad_() for x in (q, k, v)]
+    torch.nn.functional.scaled_dot_product_attention(
+        ref[0], ref[1].repeat_interleave(2, 1), ref[2].repeat_interleave(2, 1), attn_mask=keep,
+        scale=0.25).sum().backward()
+    for a, b in zip(leaves, ref):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-10)
     with pytest.raises(NotImplementedError, match="block_indices="):
         aft.attention_forward(_Module(), q.detach(), k, v, mask, block_indices=indices)
 

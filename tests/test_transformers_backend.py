@@ -444,3 +444,24 @@ def test_sparse_attention_models_match_sdpa(kind):
         model.set_attn_implementation("sdpa")
         g_sdpa = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False)
     assert torch.equal(g_fast, g_sdpa)
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_attention_models_train_as_sdpa(kind):
+    """With gradients recorded, indices= runs through attnfast's sparse backward (it used to
+    be refused): the loss and every parameter's gradient as sdpa's over its dense mask."""
+    pytest.importorskip(f"transformers.models.{kind}")
+    ids = _ids(2, 14, 12)
+    grads = {}
+    for attn in ("sdpa", "attnfast"):
+        model = _dsa_model(kind, index_topk=6)
+        model.set_attn_implementation(attn)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        grads[attn] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()
+                                       if p.grad is not None})
+    (loss_s, g_s), (loss_f, g_f) = grads["sdpa"], grads["attnfast"]
+    torch.testing.assert_close(loss_f, loss_s, rtol=1e-5, atol=1e-5)
+    assert g_s.keys() == g_f.keys() and any("q_" in n or "kv_" in n for n in g_s)
+    for name in g_s:
+        torch.testing.assert_close(g_f[name], g_s[name], rtol=1e-3, atol=1e-4, msg=name)

@@ -133,16 +133,28 @@ inline void accumulate_product(bool b_nonfinite, const A* a, int64_t a_rs, int64
 }
 
 // Whether rows [0, n) of `dim` values, row_stride apart, hold an inf or a NaN (x - x is
-// 0 exactly for every finite x, widened exactly from any storage type).
+// 0 exactly for every finite x, widened exactly from any storage type, and NaN otherwise:
+// summed, NaN when any is). In whole vectors where it can: lane by lane, it cost the sparse
+// backward a quarter of its time.
 template <class T>
 inline bool any_nonfinite(const T* rows, int64_t row_stride, int64_t n, int64_t dim) {
-    bool bad = false;
-    for (int64_t r = 0; r < n; ++r)
-        for (int64_t e = 0; e < dim; ++e) {
-            const auto x = widen(rows[r * row_stride + e]);
-            bad |= !(x - x == 0);
+    using W = decltype(widen(rows[0]));
+    constexpr int64_t L = vec_lanes<W>();
+    Vec<W> lanes = {};
+    W tail = 0;
+    for (int64_t r = 0; r < n; ++r) {
+        const T* row = rows + r * row_stride;
+        int64_t e = 0;
+        for (; e + L <= dim; e += L) {
+            const Vec<W> x = vload(row + e);
+            lanes += x - x;
         }
-    return bad;
+        for (; e < dim; ++e) {
+            const W x = widen(row[e]);
+            tail += x - x;
+        }
+    }
+    return !(vsum(lanes) + tail == 0);
 }
 
 // Row `first` of one (batch, head) of a (B, H, T, dim) tensor with the given strides.
@@ -246,46 +258,54 @@ void load_keys(const BackwardParams& bp, int64_t b, int64_t g, bool with_kr, int
     kb.k_nonfinite = any_nonfinite(k, a.k_row_stride, kb.nc, a.head_dim);
 }
 
-// Query rows [i0, i0 + nr) of head h: q and dout as the products read them. Rows of the
-// accumulator type whose width is already whole vectors are read in place (no copy per tile
-// pair); others are converted into the tiles qs and dout, padded with zeros.
+// nr rows of q and of dout (q_stride, d_stride elements apart) as the products read them.
+// Rows of the accumulator type whose width is already whole vectors are read in place (no
+// copy per tile pair); others are converted into the tiles qs and dout, padded with zeros.
+template <class T, class A>
+void load_query_rows(const BackwardParams& bp, const T* q, int64_t q_stride, const T* d, int64_t d_stride,
+                     int64_t nr, Tiles<A>& t) {
+    const AttentionParams& a = bp.attn;
+    if constexpr (sizeof(T) == sizeof(A)) {  // T is A
+        if (a.head_dim == t.dp) {
+            t.q_rows = reinterpret_cast<const A*>(q), t.q_ld = q_stride;
+        } else {
+            load_tile<T, A>(q, q_stride, nr, a.head_dim, t.dp, A(1), t.qs);
+            t.q_rows = t.qs, t.q_ld = t.dp;
+        }
+        if (a.head_dim_v == t.dvp) {
+            t.dout_rows = reinterpret_cast<const A*>(d), t.dout_ld = d_stride;
+        } else {
+            load_tile<T, A>(d, d_stride, nr, a.head_dim_v, t.dvp, A(1), t.dout);
+            t.dout_rows = t.dout, t.dout_ld = t.dvp;
+        }
+    } else {
+        load_tile<T, A>(q, q_stride, nr, a.head_dim, t.dp, A(1), t.qs);
+        load_tile<T, A>(d, d_stride, nr, a.head_dim_v, t.dvp, A(1), t.dout);
+        t.q_rows = t.qs, t.q_ld = t.dp, t.dout_rows = t.dout, t.dout_ld = t.dvp;
+    }
+    t.q_nonfinite = any_nonfinite(q, q_stride, nr, a.head_dim);
+    t.dout_nonfinite = any_nonfinite(d, d_stride, nr, a.head_dim_v);
+}
+
+// Query rows [i0, i0 + nr) of head h (load_query_rows).
 template <class T, class A>
 void load_queries(const BackwardParams& bp, int64_t b, int64_t h, int64_t i0, int64_t nr, Tiles<A>& t) {
     const AttentionParams& a = bp.attn;
     const T* q = rows_at<T>(a.q, a.q_batch_stride, a.q_head_stride, a.q_row_stride, b, h, i0);
     const T* d = rows_at<T>(bp.dout, bp.dout_batch_stride, bp.dout_head_stride,
                             bp.dout_row_stride, b, h, i0);
-    if constexpr (sizeof(T) == sizeof(A)) {  // T is A
-        if (a.head_dim == t.dp) {
-            t.q_rows = reinterpret_cast<const A*>(q), t.q_ld = a.q_row_stride;
-        } else {
-            load_tile<T, A>(q, a.q_row_stride, nr, a.head_dim, t.dp, A(1), t.qs);
-            t.q_rows = t.qs, t.q_ld = t.dp;
-        }
-        if (a.head_dim_v == t.dvp) {
-            t.dout_rows = reinterpret_cast<const A*>(d), t.dout_ld = bp.dout_row_stride;
-        } else {
-            load_tile<T, A>(d, bp.dout_row_stride, nr, a.head_dim_v, t.dvp, A(1), t.dout);
-            t.dout_rows = t.dout, t.dout_ld = t.dvp;
-        }
-    } else {
-        load_tile<T, A>(q, a.q_row_stride, nr, a.head_dim, t.dp, A(1), t.qs);
-        load_tile<T, A>(d, bp.dout_row_stride, nr, a.head_dim_v, t.dvp, A(1), t.dout);
-        t.q_rows = t.qs, t.q_ld = t.dp, t.dout_rows = t.dout, t.dout_ld = t.dvp;
-    }
-    t.q_nonfinite = any_nonfinite(q, a.q_row_stride, nr, a.head_dim);
-    t.dout_nonfinite = any_nonfinite(d, bp.dout_row_stride, nr, a.head_dim_v);
+    load_query_rows<T, A>(bp, q, a.q_row_stride, d, bp.dout_row_stride, nr, t);
 }
 
 // The last step of one row of a tile pair, s = its scores after the score options and l2
 // its lse, both in the softmax's units (SoftmaxBase: base 2 for float32, e for float64),
-// g = its dP, columns [lo, end) visible: s = P = base^(s - l2), g = dS = P (g - d) slope (slope: softcap's derivative, or none), other columns 0. float32
+// g = its dP, columns [lo, end) visible: s = P = base^(s - l2), g = dS = P (g - d) slope (slope: softcap's derivative, or none), other columns (up to width, a multiple of kBackwardPad) 0. float32
 // on the SIMD layer (exp2_neg, the forward's exponential; the tiles are vector-aligned),
 // float64 lane by lane.
 template <class A>
 inline void finish_row(A* __restrict s, A* __restrict g, const A* __restrict slope, A l2, A d,
-                       int64_t lo, int64_t end) {
-    for (int64_t j = 0; j < Bt; ++j) {
+                       int64_t lo, int64_t end, int64_t width = Bt) {
+    for (int64_t j = 0; j < width; ++j) {
         const bool seen = j >= lo && j < end;
         const A pj = seen ? SoftmaxBase<A>::exp(s[j] - l2) : A(0);
         g[j] = seen ? pj * (g[j] - d) * (slope ? slope[j] : A(1)) : A(0);
@@ -294,10 +314,10 @@ inline void finish_row(A* __restrict s, A* __restrict g, const A* __restrict slo
 }
 #if ATTNFAST_BWD_SIMD_LAYER
 inline void finish_row(float* __restrict s, float* __restrict g, const float* __restrict slope,
-                       float l2, float d, int64_t lo, int64_t end) {
+                       float l2, float d, int64_t lo, int64_t end, int64_t width = Bt) {
     namespace v = simd;
     const v::Vec lv = v::vset(l2), dv = v::vset(d);
-    for (int64_t j = 0; j < Bt; j += v::W) {
+    for (int64_t j = 0; j < width; j += v::W) {
         const v::Vec pj = v::exp2_neg(v::vsub(v::vload(s + j), lv));
         v::Vec gj = v::vmul(pj, v::vsub(v::vload(g + j), dv));
         if (slope) gj = v::vmul(gj, v::vload(slope + j));
@@ -305,24 +325,26 @@ inline void finish_row(float* __restrict s, float* __restrict g, const float* __
         v::vstore(g + j, gj);
     }
     for (int64_t j = 0; j < lo; ++j) s[j] = g[j] = 0;
-    for (int64_t j = end; j < Bt; ++j) s[j] = g[j] = 0;
+    for (int64_t j = end; j < width; ++j) s[j] = g[j] = 0;
 }
 #endif
 
-// Softcap on a row of scores, keeping its derivative: s = cap tanh(s / cap), slope = 1 -
-// tanh^2 (float32: the SIMD layer's tanh, as the forward's).
+// Softcap on a row of scores (its first `width` columns, a multiple of kBackwardPad), keeping
+// its derivative: s = cap tanh(s / cap), slope = 1 - tanh^2 (float32: the SIMD layer's tanh,
+// as the forward's).
 template <class A>
-inline void softcap_row(A* __restrict s, A* __restrict slope, A cap, A inv_cap) {
-    for (int64_t j = 0; j < Bt; ++j) {
+inline void softcap_row(A* __restrict s, A* __restrict slope, A cap, A inv_cap, int64_t width = Bt) {
+    for (int64_t j = 0; j < width; ++j) {
         const A th = tanh_acc(s[j] * inv_cap);
         s[j] = cap * th;
         slope[j] = 1 - th * th;
     }
 }
 #if ATTNFAST_BWD_SIMD_LAYER
-inline void softcap_row(float* __restrict s, float* __restrict slope, float cap, float inv_cap) {
+inline void softcap_row(float* __restrict s, float* __restrict slope, float cap, float inv_cap,
+                        int64_t width = Bt) {
     namespace v = simd;
-    for (int64_t j = 0; j < Bt; j += v::W) {
+    for (int64_t j = 0; j < width; j += v::W) {
         const v::Vec th = v::tanh_vec(v::vmul(v::vload(s + j), v::vset(inv_cap)));
         v::vstore(s + j, v::vmul(v::vset(cap), th));
         v::vstore(slope + j, v::vfnma(th, th, v::vset(1.0f)));
@@ -487,6 +509,285 @@ void key_pass_block(const BackwardParams& bp, const BackwardTask& task, A* ws) {
     key_blocks<T, A>(bp, task.batch, task.head, task.begin, task.end, false, t);
 }
 
+// ---- key_index (sparse attention): each query row's listed keys ----
+//
+// The same tile products over gathered keys. A tile's rows are the query heads of one kv
+// head at one query row i (their q rows a head stride apart, up to Bt of them); its
+// columns are up to Bt of the keys row i lists and sees (list order; -1 and keys causal or
+// window hide skipped), copied from wherever they are. Only listed K/V rows are read.
+// A tile of few rows (kDotHeads query heads per kv head or fewer) keeps its keys as rows
+// and takes S and dP as dot products (dot_rows): transposing each gathered key, as the
+// products of many rows want it, cost more than the products themselves there.
+// Two passes (backward.cpp), each task owning the rows it writes:
+//  - dk/dv (listed_key_range): keys [begin, end) of kv head g. For each row i in order,
+//    the tile's dK, dV start from the running sums of its keys' rows and are written back
+//    (a tile of few rows adds into those rows directly: add_to_rows; a row lists a key at
+//    most once), so each dk / dv element is one chain over (query row, query head) in
+//    increasing order, whatever the ranges.
+//  - dq (listed_query_rows): rows [begin, end) of a block of query heads, each dq element
+//    one chain over its row's listed keys in list order.
+
+// Up to Bt positions row i of batch entry b lists for kv head g (list entries `from` on)
+// that lie in [range.begin, range.end) (the row's visible keys, narrowed): into pos, in
+// list order. Returns how many; `from` moves past the entries read.
+inline int64_t gather_listed(const AttentionParams& a, int64_t b, int64_t g, int64_t i,
+                             const KeyRange& range, int64_t& from, int64_t* pos) {
+    const int32_t* list = a.key_index + b * a.key_index_batch_stride + g * a.key_index_head_stride +
+                          i * a.key_index_row_stride;
+    int64_t n = 0;
+    for (; from < a.key_index_count && n < Bt; ++from) {
+        const int64_t j = list[from];
+        if (j >= range.begin && j < range.end) pos[n++] = j;  // (-1 too: range.begin >= 0)
+    }
+    return n;
+}
+
+// Query heads per kv head up to which a tile keeps its keys as rows (dot_rows); a fixed
+// number, so the layout follows the shape alone.
+constexpr int64_t kDotHeads = 16;
+
+// c[m * Bt + r] = mul * (a row m . b row r) for m < rows, r < n (rows of `dim` values, a
+// multiple of the vector lanes, zero-padded), c[m * Bt + r] = 0 for r in [n, width): each
+// dot product one fixed chain of vector fused multiply-adds, then vsum.
+template <class A>
+void dot_rows(const A* __restrict a, int64_t a_ld, int64_t rows, const A* __restrict b, int64_t b_ld,
+              int64_t n, int64_t width, int64_t dim, A mul, A* __restrict c) {
+    constexpr int64_t L = vec_lanes<A>();
+    constexpr int kRows = 4;  // rows per sweep of b: each b vector loaded once for them
+    for (int64_t m0 = 0; m0 < rows; m0 += kRows) {
+        const int mr = rows - m0 < kRows ? static_cast<int>(rows - m0) : kRows;
+        for (int64_t r = 0; r < n; ++r) {
+            Vec<A> acc[kRows] = {};
+            const A* br = b + r * b_ld;
+            for (int64_t e = 0; e < dim; e += L) {
+                const Vec<A> bv = loadu(br + e);
+                for (int m = 0; m < kRows; ++m)
+                    if (m < mr) acc[m] = fmadd(loadu(a + (m0 + m) * a_ld + e), bv, acc[m]);
+            }
+            for (int m = 0; m < mr; ++m) c[(m0 + m) * Bt + r] = vsum(acc[m]) * mul;
+        }
+        for (int m = 0; m < mr; ++m)
+            for (int64_t r = n; r < width; ++r) c[(m0 + m) * Bt + r] = 0;
+    }
+}
+
+// For r < n: row pos[r] of `base` (rows row_len apart) += sum_{m < K} coef[m * Bt + r] *
+// b[m * ldb + (0, dim)]: dK += dS^T q and dV += P^T dO of a tile of few rows, straight into
+// the gradient rows (no copy in and out). Each element one chain of fused multiply-adds over
+// m in increasing order, from the row's running value, as gemm's; zero coefficients
+// skipped when b holds an inf or a NaN (gemm_skipping_zeros' rule).
+template <class A>
+void add_to_rows(A* base, int64_t row_len, const int64_t* pos, int64_t n, const A* coef, const A* b,
+                 int64_t ldb, int64_t K, int64_t dim, bool b_nonfinite) {
+    constexpr int64_t L = vec_lanes<A>();
+    for (int64_t r = 0; r < n; ++r) {
+        A* __restrict row = base + pos[r] * row_len;
+        if (b_nonfinite) {
+            for (int64_t m = 0; m < K; ++m) {
+                const A x = coef[m * Bt + r];
+                if (x == A(0)) continue;
+                for (int64_t e = 0; e < dim; ++e) row[e] = madd(x, b[m * ldb + e], row[e]);
+            }
+            continue;
+        }
+        int64_t e = 0;
+        for (; e + L <= dim; e += L) {
+            Vec<A> acc = loadu(row + e);
+            for (int64_t m = 0; m < K; ++m) acc = fmadd(splat(coef[m * Bt + r]), loadu(b + m * ldb + e), acc);
+            storeu(row + e, acc);
+        }
+        for (; e < dim; ++e) {
+            A acc = row[e];
+            for (int64_t m = 0; m < K; ++m) acc = madd(coef[m * Bt + r], b[m * ldb + e], acc);
+            row[e] = acc;
+        }
+    }
+}
+
+// Keys pos[0, n) of kv head g into kb, as load_keys does for a contiguous block: kt, vt
+// (and kr with with_kr); or, as_rows (dot_rows' layout), K rows in kr and V rows in vt's
+// memory (Bt x dvp), both zero-padded.
+template <class T, class A>
+void load_listed_keys(const BackwardParams& bp, int64_t b, int64_t g, const int64_t* pos, int64_t n,
+                      bool with_kr, bool as_rows, int64_t dp, int64_t dvp, KeyTiles<A>& kb) {
+    const AttentionParams& a = bp.attn;
+    const int64_t D = a.head_dim, Dv = a.head_dim_v;
+    bool k_nonfinite = false;
+    if (as_rows) {
+        for (int64_t r = 0; r < n; ++r) {
+            const T* k = rows_at<T>(a.k, a.k_batch_stride, a.k_head_stride, a.k_row_stride, b, g, pos[r]);
+            const T* v = rows_at<T>(a.v, a.v_batch_stride, a.v_head_stride, a.v_row_stride, b, g, pos[r]);
+            for (int64_t e = 0; e < D; ++e) kb.kr[r * dp + e] = load_acc<A>(k[e]);
+            for (int64_t e = D; e < dp; ++e) kb.kr[r * dp + e] = 0;
+            for (int64_t e = 0; e < Dv; ++e) kb.vt[r * dvp + e] = load_acc<A>(v[e]);
+            for (int64_t e = Dv; e < dvp; ++e) kb.vt[r * dvp + e] = 0;
+            k_nonfinite |= any_nonfinite(k, 0, 1, D);
+        }
+        kb.j0 = 0, kb.j_end = kb.nc = n;
+        kb.k_nonfinite = k_nonfinite;
+        return;
+    }
+    const A k_mul = static_cast<A>(a.scale * SoftmaxBase<A>::kUnit);
+    const int64_t width = backward_padded(n);  // the columns the products read
+    for (int64_t e = 0; e < D; ++e)
+        for (int64_t r = n; r < width; ++r) kb.kt[e * Bt + r] = 0;
+    for (int64_t e = 0; e < Dv; ++e)
+        for (int64_t r = n; r < width; ++r) kb.vt[e * Bt + r] = 0;
+    for (int64_t r = 0; r < n; ++r) {
+        const T* k = rows_at<T>(a.k, a.k_batch_stride, a.k_head_stride, a.k_row_stride, b, g, pos[r]);
+        const T* v = rows_at<T>(a.v, a.v_batch_stride, a.v_head_stride, a.v_row_stride, b, g, pos[r]);
+        for (int64_t e = 0; e < D; ++e) kb.kt[e * Bt + r] = load_acc<A>(k[e]) * k_mul;
+        for (int64_t e = 0; e < Dv; ++e) kb.vt[e * Bt + r] = load_acc<A>(v[e]);
+        if (with_kr) {
+            for (int64_t e = 0; e < D; ++e) kb.kr[r * dp + e] = load_acc<A>(k[e]);
+            for (int64_t e = D; e < dp; ++e) kb.kr[r * dp + e] = 0;
+        }
+        k_nonfinite |= any_nonfinite(k, 0, 1, D);
+    }
+    kb.j0 = 0, kb.j_end = kb.nc = n;
+    kb.k_nonfinite = k_nonfinite;
+}
+
+// Query heads [h0, h0 + nr) at row i: q and dout rows (load_query_rows).
+template <class T, class A>
+void load_head_rows(const BackwardParams& bp, int64_t b, int64_t h0, int64_t i, int64_t nr, Tiles<A>& t) {
+    const AttentionParams& a = bp.attn;
+    const T* q = rows_at<T>(a.q, a.q_batch_stride, a.q_head_stride, a.q_row_stride, b, h0, i);
+    const T* d = rows_at<T>(bp.dout, bp.dout_batch_stride, bp.dout_head_stride, bp.dout_row_stride, b, h0, i);
+    load_query_rows<T, A>(bp, q, a.q_head_stride, d, bp.dout_head_stride, nr, t);
+}
+
+// probs_and_dscores for a tile of gathered keys (every one seen by every row; as_rows: in
+// dot_rows' layout): t.p = P, t.ds = dS for query heads [h0, h0 + nr) at row i; rows whose
+// lse is -inf get 0.
+template <class A>
+void listed_probs_and_dscores(const BackwardParams& bp, int64_t b, int64_t h0, int64_t i, int64_t nr,
+                              const KeyTiles<A>& kb, bool as_rows, Tiles<A>& t) {
+    const AttentionParams& a = bp.attn;
+    const int64_t nc = kb.nc, width = backward_padded(nc);  // columns [nc, width) are 0
+    if (as_rows) {
+        dot_rows<A>(t.q_rows, t.q_ld, nr, kb.kr, t.dp, nc, width, t.dp,                             // S
+                    static_cast<A>(a.scale * SoftmaxBase<A>::kUnit), t.p);
+        dot_rows<A>(t.dout_rows, t.dout_ld, nr, kb.vt, t.dvp, nc, width, t.dvp, A(1), t.ds);    // dP
+    } else {
+        gemm<A, false>(t.q_rows, t.q_ld, 1, kb.kt, Bt, t.p, Bt, nr, width, a.head_dim);              // S
+        gemm<A, false>(t.dout_rows, t.dout_ld, 1, kb.vt, Bt, t.ds, Bt, nr, width, a.head_dim_v);   // dP
+    }
+    // softcap in the softmax's units, as RowOptions converts it
+    const A cap = a.softcap > 0 ? static_cast<A>(a.softcap * SoftmaxBase<A>::kUnit) : A(0);
+    const A inv_cap = a.softcap > 0 ? static_cast<A>(1.0 / (a.softcap * SoftmaxBase<A>::kUnit)) : A(0);
+    const A* lse = static_cast<const A*>(a.lse) + b * a.lse_batch_stride + i * a.lse_row_stride;
+    const A* delta = static_cast<const A*>(bp.delta) + b * a.heads * a.seqlen_q + i;
+    alignas(64) A slope[Bt];
+    for (int64_t r = 0; r < nr; ++r) {
+        A* __restrict s = t.p + r * Bt;
+        A* __restrict g = t.ds + r * Bt;
+        const int64_t h = h0 + r;
+        const A l = lse[h * a.lse_head_stride];
+        if (l == neg_inf<A>()) {
+            for (int64_t j = 0; j < width; ++j) s[j] = g[j] = 0;
+            continue;
+        }
+        nonfinite_to_nan(s, nc);
+        if (cap != A(0)) softcap_row(s, slope, cap, inv_cap, width);
+        finish_row(s, g, cap != A(0) ? slope : nullptr, l * static_cast<A>(SoftmaxBase<A>::kUnit),
+                   delta[h * a.seqlen_q], 0, nc, width);
+    }
+}
+
+// The dk/dv pass with key_index: dk, dv rows [task.begin, task.end) of kv head task.head.
+template <class T, class A>
+void listed_key_range(const BackwardParams& bp, const BackwardTask& task, A* ws) {
+    const AttentionParams& a = bp.attn;
+    Tiles<A> t(a, ws);
+    KeyTiles<A>& kb = t.keys[0];
+    const int64_t b = task.batch, g = task.head, D = a.head_dim, Dv = a.head_dim_v;
+    const int64_t seqlen_k = batch_seqlen_k(a, b);
+    const int64_t group = a.heads / a.kv_heads;
+    const bool as_rows = group <= kDotHeads;
+    A* dk = static_cast<A*>(bp.dk) + (b * a.kv_heads + g) * a.seqlen_k * D;
+    A* dv = static_cast<A*>(bp.dv) + (b * a.kv_heads + g) * a.seqlen_k * Dv;
+    for (int64_t e = task.begin * D; e < task.end * D; ++e) dk[e] = 0;
+    for (int64_t e = task.begin * Dv; e < task.end * Dv; ++e) dv[e] = 0;
+    int64_t pos[Bt];
+    for (int64_t i = 0; i < a.seqlen_q; ++i) {
+        const KeyRange vis = visible_keys(a, i, seqlen_k);
+        const KeyRange range{vis.begin > task.begin ? vis.begin : task.begin,
+                             vis.end < task.end ? vis.end : task.end};
+        if (range.begin >= range.end) continue;
+        bool loaded = false;  // the row's q and dout, when one tile holds every head
+        for (int64_t from = 0;;) {
+            const int64_t n = gather_listed(a, b, g, i, range, from, pos);
+            if (n == 0) break;
+            load_listed_keys<T, A>(bp, b, g, pos, n, false, as_rows, t.dp, t.dvp, kb);
+            if (as_rows) {  // one head block: the products go straight into the rows
+                if (!loaded) load_head_rows<T, A>(bp, b, g * group, i, group, t);
+                loaded = true;
+                listed_probs_and_dscores<A>(bp, b, g * group, i, group, kb, true, t);
+                add_to_rows<A>(dv, Dv, pos, n, t.p, t.dout_rows, t.dout_ld, group, Dv, t.dout_nonfinite);
+                add_to_rows<A>(dk, D, pos, n, t.ds, t.q_rows, t.q_ld, group, D, t.q_nonfinite);
+                continue;
+            }
+            for (int64_t r = 0; r < n; ++r) {  // the keys' running sums
+                for (int64_t e = 0; e < D; ++e) kb.dk[r * t.dp + e] = dk[pos[r] * D + e];
+                for (int64_t e = D; e < t.dp; ++e) kb.dk[r * t.dp + e] = 0;
+                for (int64_t e = 0; e < Dv; ++e) kb.dv[r * t.dvp + e] = dv[pos[r] * Dv + e];
+                for (int64_t e = Dv; e < t.dvp; ++e) kb.dv[r * t.dvp + e] = 0;
+            }
+            for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += Bt) {
+                const int64_t nr = (g + 1) * group - h0 < Bt ? (g + 1) * group - h0 : Bt;
+                if (!loaded) load_head_rows<T, A>(bp, b, h0, i, nr, t);
+                loaded = group <= Bt;
+                listed_probs_and_dscores<A>(bp, b, h0, i, nr, kb, as_rows, t);
+                accumulate_product<A>(t.dout_nonfinite, t.p, 1, Bt, t.dout_rows, t.dout_ld, kb.dv,  // dV += P^T dO
+                                      t.dvp, n, t.dvp, nr);
+                accumulate_product<A>(t.q_nonfinite, t.ds, 1, Bt, t.q_rows, t.q_ld, kb.dk, t.dp,  // dK += dS^T q
+                                      n, t.dp, nr);
+            }
+            for (int64_t r = 0; r < n; ++r) {
+                for (int64_t e = 0; e < D; ++e) dk[pos[r] * D + e] = kb.dk[r * t.dp + e];
+                for (int64_t e = 0; e < Dv; ++e) dv[pos[r] * Dv + e] = kb.dv[r * t.dvp + e];
+            }
+        }
+    }
+    const A scale = static_cast<A>(a.scale);  // dK = scale dS^T q
+    for (int64_t e = task.begin * D; e < task.end * D; ++e) dk[e] *= scale;
+}
+
+// The dq pass with key_index: dq rows [task.begin, task.end) of query heads task.head ..
+// (up to Bt of them, within one kv head's group).
+template <class T, class A>
+void listed_query_rows(const BackwardParams& bp, const BackwardTask& task, A* ws) {
+    const AttentionParams& a = bp.attn;
+    Tiles<A> t(a, ws);
+    KeyTiles<A>& kb = t.keys[0];
+    const int64_t b = task.batch, h0 = task.head, group = a.heads / a.kv_heads, g = h0 / group;
+    const int64_t nr = (g + 1) * group - h0 < Bt ? (g + 1) * group - h0 : Bt;
+    const bool as_rows = group <= kDotHeads;
+    const int64_t seqlen_k = batch_seqlen_k(a, b);
+    const int64_t head_ld = a.seqlen_q * bp.dq_row_stride;  // between the heads' dq rows
+    const A scale = static_cast<A>(a.scale);
+    int64_t pos[Bt];
+    for (int64_t i = task.begin; i < task.end; ++i) {
+        A* dq = dq_rows<A>(bp, b, h0, i);
+        for (int64_t r = 0; r < nr; ++r)
+            for (int64_t e = 0; e < bp.dq_row_stride; ++e) dq[r * head_ld + e] = 0;
+        const KeyRange vis = visible_keys(a, i, seqlen_k);
+        bool loaded = false;
+        for (int64_t from = 0; vis.begin < vis.end;) {
+            const int64_t n = gather_listed(a, b, g, i, vis, from, pos);
+            if (n == 0) break;
+            if (!loaded) load_head_rows<T, A>(bp, b, h0, i, nr, t);
+            loaded = true;
+            load_listed_keys<T, A>(bp, b, g, pos, n, true, as_rows, t.dp, t.dvp, kb);
+            listed_probs_and_dscores<A>(bp, b, h0, i, nr, kb, as_rows, t);
+            accumulate_product<A>(kb.k_nonfinite, t.ds, Bt, 1, kb.kr, t.dp, dq, head_ld, nr, t.dp, n);  // dQ += dS K
+        }
+        for (int64_t r = 0; r < nr; ++r)
+            for (int64_t e = 0; e < bp.dq_row_stride; ++e) dq[r * head_ld + e] *= scale;
+    }
+}
+
 // fn<T, float>(...) with T the call's float32-accumulated dtype (with_q_type: float32,
 // bfloat16 or float16; q, k and v share it).
 #define ATTNFAST_BWD_BY_DTYPE(fn, ...)                                          \
@@ -500,6 +801,12 @@ void key_block_f32(const BackwardParams& bp, const BackwardTask& t, float* ws) {
 void query_block_f32(const BackwardParams& bp, const BackwardTask& t, float* ws) {
     ATTNFAST_BWD_BY_DTYPE(query_block, bp, t, ws)
 }
+void listed_keys_f32(const BackwardParams& bp, const BackwardTask& t, float* ws) {
+    ATTNFAST_BWD_BY_DTYPE(listed_key_range, bp, t, ws)
+}
+void listed_queries_f32(const BackwardParams& bp, const BackwardTask& t, float* ws) {
+    ATTNFAST_BWD_BY_DTYPE(listed_query_rows, bp, t, ws)
+}
 #undef ATTNFAST_BWD_BY_DTYPE
 void group_f64(const BackwardParams& bp, int64_t b, int64_t g, double* ws) {
     group<double, double>(bp, b, g, ws);
@@ -510,9 +817,16 @@ void key_block_f64(const BackwardParams& bp, const BackwardTask& t, double* ws) 
 void query_block_f64(const BackwardParams& bp, const BackwardTask& t, double* ws) {
     query_block<double, double>(bp, t, ws);
 }
+void listed_keys_f64(const BackwardParams& bp, const BackwardTask& t, double* ws) {
+    listed_key_range<double, double>(bp, t, ws);
+}
+void listed_queries_f64(const BackwardParams& bp, const BackwardTask& t, double* ws) {
+    listed_query_rows<double, double>(bp, t, ws);
+}
 
 const BackwardKernels kBackward = {group_f32, group_f64, key_block_f32, key_block_f64,
-                                   query_block_f32, query_block_f64};
+                                   query_block_f32, query_block_f64, listed_keys_f32,
+                                   listed_keys_f64, listed_queries_f32, listed_queries_f64};
 
 }  // namespace bwd
 

@@ -7,6 +7,7 @@ from . import _ext
 from ._interop import accepts_arrays
 from ._arrays import as_float_array, kernel_ready, to_3d, to_4d
 from ._attention_checks import check_attention, check_cu_seqlens
+from ._key_index import with_key_index
 
 __all__ = ["attention_backward", "attention_varlen_backward"]
 
@@ -29,7 +30,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
 
     FlashAttention-2's backward, streamed: the probabilities are recomputed tile by tile
     from the forward's ``lse``, with ``D = rowsum(dout * out)`` and
-    ``dS = P * (dP - D)``; no Tq x Tk array is built (scratch O((Tq + Tk) * D)).
+    ``dS = P * (dP - D)``; no Tq x Tk array is built (scratch O((Tq + Tk) * D)). With
+    ``key_index`` the tiles hold each query row's listed keys only (sparse attention).
 
     Parameters
     ----------
@@ -42,8 +44,11 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     causal, scale, window, softcap, alibi_slopes, sinks, mask, query_offset
         The forward's options, meaning what they mean in :func:`attention`; they must be the
         ones ``out`` and ``lse`` were computed with. ALiBi slopes and masks get no gradient.
-    key_index : not implemented
-        The backward of sparse attention: NotImplementedError (not yet).
+    key_index : integer array (.., Tq, k) or (.., Hkv, Tq, k), optional
+        The forward's ``key_index`` (sparse attention): the gradients of attention over the
+        listed keys, checked as in :func:`attention` (with ``alibi_slopes`` or ``mask``
+        NotImplementedError). Only the listed K/V rows are read, with no Tq x Tk array;
+        rows of dk, dv that no query sees are 0.
     num_threads : int, optional
         Defaults to :func:`attnfast.get_num_threads`. Results are bit-identical for any value:
         every gradient row is reduced by one task, in a fixed order.
@@ -56,12 +61,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
     ``dsinks[h] = -sum_{b, i} exp(sinks[h] - lse[b, h, i]) * D[b, h, i]``.
     Rows that see no key give zero gradients.
     """
-    if key_index is not None:
-        raise NotImplementedError("attention_backward: the backward of key_index (sparse "
-                                  "attention) is not implemented yet")
     call = check_attention(q, k, v, causal=causal, scale=scale, window=window,
                            num_threads=num_threads, query_offset=query_offset, softcap=softcap,
                            alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
+    call = with_key_index(call, key_index, call.seqlen_k)
     if call.kv_dtype != call.dtype:
         raise TypeError(f"attention_backward: q, k, v must share a dtype; got q {call.dtype}, "
                         f"k and v {call.kv_dtype}")
@@ -83,7 +86,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None, win
                        scale=call.scale, window_left=call.window[0],
                        window_right=call.window[1], num_threads=call.num_threads,
                        query_offset=call.query_offset, softcap=opts.softcap, alibi=opts.alibi,
-                       sinks=opts.sinks, mask=opts.mask, backward=(dout4, delta, dq, dk, dv))
+                       sinks=opts.sinks, mask=opts.mask, key_index=opts.key_index,
+                       backward=(dout4, delta, dq, dk, dv))
     dq = np.ascontiguousarray(dq[..., :D])
     grads = tuple(g.astype(call.dtype, copy=False).reshape(np.shape(x))
                   for g, x in ((dq, q), (dk, k), (dv, v)))

@@ -399,8 +399,6 @@ def run_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cnp.ndarray out,
     _fill_params(&p, q, k, v, out, lse, causal, scale, window_left, window_right, num_threads,
                  seqlens_k, k_scale, v_scale, query_offset, softcap, alibi, sinks, mask,
                  block_table, head_dim_v, key_index)
-    if backward is not None and key_index is not None:
-        raise NotImplementedError("attnfast._ext: the backward of key_index is not implemented")
     if backward is not None:
         _run_backward(&p, backward[0], backward[1], backward[2], backward[3], backward[4])
     elif interruptible:

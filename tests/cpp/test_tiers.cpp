@@ -7,8 +7,8 @@
 // checked against the reference of the stored values, outputs to the rounding of q's dtype),
 // the score options (softcap, ALiBi, bool and additive masks, sinks), the NaN contract, and
 // that 1 and 3 threads give identical bits; the backward (attention_backward: float32 and
-// float64 gradients against a float64 reference, 1 and 3 threads bit-identical); and the
-// benchmarks' read kernel (read_probe).
+// float64 gradients against a float64 reference, dense and over a key_index, 1 and 3 threads
+// bit-identical); and the benchmarks' read kernel (read_probe).
 // Built with -DATTNFAST_BUILD_TESTS=ON, run by
 // ctest (under qemu-user for cross builds: tools/run_cpp_tests.sh).
 //
@@ -812,9 +812,11 @@ long run_int4_cases(long& checks) {
 // B = 2, H = 4, Hkv = 2 (GQA), Tq = 70, Tk = 90 (bottom-right causal, window_left 50),
 // softcap 4, D = 40 and Dv = 20 (padded to whole vectors inside), against the float64
 // gradients of a materialised softmax written here. Threads 1 and 3 run the two schedules
-// (fused / two-pass: 4 groups), which must give the same bits. Returns the failures.
+// (fused / two-pass: 4 groups), which must give the same bits. With `sparse`, a key_index
+// (one list per query shared by the heads, in descending positions, -1 for about a fifth of
+// the keys: the others listed) and its own two passes. Returns the failures.
 template <class A>
-long run_backward_case(uint64_t seed, long& checks) {
+long run_backward_case(uint64_t seed, long& checks, bool sparse = false) {
     const int64_t B = 2, H = 4, Hkv = 2, Tq = 70, Tk = 90, D = 40, Dv = 20, wl = 50;
     const double cap = 4.0, scale = 1.0 / std::sqrt(static_cast<double>(D));
     const double tol = sizeof(A) == 4 ? 1e-4 : 1e-10;  // of the largest |gradient|
@@ -838,6 +840,20 @@ long run_backward_case(uint64_t seed, long& checks) {
     p.batch = B, p.heads = H, p.kv_heads = Hkv, p.seqlen_q = Tq, p.seqlen_k = Tk;
     p.head_dim = D, p.head_dim_v = Dv, p.scale = scale, p.causal = true, p.window_left = wl;
     p.softcap = cap, p.num_threads = 1;
+    auto listed = [&](int64_t i, int64_t j) { return !sparse || (j * 7 + i * 3) % 5 != 0; };
+    std::vector<int32_t> key_index;
+    if (sparse) {
+        key_index.resize(static_cast<size_t>(B * Tq * Tk));
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t i = 0; i < Tq; ++i)
+                for (int64_t x = 0; x < Tk; ++x) {
+                    const int64_t j = Tk - 1 - x;
+                    key_index[static_cast<size_t>((b * Tq + i) * Tk + x)] = listed(i, j) ? static_cast<int32_t>(j) : -1;
+                }
+        p.key_index = key_index.data();
+        p.key_index_batch_stride = Tq * Tk, p.key_index_head_stride = 0, p.key_index_row_stride = Tk;
+        p.key_index_count = Tk;
+    }
     std::vector<A> delta(static_cast<size_t>(B * H * Tq));
     const int64_t Dp = attnfast::backward_padded(D);
     std::vector<A> dq[2], dk[2], dv[2];
@@ -862,7 +878,8 @@ long run_backward_case(uint64_t seed, long& checks) {
             attnfast::attention_backward(bp);
         }
     } catch (const std::exception& e) {
-        std::printf("  FAIL backward (%s): threw: %s\n", sizeof(A) == 4 ? "f32" : "f64", e.what());
+        std::printf("  FAIL backward%s (%s): threw: %s\n", sparse ? " key_index" : "", sizeof(A) == 4 ? "f32" : "f64",
+                    e.what());
         return 1;
     }
     // The reference: s = scale q.k, softcapped, P over the visible keys, dS = P (dP - rowsum(P dP)) (1 - tanh^2).
@@ -880,7 +897,7 @@ long run_backward_case(uint64_t seed, long& checks) {
                     double dot = 0;
                     for (int64_t e = 0; e < D; ++e) dot += static_cast<double>(qi[e]) * kj[e];
                     th[j] = std::tanh(scale * dot / cap);
-                    pr[j] = j <= a && j >= a - wl ? cap * th[j] : -kInf;
+                    pr[j] = j <= a && j >= a - wl && listed(i, j) ? cap * th[j] : -kInf;
                     m = std::max(m, pr[j]);
                 }
                 for (int64_t j = 0; j < Tk; ++j) l += pr[j] == -kInf ? 0 : std::exp(pr[j] - m);
@@ -917,8 +934,9 @@ long run_backward_case(uint64_t seed, long& checks) {
                 same_bits = same_bits && std::memcmp(&x, &x3, sizeof x) == 0;
             }
         if (err > tol * big || !same_bits) {
-            std::printf("  FAIL backward %s (%s): max error %.3g of max |%s| %.3g; 1 and 3 threads %s\n", name,
-                        sizeof(A) == 4 ? "f32" : "f64", err, name, big, same_bits ? "agree" : "DIFFER");
+            std::printf("  FAIL backward%s %s (%s): max error %.3g of max |%s| %.3g; 1 and 3 threads %s\n",
+                        sparse ? " key_index" : "", name, sizeof(A) == 4 ? "f32" : "f64", err, name, big,
+                        same_bits ? "agree" : "DIFFER");
             ++failures;
         }
     };
@@ -944,6 +962,8 @@ void run_tier(const std::string& tier, bool nan_only, Stats& total) {
         st.failures += run_int4_cases(st.checks);
         st.failures += run_backward_case<float>(91, st.checks);
         st.failures += run_backward_case<double>(92, st.checks);
+        st.failures += run_backward_case<float>(93, st.checks, true);
+        st.failures += run_backward_case<double>(94, st.checks, true);
     }
     st.checks += nan_checked;
     const bool known = nan_known_to_fail(tier);

@@ -2,7 +2,7 @@
 the results page.
 
 ``bench/bench_mla.py --top-k K --json F`` and ``bench/bench_sparse.py [--indexer] --json F``
-each store their part of one file (``"mla"``, ``"indexer"``, ``"prefill"``), with the CPU, its
+each store their part of one file (``"mla"``, ``"indexer"``, ``"prefill"``, ``"backward"``), with the CPU, its
 flags, the kernel tier, the date, the commit and the command; the other parts are kept. The
 results page (:mod:`attnfast.bench.results`) renders one table per part.
 """
@@ -98,10 +98,12 @@ def render_sparse_section(kind: str, data: dict) -> str:
             out.append(f"| {r['threads']} | {r['heads']} x {r['dim']} | {r['key_dtype']} | {r['L']} | "
                        f"{r['topk']} | {r['ms']:.1f} | {r['gflops']:.0f} | "
                        f"{100 * r['of_roofline']:.0f} % | {100 * r['topk_share']:.1f} % |\n")
-    pre = data.get("prefill")
-    if pre:
-        out.append("\n### Prefill of a chunk, each query over its own top-k\n\n"
-                   + _run_line(pre["meta"]) + "\n"
+    for part, title in (("prefill", "Prefill of a chunk, each query over its own top-k"),
+                        ("backward", "The backward of that chunk (`attention_backward(key_index=)`)")):
+        pre = data.get(part)
+        if not pre:
+            continue
+        out.append(f"\n### {title}\n\n" + _run_line(pre["meta"]) + "\n"
                    "| threads | heads | D | new tokens | after | top-k | sparse s | dense masked s | "
                    "dense / sparse |\n|---|---|---|---|---|---|---|---|---|\n")
         for r in pre["rows"]:

@@ -13,10 +13,11 @@ memory; arguments are checked exactly as there (TypeError / ValueError naming th
 nothing written on error). The plain functions :func:`attnfast.attention` etc. also take torch
 tensors and cost less per call (no dispatcher); use these ops where a graph is traced.
 
-:func:`attention` is differentiable (q, k, v and sinks; masks and ALiBi slopes get no
-gradient): when gradients are being recorded it runs the op ``attnfast::attention_lse``,
-whose forward also returns the lse and whose backward (``torch.library.register_autograd``)
-is :func:`attnfast.attention_backward` as the op ``attnfast::attention_backward``; so it
+:func:`attention` is differentiable (q, k, v and sinks; masks, ALiBi slopes and key_index
+get no gradient; with key_index the backward reads only the listed keys): when gradients
+are being recorded it runs the op ``attnfast::attention_lse``, whose forward also returns
+the lse and whose backward (``torch.library.register_autograd``) is
+:func:`attnfast.attention_backward` as the op ``attnfast::attention_backward``; so it
 works under ``torch.autograd``, ``torch.autograd.gradcheck`` (float64) and ``torch.compile``.
 Otherwise it runs the forward-only op ``attnfast::attention``.
 :func:`attention_with_kvcache` is forward only (an inference step): gradients through it
@@ -46,7 +47,8 @@ def _window(window):
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None,
-              sinks: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None, *,
+              sinks: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
+              key_index: Optional[Tensor] = None, *,
               causal: bool = False, scale: Optional[float] = None,
               window: Optional[list[int]] = None, query_offset: Optional[int] = None,
               softcap: Optional[float] = None, num_threads: Optional[int] = None) -> Tensor:
@@ -58,6 +60,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None,
     causal, scale, window, query_offset, softcap, alibi_slopes, sinks, mask, num_threads
         As in :func:`attnfast.attention` (``window`` a pair [left, right]; ``mask`` a bool
         or additive float tensor broadcastable to (.., H, Tq, Tk), read through its strides).
+    key_index : integer Tensor (.., Tq, k) or (.., Hkv, Tq, k), optional
+        Sparse attention over the listed keys, as in :func:`attnfast.attention`; it gets no
+        gradient (the backward reads only the listed keys).
 
     Returns
     -------
@@ -68,13 +73,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None,
     options = dict(causal=causal, scale=scale, window=window, query_offset=query_offset,
                    softcap=softcap, num_threads=num_threads)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks)):
-        return attention_lse(q, k, v, mask, sinks, alibi_slopes, **options)[0]
-    return attention_forward(q, k, v, mask, sinks, alibi_slopes, **options)
+        return attention_lse(q, k, v, mask, sinks, alibi_slopes, key_index, **options)[0]
+    return attention_forward(q, k, v, mask, sinks, alibi_slopes, key_index, **options)
 
 
 @torch.library.custom_op("attnfast::attention", mutates_args=())
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None,
-                      sinks: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None, *,
+                      sinks: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
+                      key_index: Optional[Tensor] = None, *,
                       causal: bool = False, scale: Optional[float] = None,
                       window: Optional[list[int]] = None, query_offset: Optional[int] = None,
                       softcap: Optional[float] = None, num_threads: Optional[int] = None) -> Tensor:
@@ -82,17 +88,18 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = 
     return _af.attention(plain(q), plain(k), plain(v), causal=causal, scale=scale,
                          window=_window(window), query_offset=query_offset, softcap=softcap,
                          alibi_slopes=plain(alibi_slopes), sinks=plain(sinks), mask=plain(mask),
-                         num_threads=num_threads)
+                         key_index=key_index, num_threads=num_threads)
 
 
 @attention_forward.register_fake
-def _attention_fake(q, k, v, mask=None, sinks=None, alibi_slopes=None, **options):
+def _attention_fake(q, k, v, mask=None, sinks=None, alibi_slopes=None, key_index=None, **options):
     return q.new_empty(q.shape[:-1] + v.shape[-1:])
 
 
 @torch.library.custom_op("attnfast::attention_lse", mutates_args=())
 def attention_lse(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None,
-                  sinks: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None, *,
+                  sinks: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None,
+                  key_index: Optional[Tensor] = None, *,
                   causal: bool = False, scale: Optional[float] = None,
                   window: Optional[list[int]] = None, query_offset: Optional[int] = None,
                   softcap: Optional[float] = None,
@@ -102,7 +109,7 @@ def attention_lse(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None
     return _af.attention(plain(q), plain(k), plain(v), causal=causal, scale=scale,
                          window=_window(window), query_offset=query_offset, softcap=softcap,
                          alibi_slopes=plain(alibi_slopes), sinks=plain(sinks), mask=plain(mask),
-                         num_threads=num_threads, return_lse=True)
+                         key_index=key_index, num_threads=num_threads, return_lse=True)
 
 
 def _lse_dtype(q):
@@ -110,7 +117,8 @@ def _lse_dtype(q):
 
 
 @attention_lse.register_fake
-def _attention_lse_fake(q, k, v, mask=None, sinks=None, alibi_slopes=None, **options):
+def _attention_lse_fake(q, k, v, mask=None, sinks=None, alibi_slopes=None, key_index=None,
+                        **options):
     return (q.new_empty(q.shape[:-1] + v.shape[-1:]),
             q.new_empty(q.shape[:-1], dtype=_lse_dtype(q)))
 
@@ -118,7 +126,8 @@ def _attention_lse_fake(q, k, v, mask=None, sinks=None, alibi_slopes=None, **opt
 @torch.library.custom_op("attnfast::attention_backward", mutates_args=())
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        mask: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
-                       alibi_slopes: Optional[Tensor] = None, *, causal: bool = False,
+                       alibi_slopes: Optional[Tensor] = None,
+                       key_index: Optional[Tensor] = None, *, causal: bool = False,
                        scale: Optional[float] = None, window: Optional[list[int]] = None,
                        query_offset: Optional[int] = None, softcap: Optional[float] = None,
                        num_threads: Optional[int] = None
@@ -129,14 +138,14 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
         plain(dout).contiguous(), plain(q), plain(k), plain(v), plain(out), plain(lse),
         causal=causal, scale=scale, window=_window(window), query_offset=query_offset,
         softcap=softcap, alibi_slopes=plain(alibi_slopes), sinks=plain(sinks),
-        mask=plain(mask), num_threads=num_threads)
+        mask=plain(mask), key_index=key_index, num_threads=num_threads)
     dsinks = grads[3] if sinks is not None else q.new_empty((0,), dtype=torch.float32)
     return grads[0], grads[1], grads[2], dsinks
 
 
 @attention_backward.register_fake
 def _attention_backward_fake(dout, q, k, v, out, lse, mask=None, sinks=None, alibi_slopes=None,
-                             **options):
+                             key_index=None, **options):
     dsinks = q.new_empty(sinks.shape if sinks is not None else (0,), dtype=torch.float32)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks)
 
@@ -145,18 +154,18 @@ _OPTIONS = ("causal", "scale", "window", "query_offset", "softcap", "num_threads
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
-    q, k, v, mask, sinks, alibi_slopes = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], mask, sinks, alibi_slopes)
+    q, k, v, mask, sinks, alibi_slopes, key_index = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], mask, sinks, alibi_slopes, key_index)
     ctx.options = {name: keyword_only_inputs.get(name) for name in _OPTIONS}
     ctx.options["causal"] = bool(ctx.options["causal"])
     ctx.mark_non_differentiable(output[1])  # lse: no gradient flows back through it
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, mask, sinks, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, mask, sinks, alibi_slopes, key_index = ctx.saved_tensors
     dq, dk, dv, dsinks = attention_backward(dout, q, k, v, out, lse, mask, sinks, alibi_slopes,
-                                            **ctx.options)
-    return dq, dk, dv, None, dsinks if sinks is not None else None, None
+                                            key_index, **ctx.options)
+    return dq, dk, dv, None, dsinks if sinks is not None else None, None, None
 
 
 attention_lse.register_autograd(_backward, setup_context=_setup_context)

@@ -33,11 +33,12 @@ with transformers' mask, so ``loss.backward()`` gets attnfast's gradients (fine-
 
 Sparse attention (DeepSeek-V3.2's and GLM-5's ``indices=``, the lightning indexer's top-k per
 query): attention over exactly those keys (attnfast's ``key_index=``), the mask read at the
-listed positions only, eagerly and without gradients.
+listed positions only, eagerly; with gradients through the differentiable custom op, whose
+backward also reads only the listed keys (under torch.compile it is refused).
 
 Raises: ValueError for tensors that live on another device; NotImplementedError for
 dropout > 0 and for any keyword argument of the attention function that attnfast does not
-implement (``indices=`` with gradients or under torch.compile, ``position_bias``,
+implement (``indices=`` under torch.compile, ``position_bias``,
 ``output_attentions=True``, packed ``cu_seq_lens_q``, ...), named in the message: never
 silently dropped. The keyword arguments
 transformers passes to every attention function without changing what it computes
@@ -244,8 +245,7 @@ _HARMLESS_KWARGS = frozenset({
 })
 _REFUSAL_HINTS = {
     "indices": "the sparse top-k keys per query (DeepSeek-V3.2 / GLM-5's lightning indexer) "
-               "with gradients or under torch.compile; eagerly and without gradients attnfast "
-               "runs it",
+               "under torch.compile; eagerly, with or without gradients, attnfast runs it",
     "block_indices": "block-sparse attention",
     "cu_seq_lens_q": "packed (varlen) sequences: pass position_ids instead (transformers then "
                      "builds the packed sequences' mask, which attnfast reads)",
@@ -293,10 +293,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         query.requires_grad or key.requires_grad or value.requires_grad
         or (s_aux is not None and s_aux.requires_grad))
     if indices is not None:
-        if needs_grad or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             _refuse_unknown({"indices": indices})
         return _sparse(module, query, key, value, attention_mask, indices, scaling, is_causal,
-                       softcap, s_aux), None
+                       softcap, s_aux, needs_grad), None
     if (attention_mask is None and softcap is None and s_aux is None and not needs_grad
             and not torch.compiler.is_compiling()):
         # A decode step's common case (no mask, no score options), with the fewest steps:
@@ -350,11 +350,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 def _sparse(module, query, key, value, attention_mask, indices, scaling, is_causal, softcap,
-            sinks):
+            sinks, needs_grad):
     """attention_forward with DeepSeek-V3.2 / GLM-5's ``indices`` (B, Tq, topk): attention
     over the listed keys (attnfast's ``key_index=``). The mask transformers built (causal,
     padding) is read at the listed positions only: a listed key it drops becomes -1, so the
-    keys attended are those sdpa's dense mask of the top-k leaves."""
+    keys attended are those sdpa's dense mask of the top-k leaves. With needs_grad, the
+    differentiable custom op (its backward reads only the listed keys too)."""
     import torch
     Tk = key.shape[2]
     idx = indices.to(torch.int64)
@@ -375,10 +376,14 @@ def _sparse(module, query, key, value, attention_mask, indices, scaling, is_caus
         keep = m[:, 0].expand(idx.shape[0], idx.shape[1], Tk)
         seen = torch.gather(keep, -1, idx.clamp(min=0)) & (idx >= 0)
         idx = torch.where(seen, idx, torch.full_like(idx, -1))
+    options = {n: x for n, x in (("scale", scaling), ("softcap", softcap), ("sinks", sinks)) if x is not None}
+    if needs_grad:
+        out = _torch_ops.attention(query, key, value, causal=causal, key_index=idx.to(torch.int32),
+                                   num_threads=_SETTINGS["num_threads"], **options)
+        return out.transpose(1, 2).contiguous()
     q, k, v = (to_numpy(t, name) for t, name in ((query, "query"), (key, "key"), (value, "value")))
     B, H, Tq, _ = q.shape
     out = np.empty((B, Tq, H, v.shape[-1]), q.dtype)
-    options = {n: x for n, x in (("scale", scaling), ("softcap", softcap), ("sinks", sinks)) if x is not None}
     _call(q, k, v, out.transpose(0, 2, 1, 3), causal=causal,
           key_index=idx.to(torch.int32).numpy(), **options)
     return wrap_like(out, query)
