@@ -77,7 +77,6 @@ inline int64_t widened_v_stride(const AttentionParams& p) {
     return kv_is_latent(p) ? 0 : round_up(p.head_dim_v, W);
 }
 
-
 // ---- The two products as a policy over 32-bit units: the value one lane holds per
 // multiply-add step. FmaDot: one float32, one FMA. PairDot (AVX512_BF16): two bfloat16 values,
 // one vdpbf16ps adding both products (twice the multiply-adds per instruction, and no
