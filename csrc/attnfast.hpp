@@ -184,6 +184,13 @@ struct CallPlan {
     bool latent_kv;
     int64_t rows_per_kv_read;
     const char* regime;
+    // The kernel's micro-kernel policy (KernelTable::kernel_policy): the register block of
+    // its Q.K product, query rows (MR) x keys (NR), and how each product multiplies: Q.K
+    // and P.V, each "fp32 fma", "fp32 mul+add", "vdpbf16ps", "vpdpbusd" or "fp64".
+    int64_t policy_rows;
+    int64_t policy_keys;
+    const char* policy_qk;
+    const char* policy_pv;
 };
 // Checks `params` as attention_forward does (throws std::invalid_argument) and returns what
 // it would run, from the same code: the drivers' own kernel choice and work split.

@@ -334,6 +334,7 @@ CallPlan plan_decode(const AttentionParams& p) {
     plan.decode = true;
     const DecodeKernel kernel = choose_decode(kernels, p);
     plan.kernel = kernel_name(kernel.id);
+    set_policy(plan, kernels.kernel_policy(kernel.id, p));
     plan.paged = p.block_table != nullptr;
     plan.indexed = p.key_index != nullptr;
     plan.chunk_keys = chunk_keys_of(p, kernel);

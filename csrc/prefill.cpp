@@ -288,6 +288,7 @@ CallPlan plan_prefill(const AttentionParams& p) {
     plan.tier = kernels.name;
     plan.decode = false;
     plan.kernel = kernel_name(choice.id);
+    set_policy(plan, kernels.kernel_policy(choice.id, read));
     plan.paged = p.block_table != nullptr;
     plan.tasks = prefill_tasks(read, choice.plan);
     plan.threads = parallel::threads_alone(plan.tasks, p.num_threads);

@@ -26,7 +26,7 @@ TIERS = _ext.runtime_info()["isa_available"]
 X86_SIMD = {"avx2", "avx512", "avx512bf16"}
 SIMD_PREFILL = X86_SIMD | {"neon", "generic"}  # generic: SSE2 on x86-64 only (below)
 KEYS = {"tier", "path", "kernel", "kv_source", "split", "tasks", "threads", "regime",
-        "latent_kv", "rows_per_kv_read", "shared_prefix"}
+        "latent_kv", "rows_per_kv_read", "shared_prefix", "policy"}
 
 
 def _arrays(b, h, hkv, tq, tk, d, dv=None, dtype=np.float32, kv_dtype=None):
@@ -218,6 +218,77 @@ def test_regime_per_tier_from_rows_per_kv_read(tier):
     prefill = af.explain(np.zeros((1, 8, 64, 64), np.float32), *_arrays(1, 8, 8, 1, 64, 64)[1:])
     assert prefill["regime"] == "compute" and prefill["rows_per_kv_read"] is None
 
+
+# The micro-kernels' register blocks per tier (csrc/kernels): gemm_decode's kNK keys, and the
+# prefill micro-tile's query rows Bq = kQueryVecs x W and keys kRows (simd_prefill.inl).
+_GEMM_DECODE_KEYS = {"avx2": 6, "avx512": 8, "avx512bf16": 8, "neon": 8, "generic": 6}
+_PREFILL_BLOCK = {"avx2": (32, 3), "avx512": (32, 12), "avx512bf16": (32, 12), "neon": (16, 5),
+                  "generic": (16, 3)}
+_TEMPLATE = {"rows": 4, "keys": 1, "qk": "fp32 mul+add", "pv": "fp32 mul+add"}
+
+
+def _policy(rows, keys, qk, pv=None):
+    return {"rows": rows, "keys": keys, "qk": qk, "pv": qk if pv is None else pv}
+
+
+def _fp32(tier):
+    """The SIMD layer's float32 multiply-add: fused, but for the generic tier's SSE2."""
+    return "fp32 mul+add" if tier == "generic" else "fp32 fma"
+
+
+def test_policy_of_decode_per_tier(tier):
+    """Few rows per KV head: the decode loop's register block, 4 rows (kRowBlock) x W / 4
+    keys; 32 rows: gemm_decode's, 2 x W rows (kNV x W) x kNK keys; bfloat16 by vdpbf16ps on
+    avx512bf16 (both kernels), an int8 cache's Q.K by vpdpbusd there (its P.V widens)."""
+    lanes = simd_decode_lanes(tier)
+    calls = {"f32": (np.float32, np.float32), "bf16": (BFLOAT16, BFLOAT16)}
+    for name, (q_dtype, kv_dtype) in calls.items():
+        few = af.explain(*_arrays(1, 8, 2, 1, 4096, 128, dtype=q_dtype, kv_dtype=kv_dtype))
+        many = af.explain(*_arrays(1, 32, 1, 1, 4096, 128, dtype=q_dtype, kv_dtype=kv_dtype))
+        if lanes is None:  # the template: one key per call
+            assert few["policy"] == many["policy"] == _TEMPLATE
+            continue
+        assert many["kernel"] == "gemm_decode" and many["rows_per_kv_read"] == 32
+        if tier == "avx512bf16" and name == "bf16":
+            assert few["kernel"] == "bf16_decode"
+            assert few["policy"] == _policy(4, 4, "vdpbf16ps")
+            assert many["policy"] == _policy(32, 8, "vdpbf16ps")
+        else:
+            assert few["kernel"] == "simd_decode"
+            assert few["policy"] == _policy(4, lanes // 4, _fp32(tier))
+            assert many["policy"] == _policy(2 * lanes, _GEMM_DECODE_KEYS[tier], _fp32(tier))
+    q = np.zeros((1, 8, 1, 128), np.float32)
+    k8, scale = quantize_int8(np.ones((1, 2, 512, 128), np.float32))
+    plan = af.explain(q, k8, k8.copy(), cache_seqlens=[500], k_scale=scale, v_scale=scale.copy())
+    if plan["kernel"] == "vnni_int8_decode":
+        assert plan["policy"] == _policy(4, 4, "vpdpbusd", "fp32 fma")
+    elif lanes is None:
+        assert plan["policy"] == _TEMPLATE
+    else:
+        assert plan["policy"] == _policy(4, lanes // 4, _fp32(tier))
+    assert plan["kernel"] == _decode_kernel(tier, np.float32, np.int8, 128)
+
+
+def test_policy_of_prefill_per_tier(tier):
+    """The prefill micro-tile: Bq query rows x kRows keys, float32 multiply-adds, or
+    vdpbf16ps for bfloat16 on avx512bf16; the template where a tier has no SIMD prefill."""
+    f32 = af.explain(*_arrays(1, 8, 2, 200, 300, 128))
+    bf16 = af.explain(*_arrays(1, 8, 2, 200, 300, 128, dtype=BFLOAT16))
+    if f32["kernel"] == "template_prefill":
+        assert f32["policy"] == bf16["policy"] == _TEMPLATE
+        return
+    rows, keys = _PREFILL_BLOCK[tier]
+    assert f32["kernel"] == "simd_prefill" and f32["policy"] == _policy(rows, keys, _fp32(tier))
+    product = "vdpbf16ps" if tier == "avx512bf16" else _fp32(tier)
+    assert bf16["policy"] == _policy(rows, keys, product)
+
+
+def test_policy_of_float64(tier):
+    """float64 runs the template on every tier and path: 4 rows against one key, in fp64."""
+    fp64 = _policy(4, 1, "fp64")
+    for tq in (1, 200):
+        plan = af.explain(*_arrays(1, 8, 2, tq, 300, 64, dtype=np.float64))
+        assert plan["kernel"] == "template_f64" and plan["policy"] == fp64
 
 
 _INT8_DOT_PROBE = """

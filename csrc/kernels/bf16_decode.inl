@@ -158,11 +158,12 @@ struct Bf16Path : simd_decode::VectorSoftmax {
         const bf16_t* q = reinterpret_cast<const bf16_t*>(qs);
         const int64_t qe = 2 * qstride;  // bfloat16 elements between staged rows
         int64_t rb = 0;
-        for (; rb + 4 <= n; rb += 4)
-            for (int64_t j = 0; j < nk; j += W / 4)
-                score_keys<4, ND>(q + rb * qe, qe, kj + j * ks, ks, nk - j < W / 4 ? nk - j : W / 4, D,
-                                  scale, sj + rb * ss + j, ss, rb == 0 && vj ? vj + j * vsb : nullptr,
-                                  vsb, v_row_bytes);
+        for (; rb + kRowBlock <= n; rb += kRowBlock)
+            for (int64_t j = 0; j < nk; j += W / kRowBlock)
+                score_keys<kRowBlock, ND>(q + rb * qe, qe, kj + j * ks, ks,
+                                          nk - j < W / kRowBlock ? nk - j : W / kRowBlock, D, scale,
+                                          sj + rb * ss + j, ss, rb == 0 && vj ? vj + j * vsb : nullptr,
+                                          vsb, v_row_bytes);
         if (n - rb >= 2) {
             for (int64_t j = 0; j < nk; j += W / 2)
                 score_keys<2, ND>(q + rb * qe, qe, kj + j * ks, ks, nk - j < W / 2 ? nk - j : W / 2, D,
@@ -192,8 +193,8 @@ struct Bf16Path : simd_decode::VectorSoftmax {
         const bf16_t* pb = reinterpret_cast<const bf16_t*>(s_block) + c0;
         const int64_t ps = 2 * ss;
         int64_t rb = 0;
-        for (; rb + 4 <= n; rb += 4)
-            pv_rows<4>(acc + rb * Dv, Dv, pb + rb * ps, ps, vrun, vs, keys, partner, rb == 0 ? kpf : RowPrefetch{});
+        for (; rb + kRowBlock <= n; rb += kRowBlock)
+            pv_rows<kRowBlock>(acc + rb * Dv, Dv, pb + rb * ps, ps, vrun, vs, keys, partner, rb == 0 ? kpf : RowPrefetch{});
         if (n - rb >= 2) {
             pv_rows<2>(acc + rb * Dv, Dv, pb + rb * ps, ps, vrun, vs, keys, partner, rb == 0 ? kpf : RowPrefetch{});
             rb += 2;
@@ -237,6 +238,14 @@ DecodeKernel decode_kernel(const AttentionParams& p) {
 }
 
 }  // namespace bf16_decode
+
+// As simd_decode's (kRowBlock rows x W / kRowBlock keys per score_keys call), both products
+// by vdpbf16ps on bfloat16 pairs.
+template <> struct PolicyOf<KernelId::kBf16Decode> {
+    static KernelPolicy of(const AttentionParams&) {
+        return {kRowBlock, simd::W / kRowBlock, Product::kBf16Pairs, Product::kBf16Pairs};
+    }
+};
 }  // namespace
 }  // namespace ATTNFAST_KERNEL_NS
 }  // namespace attnfast

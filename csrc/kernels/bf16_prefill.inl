@@ -280,6 +280,13 @@ PrefillKernel prefill_kernel(const AttentionParams& p) {
 }
 
 }  // namespace bf16_prefill
+
+// simd_prefill's micro-tile shape (Bq rows x kRows keys), both products by vdpbf16ps.
+template <> struct PolicyOf<KernelId::kBf16Prefill> {
+    static KernelPolicy of(const AttentionParams&) {
+        return {simd::Bq, simd::kRows, Product::kBf16Pairs, Product::kBf16Pairs};
+    }
+};
 }  // namespace
 }  // namespace ATTNFAST_KERNEL_NS
 }  // namespace attnfast

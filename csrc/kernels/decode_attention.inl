@@ -649,6 +649,29 @@ struct TemplatePrefillBlock {  // template_prefill_block for for_storage_types
     return {KernelId::kTemplatePrefill, attend_block_any, template_prefill_plan};
 }
 
+// ---- micro-kernel policies (KernelTable::kernel_policy, attnfast.explain's "policy")
+// The policy of kernel Id on this tier, specialised next to each kernel from the constants it
+// runs by; a kernel the tier does not compile keeps this empty one (never chosen there).
+template <KernelId Id>
+struct PolicyOf {
+    static KernelPolicy of(const AttentionParams&) { return {}; }
+};
+// The SIMD layer's vfma: fused where the tier has FMA, else a multiply and an add (SSE2).
+#if defined(__FMA__) || defined(__aarch64__)
+constexpr Product kVfmaProduct = Product::kF32Fma;
+#else
+constexpr Product kVfmaProduct = Product::kF32MulAdd;
+#endif
+// The templates: kRowBlock rows against one key per dot_rows call, `a * b + c` in the
+// accumulator type (ISO C++: -ffp-contract=off, so a multiply and an add).
+template <Product kProduct>
+struct TemplatePolicy {
+    static KernelPolicy of(const AttentionParams&) { return {kRowBlock, 1, kProduct, kProduct}; }
+};
+template <> struct PolicyOf<KernelId::kTemplatePrefill> : TemplatePolicy<Product::kF32MulAdd> {};
+template <> struct PolicyOf<KernelId::kTemplateDecode> : TemplatePolicy<Product::kF32MulAdd> {};
+template <> struct PolicyOf<KernelId::kTemplateF64> : TemplatePolicy<Product::kF64> {};
+
 }  // namespace
 }  // namespace ATTNFAST_KERNEL_NS
 }  // namespace attnfast

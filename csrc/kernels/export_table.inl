@@ -32,6 +32,25 @@ namespace {
 // A tier without a GEMM-shaped decode kernel: its decode kernels run those calls too.
 [[maybe_unused]] DecodeKernel no_gemm_decode(const AttentionParams&) { return {KernelId::kNone, nullptr}; }
 
+// KernelTable::kernel_policy: every kernel id named (no default: -Wswitch), each policy
+// specialised next to its kernel (PolicyOf).
+KernelPolicy kernel_policy(KernelId id, const AttentionParams& p) {
+    switch (id) {
+        case KernelId::kNone: return {};
+        case KernelId::kSimdPrefill: return PolicyOf<KernelId::kSimdPrefill>::of(p);
+        case KernelId::kBf16Prefill: return PolicyOf<KernelId::kBf16Prefill>::of(p);
+        case KernelId::kSimdDecode: return PolicyOf<KernelId::kSimdDecode>::of(p);
+        case KernelId::kBf16Decode: return PolicyOf<KernelId::kBf16Decode>::of(p);
+        case KernelId::kVnniInt8Decode: return PolicyOf<KernelId::kVnniInt8Decode>::of(p);
+        case KernelId::kGemmDecode: return PolicyOf<KernelId::kGemmDecode>::of(p);
+        case KernelId::kLatentDecode: return PolicyOf<KernelId::kLatentDecode>::of(p);
+        case KernelId::kTemplatePrefill: return PolicyOf<KernelId::kTemplatePrefill>::of(p);
+        case KernelId::kTemplateDecode: return PolicyOf<KernelId::kTemplateDecode>::of(p);
+        case KernelId::kTemplateF64: return PolicyOf<KernelId::kTemplateF64>::of(p);
+    }
+    return {};
+}
+
 const KernelTable kTable = {
     ATTNFAST_KERNEL_NAME,
     ATTNFAST_LOWP_INSTRUCTIONS,
@@ -41,6 +60,7 @@ const KernelTable kTable = {
     read_fold,
     ATTNFAST_GEMM_DECODE_KERNEL,
     backward_kernels,
+    kernel_policy,
     index_scores,
 };
 

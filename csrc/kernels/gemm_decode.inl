@@ -520,6 +520,17 @@ DecodeKernel gemm_decode_kernel(const AttentionParams& p) {
 }
 
 }  // namespace gemm_decode
+
+// The score register block: kNV x W query rows x kNK keys; the tile policy's products.
+struct GemmDecodePolicy {
+    static KernelPolicy of(const AttentionParams& p) {
+        const Product product =
+            gemm_decode::takes_pair_tile(p) ? Product::kBf16Pairs : kVfmaProduct;
+        return {gemm_decode::kNV * simd::W, gemm_decode::kNK, product, product};
+    }
+};
+template <> struct PolicyOf<KernelId::kGemmDecode> : GemmDecodePolicy {};
+template <> struct PolicyOf<KernelId::kLatentDecode> : GemmDecodePolicy {};
 }  // namespace
 }  // namespace ATTNFAST_KERNEL_NS
 }  // namespace attnfast

@@ -178,6 +178,44 @@ constexpr bool is_template(KernelId id) {
     return id == KernelId::kTemplatePrefill || id == KernelId::kTemplateDecode || id == KernelId::kTemplateF64;
 }
 
+// The arithmetic of one product of a micro-kernel (attnfast.explain's policy "qk", "pv").
+enum class Product : uint8_t {
+    kNone,
+    kF32Fma,     // float32 fused multiply-add (16-bit and int8 values widened first)
+    kF32MulAdd,  // float32 multiply, then add (SSE2 has no FMA; the templates are not contracted)
+    kBf16Pairs,  // vdpbf16ps: two bfloat16 products per float32 lane
+    kInt8Quads,  // vpdpbusd: four int8 products per int32 lane
+    kF64,        // float64 (the template, for float64 calls)
+};
+// Every product named (no default, -Wswitch).
+constexpr const char* product_name(Product product) {
+    switch (product) {
+        case Product::kNone: return "none";
+        case Product::kF32Fma: return "fp32 fma";
+        case Product::kF32MulAdd: return "fp32 mul+add";
+        case Product::kBf16Pairs: return "vdpbf16ps";
+        case Product::kInt8Quads: return "vpdpbusd";
+        case Product::kF64: return "fp64";
+    }
+    return "none";
+}
+// A kernel's micro-kernel policy (KernelTable::kernel_policy; attnfast.explain's "policy"):
+// the register block of its Q.K micro-kernel, query rows (MR) x keys (NR), and the
+// arithmetic of its two products.
+struct KernelPolicy {
+    int64_t rows = 0;
+    int64_t keys = 0;
+    Product qk = Product::kNone;
+    Product pv = Product::kNone;
+};
+// plan_attention's policy fields from a kernel's policy.
+static inline void set_policy(CallPlan& plan, const KernelPolicy& policy) {
+    plan.policy_rows = policy.rows;
+    plan.policy_keys = policy.keys;
+    plan.policy_qk = product_name(policy.qk);
+    plan.policy_pv = product_name(policy.pv);
+}
+
 // The float32-accumulated prefill kernel that runs a call, as KernelTable::prefill_kernel
 // picks it: its id (attnfast.explain names it), its task entry point and its plan.
 struct PrefillKernel {
@@ -250,6 +288,9 @@ struct KernelTable {
     DecodeKernel (*gemm_decode_kernel)(const AttentionParams&);
     // The tier's attention_backward kernels (backward.inl), compiled with its flags.
     const BackwardKernels* (*backward_kernels)();
+    // The policy of the decode or prefill kernel `id` as this tier runs it for a call that
+    // the kernel takes (export_table.inl: from the constants the kernels run by).
+    KernelPolicy (*kernel_policy)(KernelId id, const AttentionParams&);
     // The indexer's scores (index_scores.inl) of query row `row` of batch entry `batch` for
     // keys [s0, s1): scores[s - s0]; workspace: index_workspace_floats(p) floats.
     void (*index_scores)(const IndexParams&, int64_t batch, int64_t row, int64_t s0, int64_t s1,

@@ -310,8 +310,8 @@ struct WidenPath : VectorSoftmax {
                        int64_t nk, int64_t D, float* sj, int64_t ss, const char* vj,
                        int64_t vsb, int64_t v_row_bytes, float /*scale*/) {
         int64_t rb = 0;
-        for (; rb + 4 <= n; rb += 4)
-            ScoreBlock<4, ND, T>::run(qs + rb * qstride, qstride, kj, ks, nk, D, sj + rb * ss, ss,
+        for (; rb + kRowBlock <= n; rb += kRowBlock)
+            ScoreBlock<kRowBlock, ND, T>::run(qs + rb * qstride, qstride, kj, ks, nk, D, sj + rb * ss, ss,
                                       rb == 0 ? vj : nullptr, vsb, v_row_bytes);
         if (n - rb >= 2) {
             ScoreBlock<2, ND, T>::run(qs + rb * qstride, qstride, kj, ks, nk, D, sj + rb * ss, ss,
@@ -331,8 +331,8 @@ struct WidenPath : VectorSoftmax {
                        const RowPrefetch& kpf = RowPrefetch{}) {
         const float* s = s_block + c0;
         int64_t rb = 0;
-        for (; rb + 4 <= n; rb += 4)
-            pv_rows<4>(acc + rb * Dv, Dv, s + rb * ss, ss, vrun, vs, 0, keys, rb == 0 ? kpf : RowPrefetch{});
+        for (; rb + kRowBlock <= n; rb += kRowBlock)
+            pv_rows<kRowBlock>(acc + rb * Dv, Dv, s + rb * ss, ss, vrun, vs, 0, keys, rb == 0 ? kpf : RowPrefetch{});
         if (n - rb >= 2) {
             pv_rows<2>(acc + rb * Dv, Dv, s + rb * ss, ss, vrun, vs, 0, keys, rb == 0 ? kpf : RowPrefetch{});
             rb += 2;
@@ -372,6 +372,14 @@ DecodeKernel decode_kernel(const AttentionParams& p) {
 }
 
 }  // namespace simd_decode
+
+// kRowBlock rows per score_keys call, each against W / kRowBlock keys (one vector of
+// scores); both products vfma over K/V widened to float32.
+template <> struct PolicyOf<KernelId::kSimdDecode> {
+    static KernelPolicy of(const AttentionParams&) {
+        return {kRowBlock, simd::W / kRowBlock, kVfmaProduct, kVfmaProduct};
+    }
+};
 }  // namespace
 }  // namespace ATTNFAST_KERNEL_NS
 }  // namespace attnfast

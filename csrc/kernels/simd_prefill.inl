@@ -1022,6 +1022,14 @@ PrefillKernel prefill_kernel(const AttentionParams&) {
 }
 
 }  // namespace simd
+
+// The S micro-tile: Bq query rows (in the vector lanes) x kRows keys; both products vfma
+// (K and V not float32 widened into a float32 copy first).
+template <> struct PolicyOf<KernelId::kSimdPrefill> {
+    static KernelPolicy of(const AttentionParams&) {
+        return {simd::Bq, simd::kRows, kVfmaProduct, kVfmaProduct};
+    }
+};
 }  // namespace
 }  // namespace ATTNFAST_KERNEL_NS
 }  // namespace attnfast

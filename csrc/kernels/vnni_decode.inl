@@ -136,8 +136,8 @@ struct VnniPath : simd_decode::VectorSoftmax {
                        int64_t nk, int64_t D, float* sj, int64_t ss, const char* vj,
                        int64_t vsb, int64_t v_row_bytes, float /*scale*/) {
         int64_t rb = 0;
-        for (; rb + 4 <= n; rb += 4)
-            ScoreBlock<4, ND>::run(qs + rb * qstride, qstride, kj, ks, nk, D, sj + rb * ss, ss,
+        for (; rb + kRowBlock <= n; rb += kRowBlock)
+            ScoreBlock<kRowBlock, ND>::run(qs + rb * qstride, qstride, kj, ks, nk, D, sj + rb * ss, ss,
                                    rb == 0 ? vj : nullptr, vsb, v_row_bytes);
         if (n - rb >= 2) {
             ScoreBlock<2, ND>::run(qs + rb * qstride, qstride, kj, ks, nk, D, sj + rb * ss, ss,
@@ -188,6 +188,14 @@ DecodeKernel decode_kernel(const AttentionParams& p) {
 }
 
 }  // namespace vnni_decode
+
+// kRowBlock rows x W / kRowBlock keys per score_keys call; Q.K by vpdpbusd over q quantised
+// per row, P.V as simd_decode's (the int8 V rows widened, vfma).
+template <> struct PolicyOf<KernelId::kVnniInt8Decode> {
+    static KernelPolicy of(const AttentionParams&) {
+        return {kRowBlock, simd::W / kRowBlock, Product::kInt8Quads, kVfmaProduct};
+    }
+};
 }  // namespace
 }  // namespace ATTNFAST_KERNEL_NS
 }  // namespace attnfast

@@ -88,6 +88,10 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
         cbool latent_kv
         int64_t rows_per_kv_read
         const char* regime
+        int64_t policy_rows
+        int64_t policy_keys
+        const char* policy_qk
+        const char* policy_pv
     CallPlan plan_attention_core "attnfast::plan_attention"(const AttentionParams&) except + nogil
     cdef struct IndexParams:
         const float* q
@@ -512,6 +516,8 @@ def plan_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, *, bint causal, 
         "regime": plan.regime.decode() if plan.regime != NULL else "compute",
         "latent_kv": bool(plan.latent_kv),
         "rows_per_kv_read": plan.rows_per_kv_read if plan.decode else None,
+        "policy": {"rows": plan.policy_rows, "keys": plan.policy_keys,
+                   "qk": plan.policy_qk.decode(), "pv": plan.policy_pv.decode()},
     }
 
 
