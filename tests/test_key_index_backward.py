@@ -5,7 +5,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import attnfast
 from attnfast import attention, attention_backward
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

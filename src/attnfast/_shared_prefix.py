@@ -117,7 +117,6 @@ def run_paged_kernels(call, user_out, return_lse, k_pool, v_pool, k_scale, v_sca
     stats["groups"] += len(groups)
     out, lse = start_result(attn, user_out, return_lse)
     q = compute_queries(attn)
-    H, Tq = attn.heads, attn.seqlen_q
     grouped = np.zeros(attn.batch, bool)
     for group in groups:
         rows = np.array(group.rows)
