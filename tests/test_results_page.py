@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from attnfast.bench import results
+from attnfast.bench.sparse_results import load_sparse_runs
 from attnfast.bench.limits import limits_from
 from attnfast.bench.report import table
 
@@ -125,7 +126,9 @@ def test_committed_page_is_generated_from_the_committed_runs():
     plots = {kind: [results.plot_ref(kind, what, "images") for what in ("decode", "prefill")
                     if (root / "docs" / "images" / f"{kind}-{what}.png").exists()]
              for kind in runs}
-    assert (root / "docs" / "results.md").read_text() == results.render_page(runs, plots)
+    sparse = load_sparse_runs(str(root / "bench" / "results"))
+    assert "zen4-avx512bf16" in sparse
+    assert (root / "docs" / "results.md").read_text() == results.render_page(runs, plots, sparse)
 
 
 def test_sparse_section_from_json(tmp_path):
