@@ -105,10 +105,16 @@ struct PairDot {
 // queries (kUnitBlock x NV * W units, 8 KiB) stay in L1 across the key blocks, and the sum of
 // each score grows a rounding error with kUnitBlock + D / kUnitBlock terms rather than with D.
 constexpr int64_t kUnitBlock = 64;
-// (score_block and value_block are kept out of line: inlined into chunk(), the compiler spilled
-// their operands to the stack, bfloat16 MLA 0.71-0.73x; HISTORY 46.)
+// With 32 vector registers score_block and value_block are kept out of line: inlined into
+// chunk(), the compiler spilled their operands to the stack (bfloat16 MLA 0.71-0.73x). With 16
+// (AVX2) out of line measured 0.57x (HISTORY 46): inlined there.
+#if ATTNFAST_SIMD_BYTES >= 64
+#define ATTNFAST_BLOCK_LINKAGE __attribute__((noinline))
+#else
+#define ATTNFAST_BLOCK_LINKAGE inline
+#endif
 template <class Dot, int NV, int NK>
-__attribute__((noinline)) void score_block(const typename Dot::Unit* __restrict qb, int64_t rp,
+ATTNFAST_BLOCK_LINKAGE void score_block(const typename Dot::Unit* __restrict qb, int64_t rp,
                         const typename Dot::Unit* const* krows, int64_t nk, int64_t u0, int64_t u1,
                         float* __restrict st) {
     using Unit = typename Dot::Unit;
@@ -144,7 +150,7 @@ __attribute__((noinline)) void score_block(const typename Dot::Unit* __restrict 
 // for the NV * W rows at acct / pt / corr, `steps` units of keys j (a key, or a pair of keys)
 // and value columns i < nd (nd <= NK).
 template <class Dot, int NV, int NK>
-__attribute__((noinline)) void value_block(float* __restrict acct, int64_t rp, const typename Dot::Unit* __restrict pt,
+ATTNFAST_BLOCK_LINKAGE void value_block(float* __restrict acct, int64_t rp, const typename Dot::Unit* __restrict pt,
                         const float* __restrict corr, const typename Dot::Unit* const* vrows,
                         int64_t steps, int64_t dv0, int64_t nd) {
     int64_t col[NK];
