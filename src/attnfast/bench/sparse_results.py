@@ -65,49 +65,63 @@ def _run_line(meta: dict) -> str:
             + meta["command"] + "\n")
 
 
+def _table(title: str, part: dict, note: str, columns: list, cells) -> str:
+    """One part's subsection: its title, the run, a note, and a row of ``cells(row)`` for every
+    stored row (``cells`` returns None to leave a row out)."""
+    lines = [f"\n### {title}\n\n" + _run_line(part["meta"]) + "\n" + note,
+             "| " + " | ".join(columns) + " |\n", "|" + "---|" * len(columns) + "\n"]
+    for r in part["rows"]:
+        row = cells(r)
+        if row is not None:
+            lines.append("| " + " | ".join(row) + " |\n")
+    return "".join(lines)
+
+
+def _mla_cells(r: dict):
+    if not r.get("top_k"):
+        return None
+    return [str(r["threads"]), str(r["L"]), r["dtype"], str(r["top_k"]), f"{r['sparse_ms']:.2f}",
+            f"{100 * r['sparse_of_roofline']:.0f} %", f"{r['attnfast_ms']:.1f}",
+            f"{r['dense_over_sparse']:.1f}x", f"{r['torch_sparse_ms']:.2f}",
+            f"{r['torch_sparse_ms'] / r['sparse_ms']:.2f}x"]
+
+
+def _indexer_cells(r: dict):
+    return [str(r["threads"]), f"{r['heads']} x {r['dim']}", r["key_dtype"], str(r["L"]), str(r["topk"]),
+            f"{r['ms']:.1f}", f"{r['gflops']:.0f}", f"{100 * r['of_roofline']:.0f} %",
+            f"{100 * r['topk_share']:.1f} %"]
+
+
+def _chunk_cells(r: dict):
+    return [str(r["threads"]), str(r["heads"]), str(r["D"]), str(r["new"]), str(r["prompt"]),
+            str(r["topk"]), f"{r['sparse_s']:.2f}", f"{r['dense_s']:.2f}",
+            f"{r['dense_s'] / r['sparse_s']:.1f}x"]
+
+
+_CHUNK_COLUMNS = ["threads", "heads", "D", "new tokens", "after", "top-k", "sparse s", "dense masked s",
+                  "dense / sparse"]
+# (part, title, note, columns, cells) in page order.
+_PARTS = (
+    ("mla", "MLA decode over the top-k keys (`key_index=`), one query token",
+     "Roofline: max(bytes / read, FLOPs / GEMM of the dtype), both measured in the same run; "
+     "with 128 heads the step is compute-bound.\n\n",
+     ["threads", "L", "dtype", "top-k", "sparse ms", "% of its roofline", "dense ms", "dense / sparse",
+      "torch gather + matmul ms", "torch / sparse"], _mla_cells),
+    ("indexer", "The lightning indexer (`index_topk`), one decode query",
+     "Roofline: max((key bytes + 4-byte scale) x L / read, 2 x heads x dim x L / bfloat16 GEMM); "
+     "\"top-k share\": the time above the same call with top-1.\n\n",
+     ["threads", "heads x dim", "keys", "L", "top-k", "ms", "GFLOP/s", "% of roofline", "top-k share"],
+     _indexer_cells),
+    ("prefill", "Prefill of a chunk, each query over its own top-k", "", _CHUNK_COLUMNS, _chunk_cells),
+    ("backward", "The backward of that chunk (`attention_backward(key_index=)`)", "", _CHUNK_COLUMNS,
+     _chunk_cells),
+)
+
+
 def render_sparse_section(kind: str, data: dict) -> str:
     """The "Sparse attention" section of one CPU kind: MLA decode over the selected keys
     against the dense step and a torch gather + matmul; the lightning indexer; a sparse
-    prefill chunk against the same attention as a dense masked call."""
-    out = [f"## Sparse attention (DeepSeek-V3.2 / GLM-5): {kind}\n"]
-    mla = data.get("mla")
-    if mla:
-        out.append("\n### MLA decode over the top-k keys (`key_index=`), one query token\n\n"
-                   + _run_line(mla["meta"]) + "\n"
-                   "Roofline: max(bytes / read, FLOPs / GEMM of the dtype), both measured in the "
-                   "same run; with 128 heads the step is compute-bound.\n\n"
-                   "| threads | L | dtype | top-k | sparse ms | % of its roofline | dense ms | "
-                   "dense / sparse | torch gather + matmul ms | torch / sparse |\n"
-                   "|---|---|---|---|---|---|---|---|---|---|\n")
-        for r in mla["rows"]:
-            if not r.get("top_k"):
-                continue
-            out.append(f"| {r['threads']} | {r['L']} | {r['dtype']} | {r['top_k']} | "
-                       f"{r['sparse_ms']:.2f} | {100 * r['sparse_of_roofline']:.0f} % | "
-                       f"{r['attnfast_ms']:.1f} | {r['dense_over_sparse']:.1f}x | "
-                       f"{r['torch_sparse_ms']:.2f} | {r['torch_sparse_ms'] / r['sparse_ms']:.2f}x |\n")
-    idx = data.get("indexer")
-    if idx:
-        out.append("\n### The lightning indexer (`index_topk`), one decode query\n\n"
-                   + _run_line(idx["meta"]) + "\n"
-                   "Roofline: max((key bytes + 4-byte scale) x L / read, 2 x heads x dim x L / "
-                   "bfloat16 GEMM); \"top-k share\": the time above the same call with top-1.\n\n"
-                   "| threads | heads x dim | keys | L | top-k | ms | GFLOP/s | % of roofline | "
-                   "top-k share |\n|---|---|---|---|---|---|---|---|---|\n")
-        for r in idx["rows"]:
-            out.append(f"| {r['threads']} | {r['heads']} x {r['dim']} | {r['key_dtype']} | {r['L']} | "
-                       f"{r['topk']} | {r['ms']:.1f} | {r['gflops']:.0f} | "
-                       f"{100 * r['of_roofline']:.0f} % | {100 * r['topk_share']:.1f} % |\n")
-    for part, title in (("prefill", "Prefill of a chunk, each query over its own top-k"),
-                        ("backward", "The backward of that chunk (`attention_backward(key_index=)`)")):
-        pre = data.get(part)
-        if not pre:
-            continue
-        out.append(f"\n### {title}\n\n" + _run_line(pre["meta"]) + "\n"
-                   "| threads | heads | D | new tokens | after | top-k | sparse s | dense masked s | "
-                   "dense / sparse |\n|---|---|---|---|---|---|---|---|---|\n")
-        for r in pre["rows"]:
-            out.append(f"| {r['threads']} | {r['heads']} | {r['D']} | {r['new']} | {r['prompt']} | "
-                       f"{r['topk']} | {r['sparse_s']:.2f} | {r['dense_s']:.2f} | "
-                       f"{r['dense_s'] / r['sparse_s']:.1f}x |\n")
-    return "".join(out)
+    prefill chunk (and its backward) against the same attention as a dense masked call."""
+    return (f"## Sparse attention (DeepSeek-V3.2 / GLM-5): {kind}\n"
+            + "".join(_table(title, data[part], note, columns, cells)
+                      for part, title, note, columns, cells in _PARTS if data.get(part)))
