@@ -12,9 +12,11 @@ tiers. Each extension loads RTLD_LOCAL, so the two builds share no symbols.
 
 Cases (``kind:key=value,...``; sizes take k = 1024):
 
-    decode:H=32,Hkv=8,L=16k,D=128,dtype=bfloat16[,format=int8][,block=16][,Tq=1][,B=1][,Dv=..][,latent=1]
+    decode:H=32,Hkv=8,L=16k,D=128,dtype=bfloat16[,format=int8][,block=16][,Tq=1][,B=1][,Dv=..][,latent=1][,topk=..]
         one KV-cache step (latent=1: an MLA latent cache, V the first Dv elements of each K row,
-        e.g. decode:H=128,Hkv=1,D=576,Dv=512,latent=1,L=8k) (KVCache.attend, or PagedKVCache.attend with block=), the cache
+        e.g. decode:H=128,Hkv=1,D=576,Dv=512,latent=1,L=8k; topk=K: sparse attention over K
+        distinct random positions per query row, key_index=, the same on both sides)
+        (KVCache.attend, or PagedKVCache.attend with block=), the cache
         holding the same tokens on both sides; format is the cache's dtype (float32,
         bfloat16, float16, int8, float8_e4m3fn, float8_e5m2, int4), dtype that of q. Beside it, attnfast's
         native read kernel over a buffer of the cache's bytes, timed in the same rounds: "% read".
@@ -47,7 +49,7 @@ FORMATS = {"float32": np.float32, "float64": np.float64, "bfloat16": ml_dtypes.b
            "float8_e5m2": ml_dtypes.float8_e5m2, "int4": "int4"}
 CASE_DEFAULTS = {
     "decode": {"B": 1, "H": 32, "Hkv": 8, "L": 16384, "D": 128, "Dv": None, "latent": 0, "Tq": 1,
-               "dtype": "float32", "format": None, "block": None},
+               "dtype": "float32", "format": None, "block": None, "topk": 0},
     "prefill": {"B": 1, "H": 8, "Hkv": 8, "T": 4096, "D": 128, "dtype": "float32", "causal": 0},
 }
 
@@ -131,9 +133,11 @@ class Side:
         return run
 
 
-def decode_call(side: Side, case: dict, tokens, q, threads: int):
-    """(the timed call, the cache's bytes) for one side's cache holding `tokens`."""
+def decode_call(side: Side, case: dict, tokens, q, threads: int, index=None):
+    """(the timed call, the cache's bytes) for one side's cache holding `tokens` (index: the
+    key_index of a sparse case, else None)."""
     af, (k, v) = side.af, tokens
+    options = {} if index is None else {"key_index": index}
     fmt = FORMATS[case["format"]]
     shape = dict(v_head_dim=case["Dv"], latent=bool(case["latent"]))
     if case["latent"]:
@@ -143,11 +147,11 @@ def decode_call(side: Side, case: dict, tokens, q, threads: int):
         cache = af.PagedKVCache(case["B"] * per_seq, case["block"], case["Hkv"], case["D"], dtype=fmt, **shape)
         seqs = [cache.add_sequence() for _ in range(case["B"])]
         cache.append(seqs, k, v)
-        fn = lambda: cache.attend(seqs, q, num_threads=threads)
+        fn = lambda: cache.attend(seqs, q, num_threads=threads, **options)
     else:
         cache = af.KVCache(case["B"], case["Hkv"], case["D"], case["L"], dtype=fmt, **shape)
         cache.append(k, v)
-        fn = lambda: cache.attend(q, num_threads=threads)
+        fn = lambda: cache.attend(q, num_threads=threads, **options)
     nbytes = sum(np.asarray(a).nbytes for a in (cache.k, cache.v, cache.k_scale, cache.v_scale)
                  if a is not None and not (a is cache.v and np.shares_memory(cache.k, cache.v)))
     return side.call(fn), nbytes
@@ -165,8 +169,15 @@ def run_case(case: dict, a: Side, b: Side, threads: int, rounds: int, rng) -> di
         tokens = tuple(rng.standard_normal(shape + (d,), dtype=np.float32).astype(kv_dtype)
                        for d in (case["D"], case["Dv"]))
         q = rng.standard_normal((case["B"], case["H"], case["Tq"], case["D"]), dtype=np.float32).astype(act)
-        fa, nbytes = decode_call(a, case, tokens, q, threads)
-        fb, _ = decode_call(b, case, tokens, q, threads)
+        index = None
+        if case["topk"]:  # a sparse step reads its selected rows only
+            index = np.stack([rng.choice(case["L"], case["topk"], replace=False)
+                              for _ in range(case["B"] * case["Tq"])]).astype(np.int32)
+            index = index.reshape(case["B"], case["Tq"], case["topk"])
+        fa, nbytes = decode_call(a, case, tokens, q, threads, index)
+        fb, _ = decode_call(b, case, tokens, q, threads, index)
+        if index is not None:
+            nbytes = nbytes * case["topk"] // case["L"]
         buf = np.ones(nbytes, dtype=np.uint8)
         fns = {"a": fa, "b": fb, "read": lambda: _ext.read_bytes(buf, threads)}
         row["bytes"] = nbytes

@@ -74,10 +74,12 @@ DecodeSplit split_decode(const AttentionParams& p, int64_t chunk_keys) {
 
 inline int64_t line_up(int64_t bytes) { return (bytes + 63) / 64 * 64; }
 
-// Bytes run_chunk stages a chunk's listed rows in: their K and V row scales (float32), then
-// the K rows, then the V rows (none for a latent cache), each part from a 64-byte line.
-int64_t staging_bytes(const AttentionParams& p, int64_t chunk_keys) {
+// Bytes run_chunk stages a chunk's listed rows in: for a kernel that reads an indexed source
+// their positions (int32); else their K and V row scales (float32), then the K rows, then
+// the V rows (none for a latent cache), each part from a 64-byte line.
+int64_t staging_bytes(const AttentionParams& p, int64_t chunk_keys, bool reads_index) {
     if (!p.key_index) return 0;
+    if (reads_index) return line_up(chunk_keys * int64_t(sizeof(int32_t)));
     const int64_t v_bytes = kv_is_latent(p) ? 0 : stored_row_bytes(p.kv_dtype, p.head_dim_v);
     return line_up(2 * chunk_keys * int64_t(sizeof(float))) +
            line_up(chunk_keys * stored_row_bytes(p.kv_dtype, p.head_dim)) + line_up(chunk_keys * v_bytes);
@@ -91,9 +93,10 @@ int64_t workspace_elems_of(const AttentionParams& p, const DecodeKernel& kernel)
 // A thread's whole scratch: the kernel's own (`own` elements of A), then, from a 64-byte
 // line on, run_chunk's staging (key_index).
 template <class A>
-int64_t thread_scratch_elems(const AttentionParams& p, int64_t own, int64_t chunk_keys) {
+int64_t thread_scratch_elems(const AttentionParams& p, int64_t own, int64_t chunk_keys, bool reads_index) {
     const int64_t line = 64 / static_cast<int64_t>(sizeof(A));
-    return (own + line - 1) / line * line + (staging_bytes(p, chunk_keys) + int64_t(sizeof(A)) - 1) / int64_t(sizeof(A));
+    return (own + line - 1) / line * line +
+           (staging_bytes(p, chunk_keys, reads_index) + int64_t(sizeof(A)) - 1) / int64_t(sizeof(A));
 }
 
 // Address of key `pos`'s row of (batch, kv head) in one of the cache's arrays (elements of
@@ -109,17 +112,37 @@ const char* row_at(const AttentionParams& p, const void* data, int64_t elem_byte
     return static_cast<const char*>(data) + at * elem_bytes;
 }
 
-// One decode task through chunk_fn. With key_index, the task's list entries are gathered
-// first: the rows they name that the query row sees (causal / window; -1 skipped), in list
-// order, copied into the staging after the kernel's scratch (`own` elements), and the
-// kernel runs on those rows as a contiguous cache that every row sees whole. The chunk
+// One decode task through chunk_fn. With key_index, the task's list entries name the rows
+// it reads: those the query row sees (causal / window; -1 skipped), in list order, kept in
+// the staging after the kernel's scratch (`own` elements). A kernel that reads an indexed
+// source (reads_index) gets their positions (DecodeTask::rows); any other, the rows copied
+// there as a contiguous cache. Either sees them as keys 0 .. n, every one visible. The chunk
 // points are fixed, so the bits do not depend on the thread count.
 template <class A>
-void run_chunk(const AttentionParams& p, const DecodeTask& task, DecodeChunkFn<A> chunk_fn, A* ws,
-               int64_t own, A* acc, A* m, A* l) {
+void run_chunk(const AttentionParams& p, const DecodeTask& task, DecodeChunkFn<A> chunk_fn, bool reads_index,
+               A* ws, int64_t own, A* acc, A* m, A* l) {
     if (!p.key_index) return chunk_fn(p, task, ws, acc, m, l);
     const int64_t line = 64 / static_cast<int64_t>(sizeof(A));
     char* stage = reinterpret_cast<char*>(ws + (own + line - 1) / line * line);
+    const int32_t* list = p.key_index + task.batch * p.key_index_batch_stride +
+                          task.kv_head * p.key_index_head_stride;
+    const KeyRange vis = visible_keys(p, 0, task.seqlen_k);
+    AttentionParams staged = p;  // keys 0 .. n, all visible
+    staged.seqlens_k = nullptr;
+    staged.causal = false;
+    staged.window_left = staged.window_right = -1;
+    staged.has_query_offset = false;
+    staged.key_index = nullptr;
+    if (reads_index) {
+        int32_t* rows = reinterpret_cast<int32_t*>(stage);
+        int64_t n = 0;
+        for (int64_t x = task.key_begin; x < task.key_end; ++x)
+            if (list[x] >= vis.begin && list[x] < vis.end) rows[n++] = list[x];  // (-1 too: vis.begin >= 0)
+        staged.seqlen_k = n;
+        DecodeTask listed{task.batch, task.kv_head, 0, n, n};
+        listed.rows = rows;
+        return chunk_fn(staged, listed, ws, acc, m, l);
+    }
     const int64_t keys = task.key_end - task.key_begin;
     const bool latent = kv_is_latent(p);
     const int64_t eb = dtype_bytes(p.kv_dtype);
@@ -128,9 +151,6 @@ void run_chunk(const AttentionParams& p, const DecodeTask& task, DecodeChunkFn<A
     float* v_scales = k_scales + keys;
     char* k_rows = stage + line_up(2 * keys * int64_t(sizeof(float)));
     char* v_rows = latent ? k_rows : k_rows + line_up(keys * k_bytes);
-    const int32_t* list = p.key_index + task.batch * p.key_index_batch_stride +
-                          task.kv_head * p.key_index_head_stride;
-    const KeyRange vis = visible_keys(p, 0, task.seqlen_k);
     int64_t n = 0;
     for (int64_t x = task.key_begin; x < task.key_end; ++x) {
         const int64_t pos = list[x];
@@ -148,8 +168,7 @@ void run_chunk(const AttentionParams& p, const DecodeTask& task, DecodeChunkFn<A
         }
         ++n;
     }
-    AttentionParams staged = p;  // the gathered rows: one contiguous run, all visible
-    staged.k = k_rows;
+    staged.k = k_rows;  // the gathered rows: one contiguous run
     staged.v = v_rows;
     staged.k_batch_stride = staged.k_head_stride = staged.v_batch_stride = staged.v_head_stride = 0;
     staged.k_row_stride = k_bytes / eb;
@@ -162,12 +181,7 @@ void run_chunk(const AttentionParams& p, const DecodeTask& task, DecodeChunkFn<A
         staged.k_scale_row_stride = staged.v_scale_row_stride = 1;
     }
     staged.block_table = nullptr;
-    staged.seqlens_k = nullptr;
     staged.seqlen_k = n;
-    staged.causal = false;
-    staged.window_left = staged.window_right = -1;
-    staged.has_query_offset = false;
-    staged.key_index = nullptr;
     chunk_fn(staged, DecodeTask{task.batch, task.kv_head, 0, n, n}, ws, acc, m, l);
 }
 
@@ -179,9 +193,9 @@ int64_t decode_work(const AttentionParams& p, const DecodeSplit& split) {
 }
 
 template <class A>
-void run_decode(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMergeFn<A> merge_fn,
+void run_decode(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, bool reads_index, DecodeMergeFn<A> merge_fn,
                 int64_t chunk_keys, int64_t own_elems) {
-    const int64_t ws_elems = thread_scratch_elems<A>(p, own_elems, chunk_keys);
+    const int64_t ws_elems = thread_scratch_elems<A>(p, own_elems, chunk_keys, reads_index);
     const int64_t rows = decode_rows(p);
     const int64_t heads_kv = p.kv_heads;
     if (p.batch == 0 || rows == 0) return;
@@ -201,7 +215,7 @@ void run_decode(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMerge
     const ThreadScratch<A> workspace(ws_elems, threads);
 
     parallel::for_each_dynamic(slots, threads, p.interruptible, [&](int64_t slot, int thread_id) {
-        run_chunk(p, tasks[slot], chunk_fn, workspace.at(thread_id), own_elems,
+        run_chunk(p, tasks[slot], chunk_fn, reads_index, workspace.at(thread_id), own_elems,
                   acc.get() + slot * rows * p.head_dim_v, row_max + slot * rows, row_sum + slot * rows);
     });
     parallel::for_each_dynamic(merges, threads, p.interruptible, [&](int64_t index, int thread_id) {
@@ -227,10 +241,10 @@ DecodeKernel choose_decode(const KernelTable& kernels, const AttentionParams& p)
 template <class A>
 class DecodeWork : public ProblemWork {
 public:
-    DecodeWork(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, DecodeMergeFn<A> merge_fn,
+    DecodeWork(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, bool reads_index, DecodeMergeFn<A> merge_fn,
                int64_t chunk_keys, int64_t own_elems)
-        : p_(p), chunk_fn_(chunk_fn), merge_fn_(merge_fn), rows_(decode_rows(p)), own_elems_(own_elems),
-          ws_elems_(thread_scratch_elems<A>(p, own_elems, chunk_keys)) {
+        : p_(p), chunk_fn_(chunk_fn), reads_index_(reads_index), merge_fn_(merge_fn), rows_(decode_rows(p)),
+          own_elems_(own_elems), ws_elems_(thread_scratch_elems<A>(p, own_elems, chunk_keys, reads_index)) {
         if (p.batch == 0 || rows_ == 0) return;
         split_ = split_decode(p, chunk_keys);
         const size_t slots = split_.tasks.size() > 0 ? split_.tasks.size() : 1;
@@ -250,7 +264,7 @@ public:
         A* row_max = max_sum_.get();
         A* row_sum = max_sum_.get() + slots_ * rows_;
         if (phase == 0) {
-            run_chunk(p_, split_.tasks[static_cast<size_t>(unit)], chunk_fn_, ws, own_elems_,
+            run_chunk(p_, split_.tasks[static_cast<size_t>(unit)], chunk_fn_, reads_index_, ws, own_elems_,
                       acc_.get() + unit * rows_ * p_.head_dim_v, row_max + unit * rows_, row_sum + unit * rows_);
             return;
         }
@@ -263,6 +277,7 @@ public:
 private:
     AttentionParams p_;
     DecodeChunkFn<A> chunk_fn_;
+    bool reads_index_;
     DecodeMergeFn<A> merge_fn_;
     int64_t rows_;
     int64_t own_elems_;  // the chunk kernel's scratch, in elements of A
@@ -281,9 +296,9 @@ std::unique_ptr<ProblemWork> make_decode_work(const AttentionParams& p) {
     const int64_t ws_elems = workspace_elems_of(p, kernel);
     if (kernel.chunk)
         return std::unique_ptr<ProblemWork>(
-            new DecodeWork<float>(p, kernel.chunk, kernels.decode_merge, chunk_keys, ws_elems));
+            new DecodeWork<float>(p, kernel.chunk, kernel.reads_index, kernels.decode_merge, chunk_keys, ws_elems));
     return std::unique_ptr<ProblemWork>(new DecodeWork<double>(
-        p, kernels.decode_chunk_f64, kernels.decode_merge_f64, chunk_keys, ws_elems));
+        p, kernels.decode_chunk_f64, false, kernels.decode_merge_f64, chunk_keys, ws_elems));
 }
 
 bool runs_as_row_blocks(const AttentionParams& p) {
@@ -323,8 +338,8 @@ void decode_forward(const AttentionParams& p) {
     const DecodeKernel kernel = choose_decode(kernels, p);
     const int64_t chunk_keys = chunk_keys_of(p, kernel);
     const int64_t ws_elems = workspace_elems_of(p, kernel);
-    if (kernel.chunk) run_decode<float>(p, kernel.chunk, kernels.decode_merge, chunk_keys, ws_elems);
-    else run_decode<double>(p, kernels.decode_chunk_f64, kernels.decode_merge_f64, chunk_keys, ws_elems);
+    if (kernel.chunk) run_decode<float>(p, kernel.chunk, kernel.reads_index, kernels.decode_merge, chunk_keys, ws_elems);
+    else run_decode<double>(p, kernels.decode_chunk_f64, false, kernels.decode_merge_f64, chunk_keys, ws_elems);
 }
 
 CallPlan plan_decode(const AttentionParams& p) {

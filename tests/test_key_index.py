@@ -175,6 +175,34 @@ def test_latent_cache_many_heads():
                           seqlens=np.array([900]))[0], 2e-5)
 
 
+@pytest.mark.parametrize("dtype,tol", [(np.float32, 2e-5), (BF16, 2e-2)])
+def test_latent_rows_read_where_they_lie(dtype, tol):
+    """The GEMM-shaped kernel reads an indexed source's rows in place (contiguous and paged):
+    unlisted rows hold NaN, a list longer than a chunk (2,048 keys) with -1 entries is split
+    and merged, the same bits on one thread and two and paged as contiguous."""
+    rng = np.random.default_rng(16)
+    B, H, C, D, Dv, k, bs = 1, 32, 6144, 64, 32, 4500, 64
+    index = random_index(rng, B, 1, 1, k, C, none=0.1)
+    listed = np.unique(index[index >= 0])
+    latent = np.full((B, 1, C, D), np.nan, np.float32)
+    latent[:, :, listed] = rng.standard_normal((B, 1, listed.size, D))
+    latent = latent.astype(dtype)
+    q = rng.standard_normal((B, H, 1, D)).astype(dtype)
+    table = rng.permutation(C // bs).astype(np.int32)[None]
+    pool = np.empty((C // bs, 1, bs, D), dtype)
+    for x in range(C // bs):
+        pool[table[0, x]] = latent[0, :, x * bs:(x + 1) * bs]
+    plan = attnfast.explain(q, latent, latent[..., :Dv], cache_seqlens=C, key_index=index[:, 0])
+    assert plan["kernel"] == "latent_decode" and "indexed" in plan["kv_source"]
+    one = attention_with_kvcache(q, latent, latent[..., :Dv], C, key_index=index[:, 0], num_threads=1)
+    two = attention_with_kvcache(q, latent, latent[..., :Dv], C, key_index=index[:, 0], num_threads=2)
+    paged = attention_with_kvcache(q, pool, pool[..., :Dv], C, block_table=table, key_index=index[:, 0])
+    assert np.array_equal(one.view(np.uint8), two.view(np.uint8))
+    assert np.array_equal(one.view(np.uint8), paged.view(np.uint8))
+    clean = np.nan_to_num(latent.astype(np.float64))
+    _close(one, reference(q, clean, clean[..., :Dv], index, causal=True)[0], tol)
+
+
 def test_rejected_calls_name_key_index_and_write_nothing():
     rng = np.random.default_rng(7)
     B, H, Hkv, C, D = 1, 2, 1, 64, 16

@@ -158,9 +158,10 @@ inline RowScales row_scales(const AttentionParams& p, const float* scale, int64_
 }
 
 // Where the key (or value) rows of one (batch, kv head) live: one strided run, or, in a
-// paged cache (AttentionParams::block_table), one run per block, found through the table.
-// Kernels ask for a row's address once per run (run_end) and step by row_stride inside it,
-// so the table is read once per block, not once per key.
+// paged cache (AttentionParams::block_table), one run per block, found through the table;
+// either read through a list of positions (an indexed source: DecodeTask::rows), row j
+// being position index[j]. Kernels ask for a row's address once per run (run_end) and step
+// by row_stride inside it, so the table is read once per block, not once per key.
 template <class T>
 struct KeyRows {
     const T* base;               // contiguous: row 0; paged: the pool at this kv head
@@ -168,14 +169,17 @@ struct KeyRows {
     const int64_t* table;        // paged: the batch entry's block ids; nullptr: contiguous
     int64_t block_stride;        // paged: elements between blocks of the pool
     int64_t block_size;          // paged: rows per block
+    const int32_t* index = nullptr;  // indexed: row j's position; nullptr: row j is position j
 
     const T* at(int64_t j) const {
+        if (index) j = index[j];
         if (!table) return base + j * row_stride;
         return base + table[j / block_size] * block_stride + j % block_size * row_stride;
     }
     // End of the run of rows that starts at j (rows j, j + 1, .. at row_stride steps), at
-    // most `end`: the end of j's block when paged.
+    // most `end`: the end of j's block when paged, j + 1 when indexed.
     int64_t run_end(int64_t j, int64_t end) const {
+        if (index) return j + 1 < end ? j + 1 : end;
         if (!table) return end;
         const int64_t block_end = (j / block_size + 1) * block_size;
         return block_end < end ? block_end : end;

@@ -358,10 +358,11 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
     }
     for (int64_t x = 0; x < Dv * rp; ++x) acct[x] = 0;
 
-    const KeyRows<T> k = key_rows<T>(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
-                                     task.batch, task.kv_head);
-    const KeyRows<T> v = key_rows<T>(p, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
-                                     task.batch, task.kv_head);
+    KeyRows<T> k = key_rows<T>(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
+                               task.batch, task.kv_head);
+    KeyRows<T> v = key_rows<T>(p, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
+                               task.batch, task.kv_head);
+    k.index = v.index = task.rows;  // (the tiles read rows one by one: any source)
     const bool capped = p.softcap > 0;
     // softcap in base 2 (RowOptions): c log2(e) tanh(x / (c log2 e))
     const Vec cap = simd::vset(static_cast<float>(p.softcap * kLog2e));
@@ -524,6 +525,7 @@ DecodeKernel gemm_decode_kernel(const AttentionParams& p) {
     kernel.chunk_keys = kChunkKeys;
     kernel.workspace_elems = workspace_elems;
     kernel.compute_shaped = true;
+    kernel.reads_index = true;
     return kernel;
 }
 

@@ -102,6 +102,9 @@ struct DecodeTask {
     int64_t key_begin;
     int64_t key_end;
     int64_t seqlen_k;  // keys valid for this batch entry (seqlens_k[batch] or seqlen_k)
+    // An indexed source (key_index, for a kernel with DecodeKernel::reads_index): key j of
+    // the task is the cache's position rows[j], every one visible; nullptr: key j is position j.
+    const int32_t* rows = nullptr;
 };
 
 // The decode kernel pads query rows to whole vectors of this many bytes (the widest
@@ -240,6 +243,9 @@ struct DecodeKernel {
     // Blocks the query rows as a small GEMM (bound by arithmetic), rather than streaming
     // K/V once per step with a dot product per row (bound by memory): explain's "regime".
     bool compute_shaped = false;
+    // Reads an indexed task's rows where they lie (DecodeTask::rows, through KeyRows): with
+    // key_index the driver lists a chunk's positions instead of copying its rows.
+    bool reads_index = false;
 };
 
 // An MLA latent cache: V is a prefix view of K's last axis (v = k[..., :Dv], the same
