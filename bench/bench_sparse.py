@@ -17,7 +17,8 @@ difference of the gradients.
     python bench/bench_sparse.py --indexer --index-heads 64 --keys 131072 --topk 2048
 
 times attnfast.index_topk for one decode query (64 indexer heads x 128, float8 e4m3 keys
-with a scale per token, or --key-dtype float32 / bfloat16), the same with topk = 1 (the
+with a scale per token, or --key-dtype float32 / bfloat16; q of each of --q-dtypes, float32
+and bfloat16 by default, in turns), the same with topk = 1 (the
 scores alone: the rest is the top-k's share), and its roofline max(132 B x L / read, FLOPs
 / bfloat16 GEMM) from the machine limits measured in the same run.
 """
@@ -36,39 +37,48 @@ def indexer(args):
     from attnfast.bench import limits as machine
     rng = np.random.default_rng(0)
     Hi, Di, L = args.index_heads, args.index_dim, args.keys
-    dtype = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "bfloat16": ml_dtypes.bfloat16,
-             "float32": np.float32}[args.key_dtype]
-    q = rng.standard_normal((1, Hi, 1, Di), dtype=np.float32)
+    dtypes = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "bfloat16": ml_dtypes.bfloat16,
+              "float32": np.float32}
+    dtype = dtypes[args.key_dtype]
+    q32 = rng.standard_normal((1, Hi, 1, Di), dtype=np.float32)
     w = rng.standard_normal((1, 1, Hi), dtype=np.float32)
     k = rng.standard_normal((1, L, Di), dtype=np.float32).astype(dtype)
     scale = rng.uniform(0.5, 2, (1, L)).astype(np.float32)
     lim = machine.measure_limits(args.threads, 512 << 20, 2048, True, 0.5, dtypes=("bfloat16",))
-    ways = {n: (lambda n=n: attnfast.index_topk(q, w, k, n, k_scale=scale, num_threads=args.threads))
-            for n in (args.topk, 1)}
-    times = {n: [] for n in ways}
+    ways = {}
+    for q_name in args.q_dtypes.split(","):
+        q = q32.astype(dtypes[q_name])
+        for n in (args.topk, 1):
+            ways[q_name, n] = (lambda q=q, n=n: attnfast.index_topk(q, w, k, n, k_scale=scale,
+                                                                   num_threads=args.threads))
+    times = {key: [] for key in ways}
     for fn in ways.values():
         fn()
     for _ in range(max(args.repeats, 5)):
-        for n, fn in ways.items():
+        for key, fn in ways.items():
             t0 = time.perf_counter()
             fn()
-            times[n].append(time.perf_counter() - t0)
-    full, scores = (statistics.median(times[n]) for n in ways)
+            times[key].append(time.perf_counter() - t0)
     flops = 2 * Hi * Di * L
     gemm = machine.gemm_limit(lim, "bfloat16")
     roof = max((Di * np.dtype(dtype).itemsize + 4) * L / (lim["read_gbps"] * 1e9), flops / (gemm * 1e9))
     print(f"{cpu_name()}, tier {attnfast._ext.runtime_info()['isa']}, {args.threads} thread(s): read "
           f"{lim['read_gbps']:.1f} GB/s, bfloat16 GEMM {gemm:.0f} GFLOP/s")
-    print(f"index_topk {Hi} x {Di}, {args.key_dtype} keys, L = {L}, top-{args.topk}: {full * 1e3:.1f} ms "
-          f"({flops / full / 1e9:.0f} GFLOP/s) = {100 * roof / full:.0f} % of its roofline "
-          f"({roof * 1e3:.1f} ms); top-1: {scores * 1e3:.1f} ms, so the top-k is "
-          f"{100 * (full - scores) / full:.1f} %")
+    rows = []
+    for q_name in args.q_dtypes.split(","):
+        full, scores = (statistics.median(times[q_name, n]) for n in (args.topk, 1))
+        print(f"index_topk {Hi} x {Di}, {q_name} q, {args.key_dtype} keys, L = {L}, top-{args.topk}: "
+              f"{full * 1e3:.1f} ms ({flops / full / 1e9:.0f} GFLOP/s) = {100 * roof / full:.0f} % of its "
+              f"roofline ({roof * 1e3:.1f} ms); top-1: {scores * 1e3:.1f} ms, so the top-k is "
+              f"{100 * (full - scores) / full:.1f} %")
+        rows.append(dict(
+            threads=args.threads, heads=Hi, dim=Di, q_dtype=q_name, key_dtype=args.key_dtype, L=L,
+            topk=args.topk, ms=full * 1e3, gflops=flops / full / 1e9, roofline_ms=roof * 1e3,
+            of_roofline=roof / full, topk_share=(full - scores) / full, read_gbps=lim["read_gbps"],
+            bf16_gemm_gflops=gemm))
     if args.json:
         from attnfast.bench.sparse_results import store_part
-        store_part(args.json, "indexer", [dict(
-            threads=args.threads, heads=Hi, dim=Di, key_dtype=args.key_dtype, L=L, topk=args.topk,
-            ms=full * 1e3, gflops=flops / full / 1e9, roofline_ms=roof * 1e3, of_roofline=roof / full,
-            topk_share=(full - scores) / full, read_gbps=lim["read_gbps"], bf16_gemm_gflops=gemm)])
+        store_part(args.json, "indexer", rows)
 
 
 def main():
@@ -86,6 +96,7 @@ def main():
     ap.add_argument("--index-dim", type=int, default=128)
     ap.add_argument("--keys", type=int, default=131072)
     ap.add_argument("--key-dtype", default="float8_e4m3fn")
+    ap.add_argument("--q-dtypes", default="float32,bfloat16", help="indexer q dtypes, timed in turns")
     ap.add_argument("--json", default=None,
                     help="store the result as the \"prefill\" (or, with --indexer, \"indexer\") "
                          "part of this sparse results file (bench/results/sparse/<cpu-kind>.json)")

@@ -210,7 +210,9 @@ inline bool decode_only_format(DType kv) { return storage_format(kv).decode_only
 // the row sees. No Tq x L array: each row's keys are scored a chunk at a time and a running
 // selection keeps the best. The result does not depend on the thread count.
 struct IndexParams {
-    const float* q;                    // (batch, heads, seqlen_q, head_dim)
+    const void* q;                     // (batch, heads, seqlen_q, head_dim) of q_dtype: kF32, or
+    DType q_dtype;                     // kBF16 (exact products by vdpbf16ps where the tier has it
+                                       // and the keys are bfloat16 or float8, else widened)
     int64_t q_batch_stride, q_head_stride, q_row_stride;
     const float* weights;              // (batch, seqlen_q, heads), heads contiguous
     int64_t w_batch_stride, w_row_stride;

@@ -116,8 +116,9 @@ const char* row_at(const AttentionParams& p, const void* data, int64_t elem_byte
 // it reads: those the query row sees (causal / window; -1 skipped), in list order, kept in
 // the staging after the kernel's scratch (`own` elements). A kernel that reads an indexed
 // source (reads_index) gets their positions (DecodeTask::rows); any other, the rows copied
-// there as a contiguous cache. Either sees them as keys 0 .. n, every one visible. The chunk
-// points are fixed, so the bits do not depend on the thread count.
+// there as a contiguous cache (decode_loop reads a listed source too, but one key per run:
+// 0.37-0.59x the copy, HISTORY 47). Either sees them as keys 0 .. n, every one visible. The
+// chunk points are fixed, so the bits do not depend on the thread count.
 template <class A>
 void run_chunk(const AttentionParams& p, const DecodeTask& task, DecodeChunkFn<A> chunk_fn, bool reads_index,
                A* ws, int64_t own, A* acc, A* m, A* l) {
@@ -152,7 +153,25 @@ void run_chunk(const AttentionParams& p, const DecodeTask& task, DecodeChunkFn<A
     char* k_rows = stage + line_up(2 * keys * int64_t(sizeof(float)));
     char* v_rows = latent ? k_rows : k_rows + line_up(keys * k_bytes);
     int64_t n = 0;
+    // The rows kGatherAhead entries on start towards the cache while these are copied: the
+    // listed rows lie anywhere, so no hardware prefetcher finds them.
+    constexpr int64_t kGatherAhead = 8;
     for (int64_t x = task.key_begin; x < task.key_end; ++x) {
+        const int64_t ahead = x + kGatherAhead < task.key_end ? list[x + kGatherAhead] : -1;
+        if (ahead >= 0) {
+            const char* kr = row_at(p, p.k, eb, p.k_batch_stride, p.k_head_stride, p.k_row_stride, task.batch,
+                                    task.kv_head, ahead);
+            const char* vr = row_at(p, p.v, eb, p.v_batch_stride, p.v_head_stride, p.v_row_stride, task.batch,
+                                    task.kv_head, ahead);
+            for (int64_t off = 0; off < k_bytes; off += 64) __builtin_prefetch(kr + off, 0, 0);
+            for (int64_t off = 0; off < (latent ? 0 : v_bytes); off += 64) __builtin_prefetch(vr + off, 0, 0);
+            if (p.k_scale) {
+                __builtin_prefetch(row_at(p, p.k_scale, 4, p.k_scale_batch_stride, p.k_scale_head_stride,
+                                          p.k_scale_row_stride, task.batch, task.kv_head, ahead), 0, 0);
+                __builtin_prefetch(row_at(p, p.v_scale, 4, p.v_scale_batch_stride, p.v_scale_head_stride,
+                                          p.v_scale_row_stride, task.batch, task.kv_head, ahead), 0, 0);
+            }
+        }
         const int64_t pos = list[x];
         if (pos < vis.begin || pos >= vis.end) continue;  // (-1 too: vis.begin >= 0)
         std::memcpy(k_rows + n * k_bytes, row_at(p, p.k, eb, p.k_batch_stride, p.k_head_stride, p.k_row_stride,

@@ -53,17 +53,29 @@ int64_t visible_end(const IndexParams& p, int64_t b, int64_t t) {
     return last + 1 < 0 ? 0 : (last + 1 < keys ? last + 1 : keys);
 }
 
-// Scores keys [s0, s1) of row (b, t) chunk by chunk into cand, keeping the best topk.
+// Scores keys [s0, s1) of row (b, t) chunk by chunk into cand, keeping the best topk. After
+// a cut to topk, a key enters only with a score above the worst kept one (its position is
+// larger than every kept one's, so a tie ranks it below; later cuts only raise that floor):
+// the same selection, with few candidates once the scores have settled, and a cut only when
+// a chunk's worth has gathered.
 void select_range(const IndexParams& p, const KernelTable& kt, int64_t b, int64_t t, int64_t s0,
                   int64_t s1, float* chunk, float* ws, std::vector<Candidate>& cand) {
+    float floor = -INFINITY;
+    bool have_floor = false;  // topk kept at the last cut: floor is the worst of them
     for (int64_t c0 = s0; c0 < s1; c0 += kIndexChunkKeys) {
         const int64_t c1 = c0 + kIndexChunkKeys < s1 ? c0 + kIndexChunkKeys : s1;
         kt.index_scores(p, b, t, c0, c1, chunk, ws);
         for (int64_t s = c0; s < c1; ++s) {
-            const float x = chunk[s - c0];
-            cand.push_back({x == x ? x : -INFINITY, static_cast<int32_t>(s)});
+            const float x = chunk[s - c0] == chunk[s - c0] ? chunk[s - c0] : -INFINITY;
+            if (!have_floor || x > floor) cand.push_back({x, static_cast<int32_t>(s)});
         }
+        if (static_cast<int64_t>(cand.size()) < p.topk + kIndexChunkKeys && c1 < s1) continue;
         cut(cand, p.topk);
+        have_floor = static_cast<int64_t>(cand.size()) == p.topk;
+        if (have_floor) {
+            floor = cand[0].score;
+            for (const Candidate& c : cand) floor = c.score < floor ? c.score : floor;
+        }
     }
 }
 
@@ -88,6 +100,7 @@ void index_topk(const IndexParams& p) {
     require(p.topk >= 1 && p.topk <= INT32_MAX, "topk must be >= 1");
     require(p.seqlen_k <= INT32_MAX, "too many keys for int32 positions");
     require(p.num_threads >= 1, "num_threads must be >= 1");
+    require(p.q_dtype == DType::kF32 || p.q_dtype == DType::kBF16, "q must be float32 or bfloat16");
     require(p.k_dtype == DType::kF32 || p.k_dtype == DType::kBF16 || p.k_dtype == DType::kF8E4M3,
             "index keys must be float32, bfloat16 or float8_e4m3fn");
     for (int64_t b = 0; b < p.batch; ++b) {
@@ -125,7 +138,7 @@ void index_topk(const IndexParams& p) {
         const int64_t s0 = part * per < end ? part * per : end;
         const int64_t s1 = s0 + per < end ? s0 + per : end;
         std::vector<Candidate>& cand = found[static_cast<size_t>(task)];
-        cand.reserve(static_cast<size_t>(p.topk + kIndexChunkKeys));
+        cand.reserve(static_cast<size_t>(p.topk + 2 * kIndexChunkKeys));
         float* buf = buffers.at(thread_id);
         select_range(p, kt, b, t, s0, s1, buf, buf + kIndexChunkKeys, cand);
         if (parts == 1) {

@@ -73,6 +73,31 @@ def test_float8_keys_with_scales_and_fewer_keys_than_topk():
     assert np.all(index[1, 0, 39:] == -1) and np.all(index[1, 1, 40:] == -1)
 
 
+@pytest.mark.parametrize("key_dtype", [np.float32, ml_dtypes.bfloat16, E4M3])
+@pytest.mark.parametrize("isa", ["", "avx512", "avx2", "generic"])
+def test_bfloat16_queries(key_dtype, isa):
+    """A bfloat16 q: exact products (vdpbf16ps where the tier has them, float32 FMA else),
+    float32 sums; 70 heads (a partial head vector), float8 keys at D = 136 (a tail past the
+    vectors), a NaN key ranking as -inf."""
+    if isa and isa not in attnfast._ext.runtime_info()["isa_available"]:
+        pytest.skip(f"tier {isa} not on this CPU")
+    rng = np.random.default_rng(8)
+    B, H, Tq, D, L, topk = 2, 70, 3, 136, 500, 40
+    q = rng.standard_normal((B, H, Tq, D)).astype(ml_dtypes.bfloat16)
+    w = rng.standard_normal((B, Tq, H)).astype(np.float32)
+    k = rng.standard_normal((B, L, D)).astype(key_dtype)
+    k[1, 17, 5] = np.nan
+    scale = rng.uniform(0.5, 2, (B, L)).astype(np.float32)
+    attnfast._ext.force_isa(isa)
+    try:
+        index, scores = attnfast.index_topk(q, w, k, topk, k_scale=scale, return_scores=True)
+    finally:
+        attnfast._ext.force_isa("")
+    want = reference(q, w, k, topk, scale=scale)  # (NumPy sorts the NaN score last)
+    check(index, scores, *want, 1e-4)
+    assert 17 not in index[1]
+
+
 def test_bfloat16_paged_equals_contiguous():
     rng = np.random.default_rng(2)
     B, H, Tq, D, bs, blocks, topk = 2, 4, 1, 64, 16, 20, 32

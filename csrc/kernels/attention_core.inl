@@ -144,9 +144,14 @@ inline RowScales row_scales(const float* scale, int64_t batch_stride, int64_t he
 // table[j / block_size]); row_scales() when the cache is contiguous.
 inline RowScales row_scales(const AttentionParams& p, const float* scale, int64_t batch_stride,
                             int64_t head_stride, int64_t row_stride, int64_t batch,
-                            int64_t kv_head) {
-    if (!p.block_table) return row_scales(scale, batch_stride, head_stride, row_stride, batch, kv_head);
+                            int64_t kv_head, const int32_t* index = nullptr) {
     RowScales r;
+    if (!p.block_table) {
+        r = row_scales(scale, batch_stride, head_stride, row_stride, batch, kv_head);
+        r.index = index;
+        return r;
+    }
+    r.index = index;
     if (scale) {
         r.scale = scale + kv_head * head_stride;
         r.row_stride = row_stride;
@@ -187,15 +192,15 @@ struct KeyRows {
 };
 
 // The K (or V) rows of (batch, kv head): data with the tensor's batch (paged: block), head
-// and row strides.
+// and row strides; through `index` where the task lists its rows (DecodeTask::rows).
 template <class T>
 inline KeyRows<T> key_rows(const AttentionParams& p, const void* data, int64_t batch_stride,
                            int64_t head_stride, int64_t row_stride, int64_t batch,
-                           int64_t kv_head) {
+                           int64_t kv_head, const int32_t* index = nullptr) {
     const T* at_head = static_cast<const T*>(data) + kv_head * head_stride;
-    if (!p.block_table) return KeyRows<T>{at_head + batch * batch_stride, row_stride, nullptr, 0, 1};
+    if (!p.block_table) return KeyRows<T>{at_head + batch * batch_stride, row_stride, nullptr, 0, 1, index};
     return KeyRows<T>{at_head, row_stride, p.block_table + batch * p.block_table_batch_stride,
-                      batch_stride, p.block_size};
+                      batch_stride, p.block_size, index};
 }
 
 // A raw score q . k of -inf comes only from an infinite (or overflowing) input: it becomes

@@ -358,11 +358,11 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
     }
     for (int64_t x = 0; x < Dv * rp; ++x) acct[x] = 0;
 
-    KeyRows<T> k = key_rows<T>(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
-                               task.batch, task.kv_head);
-    KeyRows<T> v = key_rows<T>(p, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
-                               task.batch, task.kv_head);
-    k.index = v.index = task.rows;  // (the tiles read rows one by one: any source)
+    // (the tiles read rows one by one: any source, an indexed one too)
+    const KeyRows<T> k = key_rows<T>(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
+                                     task.batch, task.kv_head, task.rows);
+    const KeyRows<T> v = key_rows<T>(p, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
+                                     task.batch, task.kv_head, task.rows);
     const bool capped = p.softcap > 0;
     // softcap in base 2 (RowOptions): c log2(e) tanh(x / (c log2 e))
     const Vec cap = simd::vset(static_cast<float>(p.softcap * kLog2e));

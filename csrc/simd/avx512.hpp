@@ -197,6 +197,10 @@ inline void pairs_store_rounded(uint32_t* p, Vec lo, Vec hi) {
     const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
     _mm512_store_si512(p, _mm512_or_si512(l, _mm512_slli_epi32(h, 16)));
 }
+// W float32 lanes rounded to bfloat16 (nearest even), stored unaligned as W values.
+inline void vstore_bf16(bf16_t* p, Vec x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+}
 // W stored bfloat16 values of two rows (unaligned) as W pairs (a[x], b[x]), stored aligned.
 inline void pairs_interleave(uint32_t* p, const bf16_t* a, const bf16_t* b) {
     const __m512i l = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));

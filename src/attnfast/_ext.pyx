@@ -94,7 +94,8 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
         const char* policy_pv
     CallPlan plan_attention_core "attnfast::plan_attention"(const AttentionParams&) except + nogil
     cdef struct IndexParams:
-        const float* q
+        const void* q
+        DType q_dtype
         int64_t q_batch_stride, q_head_stride, q_row_stride
         const float* weights
         int64_t w_batch_stride, w_row_stride
@@ -446,7 +447,7 @@ def run_index_topk(cnp.ndarray q, cnp.ndarray weights, cnp.ndarray k, k_scale, b
                    seqlens_k, bint causal, int64_t topk, cnp.ndarray out_index, out_scores,
                    int num_threads):
     """The lightning indexer (attnfast.index_topk), arguments checked by attnfast._indexer:
-    q float32 (B, H, Tq, D), weights float32 (B, Tq, H) heads contiguous, k (B, L, D) or a
+    q float32 or bfloat16 (B, H, Tq, D), weights float32 (B, Tq, H) heads contiguous, k (B, L, D) or a
     pool (num_blocks, block_size, D) float32 / bfloat16 / float8_e4m3fn, last axes
     contiguous; k_scale float32 (B, L) / (num_blocks, block_size) or None; block_table int64
     (B, max_blocks) or None; seqlens_k contiguous int64 (B,) or None; out_index contiguous
@@ -454,7 +455,8 @@ def run_index_topk(cnp.ndarray q, cnp.ndarray weights, cnp.ndarray k, k_scale, b
     cdef IndexParams p
     cdef cnp.ndarray ks_arr, table_arr, lens_arr, scores_arr
     memset(&p, 0, sizeof(p))
-    p.q = <const float*> cnp.PyArray_DATA(q)
+    p.q = cnp.PyArray_DATA(q)
+    p.q_dtype = _dtype_code(q)
     p.q_batch_stride, p.q_head_stride, p.q_row_stride = _stride(q, 0), _stride(q, 1), _stride(q, 2)
     p.weights = <const float*> cnp.PyArray_DATA(weights)
     p.w_batch_stride, p.w_row_stride = _stride(weights, 0), _stride(weights, 1)

@@ -35,14 +35,17 @@ def index_topk(q, weights, k_index, topk, *, cache_seqlens=None, k_scale=None, b
 
     ``I[b, t, s] = k_scale[b, s] * sum_h weights[b, t, h] * relu(q[b, h, t] . k_index[b, s])``
 
-    (float32 arithmetic), and the ``topk`` best positions: what :func:`attention_with_kvcache`
+    (float32 sums), and the ``topk`` best positions: what :func:`attention_with_kvcache`
     takes as ``key_index=``. Keys are scored a chunk at a time and a running selection keeps
     the best, so no Tq x L array is built, for a decode step (Tq = 1) as for a prefill.
 
     Parameters
     ----------
     q : array (B, Hi, Tq, Di)
-        The indexer's queries (float32, or 16-bit: widened to float32), Di <= 1024.
+        The indexer's queries, Di <= 1024: float32; bfloat16, whose products with bfloat16
+        or float8 keys are exact, run by the CPU's bfloat16 dot products (AVX512_BF16) where
+        it has them (about twice the float32 rate; the sums stay float32, in another order);
+        float16 is widened to float32.
     weights : array (B, Tq, Hi)
         Per query and indexer head, float (used as float32).
     k_index : array (B, L, Di), or a pool (num_blocks, block_size, Di) with block_table
@@ -77,7 +80,9 @@ def index_topk(q, weights, k_index, topk, *, cache_seqlens=None, k_scale=None, b
     B, Hi, Tq, Di = q.shape
     if not 1 <= Di <= _MAX_HEAD_DIM or Hi < 1:
         raise ValueError(f"q {_shape_str(q)}: need Hi >= 1 and 1 <= Di <= {_MAX_HEAD_DIM}")
-    q32 = np.ascontiguousarray(q, dtype=np.float32)
+    # bfloat16 stays bfloat16 (exact products by vdpbf16ps where the CPU has them); any other
+    # float type is widened to float32.
+    q32 = np.ascontiguousarray(q, dtype=q.dtype if q.dtype == _KEY_DTYPES[1] else np.float32)
     w32 = _float32(weights, "weights", (B, Tq, Hi), f"(B, Tq, Hi) = ({B}, {Tq}, {Hi})")
     k_top = _positive_int(topk, "topk")
     causal = check_flag(causal, "causal")

@@ -87,7 +87,8 @@ def _mla_cells(r: dict):
 
 
 def _indexer_cells(r: dict):
-    return [str(r["threads"]), f"{r['heads']} x {r['dim']}", r["key_dtype"], str(r["L"]), str(r["topk"]),
+    return [str(r["threads"]), f"{r['heads']} x {r['dim']}", r.get("q_dtype", "float32"), r["key_dtype"],
+            str(r["L"]), str(r["topk"]),
             f"{r['ms']:.1f}", f"{r['gflops']:.0f}", f"{100 * r['of_roofline']:.0f} %",
             f"{100 * r['topk_share']:.1f} %"]
 
@@ -110,7 +111,7 @@ _PARTS = (
     ("indexer", "The lightning indexer (`index_topk`), one decode query",
      "Roofline: max((key bytes + 4-byte scale) x L / read, 2 x heads x dim x L / bfloat16 GEMM); "
      "\"top-k share\": the time above the same call with top-1.\n\n",
-     ["threads", "heads x dim", "keys", "L", "top-k", "ms", "GFLOP/s", "% of roofline", "top-k share"],
+     ["threads", "heads x dim", "q", "keys", "L", "top-k", "ms", "GFLOP/s", "% of roofline", "top-k share"],
      _indexer_cells),
     ("prefill", "Prefill of a chunk, each query over its own top-k", "", _CHUNK_COLUMNS, _chunk_cells),
     ("backward", "The backward of that chunk (`attention_backward(key_index=)`)", "", _CHUNK_COLUMNS,
