@@ -116,8 +116,8 @@ const char* row_at(const AttentionParams& p, const void* data, int64_t elem_byte
 // it reads: those the query row sees (causal / window; -1 skipped), in list order, kept in
 // the staging after the kernel's scratch (`own` elements). A kernel that reads an indexed
 // source (reads_index) gets their positions (DecodeTask::rows); any other, the rows copied
-// there as a contiguous cache (decode_loop reads a listed source too, but one key per run:
-// 0.37-0.59x the copy, HISTORY 47). Either sees them as keys 0 .. n, every one visible. The
+// there as a contiguous cache (decode_loop, reading a listed source one key per run, measured
+// 0.37-0.59x the copy: HISTORY 47). Either sees them as keys 0 .. n, every one visible. The
 // chunk points are fixed, so the bits do not depend on the thread count.
 template <class A>
 void run_chunk(const AttentionParams& p, const DecodeTask& task, DecodeChunkFn<A> chunk_fn, bool reads_index,

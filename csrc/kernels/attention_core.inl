@@ -144,14 +144,9 @@ inline RowScales row_scales(const float* scale, int64_t batch_stride, int64_t he
 // table[j / block_size]); row_scales() when the cache is contiguous.
 inline RowScales row_scales(const AttentionParams& p, const float* scale, int64_t batch_stride,
                             int64_t head_stride, int64_t row_stride, int64_t batch,
-                            int64_t kv_head, const int32_t* index = nullptr) {
+                            int64_t kv_head) {
+    if (!p.block_table) return row_scales(scale, batch_stride, head_stride, row_stride, batch, kv_head);
     RowScales r;
-    if (!p.block_table) {
-        r = row_scales(scale, batch_stride, head_stride, row_stride, batch, kv_head);
-        r.index = index;
-        return r;
-    }
-    r.index = index;
     if (scale) {
         r.scale = scale + kv_head * head_stride;
         r.row_stride = row_stride;
@@ -163,10 +158,9 @@ inline RowScales row_scales(const AttentionParams& p, const float* scale, int64_
 }
 
 // Where the key (or value) rows of one (batch, kv head) live: one strided run, or, in a
-// paged cache (AttentionParams::block_table), one run per block, found through the table;
-// either read through a list of positions (an indexed source: DecodeTask::rows), row j
-// being position index[j]. Kernels ask for a row's address once per run (run_end) and step
-// by row_stride inside it, so the table is read once per block, not once per key.
+// paged cache (AttentionParams::block_table), one run per block, found through the table.
+// Kernels ask for a row's address once per run (run_end) and step by row_stride inside it,
+// so the table is read once per block, not once per key.
 template <class T>
 struct KeyRows {
     const T* base;               // contiguous: row 0; paged: the pool at this kv head
@@ -174,17 +168,14 @@ struct KeyRows {
     const int64_t* table;        // paged: the batch entry's block ids; nullptr: contiguous
     int64_t block_stride;        // paged: elements between blocks of the pool
     int64_t block_size;          // paged: rows per block
-    const int32_t* index = nullptr;  // indexed: row j's position; nullptr: row j is position j
 
     const T* at(int64_t j) const {
-        if (index) j = index[j];
         if (!table) return base + j * row_stride;
         return base + table[j / block_size] * block_stride + j % block_size * row_stride;
     }
     // End of the run of rows that starts at j (rows j, j + 1, .. at row_stride steps), at
-    // most `end`: the end of j's block when paged, j + 1 when indexed.
+    // most `end`: the end of j's block when paged.
     int64_t run_end(int64_t j, int64_t end) const {
-        if (index) return j + 1 < end ? j + 1 : end;
         if (!table) return end;
         const int64_t block_end = (j / block_size + 1) * block_size;
         return block_end < end ? block_end : end;
@@ -192,16 +183,26 @@ struct KeyRows {
 };
 
 // The K (or V) rows of (batch, kv head): data with the tensor's batch (paged: block), head
-// and row strides; through `index` where the task lists its rows (DecodeTask::rows).
+// and row strides.
 template <class T>
 inline KeyRows<T> key_rows(const AttentionParams& p, const void* data, int64_t batch_stride,
                            int64_t head_stride, int64_t row_stride, int64_t batch,
-                           int64_t kv_head, const int32_t* index = nullptr) {
+                           int64_t kv_head) {
     const T* at_head = static_cast<const T*>(data) + kv_head * head_stride;
-    if (!p.block_table) return KeyRows<T>{at_head + batch * batch_stride, row_stride, nullptr, 0, 1, index};
+    if (!p.block_table) return KeyRows<T>{at_head + batch * batch_stride, row_stride, nullptr, 0, 1};
     return KeyRows<T>{at_head, row_stride, p.block_table + batch * p.block_table_batch_stride,
-                      batch_stride, p.block_size, index};
+                      batch_stride, p.block_size};
 }
+
+// A task's rows one by one, for kernels that read them so (DecodeKernel::reads_index): key j
+// is position j, or position index[j] of an indexed task (DecodeTask::rows) -- contiguous,
+// paged and indexed sources alike, with no copy.
+template <class T>
+struct TaskRows {
+    KeyRows<T> rows;
+    const int32_t* index;  // DecodeTask::rows, or nullptr
+    const T* at(int64_t j) const { return rows.at(index ? index[j] : j); }
+};
 
 // A raw score q . k of -inf comes only from an infinite (or overflowing) input: it becomes
 // NaN, so the row's out and lse say so instead of dropping the key as if masked. (+inf

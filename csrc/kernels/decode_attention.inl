@@ -357,13 +357,13 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
     // K/V rows and row scales by key position (kb + chunk-relative key): one run, or one per
     // block of a paged cache; each group of keys below stays within one run.
     const KeyRows<T> k = key_rows<T>(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
-                                     task.batch, task.kv_head, task.rows);
+                                     task.batch, task.kv_head);
     const KeyRows<T> v = key_rows<T>(p, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
-                                     task.batch, task.kv_head, task.rows);
+                                     task.batch, task.kv_head);
     const RowScales k_scale = row_scales(p, p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride,
-                                         p.k_scale_row_stride, task.batch, task.kv_head, task.rows);
+                                         p.k_scale_row_stride, task.batch, task.kv_head);
     const RowScales v_scale = row_scales(p, p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride,
-                                         p.v_scale_row_stride, task.batch, task.kv_head, task.rows);
+                                         p.v_scale_row_stride, task.batch, task.kv_head);
     const int64_t kb = task.key_begin;
     const A scale = static_cast<A>(p.scale * SoftmaxBase<A>::kUnit);  // (the softmax's base)
     const int64_t v_row_bytes = kv_row_bytes<T>(Dv);

@@ -212,7 +212,7 @@ struct WidenedTile {
     static int64_t query_units(int64_t D) { return D; }
     static float stage(const TQ* qrow, int64_t u, int64_t, float scale) { return widen(qrow[u]) * scale; }
     static int64_t value_steps(int64_t nt) { return nt; }
-    static void rows(const AttentionParams& p, const KeyRows<T>& k, const KeyRows<T>& v,
+    static void rows(const AttentionParams& p, const TaskRows<T>& k, const TaskRows<T>& v,
                      int64_t first, int64_t nt, float* buf, const float** krows, const float** vrows) {
         const bool latent = kv_is_latent(p);
         const int64_t kws = widened_stride(p);
@@ -251,7 +251,7 @@ struct PairTile {
         return static_cast<uint32_t>(qrow[2 * u].bits) | hi << 16;
     }
     static int64_t value_steps(int64_t nt) { return (nt + 1) / 2; }
-    static void rows(const AttentionParams& p, const KeyRows<bf16_t>& k, const KeyRows<bf16_t>& v,
+    static void rows(const AttentionParams& p, const TaskRows<bf16_t>& k, const TaskRows<bf16_t>& v,
                      int64_t first, int64_t nt, float* buf, const uint32_t** krows, const uint32_t** vrows) {
         const int64_t Dv = p.head_dim_v, vs = round_up(Dv, W);
         uint32_t* pairs = reinterpret_cast<uint32_t*>(buf);
@@ -358,11 +358,10 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
     }
     for (int64_t x = 0; x < Dv * rp; ++x) acct[x] = 0;
 
-    // (the tiles read rows one by one: any source, an indexed one too)
-    const KeyRows<T> k = key_rows<T>(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
-                                     task.batch, task.kv_head, task.rows);
-    const KeyRows<T> v = key_rows<T>(p, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
-                                     task.batch, task.kv_head, task.rows);
+    const TaskRows<T> k{key_rows<T>(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
+                                    task.batch, task.kv_head), task.rows};
+    const TaskRows<T> v{key_rows<T>(p, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
+                                    task.batch, task.kv_head), task.rows};
     const bool capped = p.softcap > 0;
     // softcap in base 2 (RowOptions): c log2(e) tanh(x / (c log2 e))
     const Vec cap = simd::vset(static_cast<float>(p.softcap * kLog2e));

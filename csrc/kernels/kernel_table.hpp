@@ -243,7 +243,7 @@ struct DecodeKernel {
     // Blocks the query rows as a small GEMM (bound by arithmetic), rather than streaming
     // K/V once per step with a dot product per row (bound by memory): explain's "regime".
     bool compute_shaped = false;
-    // Reads an indexed task's rows where they lie (DecodeTask::rows, through KeyRows): with
+    // Reads an indexed task's rows where they lie (DecodeTask::rows, through TaskRows): with
     // key_index the driver lists a chunk's positions instead of copying its rows.
     bool reads_index = false;
 };

@@ -165,10 +165,8 @@ struct RowScales {
     const int64_t* table = nullptr;
     int64_t block_stride = 0;
     int64_t block_size = 1;
-    const int32_t* index = nullptr;  // an indexed source: row j's position (KeyRows::index)
     float at(int64_t row) const {
         if (!scale) return 1.0f;
-        if (index) row = index[row];
         if (table) return scale[table[row / block_size] * block_stride + row % block_size * row_stride];
         return scale[row * row_stride];
     }
