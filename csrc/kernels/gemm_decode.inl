@@ -324,6 +324,20 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
     const Unit* krows[kTileKeys];
     const Unit* vrows[kTileKeys];
 
+    const TaskRows<T> k{key_rows<T>(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
+                                    task.batch, task.kv_head), task.rows};
+    const TaskRows<T> v{key_rows<T>(p, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
+                                    task.batch, task.kv_head), task.rows};
+    // The chunk's first tile of rows starts towards the cache while the queries are staged
+    // (the loop below prefetches each next tile; rows of an indexed task, or of a task that
+    // starts cold, would otherwise be waited for).
+    const bool latent = kv_is_latent(p);
+    const int64_t row_lines = (D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+    const int64_t v_row_lines = latent ? 0 : (Dv * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+    for (int64_t j = 0; j < (keys < kTileKeys ? keys : kTileKeys); ++j) {
+        for (int64_t x = 0; x < row_lines; ++x) __builtin_prefetch(reinterpret_cast<const char*>(k.at(kb + j)) + 64 * x, 0, 2);
+        for (int64_t x = 0; x < v_row_lines; ++x) __builtin_prefetch(reinterpret_cast<const char*>(v.at(kb + j)) + 64 * x, 0, 2);
+    }
     const TQ* q = static_cast<const TQ*>(p.q) + task.batch * p.q_batch_stride;
     const float scale = static_cast<float>(p.scale * kLog2e);  // scores in base 2
     // Rows [r, r + NV * W) (or a last block of W) form one query block at qt + r * U, the
@@ -358,21 +372,13 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
     }
     for (int64_t x = 0; x < Dv * rp; ++x) acct[x] = 0;
 
-    const TaskRows<T> k{key_rows<T>(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
-                                    task.batch, task.kv_head), task.rows};
-    const TaskRows<T> v{key_rows<T>(p, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
-                                    task.batch, task.kv_head), task.rows};
     const bool capped = p.softcap > 0;
     // softcap in base 2 (RowOptions): c log2(e) tanh(x / (c log2 e))
     const Vec cap = simd::vset(static_cast<float>(p.softcap * kLog2e));
     const Vec inv_cap = simd::vset(capped ? static_cast<float>(1.0 / (p.softcap * kLog2e)) : 0.0f);
     const Vec score_scale = simd::vset(scale);
 
-    // Cache lines of one stored K row (and V row, none when latent), and score-block calls
-    // per tile (full tiles).
-    const bool latent = kv_is_latent(p);
-    const int64_t row_lines = (D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-    const int64_t v_row_lines = latent ? 0 : (Dv * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+    // Score-block calls per tile (full tiles).
     const int64_t score_calls = (full_rows / (kNV * W) + (rp - full_rows) / W) *
                                 ((U + kUnitBlock - 1) / kUnitBlock) * ((kTileKeys + kNK - 1) / kNK);
     for (int64_t t0 = used_lo; t0 < used_hi; t0 += kTileKeys) {
