@@ -446,6 +446,20 @@ def test_sparse_attention_models_match_sdpa(kind):
     assert torch.equal(g_fast, g_sdpa)
 
 
+@pytest.mark.parametrize("kind", ["deepseek_v32", pytest.param("glm_moe_dsa", marks=pytest.mark.slow)])
+def test_sparse_attention_models_compile(kind):
+    """Under torch.compile (fullgraph, no graph break) indices= runs as attnfast's custom op
+    over the listed keys: the logits of sdpa's eager dense-masked model."""
+    pytest.importorskip(f"transformers.models.{kind}")
+    model = _dsa_model(kind, index_topk=6)
+    ids = _ids(2, 14, 13)
+    with torch.no_grad():
+        want = model(ids).logits
+        model.set_attn_implementation("attnfast")
+        got = torch.compile(model, backend="aot_eager", fullgraph=True)(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
 def test_sparse_attention_models_train_as_sdpa(kind):
     """With gradients recorded, indices= runs through attnfast's sparse backward (it used to

@@ -33,12 +33,13 @@ with transformers' mask, so ``loss.backward()`` gets attnfast's gradients (fine-
 
 Sparse attention (DeepSeek-V3.2's and GLM-5's ``indices=``, the lightning indexer's top-k per
 query): attention over exactly those keys (attnfast's ``key_index=``), the mask read at the
-listed positions only, eagerly; with gradients through the differentiable custom op, whose
-backward also reads only the listed keys (under torch.compile it is refused).
+listed positions only, eagerly; with gradients, and under torch.compile (which then hands
+these models their mask rather than skipping it: their indexer reads it), through the
+differentiable custom op, whose backward also reads only the listed keys.
 
 Raises: ValueError for tensors that live on another device; NotImplementedError for
 dropout > 0 and for any keyword argument of the attention function that attnfast does not
-implement (``indices=`` under torch.compile, ``position_bias``,
+implement (``position_bias``,
 ``output_attentions=True``, packed ``cu_seq_lens_q``, ...), named in the message: never
 silently dropped. The keyword arguments
 transformers passes to every attention function without changing what it computes
@@ -92,7 +93,8 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     attached (computed once per forward, used by every layer): derived from the definition
     for unpadded causal / bidirectional masks, otherwise analysed from the materialised mask.
     Never skipped (None) in eager mode; under torch.compile it is transformers' sdpa mask as
-    is (None where sdpa would skip it), analysed by no Python code."""
+    is (None where sdpa would skip it, except for models whose own code reads it: DeepSeek-V3.2
+    / GLM-5's indexer), analysed by no Python code."""
     import torch
     from transformers.masking_utils import causal_mask_function, sdpa_mask
     mask_function = mask_function or causal_mask_function
@@ -115,10 +117,11 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     kwargs.pop("allow_is_causal_skip", None)
     kwargs.pop("allow_is_bidirectional_skip", None)
     kwargs.pop("dtype", None)
-    kwargs.pop("config", None)
+    config = kwargs.pop("config", None)
+    reads_mask = getattr(config, "index_topk", None) is not None  # (the sparse models' indexer)
     mask = sdpa_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
                      mask_function=mask_function,
-                     attention_mask=attention_mask, allow_is_causal_skip=compiling,
+                     attention_mask=attention_mask, allow_is_causal_skip=compiling and not reads_mask,
                      allow_is_bidirectional_skip=False, **kwargs)
     if mask is not None and not compiling:
         _plan(mask)
@@ -244,8 +247,6 @@ _HARMLESS_KWARGS = frozenset({
     "deterministic", "max_length_q", "max_length_k",
 })
 _REFUSAL_HINTS = {
-    "indices": "the sparse top-k keys per query (DeepSeek-V3.2 / GLM-5's lightning indexer) "
-               "under torch.compile; eagerly, with or without gradients, attnfast runs it",
     "block_indices": "block-sparse attention",
     "cu_seq_lens_q": "packed (varlen) sequences: pass position_ids instead (transformers then "
                      "builds the packed sequences' mask, which attnfast reads)",
@@ -293,10 +294,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         query.requires_grad or key.requires_grad or value.requires_grad
         or (s_aux is not None and s_aux.requires_grad))
     if indices is not None:
-        if torch.compiler.is_compiling():
-            _refuse_unknown({"indices": indices})
         return _sparse(module, query, key, value, attention_mask, indices, scaling, is_causal,
-                       softcap, s_aux, needs_grad), None
+                       softcap, s_aux, needs_grad, torch.compiler.is_compiling()), None
     if (attention_mask is None and softcap is None and s_aux is None and not needs_grad
             and not torch.compiler.is_compiling()):
         # A decode step's common case (no mask, no score options), with the fewest steps:
@@ -350,18 +349,28 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 def _sparse(module, query, key, value, attention_mask, indices, scaling, is_causal, softcap,
-            sinks, needs_grad):
+            sinks, needs_grad, compiling):
     """attention_forward with DeepSeek-V3.2 / GLM-5's ``indices`` (B, Tq, topk): attention
     over the listed keys (attnfast's ``key_index=``). The mask transformers built (causal,
     padding) is read at the listed positions only: a listed key it drops becomes -1, so the
-    keys attended are those sdpa's dense mask of the top-k leaves. With needs_grad, the
-    differentiable custom op (its backward reads only the listed keys too)."""
+    keys attended are those sdpa's dense mask of the top-k leaves. With needs_grad, or under
+    torch.compile, the differentiable custom op (its backward reads only the listed keys too);
+    compiled, the mask must be transformers' own (boolean, one head: checked by shape and
+    dtype, as no value can be looked at while tracing)."""
     import torch
     Tk = key.shape[2]
     idx = indices.to(torch.int64)
     causal = False
     if attention_mask is None:
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    elif compiling:
+        if attention_mask.dtype != torch.bool or attention_mask.shape[1] != 1:
+            raise NotImplementedError(
+                "attnfast backend: indices= under torch.compile takes transformers' boolean mask "
+                f"(B, 1, Tq, Tk), got {attention_mask.dtype} {tuple(attention_mask.shape)}")
+        keep = attention_mask[:, 0, :, :Tk].expand(idx.shape[0], idx.shape[1], Tk)
+        seen = torch.gather(keep, -1, idx.clamp(min=0)) & (idx >= 0)
+        idx = torch.where(seen, idx, torch.full_like(idx, -1))
     else:
         m = attention_mask[..., :Tk]
         if m.dtype != torch.bool:   # additive: 0 keeps, the dtype's minimum / -inf drops
@@ -377,7 +386,7 @@ def _sparse(module, query, key, value, attention_mask, indices, scaling, is_caus
         seen = torch.gather(keep, -1, idx.clamp(min=0)) & (idx >= 0)
         idx = torch.where(seen, idx, torch.full_like(idx, -1))
     options = {n: x for n, x in (("scale", scaling), ("softcap", softcap), ("sinks", sinks)) if x is not None}
-    if needs_grad:
+    if needs_grad or compiling:
         out = _torch_ops.attention(query, key, value, causal=causal, key_index=idx.to(torch.int32),
                                    num_threads=_SETTINGS["num_threads"], **options)
         return out.transpose(1, 2).contiguous()
