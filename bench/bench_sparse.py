@@ -21,6 +21,14 @@ with a scale per token, or --key-dtype float32 / bfloat16; q of each of --q-dtyp
 and bfloat16 by default, in turns), the same with topk = 1 (the
 scores alone: the rest is the top-k's share), and its roofline max(132 B x L / read, FLOPs
 / bfloat16 GEMM) from the machine limits measured in the same run.
+
+    python bench/bench_sparse.py --model deepseek_v32 --prompt 8192 --new 16 --topk 2048
+
+times greedy generation by a random-weight transformers DeepseekV32ForCausalLM (or
+glm_moe_dsa; 2 layers, 16 heads, MLA 128 + 64 / 128, its lightning indexer choosing the top
+`topk` keys per query) with attn_implementation="attnfast" (attention over the selected keys)
+against "sdpa" (transformers folds them into a dense mask): the prompt's prefill and the
+decode tokens/s, each backend in turns, `--repeats` times; the greedy tokens must agree.
 """
 import argparse
 import statistics
@@ -81,6 +89,57 @@ def indexer(args):
         store_part(args.json, "indexer", rows)
 
 
+def model(args):
+    import torch
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    import attnfast.integrations.transformers as aft
+    aft.register(num_threads=args.threads)
+    torch.set_num_threads(args.threads)
+    Config, Model = {"deepseek_v32": (DeepseekV32Config, DeepseekV32ForCausalLM),
+                     "glm_moe_dsa": (GlmMoeDsaConfig, GlmMoeDsaForCausalLM)}[args.model]
+    cfg = Config(vocab_size=1024, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256,
+                 num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=16,
+                 num_key_value_heads=16, n_routed_experts=8, num_experts_per_tok=2, n_group=1,
+                 topk_group=1, n_shared_experts=1, q_lora_rank=384, kv_lora_rank=256,
+                 qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, index_n_heads=16,
+                 index_head_dim=128, index_topk=args.topk,
+                 max_position_embeddings=args.prompt + args.new + 8, pad_token_id=0, bos_token_id=1,
+                 eos_token_id=2)
+    torch.manual_seed(0)
+    net = Model(cfg).eval()
+    ids = torch.randint(3, cfg.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(1))
+    times = {name: {"prefill": [], "decode": []} for name in ("attnfast", "sdpa")}
+    tokens = {}
+    with torch.no_grad():
+        for _ in range(args.repeats):
+            for name in times:
+                net.set_attn_implementation(name)
+                t0 = time.perf_counter()
+                net.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+                t1 = time.perf_counter()
+                out = net.generate(ids, max_new_tokens=args.new + 1, min_new_tokens=args.new + 1,
+                                   do_sample=False)
+                t2 = time.perf_counter()
+                times[name]["prefill"].append(t1 - t0)
+                times[name]["decode"].append(max(t2 - t1 - (t1 - t0), 1e-9) / args.new)
+                tokens[name] = out[0, args.prompt:].tolist()
+    med = {name: {part: statistics.median(v) for part, v in parts.items()} for name, parts in times.items()}
+    a, b = med["attnfast"], med["sdpa"]
+    print(f"{cpu_name()}, tier {attnfast._ext.runtime_info()['isa']}; {args.model} (random weights, 2 layers, "
+          f"16 heads), prompt {args.prompt}, top-{args.topk}, {args.threads} thread(s): decode "
+          f"{1 / a['decode']:.1f} tokens/s against sdpa's {1 / b['decode']:.1f} -> "
+          f"{b['decode'] / a['decode']:.2f}x; prefill {a['prefill']:.2f} s against {b['prefill']:.2f} s -> "
+          f"{b['prefill'] / a['prefill']:.2f}x; greedy tokens {'equal' if tokens['attnfast'] == tokens['sdpa'] else 'DIFFER'}")
+    if args.json:
+        from attnfast.bench.sparse_results import store_part
+        store_part(args.json, "model", [dict(
+            threads=args.threads, model=args.model, prompt=args.prompt, new=args.new, topk=args.topk,
+            decode_tokens_s=1 / a["decode"], sdpa_decode_tokens_s=1 / b["decode"],
+            prefill_s=a["prefill"], sdpa_prefill_s=b["prefill"],
+            same_tokens=tokens["attnfast"] == tokens["sdpa"])])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--heads", default="8x2", help="query x kv heads")
@@ -91,6 +150,8 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--indexer", action="store_true", help="time index_topk instead")
+    ap.add_argument("--model", choices=("deepseek_v32", "glm_moe_dsa"),
+                    help="time greedy generation of this transformers model instead")
     ap.add_argument("--backward", action="store_true", help="time attention_backward instead")
     ap.add_argument("--index-heads", type=int, default=64)
     ap.add_argument("--index-dim", type=int, default=128)
@@ -103,6 +164,8 @@ def main():
     args = ap.parse_args()
     if args.indexer:
         return indexer(args)
+    if args.model:
+        return model(args)
     H, Hkv = (int(x) for x in args.heads.split("x"))
     D, P, T, topk = args.head_dim, args.prompt, args.new, args.topk
     rng = np.random.default_rng(0)

@@ -143,8 +143,11 @@ def test_sparse_section_from_json(tmp_path):
     sparse_results.store_part(str(path), "prefill", [dict(threads=1, heads="8/2", D=128, new=4096,
                                                           prompt=32768, topk=2048, sparse_s=2.0,
                                                           dense_s=7.0)])
+    sparse_results.store_part(str(path), "model", [dict(
+        threads=1, model="deepseek_v32", prompt=8192, new=16, topk=2048, decode_tokens_s=3.0,
+        sdpa_decode_tokens_s=2.0, prefill_s=10.0, sdpa_prefill_s=12.5, same_tokens=True)])
     data = json.loads(path.read_text())
-    assert set(data) == {"mla", "prefill"}  # the second part kept the first
+    assert set(data) == {"mla", "prefill", "model"}  # each part kept the others
     assert data["mla"]["meta"]["tier"] and data["mla"]["meta"]["command"].startswith("python ")
     (tmp_path / "results" / "test-kind.json").write_text(json.dumps(synthetic_run()))
     out = tmp_path / "results.md"
@@ -156,3 +159,6 @@ def test_sparse_section_from_json(tmp_path):
                                      "6.00", "1.50x"]
     prefill = [line for line in page.splitlines() if line.startswith("| 1 | 8/2 |")]
     assert prefill and prefill[0].rstrip(" |").endswith("3.5x")
+    model = [line for line in page.splitlines() if line.startswith("| 1 | deepseek_v32 |")]
+    assert model and [c.strip() for c in model[0].strip("| ").split("|")][4:] == \
+        ["3.00", "2.00", "1.50x", "10.0", "12.5", "1.25x", "yes"]

@@ -1,8 +1,9 @@
 """Sparse attention's stored runs: ``bench/results/sparse/<cpu-kind>.json`` and its section of
 the results page.
 
-``bench/bench_mla.py --top-k K --json F`` and ``bench/bench_sparse.py [--indexer] --json F``
-each store their part of one file (``"mla"``, ``"indexer"``, ``"prefill"``, ``"backward"``), with the CPU, its
+``bench/bench_mla.py --top-k K --json F`` and ``bench/bench_sparse.py [--indexer | --backward |
+--model M] --json F`` each store their part of one file (``"mla"``, ``"indexer"``, ``"prefill"``,
+``"backward"``, ``"model"``), with the CPU, its
 flags, the kernel tier, the date, the commit and the command; the other parts are kept. The
 results page (:mod:`attnfast.bench.results`) renders one table per part.
 """
@@ -99,6 +100,14 @@ def _chunk_cells(r: dict):
             f"{r['dense_s'] / r['sparse_s']:.1f}x"]
 
 
+def _model_cells(r: dict):
+    return [str(r["threads"]), r["model"], str(r["prompt"]), str(r["topk"]),
+            f"{r['decode_tokens_s']:.2f}", f"{r['sdpa_decode_tokens_s']:.2f}",
+            f"{r['decode_tokens_s'] / r['sdpa_decode_tokens_s']:.2f}x", f"{r['prefill_s']:.1f}",
+            f"{r['sdpa_prefill_s']:.1f}", f"{r['sdpa_prefill_s'] / r['prefill_s']:.2f}x",
+            "yes" if r["same_tokens"] else "no"]
+
+
 _CHUNK_COLUMNS = ["threads", "heads", "D", "new tokens", "after", "top-k", "sparse s", "dense masked s",
                   "dense / sparse"]
 # (part, title, note, columns, cells) in page order.
@@ -116,6 +125,12 @@ _PARTS = (
     ("prefill", "Prefill of a chunk, each query over its own top-k", "", _CHUNK_COLUMNS, _chunk_cells),
     ("backward", "The backward of that chunk (`attention_backward(key_index=)`)", "", _CHUNK_COLUMNS,
      _chunk_cells),
+    ("model", "A transformers DeepSeek-V3.2 generating: `attnfast` against `sdpa`",
+     "Random weights, 2 layers, 16 heads (MLA 128 + 64 / 128), the model's own lightning indexer; "
+     "greedy decode tokens/s and the prompt's prefill (s), sdpa folding the top-k into a dense "
+     "mask.\n\n",
+     ["threads", "model", "prompt", "top-k", "attnfast tokens/s", "sdpa tokens/s", "speed-up",
+      "attnfast prefill s", "sdpa prefill s", "speed-up", "same greedy tokens"], _model_cells),
 )
 
 
