@@ -109,20 +109,28 @@ def model(args):
     torch.manual_seed(0)
     net = Model(cfg).eval()
     ids = torch.randint(3, cfg.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(1))
+    class Clock:  # generate()'s streamer: put() gets the prompt, then each new token
+        def __init__(self):
+            self.stamps = []
+
+        def put(self, _):
+            self.stamps.append(time.perf_counter())
+
+        def end(self):
+            pass
+
     times = {name: {"prefill": [], "decode": []} for name in ("attnfast", "sdpa")}
     tokens = {}
     with torch.no_grad():
         for _ in range(args.repeats):
             for name in times:
                 net.set_attn_implementation(name)
-                t0 = time.perf_counter()
-                net.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-                t1 = time.perf_counter()
+                clock = Clock()
                 out = net.generate(ids, max_new_tokens=args.new + 1, min_new_tokens=args.new + 1,
-                                   do_sample=False)
-                t2 = time.perf_counter()
-                times[name]["prefill"].append(t1 - t0)
-                times[name]["decode"].append(max(t2 - t1 - (t1 - t0), 1e-9) / args.new)
+                                   do_sample=False, streamer=clock)
+                prompt_in, first, last = clock.stamps[0], clock.stamps[1], clock.stamps[-1]
+                times[name]["prefill"].append(first - prompt_in)  # the prompt's forward: token 1
+                times[name]["decode"].append((last - first) / args.new)
                 tokens[name] = out[0, args.prompt:].tolist()
     med = {name: {part: statistics.median(v) for part, v in parts.items()} for name, parts in times.items()}
     a, b = med["attnfast"], med["sdpa"]
