@@ -517,6 +517,29 @@ def test_backend_runs_sparse_indices_and_refuses_them_where_it_cannot():
         aft.attention_forward(_Module(), q.detach(), k, v, mask, block_indices=indices)
 
 
+@pytest.mark.parametrize("topk", [3, 12])
+def test_backend_sparse_prompt_as_sdpa_at_any_selected_share(topk):
+    """A prompt's indices= selecting few of the keys per query (3 of 64: one gathered problem
+    per query) or many (12 of 64: the masked prefill, as sdpa runs it), with -1 entries, a
+    padded key and causality from the mask: both sdpa's attention over the dense mask, in
+    float64."""
+    torch, aft = _backend()
+    q, k, v = _qkv(torch, seed=4, T=64)
+    q = q[:, :, -8:]
+    g = torch.Generator().manual_seed(5)
+    indices = torch.stack([torch.randperm(57 + i, generator=g)[:topk] for i in range(8)])[None]
+    indices[0, 2, 0] = -1
+    mask = torch.ones((1, 1, 8, 64), dtype=torch.bool).tril(56)
+    mask[..., 10] = False  # padding
+    keep = torch.zeros((1, 1, 8, 65), dtype=torch.bool).scatter(
+        -1, torch.where(indices >= 0, indices, 64).long()[:, None], True)[..., :64] & mask
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.repeat_interleave(2, 1).double(), v.repeat_interleave(2, 1).double(),
+        attn_mask=keep, scale=0.25)
+    got, _ = aft.attention_forward(_Module(), q, k, v, mask, scaling=0.25, indices=indices.to(torch.int32))
+    torch.testing.assert_close(got.transpose(1, 2).double(), want, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("name,value", [
     ("output_attentions", True), ("cu_seq_lens_q", "tensor"), ("sinks", "tensor"),
     ("position_bias", "tensor"), ("some_future_option", 1)])
