@@ -358,8 +358,8 @@ def test_an_error_after_the_commit_undoes_the_call(where, monkeypatch):
         "KVCache._run_fast": (kv_step(), af.KVCache, "_run_fast"),
         "KVCache._run_fast lse": (kv_step(return_lse=True), af.KVCache, "_run_fast"),
         "PagedKVCache._run_locked": (paged("step"), af.PagedKVCache, "_run_locked"),
-        "attention_with_kvcache": (functional(), _kvcache, "_kvcache_fast"),
-        "attention_with_kvcache lse": (functional(return_lse=True), _kvcache, "_kvcache_fast"),
+        "attention_with_kvcache": (functional(), _ext, "decode_fast"),
+        "attention_with_kvcache lse": (functional(return_lse=True), _ext, "decode_fast"),
         "attention_with_kvcache paged": (functional(block_table=True), _kvcache,
                                          "run_cache_kernels")}[where]
     make(np.random.default_rng(4))[0]()  # the layout's plan: the fast paths run

@@ -143,13 +143,26 @@ cdef object _empty(tuple shape, dtype):
 # less than the two sigaction calls cost (~1 us, a decode step's kernel time).
 cdef double _INTERRUPTIBLE_WORK = 4e6
 
+import _signal
+import threading
+cdef object _default_int_handler = _signal.default_int_handler
+cdef object _getsignal = _signal.getsignal  # (the handler as stored: no enum conversion)
 
-cdef int _run_one(AttentionParams* p, bint interruptible) except -1:
+
+def kernels_interruptible():
+    """Whether Ctrl-C may stop the kernels of this call: only in the main thread, which alone
+    receives it, and only under Python's default SIGINT handler (an ignored SIGINT, e.g. a
+    background job, or a handler of the caller's own must not cut a computation short)."""
+    return (threading.get_ident() == threading.main_thread().ident
+            and _getsignal(SIGINT) is _default_int_handler)
+
+
+cdef int _run_one(AttentionParams* p) except -1:
     hook = fast_call_hooks["before_kernels"]
     if hook is not None:
-        hook(interruptible=interruptible)
-    if interruptible and (<double> p.batch * p.heads * p.seqlen_q * p.seqlen_k
-                          * (p.head_dim + p.head_dim_v)) >= _INTERRUPTIBLE_WORK:
+        hook(interruptible=kernels_interruptible())
+    if ((<double> p.batch * p.heads * p.seqlen_q * p.seqlen_k * (p.head_dim + p.head_dim_v))
+            >= _INTERRUPTIBLE_WORK and kernels_interruptible()):
         _run_interruptible(p)
     else:
         with nogil:
@@ -157,41 +170,119 @@ cdef int _run_one(AttentionParams* p, bint interruptible) except -1:
     return 0
 
 
-def attention_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out, tuple out_shape,
-                   out_dtype, bint causal, double scale, int64_t window_left,
-                   int64_t window_right, int num_threads, query_offset, bint interruptible,
-                   lse_dtype=None):
-    """The rest of attnfast.attention's fast path (_api._attention_fast) in one call: q, k, v
-    4-D of a layout the full path accepted; out None (allocated: out_shape, out_dtype) or an
-    array to fill; with `lse_dtype` (not None: return_lse) the tuple (out, lse), lse a new
-    (B, H, Tq) array. None, having done nothing, unless q, k, v are aligned and out (if
-    given) is a writeable aligned ndarray apart from q, k and v."""
+# ---- what every C tail resolves per call: threads, query_offset, window ----
+
+cdef extern from "Python.h":
+    long long PyLong_AsLongLongAndOverflow(object, int*) except? -1
+
+cdef int _processors = max(1, processor_count())
+cdef int _default_threads = 0   # set_num_threads or ATTNFAST_NUM_THREADS; 0: OpenMP's limit
+
+
+def set_default_threads(n):
+    """attnfast._runtime: the thread count of calls without num_threads (None: OpenMP's)."""
+    global _default_threads
+    _default_threads = 0 if n is None else n
+
+
+def call_threads(num_threads):
+    """The threads of a call (attnfast._runtime.resolve_threads) for num_threads None or an
+    int >= 1, clamped to the processors; None for anything else (the full path raises)."""
+    cdef int overflow = 0
+    cdef long long n
+    if num_threads is None:
+        return _default_threads if _default_threads > 0 else min(
+            max(1, openmp_max_threads()), _processors)
+    if type(num_threads) is not int:
+        return None
+    n = PyLong_AsLongLongAndOverflow(num_threads, &overflow)
+    if overflow > 0 or n >= _processors:
+        return _processors
+    return n if n >= 1 else None
+
+
+cdef bint _offset_ok(query_offset) except -1:
+    """check_query_offset accepts query_offset as it is: None, or an int within +-2**62."""
+    cdef int overflow = 0
+    cdef long long n
+    if query_offset is None:
+        return True
+    if type(query_offset) is not int:
+        return False
+    n = PyLong_AsLongLongAndOverflow(query_offset, &overflow)
+    return overflow == 0 and -(1LL << 62) <= n <= (1LL << 62)
+
+
+cdef int _bound_window(tuple window, int64_t reach, query_offset, int64_t* side) except -1:
+    """attnfast._scalars.bound_window over `reach` keys + query rows (+ |query_offset|): a
+    checked window's sides (ints >= -1, any size), -1 where they exclude no key."""
+    cdef int overflow = 0, i
+    cdef long long w
+    if query_offset is not None:
+        w = query_offset
+        reach += w if w >= 0 else -w
+    for i in range(2):
+        w = PyLong_AsLongLongAndOverflow(window[i], &overflow)
+        side[i] = -1 if (overflow or w >= reach) else w
+    return 0
+
+
+cdef class Plan:
+    """What the full checks concluded about an accepted call's layout (attnfast._plans), as
+    the C tails read it: the output's shape and dtype, scale, the window as checked, Tq, the
+    keys the window is bounded by (attention: Tk; a contiguous cache: its capacity), the new
+    tokens per sequence, the lse dtype (None without return_lse); a paged call's checked
+    call (for the shared-prefix composition)."""
+    cdef readonly tuple out_shape, window
+    cdef readonly object dtype, lse_dtype, call
+    cdef readonly double scale
+    cdef readonly int64_t new_tokens, seqlen_q, seqlen_k
+
+    def __init__(self, *, out_shape, dtype, scale, window, seqlen_k, lse_dtype,
+                 new_tokens=0, call=None):
+        self.out_shape, self.dtype, self.scale = tuple(out_shape), dtype, scale
+        self.window, self.seqlen_q, self.seqlen_k = tuple(window), out_shape[2], seqlen_k
+        self.lse_dtype, self.new_tokens, self.call = lse_dtype, new_tokens, call
+
+
+def attention_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out, bint causal,
+                   num_threads, query_offset):
+    """The rest of attnfast.attention's fast path in one call: q, k, v 4-D of a layout the
+    full path accepted (`plan`); out None (allocated) or an array to fill; with the plan's
+    lse dtype (return_lse) the tuple (out, lse), lse a new (B, H, Tq) array. None, having
+    done nothing, unless num_threads and query_offset are as the full path takes them
+    unchanged, q, k, v are aligned and out (if given) is a writeable aligned ndarray apart
+    from q, k and v."""
     cdef AttentionParams p = default_params()
+    cdef int64_t side[2]
+    threads = call_threads(num_threads)
+    if threads is None or not _offset_ok(query_offset):
+        return None
     if not (_aligned(q) and _aligned(k) and _aligned(v)):
         return None
     if out is None:
-        target = _empty(out_shape, out_dtype)
+        target = _empty(plan.out_shape, plan.dtype)
     else:
         target = _usable_out(out, q, k, v)
         if target is None:
             return None
-    lse = None if lse_dtype is None else _empty(out_shape[:3], lse_dtype)
-    _fill_params(&p, q, k, v, target, lse, causal, scale, window_left, window_right,
-                 num_threads, None, None, None, query_offset, 0.0, None, None, None, None)
+    _bound_window(plan.window, plan.seqlen_q + plan.seqlen_k, query_offset, side)
+    lse = None if plan.lse_dtype is None else _empty(plan.out_shape[:3], plan.lse_dtype)
+    _fill_params(&p, q, k, v, target, lse, causal, plan.scale, side[0], side[1], threads,
+                 None, None, None, query_offset, 0.0, None, None, None, None)
     fast_calls_taken["attention"] += 1
-    _run_one(&p, interruptible)
+    _run_one(&p)
     return target if lse is None else (target, lse)
 
 
-def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_new,
-                int64_t t, int64_t capacity, tuple out_shape, out_dtype, bint causal,
-                double scale, int64_t window_left, int64_t window_right, int num_threads,
-                query_offset, bint interruptible, bint advance, out, lse_dtype):
-    """The rest of the KV-cache fast paths (_kvcache._kvcache_fast, KVCache._run_fast) in one
-    call, for a layout the full path accepted: write the t new tokens (t = 0: none) at each
+def decode_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new,
+                v_new, out, bint causal, num_threads, query_offset, bint advance):
+    """The rest of the KV-cache fast paths (attention_with_kvcache, KVCache.attend / step) in
+    one call, for a layout the full path accepted (`plan`): write the t new tokens (t = 0:
+    none; rounded to a 16-bit cache's dtype first, as the full path stores them) at each
     sequence's length, attend over the lengths plus t, return out: the caller's `out`
-    (written in place) or, when it is None, a new array (out_shape, out_dtype); with
-    `lse_dtype` (not None: return_lse) the tuple (out, lse), lse a new (B, H, Tq) array.
+    (written in place) or, when it is None, a new array; with the plan's lse dtype
+    (return_lse) the tuple (out, lse), lse a new (B, H, Tq) array.
     A caller's out is used only if _usable_out accepts it (writeable, aligned, apart from
     q, the caches and the new tokens); its layout is in the plan key.
 
@@ -209,7 +300,12 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
     cdef cnp.ndarray lens, kn, vn, seqlens
     cdef int64_t* starts = NULL
     cdef int64_t* after
-    cdef int64_t common
+    cdef int64_t common, side[2]
+    cdef int64_t t = plan.new_tokens, capacity = plan.seqlen_k
+    cdef int overflow = 0
+    threads = call_threads(num_threads)
+    if threads is None or not _offset_ok(query_offset):
+        return None
     if not (_aligned(q) and _aligned(k) and _aligned(v)) or B < 1:
         return None
     if t and not (_writeable(k) and _writeable(v) and _open_log() is not None):
@@ -223,9 +319,9 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
                 or not _writeable(lens) or not _aligned(lens)):
             return None
     elif type(lengths) is int:
-        if not (0 <= lengths <= capacity - t):
+        common = PyLong_AsLongLongAndOverflow(lengths, &overflow)
+        if overflow or not (0 <= common <= capacity - t):
             return None
-        common = lengths
     elif type(lengths) is np.ndarray:
         lens = <cnp.ndarray> lengths
         if (cnp.PyArray_NDIM(lens) != 1 or cnp.PyArray_DIMS(lens)[0] != B
@@ -239,7 +335,9 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
             return None
         kn, vn = <cnp.ndarray> k_new, <cnp.ndarray> v_new
         if not (attnfast_equiv_dtypes(kn, k) and attnfast_equiv_dtypes(vn, v)):
-            return None      # converted on write (a 16-bit cache): the full path
+            kn, vn = _stored_rows(kn, vn, k)  # (float32 rows for a 16-bit cache)
+            if not (attnfast_equiv_dtypes(kn, k) and attnfast_equiv_dtypes(vn, v)):
+                return None
         if not (_apart(q, k) == 1 and _apart(q, v) == 1 and _apart(kn, k) == 1
                 and _apart(kn, v) == 1 and _apart(vn, k) == 1 and _apart(vn, v) == 1
                 and (advance or _apart(k, v) == 1)):
@@ -267,8 +365,8 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
             if starts[b] < 0 or starts[b] > capacity - t:
                 return None
         if target is None:
-            target = _empty(out_shape, out_dtype)
-        lse = None if lse_dtype is None else _empty(out_shape[:3], lse_dtype)
+            target = _empty(plan.out_shape, plan.dtype)
+        lse = None if plan.lse_dtype is None else _empty(plan.out_shape[:3], plan.lse_dtype)
         if t:  # sequence b's token u: row starts[b] + u of the cache's "block" b
             for b in range(B):
                 for i in range(t):
@@ -279,16 +377,23 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
             _keep_int64s(lens)
         for b in range(B):
             after[b] = starts[b] + t
-        _fill_params(&p, q, k, v, target, lse, causal, scale, window_left, window_right,
-                     num_threads, seqlens, None, None, query_offset, 0.0, None, None, None, None)
+        _bound_window(plan.window, plan.seqlen_q + capacity, query_offset, side)
+        _fill_params(&p, q, k, v, target, lse, causal, plan.scale, side[0], side[1], threads,
+                     seqlens, None, None, query_offset, 0.0, None, None, None, None)
         fast_calls_taken["kvcache"] += 1
-        _run_one(&p, interruptible)  # (raising: the transaction puts back what was written)
+        _run_one(&p)  # (raising: the transaction puts back what was written)
         return target if lse is None else (target, lse)
     finally:
         free(starts)
 
 
 _INT64 = np.dtype(np.int64)
+
+
+cdef tuple _stored_rows(cnp.ndarray k_new, cnp.ndarray v_new, cnp.ndarray cache):
+    """New tokens as a cache of `cache`'s dtype stores them (attnfast._transaction)."""
+    from attnfast._transaction import stored_form
+    return tuple(stored_form(k_new, v_new, cache.dtype)[:2])
 
 
 # ---- plan keys (attnfast._plans): what a plan is stored and found under ----
@@ -429,16 +534,15 @@ cdef bint _has_shape(cnp.ndarray a, tuple shape):
     return True
 
 
-def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tuple out_shape,
-               out_dtype, bint causal, double scale, tuple window, int num_threads,
-               query_offset, bint interruptible, lse_dtype, int64_t shared_keys):
+def paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bint causal,
+               num_threads, query_offset, int64_t shared_keys):
     """The rest of PagedKVCache.attend / step's fast path (_paged.PagedKVCache._run_fast) in
-    one call, for a layout the full path accepted (the plan: t new tokens, out_shape,
-    out_dtype, scale, window as checked): append k_new, v_new (t > 0) to each sequence of
+    one call, for a layout the full path accepted (`plan`: t new tokens, the output, scale,
+    window as checked): append k_new, v_new (t > 0) to each sequence of
     `seq_ids` (an int, or a list / tuple of ints, one per row of q), taking blocks from the
     free list as PagedKVCache._append does, then attend over every sequence's tokens.
     Returns out (the caller's `out`, written in place, or a new array), or (out, lse) with
-    `lse_dtype`. None, having changed nothing, unless the ids are distinct live sequences,
+    the plan's lse dtype. None, having changed nothing, unless the ids are distinct live sequences,
     no sequence's partly filled last block is shared (copy-on-write: the full path), the pool
     has the blocks needed, no two sequences with `shared_keys` or more keys begin with the
     same block (shared-prefix decoding: the full path), the new tokens have the pool's dtype,
@@ -454,7 +558,9 @@ def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tupl
     cdef Py_ssize_t B, b, c, i, g, nb, nfree
     cdef int64_t NB = cnp.PyArray_DIMS(k)[0], Hkv = cnp.PyArray_DIMS(k)[1]
     cdef int64_t BS = cnp.PyArray_DIMS(k)[2]
-    cdef int64_t n, grow, needed = 0, width = 1, blk, left, right
+    cdef int64_t n, grow, needed = 0, width = 1, blk, side[2]
+    cdef int64_t t = plan.new_tokens
+    cdef tuple out_shape = plan.out_shape
     cdef int64_t* info
     cdef int64_t* tab
     cdef int64_t* lens
@@ -462,6 +568,9 @@ def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tupl
     cdef int64_t* slots
     cdef list seqs
     cdef _PagedStepWritten w
+    threads = call_threads(num_threads)
+    if threads is None or not _offset_ok(query_offset):
+        return None
     if type(seq_ids) is int:
         ids = (seq_ids,)
     elif type(seq_ids) is list or type(seq_ids) is tuple:
@@ -582,13 +691,9 @@ def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tupl
         lens = <int64_t*> cnp.PyArray_DATA(seqlens)
         for b in range(B):
             lens[b] = info[3 * b] + t
-        # the window as bound_window leaves it over this call's width * block_size keys
-        reach = out_shape[2] + width * BS + (0 if query_offset is None else abs(query_offset))
-        left = -1 if window[0] >= reach else window[0]
-        right = -1 if window[1] >= reach else window[1]
         if target is None:
-            target = _empty(out_shape, out_dtype)
-        lse = None if lse_dtype is None else _empty(out_shape[:3], lse_dtype)
+            target = _empty(out_shape, plan.dtype)
+        lse = None if plan.lse_dtype is None else _empty(out_shape[:3], plan.lse_dtype)
         w = _PagedStepWritten.__new__(_PagedStepWritten)
         w.seqs, w.free, w.refs, w.table = seqs, free_list, refs, table
         w.info = (<char*> info)[:3 * B * sizeof(int64_t)]
@@ -610,10 +715,12 @@ def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tupl
                     refp[blk] = 1
                     seq.blocks.append(blk)
                 seq.length = lens[b]
-        _fill_params(&p, q, k, v, target, lse, causal, scale, left, right, num_threads,
+        # the window as bound_window leaves it over this call's width * block_size keys
+        _bound_window(plan.window, plan.seqlen_q + width * BS, query_offset, side)
+        _fill_params(&p, q, k, v, target, lse, causal, plan.scale, side[0], side[1], threads,
                      seqlens, None, None, query_offset, 0.0, None, None, None, table)
         fast_calls_taken["paged"] += 1
-        _run_one(&p, interruptible)
+        _run_one(&p)
         return target if lse is None else (target, lse)
     finally:
         free(info)
@@ -623,31 +730,35 @@ def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tupl
 
 cdef class SharedPrefix:
     """paged_table_fast's answer for a call whose sequences share a long prefix: the checked
-    int64 block table and key lengths; the caller runs the shared-prefix composition
-    (attnfast._shared_prefix) over them."""
-    cdef readonly object table, lengths
+    int64 block table, key lengths and threads; the caller runs the shared-prefix
+    composition (attnfast._shared_prefix) over them."""
+    cdef readonly object table, lengths, threads
 
 
-def paged_table_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cache_seqlens, block_table,
-                     k_scale, v_scale, out, tuple out_shape, out_dtype, bint causal,
-                     double scale, tuple window, int num_threads, query_offset,
-                     bint interruptible, lse_dtype, int64_t shared_keys):
+def paged_table_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cache_seqlens,
+                     block_table, k_scale, v_scale, out, bint causal, num_threads, query_offset,
+                     int64_t shared_keys):
     """The rest of attention_with_kvcache(block_table=...)'s fast path (_kvcache._paged_fast)
-    for a layout the full path accepted, no new tokens: the lengths (a Python int, or an
+    for a layout the full path accepted (`plan`), no new tokens: the lengths (a Python int, or an
     int32 / int64 array (B,)) each in [0, max_blocks * block_size], the ids of the blocks in
     use (a sequence of n keys reads its first ceil(n / block_size) entries) in
     [0, num_blocks), `out` (if given) writeable, aligned and apart from every array the call
-    reads; then the kernel call. Returns out, or (out, lse) with `lse_dtype`; a SharedPrefix
+    reads; then the kernel call. Returns out, or (out, lse) (return_lse); a SharedPrefix
     when two sequences of `shared_keys` or more keys begin with the same block (the caller
     composes); None, having done nothing, when anything is unusual (the full path raises)."""
     cdef AttentionParams p = default_params()
     cdef cnp.ndarray table, lens, given, tab_in
     cdef int64_t NB = cnp.PyArray_DIMS(k)[0], BS = cnp.PyArray_DIMS(k)[2]
     cdef cnp.npy_intp B = cnp.PyArray_DIMS(q)[0], W, b, c, i, s0, s1
-    cdef int64_t n, used, blk, left, right
+    cdef int64_t n, used, blk, side[2]
     cdef int64_t* tab
     cdef int64_t* L
     cdef char* src
+    cdef int overflow = 0
+    cdef tuple out_shape = plan.out_shape
+    threads = call_threads(num_threads)
+    if threads is None or not _offset_ok(query_offset):
+        return None
     if B < 1 or not (_aligned(q) and _aligned(k) and _aligned(v)):
         return None
     if type(block_table) is not np.ndarray:
@@ -688,10 +799,11 @@ def paged_table_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cache_seqlens,
     lens = _empty((B,), _INT64)
     L = <int64_t*> cnp.PyArray_DATA(lens)
     if type(cache_seqlens) is int:
-        if not (0 <= cache_seqlens <= W * BS):
+        n = PyLong_AsLongLongAndOverflow(cache_seqlens, &overflow)
+        if overflow or not (0 <= n <= W * BS):
             return None
         for b in range(B):
-            L[b] = cache_seqlens
+            L[b] = n
     elif type(cache_seqlens) is np.ndarray:
         given = <cnp.ndarray> cache_seqlens
         if (cnp.PyArray_NDIM(given) != 1 or cnp.PyArray_DIMS(given)[0] != B
@@ -727,17 +839,16 @@ def paged_table_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cache_seqlens,
                     shared = SharedPrefix.__new__(SharedPrefix)
                     (<SharedPrefix> shared).table = table
                     (<SharedPrefix> shared).lengths = lens
+                    (<SharedPrefix> shared).threads = threads
                     return shared
-    reach = out_shape[2] + W * BS + (0 if query_offset is None else abs(query_offset))
-    left = -1 if window[0] >= reach else window[0]
-    right = -1 if window[1] >= reach else window[1]
+    _bound_window(plan.window, plan.seqlen_q + W * BS, query_offset, side)
     if target is None:
-        target = _empty(out_shape, out_dtype)
-    lse = None if lse_dtype is None else _empty(out_shape[:3], lse_dtype)
-    _fill_params(&p, q, k, v, target, lse, causal, scale, left, right, num_threads, lens,
+        target = _empty(out_shape, plan.dtype)
+    lse = None if plan.lse_dtype is None else _empty(out_shape[:3], plan.lse_dtype)
+    _fill_params(&p, q, k, v, target, lse, causal, plan.scale, side[0], side[1], threads, lens,
                  k_scale, v_scale, query_offset, 0.0, None, None, None, table)
     fast_calls_taken["paged"] += 1
-    _run_one(&p, interruptible)
+    _run_one(&p)
     return target if lse is None else (target, lse)
 
 

@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from ._written import read_only_copy
-from ._ext import array_as_tensor, register_torch, tensor_args, tensor_view
+from ._ext import array_as_tensor, converting, register_torch, tensor_args, tensor_view
 
 __all__ = ["accepts_arrays", "to_numpy", "wrap_like", "is_torch"]
 
@@ -148,7 +148,6 @@ def accepts_arrays(fn):
     def _out_arg(args):
         return args[out_index] if out_index is not None and out_index < len(args) else None
 
-    @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         # One pass: NumPy arrays, None and plain options stay as they are (the common case
         # converts nothing and copies nothing); a plain dense CPU tensor becomes a NumPy view
@@ -202,7 +201,8 @@ def accepts_arrays(fn):
         tensor = array_as_tensor(result)  # wrap_like's common case, in C
         return tensor if tensor is not None else wrap_like(result, template)
 
-    return wrapper
+    # NumPy arguments only (the common case): fn is called directly, in C
+    return functools.update_wrapper(converting(fn, wrapper, first), fn)
 
 
 def _as_tensor(result, template):

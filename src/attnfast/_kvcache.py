@@ -15,7 +15,7 @@ import numpy as np
 
 from . import _ext
 from ._formats import format_of_storage, quantize_float8, quantize_int8  # noqa: F401 (re-exported)
-from ._api import kernels_interruptible, run_kernels
+from ._api import run_kernels
 from ._interop import accepts_arrays
 from ._key_index import with_key_index as attach_key_index
 from ._cache_args import (
@@ -37,8 +37,6 @@ from ._cache_checks import (
 )
 from ._descriptors import CacheLayout, KernelPart
 from ._plans import (
-    fast_query_offset,
-    fast_threads,
     kvcache_key,
     kvcache_plan,
     KVCACHE_PLANS,
@@ -52,20 +50,12 @@ from ._written import check_out
 from ._rotation import rotate_queries
 from . import _shared_prefix
 from ._shared_prefix import run_paged_kernels
-from ._transaction import assign, stored_form, token_slots, transaction, write_tokens
+from ._transaction import assign, token_slots, transaction, write_tokens
 from ._tree import run_tree_kernels
 
 __all__ = ["KVCache", "attention_with_kvcache"]
 
 _LENGTHS = "KVCache.lengths"  # a KVCache's lengths in its plan keys (attnfast._ext.kvcache_key)
-
-
-def fast_tokens(k_new, v_new, cache_dtype):
-    """The fast paths' new tokens in the cache's dtype, rounded as the full path writes them
-    (stored_form), so the C tails copy rows. A plan exists only for unquantised caches."""
-    if k_new is None or (k_new.dtype == cache_dtype and v_new.dtype == cache_dtype):
-        return k_new, v_new  # (the common case, first: this runs on every fast call)
-    return stored_form(k_new, v_new, cache_dtype)[:2]
 
 
 @transaction()
@@ -195,15 +185,15 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
         if block_table is None:
             plan = KVCACHE_PLANS.get(key)
             if plan is not None:
-                result = _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                                       out, causal, num_threads, query_offset)
+                result = _ext.decode_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new,
+                                          v_new, out, causal, num_threads, query_offset, False)
                 if result is not None:
                     return result
         else:  # a paged decode step (a serving engine's every layer)
             plan = PAGED_PLANS.get(key)
             if plan is not None:
                 result = _paged_fast(plan, q, k_cache, v_cache, cache_seqlens, block_table,
-                                     k_scale, v_scale, out, num_threads, query_offset)
+                                     k_scale, v_scale, out, causal, num_threads, query_offset)
                 if result is not None:
                     return result
     return_lse = check_flag(return_lse, "return_lse")
@@ -254,26 +244,6 @@ def _read_and_written(call) -> list:
         + call.attn.options.arrays())
 
 
-def _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new, out, causal,
-                  num_threads, query_offset, advance=False):
-    """attention_with_kvcache() (and, with `advance`, KVCache.attend / step, whose lengths
-    array is advanced in place) for a call whose layout and options an earlier call had
-    accepted (see attnfast._ext.kvcache_key): what can differ between such calls (lengths,
-    flags, overlap, `out`), the token writes and the kernel call, in C
-    (attnfast._ext.decode_fast). None, having changed nothing, when anything is unusual: the
-    full path then runs (and raises as always)."""
-    t, out_shape, dtype, scale, window, seqlen_q, capacity, lse_dtype = plan
-    threads = fast_threads(num_threads)
-    if threads is None or not fast_query_offset(query_offset):
-        return None
-    left, right = (-1, -1) if window == (-1, -1) else bound_window(
-        window, seqlen_q, capacity, query_offset)
-    k_new, v_new = fast_tokens(k_new, v_new, k_cache.dtype)
-    return _ext.decode_fast(q, k_cache, v_cache, cache_seqlens, k_new, v_new, t, capacity,
-                            out_shape, dtype, causal, scale, left, right, threads, query_offset,
-                            kernels_interruptible(), advance, out, lse_dtype)
-
-
 def run_cache_kernels(call, user_out, return_lse, parts, tree=None, key_rotation=None):
     """run_kernels for a checked cache call (KVCacheCall): composed from several calls for
     a tree mask (attnfast._tree) or, over a paged pool, for sequences sharing leading blocks
@@ -308,32 +278,27 @@ def _run_cache_parts(call, user_out, return_lse, parts, tree):
 
 
 def _paged_fast(plan, q, k_pool, v_pool, cache_seqlens, block_table, k_scale, v_scale, out,
-                num_threads, query_offset):
+                causal, num_threads, query_offset):
     """attention_with_kvcache(block_table=...) without new tokens, for a call whose plan key
-    found the plan an earlier call left (PAGED_PLANS: its checked call, window, lse dtype):
-    the lengths, block ids in use, `out` and the kernel call in C (_ext.paged_table_fast);
-    sequences sharing a long prefix run the same composition as the full path
-    (run_paged_kernels). None, having done nothing, when anything is unusual: the full path
-    then runs (and raises as always). Nothing is written but `out`."""
-    call, window, lse_dtype = plan
-    threads = fast_threads(num_threads)
-    if threads is None or not fast_query_offset(query_offset):
-        return None
-    attn = call.attn
-    result = _ext.paged_table_fast(q, k_pool, v_pool, cache_seqlens, block_table, k_scale,
-                                   v_scale, out, attn.out_shape(), attn.dtype, attn.causal,
-                                   attn.scale, window, threads, query_offset,
-                                   kernels_interruptible(), lse_dtype,
+    found the plan an earlier call left (PAGED_PLANS): the lengths, block ids in use, `out`
+    and the kernel call in C (_ext.paged_table_fast); sequences sharing a long prefix run
+    the same composition as the full path (run_paged_kernels). None, having done nothing,
+    when anything is unusual: the full path then runs (and raises as always). Nothing is
+    written but `out`."""
+    result = _ext.paged_table_fast(plan, q, k_pool, v_pool, cache_seqlens, block_table, k_scale,
+                                   v_scale, out, causal, num_threads, query_offset,
                                    _shared_prefix.MIN_PREFIX_KEYS)
     if type(result) is not _ext.SharedPrefix:
         return result
-    bounded = bound_window(window, attn.seqlen_q, attn.seqlen_k, query_offset)
+    call = plan.call
+    attn = call.attn
+    bounded = bound_window(plan.window, attn.seqlen_q, attn.seqlen_k, query_offset)
     fresh = _with_fields(
-        call, attn=_with_fields(attn, q=q, k=k_pool, v=v_pool, num_threads=threads,
+        call, attn=_with_fields(attn, q=q, k=k_pool, v=v_pool, num_threads=result.threads,
                                 window=bounded, query_offset=query_offset),
         cache=_with_fields(call.cache, k=k_pool, v=v_pool, k_scale=k_scale, v_scale=v_scale),
         starts=result.lengths, block_table=result.table)
-    return run_paged_kernels(fresh, out, lse_dtype is not None, k_pool, v_pool, k_scale,
+    return run_paged_kernels(fresh, out, plan.lse_dtype is not None, k_pool, v_pool, k_scale,
                              v_scale)
 
 
@@ -624,11 +589,11 @@ class KVCache:
         return result
 
     def _run_fast(self, key, q, k_new, v_new, out, causal, num_threads, query_offset):
-        """attend/step by the plan an earlier call of this layout left (_kvcache_fast, the
+        """attend/step by the plan an earlier call of this layout left (_ext.decode_fast, the
         lengths advanced in place); None, having changed nothing, without one or when
         anything is unusual: the full path runs."""
         plan = KVCACHE_PLANS.get(key)
-        return None if plan is None else _kvcache_fast(
+        return None if plan is None else _ext.decode_fast(
             plan, q, self._k, self._v, self._lengths, k_new, v_new, out, causal, num_threads,
             query_offset, True)  # (advance)
 

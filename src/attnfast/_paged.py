@@ -14,7 +14,6 @@ import threading
 import numpy as np
 
 from . import _ext, _shared_prefix
-from ._api import kernels_interruptible
 from ._formats import format_of_storage
 from ._cache_args import (
     check_free_blocks,
@@ -25,21 +24,14 @@ from ._cache_args import (
     default_key_rotation,
 )
 from ._cache_checks import check_new_tokens, check_paged_kvcache_attention, check_tree_mask
-from ._plans import (
-    fast_query_offset,
-    fast_threads,
-    kvcache_key,
-    kvcache_plan,
-    KVCACHE_PLANS,
-    remember,
-)
+from ._plans import kvcache_key, kvcache_plan, KVCACHE_PLANS, remember
 from ._scalars import check_flag
 from ._written import check_out
 from ._descriptors import CacheLayout, KernelPart
 from ._interop import accepts_arrays
-from ._kvcache import (_read_and_written, fast_tokens, latent_values,
-                       run_cache_kernels, with_key_index)
-from ._transaction import assign, copy_rows, logged, token_slots, transaction, write_tokens
+from ._kvcache import _read_and_written, latent_values, run_cache_kernels, with_key_index
+from ._transaction import (assign, copy_rows, logged, stored_form, token_slots, transaction,
+                           write_tokens)
 
 __all__ = ["PagedKVCache"]
 
@@ -459,25 +451,20 @@ class PagedKVCache:
         plan = KVCACHE_PLANS.get(key)
         if plan is None:
             return None
-        t, out_shape, dtype, scale, window, _, _, lse_dtype = plan
-        threads = fast_threads(num_threads)
-        if threads is None or not fast_query_offset(query_offset):
-            return None
         # One bare id: each 3-D array gains the sequence axis, as _run_locked lifts them
         single, given = type(seq_ids) is int, out
         squeeze = single and q.ndim == 3
         if single:
             q, k_new, v_new, out = (a[None] if a is not None and a.ndim == 3 else a
                                     for a in (q, k_new, v_new, out))
-        if k_new is not None and k_new.dtype != self._k.dtype:
-            k_new, v_new = fast_tokens(k_new, v_new, self._k.dtype)
+        if k_new is not None and k_new.dtype != self._k.dtype:  # rounded as the full path stores
+            k_new, v_new = stored_form(k_new, v_new, self._k.dtype)[:2]
             if self._latent:  # the values: the latent rows' prefix, written with them
                 v_new = k_new[..., :self.v_head_dim]
-        result = _ext.paged_fast(self, seq_ids, q, k_new, v_new, out, t, out_shape, dtype,
-                                 causal, scale, window, threads, query_offset,
-                                 kernels_interruptible(), lse_dtype,
-                                 _shared_prefix.MIN_PREFIX_KEYS)
-        return None if result is None else _finish(result, lse_dtype is not None, squeeze, given)
+        result = _ext.paged_fast(plan, self, seq_ids, q, k_new, v_new, out, causal, num_threads,
+                                 query_offset, _shared_prefix.MIN_PREFIX_KEYS)
+        return None if result is None else _finish(result, plan.lse_dtype is not None, squeeze,
+                                                    given)
 
     def _run_locked(self, seq_ids, q, k_new, v_new, *, return_lse, out, tree_mask, key_index=None,
                     **options):

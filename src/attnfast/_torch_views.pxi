@@ -338,3 +338,30 @@ def tensor_args(tuple args, Py_ssize_t first):
             template = a
         converted[i] = view
     return (converted if converted is not None else args), template
+
+
+cdef type _ndarray = np.ndarray
+
+
+cdef inline bint _plain(a) noexcept:
+    """An argument accepts_arrays passes on as it is (no tensor or array-like to convert)."""
+    t = type(a)
+    return (a is None or t is _ndarray or t is int or t is float or t is bool or t is str
+            or (t is list and _all_ints(<list> a)))
+
+
+def converting(fn, general, Py_ssize_t first):
+    """attnfast._interop.accepts_arrays' wrapper: `fn` called directly when every argument
+    from index `first` on, and every keyword argument, is plain (None, a NumPy array, a
+    bool, int, float, str or a list of ints: nothing to convert, the result returned as
+    it is); `general` (the conversion in Python) otherwise."""
+    def call(*args, **kwargs):
+        cdef Py_ssize_t i
+        for i in range(first, len(args)):
+            if not _plain(args[i]):
+                return general(*args, **kwargs)
+        for a in (<dict> kwargs).values():
+            if not _plain(a):
+                return general(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return call
