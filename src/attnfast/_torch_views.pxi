@@ -314,32 +314,6 @@ cdef bint _all_ints(list items):
     return True
 
 
-def tensor_args(tuple args, Py_ssize_t first):
-    """attnfast._interop.accepts_arrays' common case in one call: (args as a list, each plain
-    dense CPU tensor from index `first` on replaced by tensor_view's view; the first such
-    tensor, or None when there is none). None when an argument is anything but None, bool,
-    int, float, str, a list of ints, a NumPy array or such a tensor (the general conversion
-    then runs)."""
-    cdef Py_ssize_t i, n = len(args)
-    cdef list converted = None
-    template = None
-    for i in range(first, n):
-        a = args[i]
-        t = type(a)
-        if a is None or t is np.ndarray or t is int or t is float or t is bool or t is str:
-            continue
-        if t is list and _all_ints(<list> a):  # e.g. PagedKVCache's seq_ids
-            continue
-        view = _view_of(a)
-        if view is None:
-            return None
-        if converted is None:
-            converted = list(args)
-            template = a
-        converted[i] = view
-    return (converted if converted is not None else args), template
-
-
 cdef type _ndarray = np.ndarray
 
 
@@ -350,18 +324,72 @@ cdef inline bint _plain(a) noexcept:
             or (t is list and _all_ints(<list> a)))
 
 
-def converting(fn, general, Py_ssize_t first):
-    """attnfast._interop.accepts_arrays' wrapper: `fn` called directly when every argument
-    from index `first` on, and every keyword argument, is plain (None, a NumPy array, a
-    bool, int, float, str or a list of ints: nothing to convert, the result returned as
-    it is); `general` (the conversion in Python) otherwise."""
+cdef object _arg_out(tuple args, dict kwargs, Py_ssize_t out_index):
+    """The `out` argument of a call (keyword or positional), or None."""
+    if 0 <= out_index < len(args):
+        return args[out_index]
+    return kwargs.get("out")
+
+
+def converting(fn, tuple names, Py_ssize_t first, Py_ssize_t out_index, convert, wrap):
+    """attnfast._interop.accepts_arrays' wrapper of `fn` (parameter names `names`; `out` at
+    out_index, -1 without): each argument from index `first` on that is not plain (None,
+    a NumPy array, bool, int, float, str, a list of ints) becomes a NumPy view in C
+    (tensor_view) or by ``convert(argument, name)`` -> (converted, the torch tensor or
+    None), which raises naming it. With no torch tensor among them, fn's result is returned
+    as it is; else its arrays become tensors sharing their memory (array_as_tensor, or
+    ``wrap(result, tensor)``), and `out` comes back as the object the caller passed."""
     def call(*args, **kwargs):
         cdef Py_ssize_t i
+        cdef list new_args = None
+        cdef dict new_kwargs = None
+        template = given_out = converted_out = None
         for i in range(first, len(args)):
-            if not _plain(args[i]):
-                return general(*args, **kwargs)
-        for a in (<dict> kwargs).values():
-            if not _plain(a):
-                return general(*args, **kwargs)
-        return fn(*args, **kwargs)
+            a = args[i]
+            if _plain(a):
+                continue
+            view = _view_of(a)
+            t = a
+            if view is None:
+                view, t = convert(a, names[i] if i < len(names) else f"argument {i}")
+            if new_args is None:
+                new_args = list(args)
+            new_args[i] = view
+            if template is None:
+                template = t
+            if i == out_index:
+                given_out, converted_out = a, view
+        for name, a in (<dict> kwargs).items():
+            if _plain(a):
+                continue
+            view = _view_of(a)
+            t = a
+            if view is None:
+                view, t = convert(a, name)
+            if new_kwargs is None:
+                new_kwargs = dict(kwargs)
+            new_kwargs[name] = view
+            if template is None:
+                template = t
+            if name == "out":
+                given_out, converted_out = a, view
+        if new_args is not None:
+            args = tuple(new_args)
+        result = fn(*args, **(kwargs if new_kwargs is None else new_kwargs))
+        if template is None:
+            return result
+        if given_out is None:  # a NumPy out= (not converted) comes back as itself too
+            given_out = converted_out = _arg_out(args, kwargs, out_index)
+        if type(result) is tuple:  # (out, lse): each converted once (out not at all if given)
+            return tuple([given_out if given_out is not None and r is converted_out
+                          else _as_tensor(r, template, wrap) for r in <tuple> result])
+        if given_out is not None and result is converted_out:
+            return given_out
+        return _as_tensor(result, template, wrap)
     return call
+
+
+cdef object _as_tensor(result, template, wrap):
+    """wrap(result, template) (attnfast._interop.wrap_like), its common case (an array) in C."""
+    tensor = array_as_tensor(result)
+    return tensor if tensor is not None else wrap(result, template)
