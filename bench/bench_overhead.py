@@ -24,6 +24,8 @@ Rows:
                                 (the same slot every call, so L stays fixed)
     attention_with_kvcache/ro   the same without new tokens (attend only)
     attention_with_kvcache/ro(out=)  the same into a caller's out (what engines reuse)
+    attention_with_kvcache/ro(int)   the same with cache_seqlens a Python int
+    attention_with_kvcache/paged     the same over a pool of 8 blocks of 16 (block_table=)
     attention                   attention(q, k, v) with k, v (1, Hkv, L, D), causal
     attention(return_lse)       the same, returning (out, lse)
     PagedKVCache.attend / .step  one sequence in pools of 8 and 100,000 blocks (step appends,
@@ -169,6 +171,10 @@ def _make_cases(heads, kv_heads, head_dim, length, capacity, threads, use_torch,
     def nothing():
         pass
 
+    k_pool = rng.standard_normal((8, Hkv, 16, D), dtype=f32)
+    v_pool = rng.standard_normal((8, Hkv, 16, D), dtype=f32)
+    table = np.array([[3, 5]] * B, dtype=np.int32)
+
     cases = {
         "kernel": (kernel, nothing),
         "kernel, L..L+15": (kernel_grown, nothing),
@@ -182,6 +188,11 @@ def _make_cases(heads, kv_heads, head_dim, length, capacity, threads, use_torch,
         "attention_with_kvcache/ro(out=)": (
             lambda: af.attention_with_kvcache(q, k_cache, v_cache, lens_after, out=out4, **nt),
             nothing),
+        "attention_with_kvcache/ro(int)": (  # cache_seqlens a Python int
+            lambda: af.attention_with_kvcache(q, k_cache, v_cache, L, **nt), nothing),
+        "attention_with_kvcache/paged": (  # block_table=, a pool of 8 blocks of 16
+            lambda: af.attention_with_kvcache(q, k_pool, v_pool, lens_after, block_table=table,
+                                              **nt), nothing),
         "attention": (lambda: af.attention(q, k_full, v_full, causal=True, **nt), nothing),
         "attention(return_lse)": (
             lambda: af.attention(q, k_full, v_full, causal=True, return_lse=True, **nt), nothing),

@@ -150,6 +150,7 @@ cdef extern from "<signal.h>":
 cdef extern from "Python.h":
     void PyErr_SetInterrupt()
     int PyErr_CheckSignals() except -1
+    long long PyLong_AsLongLongAndOverflow(object, int*) except? -1
 
 
 cdef void _on_sigint(int signum) noexcept nogil:

@@ -172,9 +172,6 @@ cdef int _run_one(AttentionParams* p) except -1:
 
 # ---- what every C tail resolves per call: threads, query_offset, window ----
 
-cdef extern from "Python.h":
-    long long PyLong_AsLongLongAndOverflow(object, int*) except? -1
-
 cdef int _processors = max(1, processor_count())
 cdef int _default_threads = 0   # set_num_threads or ATTNFAST_NUM_THREADS; 0: OpenMP's limit
 
