@@ -250,26 +250,17 @@ def attention_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out, 
     done nothing, unless num_threads and query_offset are as the full path takes them
     unchanged, q, k, v are aligned and out (if given) is a writeable aligned ndarray apart
     from q, k and v."""
-    cdef AttentionParams p = default_params()
-    cdef int64_t side[2]
     threads = call_threads(num_threads)
     if threads is None or not _offset_ok(query_offset):
         return None
     if not (_aligned(q) and _aligned(k) and _aligned(v)):
         return None
-    if out is None:
-        target = _empty(plan.out_shape, plan.dtype)
-    else:
-        target = _usable_out(out, q, k, v)
-        if target is None:
+    if out is not None:
+        out = _usable_out(out, q, k, v)
+        if out is None:
             return None
-    _bound_window(plan.window, plan.seqlen_q + plan.seqlen_k, query_offset, side)
-    lse = None if plan.lse_dtype is None else _empty(plan.out_shape[:3], plan.lse_dtype)
-    _fill_params(&p, q, k, v, target, lse, causal, plan.scale, side[0], side[1], threads,
-                 None, None, None, query_offset, 0.0, None, None, None, None)
-    fast_calls_taken["attention"] += 1
-    _run_one(&p)
-    return target if lse is None else (target, lse)
+    return _run_plan(plan, "attention", q, k, v, out, causal, threads, None, None, None,
+                     query_offset, None, plan.seqlen_k)
 
 
 def decode_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new,
@@ -292,94 +283,50 @@ def decode_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths,
     path decides the rest; the caches may overlap each other only with advance, a latent
     KVCache's v being a view of its k).
     """
-    cdef AttentionParams p = default_params()
     cdef cnp.npy_intp B = cnp.PyArray_DIMS(q)[0], b, i
-    cdef cnp.ndarray lens, kn, vn, seqlens
+    cdef cnp.ndarray lens, seqlens
     cdef int64_t* starts = NULL
-    cdef int64_t* after
-    cdef int64_t common, side[2]
     cdef int64_t t = plan.new_tokens, capacity = plan.seqlen_k
-    cdef int overflow = 0
+    cdef bint latent = advance and _apart(k, v) != 1  # (a latent KVCache: v is k's prefix)
     threads = call_threads(num_threads)
     if threads is None or not _offset_ok(query_offset):
         return None
     if not (_aligned(q) and _aligned(k) and _aligned(v)) or B < 1:
         return None
-    if t and not (_writeable(k) and _writeable(v) and _open_log() is not None):
-        return None  # (writes are undone by the open transaction)
-    if advance:
-        if type(lengths) is not np.ndarray:
+    if advance:  # the cache's own lengths, advanced in place
+        lens = <cnp.ndarray?> lengths
+        if (cnp.PyArray_TYPE(lens) != cnp.NPY_INT64 or not cnp.PyArray_IS_C_CONTIGUOUS(lens)
+                or not _writeable(lens)):
             return None
-        lens = <cnp.ndarray> lengths
-        if (cnp.PyArray_TYPE(lens) != cnp.NPY_INT64 or cnp.PyArray_NDIM(lens) != 1
-                or cnp.PyArray_DIMS(lens)[0] != B or not cnp.PyArray_IS_C_CONTIGUOUS(lens)
-                or not _writeable(lens) or not _aligned(lens)):
-            return None
-    elif type(lengths) is int:
-        common = PyLong_AsLongLongAndOverflow(lengths, &overflow)
-        if overflow or not (0 <= common <= capacity - t):
-            return None
-    elif type(lengths) is np.ndarray:
-        lens = <cnp.ndarray> lengths
-        if (cnp.PyArray_NDIM(lens) != 1 or cnp.PyArray_DIMS(lens)[0] != B
-                or not _aligned(lens) or not cnp.PyArray_ISNOTSWAPPED(lens)
-                or cnp.PyArray_TYPE(lens) not in (cnp.NPY_INT64, cnp.NPY_INT32)):
-            return None
-    else:
+    rows = _new_rows(k_new, v_new, q, k, v, latent) if t else ()
+    if rows is None:
         return None
-    if t:
-        if type(k_new) is not np.ndarray or type(v_new) is not np.ndarray:
-            return None
-        kn, vn = <cnp.ndarray> k_new, <cnp.ndarray> v_new
-        if not (attnfast_equiv_dtypes(kn, k) and attnfast_equiv_dtypes(vn, v)):
-            kn, vn = _stored_rows(kn, vn, k)  # (float32 rows for a 16-bit cache)
-            if not (attnfast_equiv_dtypes(kn, k) and attnfast_equiv_dtypes(vn, v)):
-                return None
-        if not (_apart(q, k) == 1 and _apart(q, v) == 1 and _apart(kn, k) == 1
-                and _apart(kn, v) == 1 and _apart(vn, k) == 1 and _apart(vn, v) == 1
-                and (advance or _apart(k, v) == 1)):
-            return None      # the full path decides (and raises) exactly
-    target = None
     if out is not None:
-        target = _usable_out(out, q, k, v, k_new, v_new)
-        if target is None:
+        out = _usable_out(out, q, k, v, k_new, v_new)
+        if out is None:
             return None      # the full path raises its error, naming out
     seqlens = lens if advance else _empty((B,), _INT64)
-    after = <int64_t*> cnp.PyArray_DATA(seqlens)
     starts = <int64_t*> malloc((B + 2 * B * t) * sizeof(int64_t))  # + the token slots
     if starts == NULL:
         raise MemoryError()
     try:
-        for b in range(B):
-            if advance:
-                starts[b] = after[b]
-            elif type(lengths) is int:
-                starts[b] = common
-            elif cnp.PyArray_TYPE(lens) == cnp.NPY_INT64:
-                starts[b] = (<int64_t*> cnp.PyArray_GETPTR1(lens, b))[0]
-            else:
-                starts[b] = (<int32_t*> cnp.PyArray_GETPTR1(lens, b))[0]
-            if starts[b] < 0 or starts[b] > capacity - t:
-                return None
-        if target is None:
-            target = _empty(plan.out_shape, plan.dtype)
-        lse = None if plan.lse_dtype is None else _empty(plan.out_shape[:3], plan.lse_dtype)
+        if not _read_lengths(lengths, B, capacity - t, starts):
+            return None
         if t:  # sequence b's token u: row starts[b] + u of the cache's "block" b
             for b in range(B):
                 for i in range(t):
                     starts[B + 2 * (b * t + i)] = b
                     starts[B + 2 * (b * t + i) + 1] = starts[b] + i
-            _write_rows([k, v], [kn, vn], starts + B, B, t)  # (joins the transaction's log)
-        if advance and t:
-            _keep_int64s(lens)
+            # (joins the transaction's log; a latent cache's v rows are its k rows)
+            _write_rows([k] if latent else [k, v], list(rows[:1] if latent else rows),
+                        starts + B, B, t)
+            if advance:
+                _keep_int64s(lens)
         for b in range(B):
-            after[b] = starts[b] + t
-        _bound_window(plan.window, plan.seqlen_q + capacity, query_offset, side)
-        _fill_params(&p, q, k, v, target, lse, causal, plan.scale, side[0], side[1], threads,
-                     seqlens, None, None, query_offset, 0.0, None, None, None, None)
-        fast_calls_taken["kvcache"] += 1
-        _run_one(&p)  # (raising: the transaction puts back what was written)
-        return target if lse is None else (target, lse)
+            (<int64_t*> cnp.PyArray_DATA(seqlens))[b] = starts[b] + t
+        # (raising: the transaction puts back what was written)
+        return _run_plan(plan, "kvcache", q, k, v, out, causal, threads, seqlens, None, None,
+                         query_offset, None, capacity)
     finally:
         free(starts)
 
@@ -387,10 +334,87 @@ def decode_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths,
 _INT64 = np.dtype(np.int64)
 
 
-cdef tuple _stored_rows(cnp.ndarray k_new, cnp.ndarray v_new, cnp.ndarray cache):
-    """New tokens as a cache of `cache`'s dtype stores them (attnfast._transaction)."""
-    from attnfast._transaction import stored_form
-    return tuple(stored_form(k_new, v_new, cache.dtype)[:2])
+cdef tuple _new_rows(k_new, v_new, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, bint latent):
+    """(k_new, v_new) as a C tail writes them into caches k, v: in their dtype (float32 rows
+    rounded to a 16-bit cache's, as the full path stores them; a latent cache's values the
+    prefix view of its rows), or None (decline) unless both are ndarrays, the caches are
+    writeable, a transaction is open (it undoes the writes) and nothing written overlaps
+    what is read (a latent cache's v is a view of its k, v_new one of k_new)."""
+    cdef cnp.ndarray kn, vn
+    if type(k_new) is not np.ndarray or type(v_new) is not np.ndarray:
+        return None
+    if not (_writeable(k) and _writeable(v) and _open_log() is not None):
+        return None
+    kn, vn = <cnp.ndarray> k_new, <cnp.ndarray> v_new
+    if not (attnfast_equiv_dtypes(kn, k) and attnfast_equiv_dtypes(vn, v)):
+        from attnfast._transaction import stored_form
+        kn, vn = stored_form(kn, vn, k.dtype)[:2]
+        if latent:
+            vn = kn[..., :cnp.PyArray_DIMS(v)[3]]
+        if not (attnfast_equiv_dtypes(kn, k) and attnfast_equiv_dtypes(vn, v)):
+            return None
+    if latent:  # v_new must be k_new's prefix view (latent_values): written with k
+        if (cnp.PyArray_DATA(vn) != cnp.PyArray_DATA(kn)
+                or cnp.PyArray_STRIDES(vn)[0] != cnp.PyArray_STRIDES(kn)[0]
+                or cnp.PyArray_STRIDES(vn)[1] != cnp.PyArray_STRIDES(kn)[1]
+                or cnp.PyArray_STRIDES(vn)[2] != cnp.PyArray_STRIDES(kn)[2]):
+            return None
+    elif _apart(k, v) != 1:
+        return None
+    if not (_apart(q, k) == 1 and _apart(q, v) == 1 and _apart(kn, k) == 1
+            and _apart(kn, v) == 1 and _apart(vn, k) == 1 and _apart(vn, v) == 1):
+        return None      # the full path decides (and raises) exactly
+    return kn, vn
+
+
+cdef bint _read_lengths(lengths, cnp.npy_intp B, int64_t most, int64_t* into) except -1:
+    """A call's cache lengths, a Python int (every sequence) or an aligned native int32 /
+    int64 array (B,), into `into`: False (decline) for anything else or a value outside
+    [0, most]."""
+    cdef int overflow = 0
+    cdef long long n
+    cdef cnp.ndarray given
+    cdef cnp.npy_intp b
+    if type(lengths) is int:
+        n = PyLong_AsLongLongAndOverflow(lengths, &overflow)
+        for b in range(B):
+            into[b] = n
+    elif type(lengths) is np.ndarray:
+        given = <cnp.ndarray> lengths
+        if (cnp.PyArray_NDIM(given) != 1 or cnp.PyArray_DIMS(given)[0] != B
+                or not _aligned(given) or not cnp.PyArray_ISNOTSWAPPED(given)):
+            return False
+        for b in range(B):
+            if cnp.PyArray_TYPE(given) == cnp.NPY_INT64:
+                into[b] = (<int64_t*> cnp.PyArray_GETPTR1(given, b))[0]
+            elif cnp.PyArray_TYPE(given) == cnp.NPY_INT32:
+                into[b] = (<int32_t*> cnp.PyArray_GETPTR1(given, b))[0]
+            else:
+                return False
+    else:
+        return False
+    for b in range(B):
+        if overflow or into[b] < 0 or into[b] > most:
+            return False
+    return True
+
+
+cdef object _run_plan(Plan plan, str path, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out,
+                      bint causal, threads, seqlens, k_scale, v_scale, query_offset, table,
+                      int64_t keys):
+    """The end of every C tail: out (the caller's, checked, or a new array) and lse (with
+    return_lse), the window bounded over `keys` (bound_window), the kernel call; returns
+    out or (out, lse)."""
+    cdef AttentionParams p = default_params()
+    cdef int64_t side[2]
+    target = _empty(plan.out_shape, plan.dtype) if out is None else out
+    lse = None if plan.lse_dtype is None else _empty(plan.out_shape[:3], plan.lse_dtype)
+    _bound_window(plan.window, plan.seqlen_q + keys, query_offset, side)
+    _fill_params(&p, q, k, v, target, lse, causal, plan.scale, side[0], side[1], threads,
+                 seqlens, k_scale, v_scale, query_offset, 0.0, None, None, None, table)
+    fast_calls_taken[path] += 1
+    _run_one(&p)
+    return target if lse is None else (target, lse)
 
 
 # ---- plan keys (attnfast._plans): what a plan is stored and found under ----
@@ -551,11 +575,10 @@ def paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bint
     cdef dict live = <dict?> cache._seqs
     cdef bint latent = cache._latent
     cdef cnp.ndarray kn = None, vn = None, table, seqlens
-    cdef AttentionParams p = default_params()
     cdef Py_ssize_t B, b, c, i, g, nb, nfree
     cdef int64_t NB = cnp.PyArray_DIMS(k)[0], Hkv = cnp.PyArray_DIMS(k)[1]
     cdef int64_t BS = cnp.PyArray_DIMS(k)[2]
-    cdef int64_t n, grow, needed = 0, width = 1, blk, side[2]
+    cdef int64_t n, grow, needed = 0, width = 1, blk
     cdef int64_t t = plan.new_tokens
     cdef tuple out_shape = plan.out_shape
     cdef int64_t* info
@@ -583,9 +606,10 @@ def paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bint
         return None
     refp = <int64_t*> cnp.PyArray_DATA(refs)
     if t:
-        if type(k_new) is not np.ndarray or type(v_new) is not np.ndarray:
+        rows = _new_rows(k_new, v_new, q, k, v, latent)
+        if rows is None:
             return None
-        kn, vn = <cnp.ndarray> k_new, <cnp.ndarray> v_new
+        kn, vn = rows
         if (cnp.PyArray_NDIM(kn) != 4 or cnp.PyArray_NDIM(vn) != 4
                 or cnp.PyArray_DIMS(kn)[0] != B or cnp.PyArray_DIMS(kn)[1] != Hkv
                 or cnp.PyArray_DIMS(kn)[2] != t or cnp.PyArray_DIMS(vn)[0] != B
@@ -593,24 +617,9 @@ def paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bint
                 or cnp.PyArray_DIMS(kn)[3] != cnp.PyArray_DIMS(k)[3]
                 or cnp.PyArray_DIMS(vn)[3] != cnp.PyArray_DIMS(v)[3]):
             return None
-        if not (attnfast_equiv_dtypes(kn, k) and attnfast_equiv_dtypes(vn, v)
-                and _writeable(k) and _writeable(v) and _open_log() is not None):
-            return None      # converted on write (a float32 k_new into a 16-bit pool)
-        if latent:  # v_new must be k_new's prefix view (latent_values): written with k
-            if (cnp.PyArray_DATA(vn) != cnp.PyArray_DATA(kn)
-                    or cnp.PyArray_STRIDES(vn)[0] != cnp.PyArray_STRIDES(kn)[0]
-                    or cnp.PyArray_STRIDES(vn)[1] != cnp.PyArray_STRIDES(kn)[1]
-                    or cnp.PyArray_STRIDES(vn)[2] != cnp.PyArray_STRIDES(kn)[2]):
-                return None
-        elif _apart(k, v) != 1:
-            return None
-        if not (_apart(q, k) == 1 and _apart(q, v) == 1 and _apart(kn, k) == 1
-                and _apart(kn, v) == 1 and _apart(vn, k) == 1 and _apart(vn, v) == 1):
-            return None      # the full path decides (and raises) exactly
-    target = None
     if out is not None:
-        target = _usable_out(out, q, k, v, k_new, v_new)
-        if target is None or not _has_shape(<cnp.ndarray> target, out_shape):
+        out = _usable_out(out, q, k, v, k_new, v_new)
+        if out is None or not _has_shape(<cnp.ndarray> out, out_shape):
             return None      # the full path raises its error, naming out
     seqs = [None] * B
     for b in range(B):
@@ -688,9 +697,6 @@ def paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bint
         lens = <int64_t*> cnp.PyArray_DATA(seqlens)
         for b in range(B):
             lens[b] = info[3 * b] + t
-        if target is None:
-            target = _empty(out_shape, plan.dtype)
-        lse = None if plan.lse_dtype is None else _empty(out_shape[:3], plan.lse_dtype)
         w = _PagedStepWritten.__new__(_PagedStepWritten)
         w.seqs, w.free, w.refs, w.table = seqs, free_list, refs, table
         w.info = (<char*> info)[:3 * B * sizeof(int64_t)]
@@ -712,13 +718,9 @@ def paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bint
                     refp[blk] = 1
                     seq.blocks.append(blk)
                 seq.length = lens[b]
-        # the window as bound_window leaves it over this call's width * block_size keys
-        _bound_window(plan.window, plan.seqlen_q + width * BS, query_offset, side)
-        _fill_params(&p, q, k, v, target, lse, causal, plan.scale, side[0], side[1], threads,
-                     seqlens, None, None, query_offset, 0.0, None, None, None, table)
-        fast_calls_taken["paged"] += 1
-        _run_one(&p)
-        return target if lse is None else (target, lse)
+        # (the window as bound_window leaves it over this call's width * block_size keys)
+        return _run_plan(plan, "paged", q, k, v, out, causal, threads, seqlens, None, None,
+                         query_offset, table, width * BS)
     finally:
         free(info)
 
@@ -743,16 +745,13 @@ def paged_table_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cac
     reads; then the kernel call. Returns out, or (out, lse) (return_lse); a SharedPrefix
     when two sequences of `shared_keys` or more keys begin with the same block (the caller
     composes); None, having done nothing, when anything is unusual (the full path raises)."""
-    cdef AttentionParams p = default_params()
-    cdef cnp.ndarray table, lens, given, tab_in
+    cdef cnp.ndarray table, lens, tab_in
     cdef int64_t NB = cnp.PyArray_DIMS(k)[0], BS = cnp.PyArray_DIMS(k)[2]
     cdef cnp.npy_intp B = cnp.PyArray_DIMS(q)[0], W, b, c, i, s0, s1
-    cdef int64_t n, used, blk, side[2]
+    cdef int64_t used
     cdef int64_t* tab
     cdef int64_t* L
     cdef char* src
-    cdef int overflow = 0
-    cdef tuple out_shape = plan.out_shape
     threads = call_threads(num_threads)
     if threads is None or not _offset_ok(query_offset):
         return None
@@ -771,12 +770,10 @@ def paged_table_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cac
     for a in (k_scale, v_scale):
         if a is not None and (type(a) is not np.ndarray or not _aligned(<cnp.ndarray> a)):
             return None
-    target = None
     if out is not None:
-        target = _usable_out(out, q, k, v, block_table, k_scale)
-        if (target is None or not _has_shape(<cnp.ndarray> target, out_shape)
-                or (v_scale is not None
-                    and _apart(<cnp.ndarray> target, <cnp.ndarray> v_scale) != 1)):
+        out = _usable_out(out, q, k, v, block_table, k_scale)
+        if (out is None or not _has_shape(<cnp.ndarray> out, plan.out_shape)
+                or (v_scale is not None and _apart(<cnp.ndarray> out, <cnp.ndarray> v_scale) != 1)):
             return None      # the full path raises its error, naming out
     # The table as the kernels take it: int64, rows contiguous (a copy unless it is so).
     if (cnp.PyArray_TYPE(tab_in) == cnp.NPY_INT64
@@ -795,33 +792,12 @@ def paged_table_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cac
                     tab[b * W + i] = (<int32_t*> (src + b * s0 + i * s1))[0]
     lens = _empty((B,), _INT64)
     L = <int64_t*> cnp.PyArray_DATA(lens)
-    if type(cache_seqlens) is int:
-        n = PyLong_AsLongLongAndOverflow(cache_seqlens, &overflow)
-        if overflow or not (0 <= n <= W * BS):
-            return None
-        for b in range(B):
-            L[b] = n
-    elif type(cache_seqlens) is np.ndarray:
-        given = <cnp.ndarray> cache_seqlens
-        if (cnp.PyArray_NDIM(given) != 1 or cnp.PyArray_DIMS(given)[0] != B
-                or not _aligned(given) or not cnp.PyArray_ISNOTSWAPPED(given)):
-            return None
-        for b in range(B):
-            if cnp.PyArray_TYPE(given) == cnp.NPY_INT64:
-                L[b] = (<int64_t*> cnp.PyArray_GETPTR1(given, b))[0]
-            elif cnp.PyArray_TYPE(given) == cnp.NPY_INT32:
-                L[b] = (<int32_t*> cnp.PyArray_GETPTR1(given, b))[0]
-            else:
-                return None
-    else:
-        return None
+    if not _read_lengths(cache_seqlens, B, W * BS, L):
+        return None              # the full path names the length
     s0 = cnp.PyArray_STRIDES(table)[0]
     src = <char*> cnp.PyArray_DATA(table)
     for b in range(B):
-        n = L[b]
-        if n < 0 or n > W * BS:
-            return None          # the full path names the length
-        used = (n + BS - 1) // BS
+        used = (L[b] + BS - 1) // BS
         tab = <int64_t*> (src + b * s0)
         for i in range(used):
             if tab[i] < 0 or tab[i] >= NB:
@@ -838,15 +814,8 @@ def paged_table_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cac
                     (<SharedPrefix> shared).lengths = lens
                     (<SharedPrefix> shared).threads = threads
                     return shared
-    _bound_window(plan.window, plan.seqlen_q + W * BS, query_offset, side)
-    if target is None:
-        target = _empty(out_shape, plan.dtype)
-    lse = None if plan.lse_dtype is None else _empty(out_shape[:3], plan.lse_dtype)
-    _fill_params(&p, q, k, v, target, lse, causal, plan.scale, side[0], side[1], threads, lens,
-                 k_scale, v_scale, query_offset, 0.0, None, None, None, table)
-    fast_calls_taken["paged"] += 1
-    _run_one(&p)
-    return target if lse is None else (target, lse)
+    return _run_plan(plan, "paged", q, k, v, out, causal, threads, lens, k_scale, v_scale,
+                     query_offset, table, W * BS)
 
 
 # ---- PagedKVCache.truncate (attnfast._paged): what it changes, recorded as it goes ----

@@ -491,18 +491,9 @@ class KVCache:
         positions) as in :func:`attnfast.attention_with_kvcache` (the last Tq cached tokens
         are the tree). Returns out (n, H, Tq, v_head_dim), or (out, lse) when return_lse.
         """
-        key = kvcache_key(q, self._k, self._v, _LENGTHS, None, None, out, causal, scale,
-                          window, return_lse,
-                          (batch_index, softcap, alibi_slopes, sinks, mask, tree_mask, key_index))
-        if key is not None:
-            result = self._run_fast(key, q, None, None, out, causal, num_threads, query_offset)
-            if result is not None:
-                return result
-        return self._run(key, q, None, None, batch_index=batch_index, causal=causal, scale=scale,
-                         window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                         sinks=sinks, mask=mask, return_lse=return_lse, out=out,
-                         num_threads=num_threads, query_offset=query_offset,
-                         tree_mask=tree_mask, key_index=key_index)
+        return self._call(q, None, None, batch_index, causal, scale, window, softcap, alibi_slopes,
+                          sinks, mask, return_lse, out, num_threads, query_offset, tree_mask,
+                          key_index)
 
     @transaction(lock="_lock")
     @accepts_arrays
@@ -523,19 +514,9 @@ class KVCache:
             missing = " and ".join(n for n, a in (("k_new", k_new), ("v_new", v_new)) if a is None)
             raise ValueError(f"step needs both k_new and v_new; {missing} is None (use attend() "
                              "to attend without appending)")
-        key = kvcache_key(q, self._k, self._v, _LENGTHS, k_new, v_new, out, causal, scale,
-                          window, return_lse,
-                          (batch_index, softcap, alibi_slopes, sinks, mask, tree_mask, key_index))
-        if key is not None:
-            result = self._run_fast(key, q, k_new, v_new, out, causal, num_threads,
-                                    query_offset)
-            if result is not None:
-                return result
-        return self._run(key, q, k_new, v_new, batch_index=batch_index, causal=causal, scale=scale,
-                         window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                         sinks=sinks, mask=mask, return_lse=return_lse, out=out,
-                         num_threads=num_threads, query_offset=query_offset,
-                         tree_mask=tree_mask, key_index=key_index)
+        return self._call(q, k_new, v_new, batch_index, causal, scale, window, softcap,
+                          alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset,
+                          tree_mask, key_index)
 
     @transaction(lock="_lock")
     @accepts_arrays
@@ -578,28 +559,31 @@ class KVCache:
             return [(slice(None), slice(int(seqs[0]), int(seqs[-1]) + 1, int(steps[0])))]
         return [(slice(i, i + 1), slice(b, b + 1)) for i, b in enumerate(seqs.tolist())]
 
-    def _run(self, key, q, k_new, v_new, **kwargs):
-        """The full path of attend/step; `key`: the call's plan key (None: no plan can
-        serve such calls), under which a plan is remembered once the call succeeded."""
-        result = self._run_locked(q, k_new, v_new, **kwargs)
+    def _call(self, q, k_new, v_new, batch_index, causal, scale, window, softcap, alibi_slopes,
+              sinks, mask, return_lse, out, num_threads, query_offset, tree_mask, key_index):
+        """attend / step: by the plan an earlier call of this layout left (the C tail
+        _ext.decode_fast, the lengths advanced in place), else by the full path, which
+        leaves one for the call's plan key (attnfast._ext.kvcache_key)."""
+        key = kvcache_key(q, self._k, self._v, _LENGTHS, k_new, v_new, out, causal, scale,
+                          window, return_lse,
+                          (batch_index, softcap, alibi_slopes, sinks, mask, tree_mask, key_index))
+        plan = None if key is None else KVCACHE_PLANS.get(key)
+        if plan is not None:
+            result = _ext.decode_fast(plan, q, self._k, self._v, self._lengths, k_new, v_new,
+                                      out, causal, num_threads, query_offset, True)  # (advance)
+            if result is not None:
+                return result
+        result = self._run_locked(q, k_new, v_new, batch_index, causal, scale, window, softcap,
+                                  alibi_slopes, sinks, mask, return_lse, out, num_threads,
+                                  query_offset, tree_mask, key_index)
         if key is not None:  # accepted: later calls of this layout take the fast path
-            remember(KVCACHE_PLANS, key, kvcache_plan(q, self._k, self._v, k_new, kwargs["out"],
-                                                      kwargs["scale"], kwargs["window"],
-                                                      kwargs["return_lse"]))
+            remember(KVCACHE_PLANS, key,
+                     kvcache_plan(q, self._k, self._v, k_new, out, scale, window, return_lse))
         return result
 
-    def _run_fast(self, key, q, k_new, v_new, out, causal, num_threads, query_offset):
-        """attend/step by the plan an earlier call of this layout left (_ext.decode_fast, the
-        lengths advanced in place); None, having changed nothing, without one or when
-        anything is unusual: the full path runs."""
-        plan = KVCACHE_PLANS.get(key)
-        return None if plan is None else _ext.decode_fast(
-            plan, q, self._k, self._v, self._lengths, k_new, v_new, out, causal, num_threads,
-            query_offset, True)  # (advance)
-
-    def _run_locked(self, q, k_new, v_new, *, batch_index, causal, scale, window, softcap,
+    def _run_locked(self, q, k_new, v_new, batch_index, causal, scale, window, softcap,
                     alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset,
-                    tree_mask, key_index=None):
+                    tree_mask, key_index):
         return_lse = check_flag(return_lse, "return_lse")
         seqs = check_batch_index(batch_index, self.batch)
         check_leading_sequences(seqs, self.batch, q=q, k_new=k_new, v_new=v_new)

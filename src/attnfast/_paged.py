@@ -30,8 +30,7 @@ from ._written import check_out
 from ._descriptors import CacheLayout, KernelPart
 from ._interop import accepts_arrays
 from ._kvcache import _read_and_written, latent_values, run_cache_kernels, with_key_index
-from ._transaction import (assign, copy_rows, logged, stored_form, token_slots, transaction,
-                           write_tokens)
+from ._transaction import assign, copy_rows, logged, token_slots, transaction, write_tokens
 
 __all__ = ["PagedKVCache"]
 
@@ -275,17 +274,9 @@ class PagedKVCache:
         (docs/user_guide/paged.md, shared-prefix decoding). ``tree_mask`` (Tq x Tq bool): the
         last Tq tokens of each sequence are a token tree, as in :func:`attnfast.attention_with_kvcache`.
         Returns out (n, H, Tq, v_head_dim), or (out, lse)."""
-        key = kvcache_key(q, self._k, self._v, _LENGTHS, None, None, out, causal, scale, window,
-                          return_lse, (softcap, alibi_slopes, sinks, mask, tree_mask, key_index))
-        if key is not None:
-            result = self._run_fast(key, seq_ids, q, None, None, out, causal, num_threads,
-                                    query_offset)
-            if result is not None:
-                return result
-        return self._run(key, seq_ids, q, None, None, causal=causal, scale=scale, window=window,
-                         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
-                         return_lse=return_lse, out=out, num_threads=num_threads,
-                         query_offset=query_offset, tree_mask=tree_mask, key_index=key_index)
+        return self._call(seq_ids, q, None, None, causal, scale, window, softcap, alibi_slopes,
+                          sinks, mask, return_lse, out, num_threads, query_offset, tree_mask,
+                          key_index)
 
     @transaction(lock="_lock")
     @accepts_arrays
@@ -301,18 +292,9 @@ class PagedKVCache:
             missing = " and ".join(n for n, a in (("k_new", k_new), ("v_new", v_new)) if a is None)
             raise ValueError(f"step needs both k_new and v_new; {missing} is None (use attend() "
                              "to attend without appending)")
-        key = kvcache_key(q, self._k, self._v, _LENGTHS, k_new, v_new, out, causal, scale,
-                          window, return_lse, (softcap, alibi_slopes, sinks, mask, tree_mask,
-                                               key_index))
-        if key is not None:
-            result = self._run_fast(key, seq_ids, q, k_new, v_new, out, causal, num_threads,
-                                    query_offset)
-            if result is not None:
-                return result
-        return self._run(key, seq_ids, q, k_new, v_new, causal=causal, scale=scale, window=window,
-                         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
-                         return_lse=return_lse, out=out, num_threads=num_threads,
-                         query_offset=query_offset, tree_mask=tree_mask, key_index=key_index)
+        return self._call(seq_ids, q, k_new, v_new, causal, scale, window, softcap, alibi_slopes,
+                          sinks, mask, return_lse, out, num_threads, query_offset, tree_mask,
+                          key_index)
 
     # ---- internals ----
     # Every change below is logged first (attnfast._transaction): a call that raises puts
@@ -432,42 +414,37 @@ class PagedKVCache:
             table[i, :len(b)] = b
         return table
 
-    def _run(self, key, seq_ids, q, k_new, v_new, **kwargs):
-        """The full path of attend / step; `key`: the call's plan key (None: no plan can
-        serve such calls), under which a plan is remembered once the call succeeded."""
-        result = self._run_locked(seq_ids, q, k_new, v_new, **kwargs)
-        if key is not None:  # accepted: later calls of this layout take the fast path
-            lift = (lambda a: a[None] if a is not None and a.ndim == 3 else a)  # one bare id
-            remember(KVCACHE_PLANS, key, kvcache_plan(
-                lift(q), self._k, self._v, lift(k_new), lift(kwargs["out"]), kwargs["scale"],
-                kwargs["window"], kwargs["return_lse"]))
+    def _call(self, seq_ids, q, k_new, v_new, causal, scale, window, softcap, alibi_slopes, sinks,
+              mask, return_lse, out, num_threads, query_offset, tree_mask, key_index):
+        """attend / step: by the plan an earlier call of this layout left (the ids, blocks,
+        lengths, overlap, token writes and kernel call in C: attnfast._ext.paged_fast), else
+        by the full path, which leaves one for the call's plan key (_ext.kvcache_key)."""
+        key = kvcache_key(q, self._k, self._v, _LENGTHS, k_new, v_new, out, causal, scale,
+                          window, return_lse,
+                          (softcap, alibi_slopes, sinks, mask, tree_mask, key_index))
+        if key is None:
+            return self._run_locked(seq_ids, q, k_new, v_new, causal, scale, window, softcap,
+                                    alibi_slopes, sinks, mask, return_lse, out, num_threads,
+                                    query_offset, tree_mask, key_index)
+        lifted = (q, k_new, v_new, out)  # one bare id: 3-D arrays gain the sequence axis
+        if q.ndim == 3:
+            lifted = [a[None] if a is not None and a.ndim == 3 else a for a in lifted]
+        plan = KVCACHE_PLANS.get(key)
+        if plan is not None and (lifted[0] is q or type(seq_ids) is int):
+            result = _ext.paged_fast(plan, self, seq_ids, *lifted, causal, num_threads,
+                                     query_offset, _shared_prefix.MIN_PREFIX_KEYS)
+            if result is not None:
+                return _finish(result, plan.lse_dtype is not None, lifted[0] is not q, out)
+        result = self._run_locked(seq_ids, q, k_new, v_new, causal, scale, window, softcap,
+                                  alibi_slopes, sinks, mask, return_lse, out, num_threads,
+                                  query_offset, tree_mask, key_index)
+        # accepted: later calls of this layout take the fast path
+        remember(KVCACHE_PLANS, key, kvcache_plan(lifted[0], self._k, self._v, lifted[1],
+                                                  lifted[3], scale, window, return_lse))
         return result
 
-    def _run_fast(self, key, seq_ids, q, k_new, v_new, out, causal, num_threads, query_offset):
-        """attend / step for a call whose plan key (attnfast._ext.kvcache_key) found the plan
-        an earlier call left: the ids, blocks, lengths, overlap, token writes and kernel call
-        in C (attnfast._ext.paged_fast). None, having changed nothing, when anything is
-        unusual: the full path runs."""
-        plan = KVCACHE_PLANS.get(key)
-        if plan is None:
-            return None
-        # One bare id: each 3-D array gains the sequence axis, as _run_locked lifts them
-        single, given = type(seq_ids) is int, out
-        squeeze = single and q.ndim == 3
-        if single:
-            q, k_new, v_new, out = (a[None] if a is not None and a.ndim == 3 else a
-                                    for a in (q, k_new, v_new, out))
-        if k_new is not None and k_new.dtype != self._k.dtype:  # rounded as the full path stores
-            k_new, v_new = stored_form(k_new, v_new, self._k.dtype)[:2]
-            if self._latent:  # the values: the latent rows' prefix, written with them
-                v_new = k_new[..., :self.v_head_dim]
-        result = _ext.paged_fast(plan, self, seq_ids, q, k_new, v_new, out, causal, num_threads,
-                                 query_offset, _shared_prefix.MIN_PREFIX_KEYS)
-        return None if result is None else _finish(result, plan.lse_dtype is not None, squeeze,
-                                                    given)
-
-    def _run_locked(self, seq_ids, q, k_new, v_new, *, return_lse, out, tree_mask, key_index=None,
-                    **options):
+    def _run_locked(self, seq_ids, q, k_new, v_new, causal, scale, window, softcap, alibi_slopes,
+                    sinks, mask, return_lse, out, num_threads, query_offset, tree_mask, key_index):
         return_lse = check_flag(return_lse, "return_lse")
         ids, single = check_seq_ids(seq_ids, self._seqs)
         squeeze = single and np.ndim(q) == 3  # one bare id, 3-D q: 3-D results
@@ -476,8 +453,10 @@ class PagedKVCache:
         plan = self._plan(ids, t) if t else [(False, 0)] * len(ids)
         lengths = np.array([self._seqs[s].length for s in ids], dtype=np.int64)
         table = self._table(self._tentative(ids, plan))
-        call = check_paged_kvcache_attention(q, self._layout, lengths, k_new, v_new, table,
-                                             **options)
+        call = check_paged_kvcache_attention(
+            q, self._layout, lengths, k_new, v_new, table, causal=causal, scale=scale,
+            window=window, num_threads=num_threads, query_offset=query_offset, softcap=softcap,
+            alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
         if key_index is not None and squeeze:  # one bare id: its list gains the sequence axis
             key_index = np.asarray(key_index)[None]
         call = with_key_index(call, key_index, tree_mask)
