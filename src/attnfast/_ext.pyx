@@ -588,10 +588,6 @@ def force_isa(str name):
         raise ValueError(isa_error().decode())
 
 
-def openmp_threads():
-    return openmp_max_threads()
-
-
 def processors():
     """Processors this process may run on (1 without OpenMP): the most threads a call starts."""
     return processor_count()

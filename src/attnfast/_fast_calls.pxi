@@ -422,40 +422,11 @@ cdef object _run_plan(Plan plan, str path, cnp.ndarray q, cnp.ndarray k, cnp.nda
 cdef frozenset _KEY_SCALE_TYPES = frozenset((float, int, np.float64, np.float32, np.float16))
 
 
-cdef object _option_key(causal, scale, window):
-    """The options in a plan key; None when the call needs the full path. Types are exact:
-    values that compare equal (True == 1 == 1.0) must be checked alike, and bools are
-    refused where ints are taken."""
-    if causal is not True and causal is not False:
-        return None
-    if scale is not None and type(scale) not in _KEY_SCALE_TYPES:
-        return None
-    if window is not None and not (type(window) is tuple and len(window) == 2
-                                   and type(window[0]) is int and type(window[1]) is int):
-        return None
-    return causal, scale, window
-
-
-def attention_key(q, k, v, out, causal, scale, window, return_lse=False,
-                  tuple unplanned=()):
-    """attention(): the plan key of a call (arrays exactly numpy.ndarray), or None when no
-    plan can serve it: where attention()'s fast-path eligibility is decided. The key holds
-    the layouts of q, k, v and out, causal, scale, window and return_lse with their exact
-    types; `unplanned`: the call's other options, which only the full path takes (the key is
-    None unless each of them is None)."""
-    cdef Py_ssize_t i
-    if q is None or k is None or v is None:
-        return None
-    if return_lse is not False and return_lse is not True:
-        return None
-    for i in range(len(unplanned)):
-        if unplanned[i] is not None:
-            return None
-    layout = layout_key(q, k, v, out)
-    if layout is None:
-        return None
-    options = _option_key(causal, scale, window)
-    return None if options is None else (layout, options, return_lse)
+def attention_key(q, k, v, out, causal, scale, window, return_lse=False, tuple unplanned=()):
+    """attention(): the plan key of a call (kvcache_key's, without lengths or new tokens), or
+    None when no plan can serve it: where attention()'s fast-path eligibility is decided."""
+    return kvcache_key(q, k, v, "attention", None, None, out, causal, scale, window,
+                       return_lse, unplanned)
 
 
 def seqlens_key(cache_seqlens):
@@ -491,9 +462,16 @@ def kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, out, causal, sca
     layout = layout_key(q, k_cache, v_cache, k_new, v_new, out)  # None unless all are ndarrays
     if layout is None:
         return None
-    options = _option_key(causal, scale, window)
-    if options is None:
+    # The options with exact types: values that compare equal (True == 1 == 1.0) must be
+    # checked alike, and bools are refused where ints are taken.
+    if causal is not True and causal is not False:
         return None
+    if scale is not None and type(scale) not in _KEY_SCALE_TYPES:
+        return None
+    if window is not None and not (type(window) is tuple and len(window) == 2
+                                   and type(window[0]) is int and type(window[1]) is int):
+        return None
+    options = causal, scale, window
     if block_table is None and k_scale is None and v_scale is None:
         return layout, lengths_key, options, return_lse
     paged = layout_key(block_table, k_scale, v_scale)
@@ -557,7 +535,7 @@ cdef bint _has_shape(cnp.ndarray a, tuple shape):
 
 def paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bint causal,
                num_threads, query_offset, int64_t shared_keys):
-    """The rest of PagedKVCache.attend / step's fast path (_paged.PagedKVCache._run_fast) in
+    """The rest of PagedKVCache.attend / step's fast path (_paged.PagedKVCache._call) in
     one call, for a layout the full path accepted (`plan`: t new tokens, the output, scale,
     window as checked): append k_new, v_new (t > 0) to each sequence of
     `seq_ids` (an int, or a list / tuple of ints, one per row of q), taking blocks from the
@@ -566,7 +544,7 @@ def paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bint
     the plan's lse dtype. None, having changed nothing, unless the ids are distinct live sequences,
     no sequence's partly filled last block is shared (copy-on-write: the full path), the pool
     has the blocks needed, no two sequences with `shared_keys` or more keys begin with the
-    same block (shared-prefix decoding: the full path), the new tokens have the pool's dtype,
+    same block (shared-prefix decoding: the full path), the new tokens fit (_new_rows)
     and nothing written overlaps what the call reads. What it changes (bytes, blocks,
     lengths) goes to the open transaction's log first (attnfast._transaction)."""
     cdef cnp.ndarray k = <cnp.ndarray?> cache._k, v = <cnp.ndarray?> cache._v

@@ -325,6 +325,56 @@ def latent_values(cache, k_new, v_new, ndims):
     return np.asarray(k_new)[..., :cache.v_head_dim]
 
 
+def allocate_storage(cache, shape, dtype, head_dims, latent, key_rotation, head_major=False):
+    """The K/V arrays of a KVCache or PagedKVCache, (X, Hkv, rows, D | Dv) for `shape` = (X,
+    Hkv, rows) (a sequence or a block per X), of the storage format `dtype` (int4: rows of
+    packed blocks, their length not the head dim), and the float32 row scales (X, Hkv, rows)
+    of a row-scaled format (int8, float8); a latent (MLA) cache's v the first Dv elements of
+    its k rows (a view). head_major: stored (Hkv, X, ..) and seen as the (X, Hkv, ..) view.
+    Also the cache's lock, held by every method for its whole call: taken and released in
+    C, around the method's Python code, by its transaction (attnfast._transaction), so no
+    interrupt can leave it held; reentrant (a method called within another takes it again)."""
+    D, Dv = cache._head_dims = head_dims
+    cache._latent = check_latent_spec(latent, D, Dv, dtype)
+    cache._key_rotation = default_key_rotation(key_rotation, dtype)
+    fmt, (X, H, R) = format_of_storage(dtype), shape
+
+    def zeros(dt, *row):
+        a = np.zeros(((H, X) if head_major else (X, H)) + (R,) + row, dt)
+        return a.swapaxes(0, 1) if head_major else a
+    cache._k = zeros(dtype, fmt.stored_dim(D))
+    cache._v = cache._k[..., :Dv] if cache._latent else zeros(dtype, fmt.stored_dim(Dv))
+    scaled = fmt.row_scaled
+    cache._k_scale, cache._v_scale = (zeros(np.float32), zeros(np.float32)) if scaled else (None,) * 2
+    cache._lock = threading.RLock()
+
+
+def storage_properties(what: str):
+    """The properties KVCache and PagedKVCache share, `what` naming the cache in their docs:
+    k, v, k_scale, v_scale, key_rotation, latent, kv_heads, head_dim, v_head_dim, dtype."""
+    return (
+        property(lambda self: self._k, doc=f"Keys of the {what} (in use: each sequence's first "
+                 "lengths tokens). An int4 cache's are uint8 rows of packed blocks, 20 * "
+                 "ceil(head_dim / 32) bytes (layout in the user guide, \"Low-bit KV caches\")."),
+        property(lambda self: self._v, doc=f"Values of the {what} (int4: packed, as k)."),
+        property(lambda self: self._k_scale, doc=f"int8 / float8 {what}s: float32 row scales "
+                 "(the key row j of a KV head stands for ``k_scale[.., j] * k[.., j]``); None "
+                 "for other dtypes."),
+        property(lambda self: self._v_scale, doc="The value rows' scales, as k_scale."),
+        property(lambda self: self._key_rotation, doc="How the keys are stored: \"hadamard\" "
+                 "(rotated by the orthonormal block Hadamard matrix along head_dim before "
+                 "quantisation; the default for int8 and int4) or None (as given). Queries are "
+                 "rotated the same way, so results do not change."),
+        property(lambda self: self._latent, doc=f"Whether v is a prefix view of k (an MLA "
+                 f"latent {what}: one row per token)."),
+        property(lambda self: self._k.shape[1], doc="KV heads (Hkv)."),
+        property(lambda self: self._head_dims[0], doc="Head dim of keys (and queries)."),
+        property(lambda self: self._head_dims[1], doc="Head dim of values."),
+        property(lambda self: self._k.dtype, doc=f"Storage dtype of k and v (queries: this "
+                 f"dtype, or float32 over a 16-bit {what}, or float32 / float16 / bfloat16 over "
+                 "an int8, float8 or int4 one); uint8 for int4 (its packed blocks)."))
+
+
 class KVCache:
     """A preallocated KV cache for batched incremental decoding.
 
@@ -373,55 +423,12 @@ class KVCache:
                  v_head_dim=None, latent=False, key_rotation="auto"):
         B, Hkv, D, C, dt, Dv = check_cache_spec(batch, kv_heads, head_dim, capacity, dtype,
                                                 v_head_dim)
-        self._latent = check_latent_spec(latent, D, Dv, dt)
-        self._key_rotation = default_key_rotation(key_rotation, dt)
-        self._head_dims = (D, Dv)
-        fmt = format_of_storage(dt)  # (int4: rows of packed blocks, their length not the head dim)
-        stored = (fmt.stored_dim(D), fmt.stored_dim(Dv))
-        self._k = np.zeros((B, Hkv, C, stored[0]), dtype=dt)
-        # latent (MLA): one row per token; the values are its first Dv elements (a view)
-        self._v = (self._k[..., :Dv] if self._latent
-                   else np.zeros((B, Hkv, C, stored[1]), dtype=dt))
-        # int8 / float8 storage: one float32 dequantisation scale per (sequence, kv head, token)
-        scaled = fmt.row_scaled
-        self._k_scale = np.zeros((B, Hkv, C), np.float32) if scaled else None
-        self._v_scale = np.zeros((B, Hkv, C), np.float32) if scaled else None
+        allocate_storage(self, (B, Hkv, C), dt, (D, Dv), latent, key_rotation)
         self._lengths = np.zeros(B, dtype=np.int64)
-        # Held by every method for its whole call: taken and released in C, around the
-        # method's Python code, by its transaction (attnfast._transaction), so no interrupt
-        # can leave it held. Reentrant: a method called within another (nested) takes it again.
-        self._lock = threading.RLock()
 
     # ---- state ----
-    @property
-    def k(self) -> np.ndarray:
-        """Keys, (batch, kv_heads, capacity, head_dim); only [:, :, :lengths[b]] is in use.
-        An int4 cache's are uint8 (batch, kv_heads, capacity, 20 * ceil(head_dim / 32)): its
-        packed blocks (layout in the user guide, "Low-bit KV caches")."""
-        return self._k
-
-    @property
-    def v(self) -> np.ndarray:
-        """Values, (batch, kv_heads, capacity, v_head_dim) (int4: packed, as k)."""
-        return self._v
-
-    @property
-    def k_scale(self) -> np.ndarray | None:
-        """int8 caches: float32 (batch, kv_heads, capacity), key row j of (b, g) being
-        ``k_scale[b, g, j] * k[b, g, j]``; None for other dtypes."""
-        return self._k_scale
-
-    @property
-    def v_scale(self) -> np.ndarray | None:
-        """int8 caches: the value rows' scales, as k_scale."""
-        return self._v_scale
-
-    @property
-    def key_rotation(self) -> str | None:
-        """How the keys are stored: "hadamard" (rotated by the orthonormal block Hadamard
-        matrix along head_dim before quantisation; the default for int8 and int4 caches) or None
-        (as given). Queries are rotated the same way, so results do not change."""
-        return self._key_rotation
+    (k, v, k_scale, v_scale, key_rotation, latent, kv_heads, head_dim, v_head_dim,
+     dtype) = storage_properties("cache")
 
     @property
     def lengths(self) -> np.ndarray:
@@ -430,17 +437,8 @@ class KVCache:
         view.flags.writeable = False
         return view
 
-    latent = property(lambda self: self._latent,
-                      doc="Whether v is a prefix view of k (an MLA latent cache: one row per token).")
     batch = property(lambda self: self._k.shape[0], doc="Number of sequences.")
-    kv_heads = property(lambda self: self._k.shape[1], doc="KV heads (Hkv).")
     capacity = property(lambda self: self._k.shape[2], doc="Tokens each sequence can hold.")
-    head_dim = property(lambda self: self._head_dims[0], doc="Head dim of keys (and queries).")
-    v_head_dim = property(lambda self: self._head_dims[1], doc="Head dim of values.")
-    dtype = property(lambda self: self._k.dtype,
-                     doc="Storage dtype of k and v (queries: this dtype, or float32 over a 16-bit "
-                         "cache, or float32 / float16 / bfloat16 over an int8, float8 or int4 "
-                         "cache); uint8 for an int4 cache (its packed blocks).")
 
     def __repr__(self) -> str:
         kind = format_of_storage(self.dtype).label()
@@ -523,7 +521,8 @@ class KVCache:
     def truncate(self, n) -> None:
         """Roll every sequence back to n tokens (or sequence b to n[b]), e.g. to drop rejected
         speculative tokens. n may not exceed a sequence's current length (ValueError)."""
-        assign(self._lengths, slice(None), check_truncate(n, self._lengths))
+        if not _ext.truncate_lengths(self._lengths, n):  # (an int that fits: in C, logged)
+            assign(self._lengths, slice(None), check_truncate(n, self._lengths))
 
     @transaction(lock="_lock")
     def reset(self) -> None:

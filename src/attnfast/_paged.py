@@ -9,27 +9,19 @@ before it changes anything: running out of blocks raises and leaves the cache as
 """
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 from . import _ext, _shared_prefix
 from ._formats import format_of_storage
-from ._cache_args import (
-    check_free_blocks,
-    check_latent_spec,
-    check_paged_spec,
-    check_seq_ids,
-    check_truncate,
-    default_key_rotation,
-)
+from ._cache_args import check_free_blocks, check_paged_spec, check_seq_ids, check_truncate
 from ._cache_checks import check_new_tokens, check_paged_kvcache_attention, check_tree_mask
 from ._plans import kvcache_key, kvcache_plan, KVCACHE_PLANS, remember
 from ._scalars import check_flag
 from ._written import check_out
 from ._descriptors import CacheLayout, KernelPart
 from ._interop import accepts_arrays
-from ._kvcache import _read_and_written, latent_values, run_cache_kernels, with_key_index
+from ._kvcache import (_read_and_written, allocate_storage, latent_values, run_cache_kernels,
+                       storage_properties, with_key_index)
 from ._transaction import assign, copy_rows, logged, token_slots, transaction, write_tokens
 
 __all__ = ["PagedKVCache"]
@@ -87,24 +79,12 @@ class PagedKVCache:
                  v_head_dim=None, latent=False, key_rotation="auto"):
         NB, BS, Hkv, D, dt, Dv = check_paged_spec(num_blocks, block_size, kv_heads, head_dim,
                                                   dtype, v_head_dim)
-        self._latent = check_latent_spec(latent, D, Dv, dt)
-        self._key_rotation = default_key_rotation(key_rotation, dt)
         # Stored KV-head-major, (Hkv, num_blocks, block_size, D), and exposed as the
         # (num_blocks, Hkv, block_size, D) view the kernels take: a KV head's rows of blocks
         # with consecutive ids are then adjacent in memory, so a sequence whose blocks were
         # taken in order streams like a contiguous cache (scattered short blocks cost more:
         # see docs/user_guide/paged.md).
-        # (int4: rows of packed blocks, attnfast._int4, their length not the head dim)
-        self._head_dims = (D, Dv)
-        fmt = format_of_storage(dt)
-        stored = (fmt.stored_dim(D), fmt.stored_dim(Dv))
-        self._k = np.zeros((Hkv, NB, BS, stored[0]), dtype=dt).transpose(1, 0, 2, 3)
-        # latent (MLA): one row per token; the values are its first Dv elements (a view)
-        self._v = (self._k[..., :Dv] if self._latent
-                   else np.zeros((Hkv, NB, BS, stored[1]), dtype=dt).transpose(1, 0, 2, 3))
-        scaled = fmt.row_scaled  # int8 / float8: one float32 scale per (block, kv head, row)
-        self._k_scale = np.zeros((Hkv, NB, BS), np.float32).transpose(1, 0, 2) if scaled else None
-        self._v_scale = np.zeros((Hkv, NB, BS), np.float32).transpose(1, 0, 2) if scaled else None
+        allocate_storage(self, (NB, Hkv, BS), dt, (D, Dv), latent, key_rotation, head_major=True)
         # the pools as the checks see them (attnfast._cache_checks)
         self._layout = CacheLayout(sizes=(NB, Hkv, BS), head_dim=D, head_dim_v=Dv, dtype=dt,
                                    names=("cache.k", "cache.v"),
@@ -114,48 +94,12 @@ class PagedKVCache:
         self._free = list(range(NB - 1, -1, -1))      # a stack: the lowest id is taken first
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
-        # Held by every method for its whole call: taken and released in C, around the
-        # method's Python code, by its transaction (attnfast._transaction), so no interrupt
-        # can leave it held. Reentrant: a method called within another (nested) takes it again.
-        self._lock = threading.RLock()
 
     # ---- state ----
-    @property
-    def k(self) -> np.ndarray:
-        """Key pool, (num_blocks, kv_heads, block_size, head_dim): a view of storage laid
-        out (kv_heads, num_blocks, block_size, head_dim). An int4 pool's rows are uint8 packed
-        blocks, 20 * ceil(head_dim / 32) bytes (as :attr:`attnfast.KVCache.k`)."""
-        return self._k
-
-    @property
-    def v(self) -> np.ndarray:
-        """Value pool, (num_blocks, kv_heads, block_size, v_head_dim)."""
-        return self._v
-
-    @property
-    def k_scale(self) -> np.ndarray | None:
-        """int8 pools: float32 (num_blocks, kv_heads, block_size) row scales; else None."""
-        return self._k_scale
-
-    @property
-    def v_scale(self) -> np.ndarray | None:
-        """int8 pools: the value rows' scales, as k_scale."""
-        return self._v_scale
-
-    @property
-    def key_rotation(self) -> str | None:
-        """As :attr:`attnfast.KVCache.key_rotation` ("hadamard" by default for int8 and int4)."""
-        return self._key_rotation
-
-    latent = property(lambda self: self._latent,
-                      doc="Whether v is a prefix view of k (an MLA latent pool: one row per token).")
+    (k, v, k_scale, v_scale, key_rotation, latent, kv_heads, head_dim, v_head_dim,
+     dtype) = storage_properties("pool")
     num_blocks = property(lambda self: self._k.shape[0], doc="Blocks in the pool.")
     block_size = property(lambda self: self._k.shape[2], doc="Tokens per block.")
-    kv_heads = property(lambda self: self._k.shape[1], doc="KV heads (Hkv).")
-    head_dim = property(lambda self: self._head_dims[0], doc="Head dim of keys (and queries).")
-    v_head_dim = property(lambda self: self._head_dims[1], doc="Head dim of values.")
-    dtype = property(lambda self: self._k.dtype,
-                     doc="Storage dtype of the pools (uint8 for int4: its packed blocks).")
 
     @property
     def num_free_blocks(self) -> int:
@@ -427,7 +371,7 @@ class PagedKVCache:
                                     alibi_slopes, sinks, mask, return_lse, out, num_threads,
                                     query_offset, tree_mask, key_index)
         lifted = (q, k_new, v_new, out)  # one bare id: 3-D arrays gain the sequence axis
-        if q.ndim == 3:
+        if type(seq_ids) is int or q.ndim == 3:
             lifted = [a[None] if a is not None and a.ndim == 3 else a for a in lifted]
         plan = KVCACHE_PLANS.get(key)
         if plan is not None and (lifted[0] is q or type(seq_ids) is int):
