@@ -305,8 +305,8 @@ def array_as_tensor(a):
     return attnfast_steal(tensor)
 
 
-cdef bint _all_ints(list items):
-    """Every item is exactly an int (a list the general conversion would pass as it is)."""
+cdef bint _all_ints(items):
+    """Every item of a list or tuple is exactly an int (seq_ids, window: nothing to convert)."""
     cdef Py_ssize_t i
     for i in range(len(items)):
         if type(items[i]) is not int:
@@ -321,20 +321,13 @@ cdef inline bint _plain(a) noexcept:
     """An argument accepts_arrays passes on as it is (no tensor or array-like to convert)."""
     t = type(a)
     return (a is None or t is _ndarray or t is int or t is float or t is bool or t is str
-            or (t is list and _all_ints(<list> a)))
-
-
-cdef object _arg_out(tuple args, dict kwargs, Py_ssize_t out_index):
-    """The `out` argument of a call (keyword or positional), or None."""
-    if 0 <= out_index < len(args):
-        return args[out_index]
-    return kwargs.get("out")
+            or ((t is list or t is tuple) and _all_ints(a)))
 
 
 def converting(fn, tuple names, Py_ssize_t first, Py_ssize_t out_index, convert, wrap):
     """attnfast._interop.accepts_arrays' wrapper of `fn` (parameter names `names`; `out` at
     out_index, -1 without): each argument from index `first` on that is not plain (None,
-    a NumPy array, bool, int, float, str, a list of ints) becomes a NumPy view in C
+    a NumPy array, bool, int, float, str, a list or tuple of ints) becomes a NumPy view in C
     (tensor_view) or by ``convert(argument, name)`` -> (converted, the torch tensor or
     None), which raises naming it. With no torch tensor among them, fn's result is returned
     as it is; else its arrays become tensors sharing their memory (array_as_tensor, or
@@ -379,7 +372,8 @@ def converting(fn, tuple names, Py_ssize_t first, Py_ssize_t out_index, convert,
         if template is None:
             return result
         if given_out is None:  # a NumPy out= (not converted) comes back as itself too
-            given_out = converted_out = _arg_out(args, kwargs, out_index)
+            given_out = converted_out = (args[out_index] if 0 <= out_index < len(args)
+                                         else kwargs.get("out"))
         if type(result) is tuple:  # (out, lse): each converted once (out not at all if given)
             return tuple([given_out if given_out is not None and r is converted_out
                           else _as_tensor(r, template, wrap) for r in <tuple> result])
