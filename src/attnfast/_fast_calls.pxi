@@ -318,7 +318,7 @@ def decode_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths,
                     starts[B + 2 * (b * t + i)] = b
                     starts[B + 2 * (b * t + i) + 1] = starts[b] + i
             # (joins the transaction's log; a latent cache's v rows are its k rows)
-            _write_rows([k] if latent else [k, v], list(rows[:1] if latent else rows),
+            _write_rows([k] if latent else [k, v], [rows[0]] if latent else list(rows),
                         starts + B, B, t)
             if advance:
                 _keep_int64s(lens)

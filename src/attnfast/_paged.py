@@ -370,21 +370,24 @@ class PagedKVCache:
             return self._run_locked(seq_ids, q, k_new, v_new, causal, scale, window, softcap,
                                     alibi_slopes, sinks, mask, return_lse, out, num_threads,
                                     query_offset, tree_mask, key_index)
-        lifted = (q, k_new, v_new, out)  # one bare id: 3-D arrays gain the sequence axis
-        if type(seq_ids) is int or q.ndim == 3:
-            lifted = [a[None] if a is not None and a.ndim == 3 else a for a in lifted]
+        single = type(seq_ids) is int
+        lq, lk, lv, lout = q, k_new, v_new, out
+        if single or q.ndim == 3:  # one bare id: 3-D arrays gain the sequence axis
+            lq, lk, lv, lout = (a[None] if a is not None and a.ndim == 3 else a
+                                for a in (q, k_new, v_new, out))
         plan = KVCACHE_PLANS.get(key)
-        if plan is not None and (lifted[0] is q or type(seq_ids) is int):
-            result = _ext.paged_fast(plan, self, seq_ids, *lifted, causal, num_threads,
+        if plan is not None and (single or lq is q):
+            result = _ext.paged_fast(plan, self, seq_ids, lq, lk, lv, lout, causal, num_threads,
                                      query_offset, _shared_prefix.MIN_PREFIX_KEYS)
-            if result is not None:
-                return _finish(result, plan.lse_dtype is not None, lifted[0] is not q, out)
+            if result is not None:  # (as computed unless a bare id's results or out differ)
+                return result if lq is q and out is None else _finish(
+                    result, plan.lse_dtype is not None, lq is not q, out)
         result = self._run_locked(seq_ids, q, k_new, v_new, causal, scale, window, softcap,
                                   alibi_slopes, sinks, mask, return_lse, out, num_threads,
                                   query_offset, tree_mask, key_index)
         # accepted: later calls of this layout take the fast path
-        remember(KVCACHE_PLANS, key, kvcache_plan(lifted[0], self._k, self._v, lifted[1],
-                                                  lifted[3], scale, window, return_lse))
+        remember(KVCACHE_PLANS, key,
+                 kvcache_plan(lq, self._k, self._v, lk, lout, scale, window, return_lse))
         return result
 
     def _run_locked(self, seq_ids, q, k_new, v_new, causal, scale, window, softcap, alibi_slopes,
