@@ -118,6 +118,9 @@ def import_baseline(path: str) -> dict:
         sys.meta_path[0:0] = hooks
 
 
+POOL_BLOCKS = (8, 100_000)  # the PagedKVCache rows' pool sizes (--pools)
+
+
 def make_cases(heads: int, kv_heads: int, head_dim: int = 128, length: int = 32,
                capacity: int = 4096, threads: int | None = None, use_torch: bool = True,
                modules: dict | None = None):
@@ -199,7 +202,7 @@ def _make_cases(heads, kv_heads, head_dim, length, capacity, threads, use_torch,
     }
     # A paged pool's per-call cost must not grow with the pool (issue 47): one sequence of
     # L - 1 tokens in pools of 8 and 100,000 blocks of 16.
-    for blocks in (8, 100_000):
+    for blocks in POOL_BLOCKS:
         pool = af.PagedKVCache(num_blocks=blocks, block_size=16, kv_heads=Hkv, head_dim=D)
         sid = pool.add_sequence()
         pool.append([sid], k_cache[:, :, :L - 1], v_cache[:, :, :L - 1])
@@ -345,6 +348,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None,
                    help="num_threads for every call (default: attnfast.get_num_threads())")
     p.add_argument("--no-torch", action="store_true", help="skip the torch rows")
+    p.add_argument("--pools", default="8,100000",
+                   help="blocks in the PagedKVCache rows' pools (8,100000; e.g. 8,1000000)")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="wall time (default), or the calling thread's CPU time (use with "
                         "--threads 1 on a busy machine)")
@@ -353,6 +358,8 @@ def main(argv=None) -> int:
                         "src/attnfast with this build's _ext*.so copied in; the editable "
                         "build's is under build/*/ or attnfast._ext.__file__), interleaved")
     args = p.parse_args(argv)
+    global POOL_BLOCKS
+    POOL_BLOCKS = tuple(int(x) for x in args.pools.split(","))
     baseline = import_baseline(args.baseline) if args.baseline else None
     heads = [tuple(int(x) for x in s.split("x")) for s in args.heads.split(",")]
     from attnfast._runtime import config
