@@ -51,7 +51,7 @@ def layout_key(a0, a1, a2, a3=None, a4=None, a5=None):
             words[n] = -1
             n += 1
             continue
-        if type(obj) is not np.ndarray:
+        if type(obj) is not _ndarray:
             return None
         a = <cnp.ndarray> obj
         if cnp.PyArray_NDIM(a) > 16:
@@ -114,7 +114,7 @@ cdef object _usable_out(out, cnp.ndarray a, cnp.ndarray b, cnp.ndarray c, d=None
     each of the arrays the call reads or writes (a .. e; d, e may be None); else None (the
     fast path declines and the full path raises its usual error, naming out)."""
     cdef cnp.ndarray target
-    if type(out) is not np.ndarray:
+    if type(out) is not _ndarray:
         return None
     target = <cnp.ndarray> out
     if not (_writeable(target) and _aligned(target) and _apart(target, a) == 1
@@ -341,7 +341,7 @@ cdef tuple _new_rows(k_new, v_new, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, 
     writeable, a transaction is open (it undoes the writes) and nothing written overlaps
     what is read (a latent cache's v is a view of its k, v_new one of k_new)."""
     cdef cnp.ndarray kn, vn
-    if type(k_new) is not np.ndarray or type(v_new) is not np.ndarray:
+    if type(k_new) is not _ndarray or type(v_new) is not _ndarray:
         return None
     if not (_writeable(k) and _writeable(v) and _open_log() is not None):
         return None
@@ -379,7 +379,7 @@ cdef bint _read_lengths(lengths, cnp.npy_intp B, int64_t most, int64_t* into) ex
         n = PyLong_AsLongLongAndOverflow(lengths, &overflow)
         for b in range(B):
             into[b] = n
-    elif type(lengths) is np.ndarray:
+    elif type(lengths) is _ndarray:
         given = <cnp.ndarray> lengths
         if (cnp.PyArray_NDIM(given) != 1 or cnp.PyArray_DIMS(given)[0] != B
                 or not _aligned(given) or not cnp.PyArray_ISNOTSWAPPED(given)):
@@ -434,7 +434,7 @@ def seqlens_key(cache_seqlens):
     dtype); None (the full path) for anything else."""
     if type(cache_seqlens) is int:
         return int
-    if type(cache_seqlens) is np.ndarray and cnp.PyArray_NDIM(<cnp.ndarray> cache_seqlens) == 1:
+    if type(cache_seqlens) is _ndarray and cnp.PyArray_NDIM(<cnp.ndarray> cache_seqlens) == 1:
         return cache_seqlens.shape, cache_seqlens.dtype
     return None
 
@@ -735,7 +735,7 @@ def paged_table_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cac
         return None
     if B < 1 or not (_aligned(q) and _aligned(k) and _aligned(v)):
         return None
-    if type(block_table) is not np.ndarray:
+    if type(block_table) is not _ndarray:
         return None
     tab_in = <cnp.ndarray> block_table
     if (cnp.PyArray_NDIM(tab_in) != 2 or cnp.PyArray_DIMS(tab_in)[0] != B
@@ -746,7 +746,7 @@ def paged_table_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cac
     if W < 1:
         return None
     for a in (k_scale, v_scale):
-        if a is not None and (type(a) is not np.ndarray or not _aligned(<cnp.ndarray> a)):
+        if a is not None and (type(a) is not _ndarray or not _aligned(<cnp.ndarray> a)):
             return None
     if out is not None:
         out = _usable_out(out, q, k, v, block_table, k_scale)

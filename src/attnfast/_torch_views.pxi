@@ -144,6 +144,7 @@ cdef enum:
     _DL_BOOL = 6
     _MAX_VIEW_DIMS = 16
 
+cdef type _ndarray = np.ndarray       # (a type test without an attribute lookup per call)
 cdef object _tensor_type = None       # torch.Tensor, exactly (subclasses: the general path)
 cdef object _strided = None           # torch.strided
 cdef object _is_neg = None            # torch.Tensor.is_neg, called unbound
@@ -266,7 +267,7 @@ def array_as_tensor(a):
     cdef cnp.ndarray arr
     cdef attnfast_DLManagedTensorVersioned* managed
     cdef void* tensor = NULL
-    if _dl_api == NULL or type(a) is not np.ndarray:
+    if _dl_api == NULL or type(a) is not _ndarray:
         return None
     arr = <cnp.ndarray> a
     if not (cnp.PyArray_FLAGS(arr) & cnp.NPY_ARRAY_WRITEABLE) or cnp.PyArray_ISBYTESWAPPED(arr):
@@ -312,9 +313,6 @@ cdef bint _all_ints(items):
         if type(items[i]) is not int:
             return False
     return True
-
-
-cdef type _ndarray = np.ndarray
 
 
 cdef inline bint _plain(a) noexcept:
