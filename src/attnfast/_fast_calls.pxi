@@ -675,10 +675,10 @@ def paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bint
         lens = <int64_t*> cnp.PyArray_DATA(seqlens)
         for b in range(B):
             lens[b] = info[3 * b] + t
-        w = _PagedStepWritten.__new__(_PagedStepWritten)
-        w.seqs, w.free, w.refs, w.table = seqs, free_list, refs, table
-        w.info = (<char*> info)[:3 * B * sizeof(int64_t)]
         if t:  # what changes goes to the open transaction's log first (it undoes a raise)
+            w = _PagedStepWritten.__new__(_PagedStepWritten)
+            w.seqs, w.free, w.refs, w.table = seqs, free_list, refs, table
+            w.info = (<char*> info)[:3 * B * sizeof(int64_t)]
             slots = info + 3 * B  # sequence b's token u: (block, row) of position info[3b] + u
             for b in range(B):
                 for i in range(t):
