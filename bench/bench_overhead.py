@@ -24,6 +24,8 @@ Rows:
                                 (the same slot every call, so L stays fixed)
     attention_with_kvcache/ro   the same without new tokens (attend only)
     attention_with_kvcache/ro(out=)  the same into a caller's out (what engines reuse)
+    attention_with_kvcache/ro(int)   the same with cache_seqlens a Python int
+    attention_with_kvcache/paged     the same over a pool of 8 blocks of 16 (block_table=)
     attention                   attention(q, k, v) with k, v (1, Hkv, L, D), causal
     attention(return_lse)       the same, returning (out, lse)
     PagedKVCache.attend / .step  one sequence in pools of 8 and 100,000 blocks (step appends,
@@ -116,6 +118,9 @@ def import_baseline(path: str) -> dict:
         sys.meta_path[0:0] = hooks
 
 
+POOL_BLOCKS = (8, 100_000)  # the PagedKVCache rows' pool sizes (--pools)
+
+
 def make_cases(heads: int, kv_heads: int, head_dim: int = 128, length: int = 32,
                capacity: int = 4096, threads: int | None = None, use_torch: bool = True,
                modules: dict | None = None):
@@ -169,6 +174,10 @@ def _make_cases(heads, kv_heads, head_dim, length, capacity, threads, use_torch,
     def nothing():
         pass
 
+    k_pool = rng.standard_normal((8, Hkv, 16, D), dtype=f32)
+    v_pool = rng.standard_normal((8, Hkv, 16, D), dtype=f32)
+    table = np.array([[3, 5]] * B, dtype=np.int32)
+
     cases = {
         "kernel": (kernel, nothing),
         "kernel, L..L+15": (kernel_grown, nothing),
@@ -182,13 +191,18 @@ def _make_cases(heads, kv_heads, head_dim, length, capacity, threads, use_torch,
         "attention_with_kvcache/ro(out=)": (
             lambda: af.attention_with_kvcache(q, k_cache, v_cache, lens_after, out=out4, **nt),
             nothing),
+        "attention_with_kvcache/ro(int)": (  # cache_seqlens a Python int
+            lambda: af.attention_with_kvcache(q, k_cache, v_cache, L, **nt), nothing),
+        "attention_with_kvcache/paged": (  # block_table=, a pool of 8 blocks of 16
+            lambda: af.attention_with_kvcache(q, k_pool, v_pool, lens_after, block_table=table,
+                                              **nt), nothing),
         "attention": (lambda: af.attention(q, k_full, v_full, causal=True, **nt), nothing),
         "attention(return_lse)": (
             lambda: af.attention(q, k_full, v_full, causal=True, return_lse=True, **nt), nothing),
     }
     # A paged pool's per-call cost must not grow with the pool (issue 47): one sequence of
     # L - 1 tokens in pools of 8 and 100,000 blocks of 16.
-    for blocks in (8, 100_000):
+    for blocks in POOL_BLOCKS:
         pool = af.PagedKVCache(num_blocks=blocks, block_size=16, kv_heads=Hkv, head_dim=D)
         sid = pool.add_sequence()
         pool.append([sid], k_cache[:, :, :L - 1], v_cache[:, :, :L - 1])
@@ -334,6 +348,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None,
                    help="num_threads for every call (default: attnfast.get_num_threads())")
     p.add_argument("--no-torch", action="store_true", help="skip the torch rows")
+    p.add_argument("--pools", default="8,100000",
+                   help="blocks in the PagedKVCache rows' pools (8,100000; e.g. 8,1000000)")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="wall time (default), or the calling thread's CPU time (use with "
                         "--threads 1 on a busy machine)")
@@ -342,6 +358,8 @@ def main(argv=None) -> int:
                         "src/attnfast with this build's _ext*.so copied in; the editable "
                         "build's is under build/*/ or attnfast._ext.__file__), interleaved")
     args = p.parse_args(argv)
+    global POOL_BLOCKS
+    POOL_BLOCKS = tuple(int(x) for x in args.pools.split(","))
     baseline = import_baseline(args.baseline) if args.baseline else None
     heads = [tuple(int(x) for x in s.split("x")) for s in args.heads.split(",")]
     from attnfast._runtime import config

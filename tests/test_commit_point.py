@@ -344,8 +344,8 @@ def test_a_second_interrupt_while_putting_back_does_not_stop_it(monkeypatch):
     assert kvcache_state(c) == before and len(calls) == 3
 
 
-@pytest.mark.parametrize("where", ["KVCache._run_locked", "KVCache._run_fast",
-                                   "KVCache._run_fast lse", "PagedKVCache._run_locked",
+@pytest.mark.parametrize("where", ["KVCache._run_locked", "KVCache fast",
+                                   "KVCache fast lse", "PagedKVCache._run_locked",
                                    "attention_with_kvcache", "attention_with_kvcache lse",
                                    "attention_with_kvcache paged"])
 def test_an_error_after_the_commit_undoes_the_call(where, monkeypatch):
@@ -355,11 +355,11 @@ def test_an_error_after_the_commit_undoes_the_call(where, monkeypatch):
     make, owner, name = {
         # softcap: an option no plan covers, so the full path runs
         "KVCache._run_locked": (kv_step(softcap=30.0), af.KVCache, "_run_locked"),
-        "KVCache._run_fast": (kv_step(), af.KVCache, "_run_fast"),
-        "KVCache._run_fast lse": (kv_step(return_lse=True), af.KVCache, "_run_fast"),
+        "KVCache fast": (kv_step(), _ext, "decode_fast"),
+        "KVCache fast lse": (kv_step(return_lse=True), _ext, "decode_fast"),
         "PagedKVCache._run_locked": (paged("step"), af.PagedKVCache, "_run_locked"),
-        "attention_with_kvcache": (functional(), _kvcache, "_kvcache_fast"),
-        "attention_with_kvcache lse": (functional(return_lse=True), _kvcache, "_kvcache_fast"),
+        "attention_with_kvcache": (functional(), _ext, "decode_fast"),
+        "attention_with_kvcache lse": (functional(return_lse=True), _ext, "decode_fast"),
         "attention_with_kvcache paged": (functional(block_table=True), _kvcache,
                                          "run_cache_kernels")}[where]
     make(np.random.default_rng(4))[0]()  # the layout's plan: the fast paths run

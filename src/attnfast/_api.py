@@ -1,9 +1,6 @@
 """Public attention functions: check (attnfast._attention_checks), then run the C++ kernels."""
 from __future__ import annotations
 
-import signal
-import threading
-
 import numpy as np
 
 from . import _ext
@@ -13,21 +10,11 @@ from ._arrays import kernel_ready, to_3d, to_4d
 from ._attention_checks import check_attention
 from ._descriptors import KernelPart
 from ._formats import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
-from ._plans import (
-    attention_key,
-    attention_plan,
-    ATTENTION_PLANS,
-    fast_query_offset,
-    fast_threads,
-    remember,
-)
-from ._scalars import bound_window, check_flag
+from ._plans import attention_key, attention_plan, ATTENTION_PLANS, remember
+from ._scalars import check_flag
 from ._written import check_out
 
-try:  # the handler as stored, without signal.getsignal's enum conversion (~2 us a call)
-    from _signal import getsignal as _getsignal
-except ImportError:  # pragma: no cover - not CPython
-    _getsignal = signal.getsignal
+kernels_interruptible = _ext.kernels_interruptible  # whether Ctrl-C may stop a call's kernels
 
 __all__ = ["attention", "attention_weights", "merge_attention_states"]
 
@@ -110,7 +97,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
                         (softcap, alibi_slopes, sinks, mask, key_index))
     plan = ATTENTION_PLANS.get(key) if key is not None else None
     if plan is not None:
-        result = _attention_fast(plan, q, k, v, out, causal, num_threads, query_offset)
+        result = _ext.attention_fast(plan, q, k, v, out, causal, num_threads, query_offset)
         if result is not None:
             return result
     return_lse = check_flag(return_lse, "return_lse")
@@ -124,21 +111,6 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None,
     if key is not None:  # accepted: later calls of this layout take the fast path
         remember(ATTENTION_PLANS, key, attention_plan(call, q, k, v, out, window, return_lse))
     return result
-
-
-def _attention_fast(plan, q, k, v, out, causal, num_threads, query_offset):
-    """attention() for a call whose layout an earlier call had accepted (see
-    attnfast._ext.attention_key): what can differ between such calls is checked in C
-    (attnfast._ext.attention_fast). None when anything is unusual: the full path then runs
-    (and raises as always)."""
-    out_shape, dtype, scale, seqlen_q, seqlen_k, window, lse_dtype = plan
-    threads = fast_threads(num_threads)
-    if threads is None or not fast_query_offset(query_offset):
-        return None
-    left, right = (-1, -1) if window == (-1, -1) else bound_window(
-        window, seqlen_q, seqlen_k, query_offset)
-    return _ext.attention_fast(q, k, v, out, out_shape, dtype, causal, scale, left, right,
-                               threads, query_offset, kernels_interruptible(), lse_dtype)
 
 
 attention.__doc__ += _MASK_DRAWING
@@ -182,15 +154,6 @@ def kernel_call(call, part):
         softcap=options.softcap, alibi=options.alibi, sinks=options.sinks, mask=options.mask,
         block_table=part.block_table, head_dim_v=call.head_dim_v,  # (read for int4 caches only)
         key_index=options.key_index)
-
-
-_SIGINT = int(signal.SIGINT)  # (the enum member costs a conversion per call)
-
-
-def kernels_interruptible() -> bool:
-    """Whether Ctrl-C may stop the kernels of this call (see run_kernels)."""
-    return (threading.get_ident() == threading.main_thread().ident
-            and _getsignal(_SIGINT) is signal.default_int_handler)
 
 
 def _visible(call) -> np.ndarray:

@@ -151,6 +151,7 @@ cdef extern from "<signal.h>":
 cdef extern from "Python.h":
     void PyErr_SetInterrupt()
     int PyErr_CheckSignals() except -1
+    long long PyLong_AsLongLongAndOverflow(object, int*) except? -1
 
 
 cdef void _on_sigint(int signum) noexcept nogil:
@@ -587,10 +588,6 @@ def force_isa(str name):
     """Switch kernel tier by name ('' = best available); raises ValueError if impossible."""
     if not isa_force(name.encode()):
         raise ValueError(isa_error().decode())
-
-
-def openmp_threads():
-    return openmp_max_threads()
 
 
 def processors():

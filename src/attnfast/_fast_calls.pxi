@@ -51,7 +51,7 @@ def layout_key(a0, a1, a2, a3=None, a4=None, a5=None):
             words[n] = -1
             n += 1
             continue
-        if type(obj) is not np.ndarray:
+        if type(obj) is not _ndarray:
             return None
         a = <cnp.ndarray> obj
         if cnp.PyArray_NDIM(a) > 16:
@@ -114,7 +114,7 @@ cdef object _usable_out(out, cnp.ndarray a, cnp.ndarray b, cnp.ndarray c, d=None
     each of the arrays the call reads or writes (a .. e; d, e may be None); else None (the
     fast path declines and the full path raises its usual error, naming out)."""
     cdef cnp.ndarray target
-    if type(out) is not np.ndarray:
+    if type(out) is not _ndarray:
         return None
     target = <cnp.ndarray> out
     if not (_writeable(target) and _aligned(target) and _apart(target, a) == 1
@@ -143,13 +143,26 @@ cdef object _empty(tuple shape, dtype):
 # less than the two sigaction calls cost (~1 us, a decode step's kernel time).
 cdef double _INTERRUPTIBLE_WORK = 4e6
 
+import _signal
+import threading
+cdef object _default_int_handler = _signal.default_int_handler
+cdef object _getsignal = _signal.getsignal  # (the handler as stored: no enum conversion)
 
-cdef int _run_one(AttentionParams* p, bint interruptible) except -1:
+
+def kernels_interruptible():
+    """Whether Ctrl-C may stop the kernels of this call: only in the main thread, which alone
+    receives it, and only under Python's default SIGINT handler (an ignored SIGINT, e.g. a
+    background job, or a handler of the caller's own must not cut a computation short)."""
+    return (threading.get_ident() == threading.main_thread().ident
+            and _getsignal(SIGINT) is _default_int_handler)
+
+
+cdef int _run_one(AttentionParams* p) except -1:
     hook = fast_call_hooks["before_kernels"]
     if hook is not None:
-        hook(interruptible=interruptible)
-    if interruptible and (<double> p.batch * p.heads * p.seqlen_q * p.seqlen_k
-                          * (p.head_dim + p.head_dim_v)) >= _INTERRUPTIBLE_WORK:
+        hook(interruptible=kernels_interruptible())
+    if ((<double> p.batch * p.heads * p.seqlen_q * p.seqlen_k * (p.head_dim + p.head_dim_v))
+            >= _INTERRUPTIBLE_WORK and kernels_interruptible()):
         _run_interruptible(p)
     else:
         with nogil:
@@ -157,41 +170,107 @@ cdef int _run_one(AttentionParams* p, bint interruptible) except -1:
     return 0
 
 
-def attention_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out, tuple out_shape,
-                   out_dtype, bint causal, double scale, int64_t window_left,
-                   int64_t window_right, int num_threads, query_offset, bint interruptible,
-                   lse_dtype=None):
-    """The rest of attnfast.attention's fast path (_api._attention_fast) in one call: q, k, v
-    4-D of a layout the full path accepted; out None (allocated: out_shape, out_dtype) or an
-    array to fill; with `lse_dtype` (not None: return_lse) the tuple (out, lse), lse a new
-    (B, H, Tq) array. None, having done nothing, unless q, k, v are aligned and out (if
-    given) is a writeable aligned ndarray apart from q, k and v."""
-    cdef AttentionParams p = default_params()
+# ---- what every C tail resolves per call: threads, query_offset, window ----
+
+cdef int _processors = max(1, processor_count())
+cdef int _default_threads = 0   # set_num_threads or ATTNFAST_NUM_THREADS; 0: OpenMP's limit
+
+
+def set_default_threads(n):
+    """attnfast._runtime: the thread count of calls without num_threads (None: OpenMP's)."""
+    global _default_threads
+    _default_threads = 0 if n is None else n
+
+
+def call_threads(num_threads):
+    """The threads of a call (attnfast._runtime.resolve_threads) for num_threads None or an
+    int >= 1, clamped to the processors; None for anything else (the full path raises)."""
+    cdef int overflow = 0
+    cdef long long n
+    if num_threads is None:
+        return _default_threads if _default_threads > 0 else min(
+            max(1, openmp_max_threads()), _processors)
+    if type(num_threads) is not int:
+        return None
+    n = PyLong_AsLongLongAndOverflow(num_threads, &overflow)
+    if overflow > 0 or n >= _processors:
+        return _processors
+    return n if n >= 1 else None
+
+
+cdef bint _offset_ok(query_offset) except -1:
+    """check_query_offset accepts query_offset as it is: None, or an int within +-2**62."""
+    cdef int overflow = 0
+    cdef long long n
+    if query_offset is None:
+        return True
+    if type(query_offset) is not int:
+        return False
+    n = PyLong_AsLongLongAndOverflow(query_offset, &overflow)
+    return overflow == 0 and -(1LL << 62) <= n <= (1LL << 62)
+
+
+cdef int _bound_window(tuple window, int64_t reach, query_offset, int64_t* side) except -1:
+    """attnfast._scalars.bound_window over `reach` keys + query rows (+ |query_offset|): a
+    checked window's sides (ints >= -1, any size), -1 where they exclude no key."""
+    cdef int overflow = 0, i
+    cdef long long w
+    if query_offset is not None:
+        w = query_offset
+        reach += w if w >= 0 else -w
+    for i in range(2):
+        w = PyLong_AsLongLongAndOverflow(window[i], &overflow)
+        side[i] = -1 if (overflow or w >= reach) else w
+    return 0
+
+
+cdef class Plan:
+    """What the full checks concluded about an accepted call's layout (attnfast._plans), as
+    the C tails read it: the output's shape and dtype, scale, the window as checked, Tq, the
+    keys the window is bounded by (attention: Tk; a contiguous cache: its capacity), the new
+    tokens per sequence, the lse dtype (None without return_lse); a paged call's checked
+    call (for the shared-prefix composition)."""
+    cdef readonly tuple out_shape, window
+    cdef readonly object dtype, lse_dtype, call
+    cdef readonly double scale
+    cdef readonly int64_t new_tokens, seqlen_q, seqlen_k
+
+    def __init__(self, *, out_shape, dtype, scale, window, seqlen_k, lse_dtype,
+                 new_tokens=0, call=None):
+        self.out_shape, self.dtype, self.scale = tuple(out_shape), dtype, scale
+        self.window, self.seqlen_q, self.seqlen_k = tuple(window), out_shape[2], seqlen_k
+        self.lse_dtype, self.new_tokens, self.call = lse_dtype, new_tokens, call
+
+
+def attention_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out, bint causal,
+                   num_threads, query_offset):
+    """The rest of attnfast.attention's fast path in one call: q, k, v 4-D of a layout the
+    full path accepted (`plan`); out None (allocated) or an array to fill; with the plan's
+    lse dtype (return_lse) the tuple (out, lse), lse a new (B, H, Tq) array. None, having
+    done nothing, unless num_threads and query_offset are as the full path takes them
+    unchanged, q, k, v are aligned and out (if given) is a writeable aligned ndarray apart
+    from q, k and v."""
+    threads = call_threads(num_threads)
+    if threads is None or not _offset_ok(query_offset):
+        return None
     if not (_aligned(q) and _aligned(k) and _aligned(v)):
         return None
-    if out is None:
-        target = _empty(out_shape, out_dtype)
-    else:
-        target = _usable_out(out, q, k, v)
-        if target is None:
+    if out is not None:
+        out = _usable_out(out, q, k, v)
+        if out is None:
             return None
-    lse = None if lse_dtype is None else _empty(out_shape[:3], lse_dtype)
-    _fill_params(&p, q, k, v, target, lse, causal, scale, window_left, window_right,
-                 num_threads, None, None, None, query_offset, 0.0, None, None, None, None)
-    fast_calls_taken["attention"] += 1
-    _run_one(&p, interruptible)
-    return target if lse is None else (target, lse)
+    return _run_plan(plan, "attention", q, k, v, out, causal, threads, None, None, None,
+                     query_offset, None, plan.seqlen_k)
 
 
-def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_new,
-                int64_t t, int64_t capacity, tuple out_shape, out_dtype, bint causal,
-                double scale, int64_t window_left, int64_t window_right, int num_threads,
-                query_offset, bint interruptible, bint advance, out, lse_dtype):
-    """The rest of the KV-cache fast paths (_kvcache._kvcache_fast, KVCache._run_fast) in one
-    call, for a layout the full path accepted: write the t new tokens (t = 0: none) at each
+def decode_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new,
+                v_new, out, bint causal, num_threads, query_offset, bint advance):
+    """The rest of the KV-cache fast paths (attention_with_kvcache, KVCache.attend / step) in
+    one call, for a layout the full path accepted (`plan`): write the t new tokens (t = 0:
+    none; rounded to a 16-bit cache's dtype first, as the full path stores them) at each
     sequence's length, attend over the lengths plus t, return out: the caller's `out`
-    (written in place) or, when it is None, a new array (out_shape, out_dtype); with
-    `lse_dtype` (not None: return_lse) the tuple (out, lse), lse a new (B, H, Tq) array.
+    (written in place) or, when it is None, a new array; with the plan's lse dtype
+    (return_lse) the tuple (out, lse), lse a new (B, H, Tq) array.
     A caller's out is used only if _usable_out accepts it (writeable, aligned, apart from
     q, the caches and the new tokens); its layout is in the plan key.
 
@@ -204,86 +283,50 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
     path decides the rest; the caches may overlap each other only with advance, a latent
     KVCache's v being a view of its k).
     """
-    cdef AttentionParams p = default_params()
     cdef cnp.npy_intp B = cnp.PyArray_DIMS(q)[0], b, i
-    cdef cnp.ndarray lens, kn, vn, seqlens
+    cdef cnp.ndarray lens, seqlens
     cdef int64_t* starts = NULL
-    cdef int64_t* after
-    cdef int64_t common
+    cdef int64_t t = plan.new_tokens, capacity = plan.seqlen_k
+    cdef bint latent = advance and _apart(k, v) != 1  # (a latent KVCache: v is k's prefix)
+    threads = call_threads(num_threads)
+    if threads is None or not _offset_ok(query_offset):
+        return None
     if not (_aligned(q) and _aligned(k) and _aligned(v)) or B < 1:
         return None
-    if t and not (_writeable(k) and _writeable(v) and _open_log() is not None):
-        return None  # (writes are undone by the open transaction)
-    if advance:
-        if type(lengths) is not np.ndarray:
+    if advance:  # the cache's own lengths, advanced in place
+        lens = <cnp.ndarray?> lengths
+        if (cnp.PyArray_TYPE(lens) != cnp.NPY_INT64 or not cnp.PyArray_IS_C_CONTIGUOUS(lens)
+                or not _writeable(lens)):
             return None
-        lens = <cnp.ndarray> lengths
-        if (cnp.PyArray_TYPE(lens) != cnp.NPY_INT64 or cnp.PyArray_NDIM(lens) != 1
-                or cnp.PyArray_DIMS(lens)[0] != B or not cnp.PyArray_IS_C_CONTIGUOUS(lens)
-                or not _writeable(lens) or not _aligned(lens)):
-            return None
-    elif type(lengths) is int:
-        if not (0 <= lengths <= capacity - t):
-            return None
-        common = lengths
-    elif type(lengths) is np.ndarray:
-        lens = <cnp.ndarray> lengths
-        if (cnp.PyArray_NDIM(lens) != 1 or cnp.PyArray_DIMS(lens)[0] != B
-                or not _aligned(lens) or not cnp.PyArray_ISNOTSWAPPED(lens)
-                or cnp.PyArray_TYPE(lens) not in (cnp.NPY_INT64, cnp.NPY_INT32)):
-            return None
-    else:
+    rows = _new_rows(k_new, v_new, q, k, v, latent) if t else ()
+    if rows is None:
         return None
-    if t:
-        if type(k_new) is not np.ndarray or type(v_new) is not np.ndarray:
-            return None
-        kn, vn = <cnp.ndarray> k_new, <cnp.ndarray> v_new
-        if not (attnfast_equiv_dtypes(kn, k) and attnfast_equiv_dtypes(vn, v)):
-            return None      # converted on write (a 16-bit cache): the full path
-        if not (_apart(q, k) == 1 and _apart(q, v) == 1 and _apart(kn, k) == 1
-                and _apart(kn, v) == 1 and _apart(vn, k) == 1 and _apart(vn, v) == 1
-                and (advance or _apart(k, v) == 1)):
-            return None      # the full path decides (and raises) exactly
-    target = None
     if out is not None:
-        target = _usable_out(out, q, k, v, k_new, v_new)
-        if target is None:
+        out = _usable_out(out, q, k, v, k_new, v_new)
+        if out is None:
             return None      # the full path raises its error, naming out
     seqlens = lens if advance else _empty((B,), _INT64)
-    after = <int64_t*> cnp.PyArray_DATA(seqlens)
     starts = <int64_t*> malloc((B + 2 * B * t) * sizeof(int64_t))  # + the token slots
     if starts == NULL:
         raise MemoryError()
     try:
-        for b in range(B):
-            if advance:
-                starts[b] = after[b]
-            elif type(lengths) is int:
-                starts[b] = common
-            elif cnp.PyArray_TYPE(lens) == cnp.NPY_INT64:
-                starts[b] = (<int64_t*> cnp.PyArray_GETPTR1(lens, b))[0]
-            else:
-                starts[b] = (<int32_t*> cnp.PyArray_GETPTR1(lens, b))[0]
-            if starts[b] < 0 or starts[b] > capacity - t:
-                return None
-        if target is None:
-            target = _empty(out_shape, out_dtype)
-        lse = None if lse_dtype is None else _empty(out_shape[:3], lse_dtype)
+        if not _read_lengths(lengths, B, capacity - t, starts):
+            return None
         if t:  # sequence b's token u: row starts[b] + u of the cache's "block" b
             for b in range(B):
                 for i in range(t):
                     starts[B + 2 * (b * t + i)] = b
                     starts[B + 2 * (b * t + i) + 1] = starts[b] + i
-            _write_rows([k, v], [kn, vn], starts + B, B, t)  # (joins the transaction's log)
-        if advance and t:
-            _keep_int64s(lens)
+            # (joins the transaction's log; a latent cache's v rows are its k rows)
+            _write_rows([k] if latent else [k, v], [rows[0]] if latent else list(rows),
+                        starts + B, B, t)
+            if advance:
+                _keep_int64s(lens)
         for b in range(B):
-            after[b] = starts[b] + t
-        _fill_params(&p, q, k, v, target, lse, causal, scale, window_left, window_right,
-                     num_threads, seqlens, None, None, query_offset, 0.0, None, None, None, None)
-        fast_calls_taken["kvcache"] += 1
-        _run_one(&p, interruptible)  # (raising: the transaction puts back what was written)
-        return target if lse is None else (target, lse)
+            (<int64_t*> cnp.PyArray_DATA(seqlens))[b] = starts[b] + t
+        # (raising: the transaction puts back what was written)
+        return _run_plan(plan, "kvcache", q, k, v, out, causal, threads, seqlens, None, None,
+                         query_offset, None, capacity)
     finally:
         free(starts)
 
@@ -291,45 +334,99 @@ def decode_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new, v_n
 _INT64 = np.dtype(np.int64)
 
 
+cdef tuple _new_rows(k_new, v_new, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, bint latent):
+    """(k_new, v_new) as a C tail writes them into caches k, v: in their dtype (float32 rows
+    rounded to a 16-bit cache's, as the full path stores them; a latent cache's values the
+    prefix view of its rows), or None (decline) unless both are ndarrays, the caches are
+    writeable, a transaction is open (it undoes the writes) and nothing written overlaps
+    what is read (a latent cache's v is a view of its k, v_new one of k_new)."""
+    cdef cnp.ndarray kn, vn
+    if type(k_new) is not _ndarray or type(v_new) is not _ndarray:
+        return None
+    if not (_writeable(k) and _writeable(v) and _open_log() is not None):
+        return None
+    kn, vn = <cnp.ndarray> k_new, <cnp.ndarray> v_new
+    if not (attnfast_equiv_dtypes(kn, k) and attnfast_equiv_dtypes(vn, v)):
+        from attnfast._transaction import stored_form
+        kn, vn = stored_form(kn, vn, k.dtype)[:2]
+        if latent:
+            vn = kn[..., :cnp.PyArray_DIMS(v)[3]]
+        if not (attnfast_equiv_dtypes(kn, k) and attnfast_equiv_dtypes(vn, v)):
+            return None
+    if latent:  # v_new must be k_new's prefix view (latent_values): written with k
+        if (cnp.PyArray_DATA(vn) != cnp.PyArray_DATA(kn)
+                or cnp.PyArray_STRIDES(vn)[0] != cnp.PyArray_STRIDES(kn)[0]
+                or cnp.PyArray_STRIDES(vn)[1] != cnp.PyArray_STRIDES(kn)[1]
+                or cnp.PyArray_STRIDES(vn)[2] != cnp.PyArray_STRIDES(kn)[2]):
+            return None
+    elif _apart(k, v) != 1:
+        return None
+    if not (_apart(q, k) == 1 and _apart(q, v) == 1 and _apart(kn, k) == 1
+            and _apart(kn, v) == 1 and _apart(vn, k) == 1 and _apart(vn, v) == 1):
+        return None      # the full path decides (and raises) exactly
+    return kn, vn
+
+
+cdef bint _read_lengths(lengths, cnp.npy_intp B, int64_t most, int64_t* into) except -1:
+    """A call's cache lengths, a Python int (every sequence) or an aligned native int32 /
+    int64 array (B,), into `into`: False (decline) for anything else or a value outside
+    [0, most]."""
+    cdef int overflow = 0
+    cdef long long n
+    cdef cnp.ndarray given
+    cdef cnp.npy_intp b
+    if type(lengths) is int:
+        n = PyLong_AsLongLongAndOverflow(lengths, &overflow)
+        for b in range(B):
+            into[b] = n
+    elif type(lengths) is _ndarray:
+        given = <cnp.ndarray> lengths
+        if (cnp.PyArray_NDIM(given) != 1 or cnp.PyArray_DIMS(given)[0] != B
+                or not _aligned(given) or not cnp.PyArray_ISNOTSWAPPED(given)):
+            return False
+        for b in range(B):
+            if cnp.PyArray_TYPE(given) == cnp.NPY_INT64:
+                into[b] = (<int64_t*> cnp.PyArray_GETPTR1(given, b))[0]
+            elif cnp.PyArray_TYPE(given) == cnp.NPY_INT32:
+                into[b] = (<int32_t*> cnp.PyArray_GETPTR1(given, b))[0]
+            else:
+                return False
+    else:
+        return False
+    for b in range(B):
+        if overflow or into[b] < 0 or into[b] > most:
+            return False
+    return True
+
+
+cdef object _run_plan(Plan plan, str path, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out,
+                      bint causal, threads, seqlens, k_scale, v_scale, query_offset, table,
+                      int64_t keys):
+    """The end of every C tail: out (the caller's, checked, or a new array) and lse (with
+    return_lse), the window bounded over `keys` (bound_window), the kernel call; returns
+    out or (out, lse)."""
+    cdef AttentionParams p = default_params()
+    cdef int64_t side[2]
+    target = _empty(plan.out_shape, plan.dtype) if out is None else out
+    lse = None if plan.lse_dtype is None else _empty(plan.out_shape[:3], plan.lse_dtype)
+    _bound_window(plan.window, plan.seqlen_q + keys, query_offset, side)
+    _fill_params(&p, q, k, v, target, lse, causal, plan.scale, side[0], side[1], threads,
+                 seqlens, k_scale, v_scale, query_offset, 0.0, None, None, None, table)
+    fast_calls_taken[path] += 1
+    _run_one(&p)
+    return target if lse is None else (target, lse)
+
+
 # ---- plan keys (attnfast._plans): what a plan is stored and found under ----
 
 cdef frozenset _KEY_SCALE_TYPES = frozenset((float, int, np.float64, np.float32, np.float16))
 
 
-cdef object _option_key(causal, scale, window):
-    """The options in a plan key; None when the call needs the full path. Types are exact:
-    values that compare equal (True == 1 == 1.0) must be checked alike, and bools are
-    refused where ints are taken."""
-    if causal is not True and causal is not False:
-        return None
-    if scale is not None and type(scale) not in _KEY_SCALE_TYPES:
-        return None
-    if window is not None and not (type(window) is tuple and len(window) == 2
-                                   and type(window[0]) is int and type(window[1]) is int):
-        return None
-    return causal, scale, window
-
-
-def attention_key(q, k, v, out, causal, scale, window, return_lse=False,
-                  tuple unplanned=()):
-    """attention(): the plan key of a call (arrays exactly numpy.ndarray), or None when no
-    plan can serve it: where attention()'s fast-path eligibility is decided. The key holds
-    the layouts of q, k, v and out, causal, scale, window and return_lse with their exact
-    types; `unplanned`: the call's other options, which only the full path takes (the key is
-    None unless each of them is None)."""
-    cdef Py_ssize_t i
-    if q is None or k is None or v is None:
-        return None
-    if return_lse is not False and return_lse is not True:
-        return None
-    for i in range(len(unplanned)):
-        if unplanned[i] is not None:
-            return None
-    layout = layout_key(q, k, v, out)
-    if layout is None:
-        return None
-    options = _option_key(causal, scale, window)
-    return None if options is None else (layout, options, return_lse)
+def attention_key(q, k, v, out, causal, scale, window, return_lse=False, tuple unplanned=()):
+    """attention(): the plan key of a call (kvcache_key's, without lengths or new tokens), or
+    None when no plan can serve it: where attention()'s fast-path eligibility is decided."""
+    return kvcache_key(q, k, v, "attention", None, None, out, causal, scale, window,
+                       return_lse, unplanned)
 
 
 def seqlens_key(cache_seqlens):
@@ -337,7 +434,7 @@ def seqlens_key(cache_seqlens):
     dtype); None (the full path) for anything else."""
     if type(cache_seqlens) is int:
         return int
-    if type(cache_seqlens) is np.ndarray and cnp.PyArray_NDIM(<cnp.ndarray> cache_seqlens) == 1:
+    if type(cache_seqlens) is _ndarray and cnp.PyArray_NDIM(<cnp.ndarray> cache_seqlens) == 1:
         return cache_seqlens.shape, cache_seqlens.dtype
     return None
 
@@ -365,9 +462,16 @@ def kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, out, causal, sca
     layout = layout_key(q, k_cache, v_cache, k_new, v_new, out)  # None unless all are ndarrays
     if layout is None:
         return None
-    options = _option_key(causal, scale, window)
-    if options is None:
+    # The options with exact types: values that compare equal (True == 1 == 1.0) must be
+    # checked alike, and bools are refused where ints are taken.
+    if causal is not True and causal is not False:
         return None
+    if scale is not None and type(scale) not in _KEY_SCALE_TYPES:
+        return None
+    if window is not None and not (type(window) is tuple and len(window) == 2
+                                   and type(window[0]) is int and type(window[1]) is int):
+        return None
+    options = causal, scale, window
     if block_table is None and k_scale is None and v_scale is None:
         return layout, lengths_key, options, return_lse
     paged = layout_key(block_table, k_scale, v_scale)
@@ -429,19 +533,18 @@ cdef bint _has_shape(cnp.ndarray a, tuple shape):
     return True
 
 
-def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tuple out_shape,
-               out_dtype, bint causal, double scale, tuple window, int num_threads,
-               query_offset, bint interruptible, lse_dtype, int64_t shared_keys):
-    """The rest of PagedKVCache.attend / step's fast path (_paged.PagedKVCache._run_fast) in
-    one call, for a layout the full path accepted (the plan: t new tokens, out_shape,
-    out_dtype, scale, window as checked): append k_new, v_new (t > 0) to each sequence of
+def paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bint causal,
+               num_threads, query_offset, int64_t shared_keys):
+    """The rest of PagedKVCache.attend / step's fast path (_paged.PagedKVCache._call) in
+    one call, for a layout the full path accepted (`plan`: t new tokens, the output, scale,
+    window as checked): append k_new, v_new (t > 0) to each sequence of
     `seq_ids` (an int, or a list / tuple of ints, one per row of q), taking blocks from the
     free list as PagedKVCache._append does, then attend over every sequence's tokens.
     Returns out (the caller's `out`, written in place, or a new array), or (out, lse) with
-    `lse_dtype`. None, having changed nothing, unless the ids are distinct live sequences,
+    the plan's lse dtype. None, having changed nothing, unless the ids are distinct live sequences,
     no sequence's partly filled last block is shared (copy-on-write: the full path), the pool
     has the blocks needed, no two sequences with `shared_keys` or more keys begin with the
-    same block (shared-prefix decoding: the full path), the new tokens have the pool's dtype,
+    same block (shared-prefix decoding: the full path), the new tokens fit (_new_rows)
     and nothing written overlaps what the call reads. What it changes (bytes, blocks,
     lengths) goes to the open transaction's log first (attnfast._transaction)."""
     cdef cnp.ndarray k = <cnp.ndarray?> cache._k, v = <cnp.ndarray?> cache._v
@@ -450,11 +553,12 @@ def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tupl
     cdef dict live = <dict?> cache._seqs
     cdef bint latent = cache._latent
     cdef cnp.ndarray kn = None, vn = None, table, seqlens
-    cdef AttentionParams p = default_params()
     cdef Py_ssize_t B, b, c, i, g, nb, nfree
     cdef int64_t NB = cnp.PyArray_DIMS(k)[0], Hkv = cnp.PyArray_DIMS(k)[1]
     cdef int64_t BS = cnp.PyArray_DIMS(k)[2]
-    cdef int64_t n, grow, needed = 0, width = 1, blk, left, right
+    cdef int64_t n, grow, needed = 0, width = 1, blk
+    cdef int64_t t = plan.new_tokens
+    cdef tuple out_shape = plan.out_shape
     cdef int64_t* info
     cdef int64_t* tab
     cdef int64_t* lens
@@ -462,6 +566,9 @@ def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tupl
     cdef int64_t* slots
     cdef list seqs
     cdef _PagedStepWritten w
+    threads = call_threads(num_threads)
+    if threads is None or not _offset_ok(query_offset):
+        return None
     if type(seq_ids) is int:
         ids = (seq_ids,)
     elif type(seq_ids) is list or type(seq_ids) is tuple:
@@ -477,9 +584,10 @@ def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tupl
         return None
     refp = <int64_t*> cnp.PyArray_DATA(refs)
     if t:
-        if type(k_new) is not np.ndarray or type(v_new) is not np.ndarray:
+        rows = _new_rows(k_new, v_new, q, k, v, latent)
+        if rows is None:
             return None
-        kn, vn = <cnp.ndarray> k_new, <cnp.ndarray> v_new
+        kn, vn = rows
         if (cnp.PyArray_NDIM(kn) != 4 or cnp.PyArray_NDIM(vn) != 4
                 or cnp.PyArray_DIMS(kn)[0] != B or cnp.PyArray_DIMS(kn)[1] != Hkv
                 or cnp.PyArray_DIMS(kn)[2] != t or cnp.PyArray_DIMS(vn)[0] != B
@@ -487,24 +595,9 @@ def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tupl
                 or cnp.PyArray_DIMS(kn)[3] != cnp.PyArray_DIMS(k)[3]
                 or cnp.PyArray_DIMS(vn)[3] != cnp.PyArray_DIMS(v)[3]):
             return None
-        if not (attnfast_equiv_dtypes(kn, k) and attnfast_equiv_dtypes(vn, v)
-                and _writeable(k) and _writeable(v) and _open_log() is not None):
-            return None      # converted on write (a float32 k_new into a 16-bit pool)
-        if latent:  # v_new must be k_new's prefix view (latent_values): written with k
-            if (cnp.PyArray_DATA(vn) != cnp.PyArray_DATA(kn)
-                    or cnp.PyArray_STRIDES(vn)[0] != cnp.PyArray_STRIDES(kn)[0]
-                    or cnp.PyArray_STRIDES(vn)[1] != cnp.PyArray_STRIDES(kn)[1]
-                    or cnp.PyArray_STRIDES(vn)[2] != cnp.PyArray_STRIDES(kn)[2]):
-                return None
-        elif _apart(k, v) != 1:
-            return None
-        if not (_apart(q, k) == 1 and _apart(q, v) == 1 and _apart(kn, k) == 1
-                and _apart(kn, v) == 1 and _apart(vn, k) == 1 and _apart(vn, v) == 1):
-            return None      # the full path decides (and raises) exactly
-    target = None
     if out is not None:
-        target = _usable_out(out, q, k, v, k_new, v_new)
-        if target is None or not _has_shape(<cnp.ndarray> target, out_shape):
+        out = _usable_out(out, q, k, v, k_new, v_new)
+        if out is None or not _has_shape(<cnp.ndarray> out, out_shape):
             return None      # the full path raises its error, naming out
     seqs = [None] * B
     for b in range(B):
@@ -582,17 +675,10 @@ def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tupl
         lens = <int64_t*> cnp.PyArray_DATA(seqlens)
         for b in range(B):
             lens[b] = info[3 * b] + t
-        # the window as bound_window leaves it over this call's width * block_size keys
-        reach = out_shape[2] + width * BS + (0 if query_offset is None else abs(query_offset))
-        left = -1 if window[0] >= reach else window[0]
-        right = -1 if window[1] >= reach else window[1]
-        if target is None:
-            target = _empty(out_shape, out_dtype)
-        lse = None if lse_dtype is None else _empty(out_shape[:3], lse_dtype)
-        w = _PagedStepWritten.__new__(_PagedStepWritten)
-        w.seqs, w.free, w.refs, w.table = seqs, free_list, refs, table
-        w.info = (<char*> info)[:3 * B * sizeof(int64_t)]
         if t:  # what changes goes to the open transaction's log first (it undoes a raise)
+            w = _PagedStepWritten.__new__(_PagedStepWritten)
+            w.seqs, w.free, w.refs, w.table = seqs, free_list, refs, table
+            w.info = (<char*> info)[:3 * B * sizeof(int64_t)]
             slots = info + 3 * B  # sequence b's token u: (block, row) of position info[3b] + u
             for b in range(B):
                 for i in range(t):
@@ -610,11 +696,9 @@ def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tupl
                     refp[blk] = 1
                     seq.blocks.append(blk)
                 seq.length = lens[b]
-        _fill_params(&p, q, k, v, target, lse, causal, scale, left, right, num_threads,
-                     seqlens, None, None, query_offset, 0.0, None, None, None, table)
-        fast_calls_taken["paged"] += 1
-        _run_one(&p, interruptible)
-        return target if lse is None else (target, lse)
+        # (the window as bound_window leaves it over this call's width * block_size keys)
+        return _run_plan(plan, "paged", q, k, v, out, causal, threads, seqlens, None, None,
+                         query_offset, table, width * BS)
     finally:
         free(info)
 
@@ -623,34 +707,35 @@ def paged_fast(cache, seq_ids, cnp.ndarray q, k_new, v_new, out, int64_t t, tupl
 
 cdef class SharedPrefix:
     """paged_table_fast's answer for a call whose sequences share a long prefix: the checked
-    int64 block table and key lengths; the caller runs the shared-prefix composition
-    (attnfast._shared_prefix) over them."""
-    cdef readonly object table, lengths
+    int64 block table, key lengths and threads; the caller runs the shared-prefix
+    composition (attnfast._shared_prefix) over them."""
+    cdef readonly object table, lengths, threads
 
 
-def paged_table_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cache_seqlens, block_table,
-                     k_scale, v_scale, out, tuple out_shape, out_dtype, bint causal,
-                     double scale, tuple window, int num_threads, query_offset,
-                     bint interruptible, lse_dtype, int64_t shared_keys):
+def paged_table_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cache_seqlens,
+                     block_table, k_scale, v_scale, out, bint causal, num_threads, query_offset,
+                     int64_t shared_keys):
     """The rest of attention_with_kvcache(block_table=...)'s fast path (_kvcache._paged_fast)
-    for a layout the full path accepted, no new tokens: the lengths (a Python int, or an
+    for a layout the full path accepted (`plan`), no new tokens: the lengths (a Python int, or an
     int32 / int64 array (B,)) each in [0, max_blocks * block_size], the ids of the blocks in
     use (a sequence of n keys reads its first ceil(n / block_size) entries) in
     [0, num_blocks), `out` (if given) writeable, aligned and apart from every array the call
-    reads; then the kernel call. Returns out, or (out, lse) with `lse_dtype`; a SharedPrefix
+    reads; then the kernel call. Returns out, or (out, lse) (return_lse); a SharedPrefix
     when two sequences of `shared_keys` or more keys begin with the same block (the caller
     composes); None, having done nothing, when anything is unusual (the full path raises)."""
-    cdef AttentionParams p = default_params()
-    cdef cnp.ndarray table, lens, given, tab_in
+    cdef cnp.ndarray table, lens, tab_in
     cdef int64_t NB = cnp.PyArray_DIMS(k)[0], BS = cnp.PyArray_DIMS(k)[2]
     cdef cnp.npy_intp B = cnp.PyArray_DIMS(q)[0], W, b, c, i, s0, s1
-    cdef int64_t n, used, blk, left, right
+    cdef int64_t used
     cdef int64_t* tab
     cdef int64_t* L
     cdef char* src
+    threads = call_threads(num_threads)
+    if threads is None or not _offset_ok(query_offset):
+        return None
     if B < 1 or not (_aligned(q) and _aligned(k) and _aligned(v)):
         return None
-    if type(block_table) is not np.ndarray:
+    if type(block_table) is not _ndarray:
         return None
     tab_in = <cnp.ndarray> block_table
     if (cnp.PyArray_NDIM(tab_in) != 2 or cnp.PyArray_DIMS(tab_in)[0] != B
@@ -661,14 +746,12 @@ def paged_table_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cache_seqlens,
     if W < 1:
         return None
     for a in (k_scale, v_scale):
-        if a is not None and (type(a) is not np.ndarray or not _aligned(<cnp.ndarray> a)):
+        if a is not None and (type(a) is not _ndarray or not _aligned(<cnp.ndarray> a)):
             return None
-    target = None
     if out is not None:
-        target = _usable_out(out, q, k, v, block_table, k_scale)
-        if (target is None or not _has_shape(<cnp.ndarray> target, out_shape)
-                or (v_scale is not None
-                    and _apart(<cnp.ndarray> target, <cnp.ndarray> v_scale) != 1)):
+        out = _usable_out(out, q, k, v, block_table, k_scale)
+        if (out is None or not _has_shape(<cnp.ndarray> out, plan.out_shape)
+                or (v_scale is not None and _apart(<cnp.ndarray> out, <cnp.ndarray> v_scale) != 1)):
             return None      # the full path raises its error, naming out
     # The table as the kernels take it: int64, rows contiguous (a copy unless it is so).
     if (cnp.PyArray_TYPE(tab_in) == cnp.NPY_INT64
@@ -687,32 +770,12 @@ def paged_table_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cache_seqlens,
                     tab[b * W + i] = (<int32_t*> (src + b * s0 + i * s1))[0]
     lens = _empty((B,), _INT64)
     L = <int64_t*> cnp.PyArray_DATA(lens)
-    if type(cache_seqlens) is int:
-        if not (0 <= cache_seqlens <= W * BS):
-            return None
-        for b in range(B):
-            L[b] = cache_seqlens
-    elif type(cache_seqlens) is np.ndarray:
-        given = <cnp.ndarray> cache_seqlens
-        if (cnp.PyArray_NDIM(given) != 1 or cnp.PyArray_DIMS(given)[0] != B
-                or not _aligned(given) or not cnp.PyArray_ISNOTSWAPPED(given)):
-            return None
-        for b in range(B):
-            if cnp.PyArray_TYPE(given) == cnp.NPY_INT64:
-                L[b] = (<int64_t*> cnp.PyArray_GETPTR1(given, b))[0]
-            elif cnp.PyArray_TYPE(given) == cnp.NPY_INT32:
-                L[b] = (<int32_t*> cnp.PyArray_GETPTR1(given, b))[0]
-            else:
-                return None
-    else:
-        return None
+    if not _read_lengths(cache_seqlens, B, W * BS, L):
+        return None              # the full path names the length
     s0 = cnp.PyArray_STRIDES(table)[0]
     src = <char*> cnp.PyArray_DATA(table)
     for b in range(B):
-        n = L[b]
-        if n < 0 or n > W * BS:
-            return None          # the full path names the length
-        used = (n + BS - 1) // BS
+        used = (L[b] + BS - 1) // BS
         tab = <int64_t*> (src + b * s0)
         for i in range(used):
             if tab[i] < 0 or tab[i] >= NB:
@@ -727,18 +790,10 @@ def paged_table_fast(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cache_seqlens,
                     shared = SharedPrefix.__new__(SharedPrefix)
                     (<SharedPrefix> shared).table = table
                     (<SharedPrefix> shared).lengths = lens
+                    (<SharedPrefix> shared).threads = threads
                     return shared
-    reach = out_shape[2] + W * BS + (0 if query_offset is None else abs(query_offset))
-    left = -1 if window[0] >= reach else window[0]
-    right = -1 if window[1] >= reach else window[1]
-    if target is None:
-        target = _empty(out_shape, out_dtype)
-    lse = None if lse_dtype is None else _empty(out_shape[:3], lse_dtype)
-    _fill_params(&p, q, k, v, target, lse, causal, scale, left, right, num_threads, lens,
-                 k_scale, v_scale, query_offset, 0.0, None, None, None, table)
-    fast_calls_taken["paged"] += 1
-    _run_one(&p, interruptible)
-    return target if lse is None else (target, lse)
+    return _run_plan(plan, "paged", q, k, v, out, causal, threads, lens, k_scale, v_scale,
+                     query_offset, table, W * BS)
 
 
 # ---- PagedKVCache.truncate (attnfast._paged): what it changes, recorded as it goes ----

@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from ._written import read_only_copy
-from ._ext import array_as_tensor, register_torch, tensor_args, tensor_view
+from ._ext import array_as_tensor, converting, register_torch, tensor_view
 
 __all__ = ["accepts_arrays", "to_numpy", "wrap_like", "is_torch"]
 
@@ -137,82 +137,14 @@ def _writable(a: np.ndarray) -> np.ndarray:
 def accepts_arrays(fn):
     """Decorate a public function (or method): convert its arguments with :func:`to_numpy`
     (sequences too, for merge_attention_states), and its result with :func:`wrap_like`.
-    A torch ``out=`` comes back as itself. The signature is unchanged (functools.wraps)."""
-    sig = inspect.signature(fn)
-    names = list(sig.parameters)
-    skip_self = names[:1] == ["self"]
-
-    first = 1 if skip_self else 0
-    out_index = names.index("out") if "out" in names else None
-
-    def _out_arg(args):
-        return args[out_index] if out_index is not None and out_index < len(args) else None
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        # One pass: NumPy arrays, None and plain options stay as they are (the common case
-        # converts nothing and copies nothing); a plain dense CPU tensor becomes a NumPy view
-        # in one C call (attnfast._ext.tensor_view); anything else goes through _convert,
-        # which converts or raises naming the argument.
-        given_out = converted_out = None
-        common = tensor_args(args, first)   # positional arguments: the common case, in C
-        if common is not None:
-            new_args, template = common
-            if template is not None and out_index is not None and out_index < len(args) \
-                    and new_args[out_index] is not args[out_index]:
-                given_out, converted_out = args[out_index], new_args[out_index]
-        else:
-            new_args, template = list(args), None
-            for i in range(first, len(args)):
-                a = args[i]
-                if type(a) in _PLAIN:
-                    continue
-                new_args[i], t = _convert(a, names[i] if i < len(names) else f"argument {i}")
-                if template is None:
-                    template = t
-                if i == out_index:
-                    given_out, converted_out = a, new_args[i]
-        for name, a in kwargs.items():
-            if type(a) in _PLAIN:
-                continue
-            view = tensor_view(a)
-            if view is not None:
-                kwargs[name], t = view, a
-            else:
-                kwargs[name], t = _convert(a, name)
-            if template is None:
-                template = t
-            if name == "out":
-                given_out, converted_out = a, kwargs[name]
-        result = fn(*new_args, **kwargs)
-        if template is None:
-            return result
-        if given_out is None:   # a NumPy out= (not converted) comes back as itself too
-            given_out = converted_out = kwargs.get("out", _out_arg(args))
-        # `out=` comes back as the object the caller passed (tensor or array), written in place
-        if type(result) is tuple:  # (out, lse): each converted once (out not at all if given)
-            return tuple([given_out if given_out is not None and r is converted_out
-                          else _as_tensor(r, template) for r in result])
-        if isinstance(result, tuple):
-            first_out = given_out if given_out is not None and result[0] is converted_out else None
-            wrapped = wrap_like(result, template)
-            return wrapped if first_out is None else (first_out,) + wrapped[1:]
-        if given_out is not None and result is converted_out:
-            return given_out
-        tensor = array_as_tensor(result)  # wrap_like's common case, in C
-        return tensor if tensor is not None else wrap_like(result, template)
-
-    return wrapper
-
-
-def _as_tensor(result, template):
-    """wrap_like(result, template), its common case (an array) in C."""
-    tensor = array_as_tensor(result)
-    return tensor if tensor is not None else wrap_like(result, template)
-
-
-_SCALARS = frozenset((bool, int, float, str))  # types _convert passes through as is
-_PLAIN = _SCALARS | {np.ndarray, type(None)}
+    A torch ``out=`` comes back as itself. The signature is unchanged (functools.wraps).
+    The wrapper is attnfast._ext.converting (in C: plain dense CPU tensors become NumPy
+    views in one C call each; NumPy arrays, None and plain options stay as they are)."""
+    names = tuple(inspect.signature(fn).parameters)
+    first = 1 if names[:1] == ("self",) else 0
+    out_index = names.index("out") if "out" in names else -1
+    return functools.update_wrapper(
+        converting(fn, names, first, out_index, _convert, wrap_like), fn)
 
 
 def _convert(a, name):

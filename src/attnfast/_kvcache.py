@@ -15,7 +15,7 @@ import numpy as np
 
 from . import _ext
 from ._formats import format_of_storage, quantize_float8, quantize_int8  # noqa: F401 (re-exported)
-from ._api import kernels_interruptible, run_kernels
+from ._api import run_kernels
 from ._interop import accepts_arrays
 from ._key_index import with_key_index as attach_key_index
 from ._cache_args import (
@@ -37,8 +37,6 @@ from ._cache_checks import (
 )
 from ._descriptors import CacheLayout, KernelPart
 from ._plans import (
-    fast_query_offset,
-    fast_threads,
     kvcache_key,
     kvcache_plan,
     KVCACHE_PLANS,
@@ -52,20 +50,12 @@ from ._written import check_out
 from ._rotation import rotate_queries
 from . import _shared_prefix
 from ._shared_prefix import run_paged_kernels
-from ._transaction import assign, stored_form, token_slots, transaction, write_tokens
+from ._transaction import assign, token_slots, transaction, write_tokens
 from ._tree import run_tree_kernels
 
 __all__ = ["KVCache", "attention_with_kvcache"]
 
 _LENGTHS = "KVCache.lengths"  # a KVCache's lengths in its plan keys (attnfast._ext.kvcache_key)
-
-
-def fast_tokens(k_new, v_new, cache_dtype):
-    """The fast paths' new tokens in the cache's dtype, rounded as the full path writes them
-    (stored_form), so the C tails copy rows. A plan exists only for unquantised caches."""
-    if k_new is None or (k_new.dtype == cache_dtype and v_new.dtype == cache_dtype):
-        return k_new, v_new  # (the common case, first: this runs on every fast call)
-    return stored_form(k_new, v_new, cache_dtype)[:2]
 
 
 @transaction()
@@ -195,15 +185,15 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
         if block_table is None:
             plan = KVCACHE_PLANS.get(key)
             if plan is not None:
-                result = _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new,
-                                       out, causal, num_threads, query_offset)
+                result = _ext.decode_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new,
+                                          v_new, out, causal, num_threads, query_offset, False)
                 if result is not None:
                     return result
         else:  # a paged decode step (a serving engine's every layer)
             plan = PAGED_PLANS.get(key)
             if plan is not None:
                 result = _paged_fast(plan, q, k_cache, v_cache, cache_seqlens, block_table,
-                                     k_scale, v_scale, out, num_threads, query_offset)
+                                     k_scale, v_scale, out, causal, num_threads, query_offset)
                 if result is not None:
                     return result
     return_lse = check_flag(return_lse, "return_lse")
@@ -254,26 +244,6 @@ def _read_and_written(call) -> list:
         + call.attn.options.arrays())
 
 
-def _kvcache_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new, v_new, out, causal,
-                  num_threads, query_offset, advance=False):
-    """attention_with_kvcache() (and, with `advance`, KVCache.attend / step, whose lengths
-    array is advanced in place) for a call whose layout and options an earlier call had
-    accepted (see attnfast._ext.kvcache_key): what can differ between such calls (lengths,
-    flags, overlap, `out`), the token writes and the kernel call, in C
-    (attnfast._ext.decode_fast). None, having changed nothing, when anything is unusual: the
-    full path then runs (and raises as always)."""
-    t, out_shape, dtype, scale, window, seqlen_q, capacity, lse_dtype = plan
-    threads = fast_threads(num_threads)
-    if threads is None or not fast_query_offset(query_offset):
-        return None
-    left, right = (-1, -1) if window == (-1, -1) else bound_window(
-        window, seqlen_q, capacity, query_offset)
-    k_new, v_new = fast_tokens(k_new, v_new, k_cache.dtype)
-    return _ext.decode_fast(q, k_cache, v_cache, cache_seqlens, k_new, v_new, t, capacity,
-                            out_shape, dtype, causal, scale, left, right, threads, query_offset,
-                            kernels_interruptible(), advance, out, lse_dtype)
-
-
 def run_cache_kernels(call, user_out, return_lse, parts, tree=None, key_rotation=None):
     """run_kernels for a checked cache call (KVCacheCall): composed from several calls for
     a tree mask (attnfast._tree) or, over a paged pool, for sequences sharing leading blocks
@@ -308,32 +278,27 @@ def _run_cache_parts(call, user_out, return_lse, parts, tree):
 
 
 def _paged_fast(plan, q, k_pool, v_pool, cache_seqlens, block_table, k_scale, v_scale, out,
-                num_threads, query_offset):
+                causal, num_threads, query_offset):
     """attention_with_kvcache(block_table=...) without new tokens, for a call whose plan key
-    found the plan an earlier call left (PAGED_PLANS: its checked call, window, lse dtype):
-    the lengths, block ids in use, `out` and the kernel call in C (_ext.paged_table_fast);
-    sequences sharing a long prefix run the same composition as the full path
-    (run_paged_kernels). None, having done nothing, when anything is unusual: the full path
-    then runs (and raises as always). Nothing is written but `out`."""
-    call, window, lse_dtype = plan
-    threads = fast_threads(num_threads)
-    if threads is None or not fast_query_offset(query_offset):
-        return None
-    attn = call.attn
-    result = _ext.paged_table_fast(q, k_pool, v_pool, cache_seqlens, block_table, k_scale,
-                                   v_scale, out, attn.out_shape(), attn.dtype, attn.causal,
-                                   attn.scale, window, threads, query_offset,
-                                   kernels_interruptible(), lse_dtype,
+    found the plan an earlier call left (PAGED_PLANS): the lengths, block ids in use, `out`
+    and the kernel call in C (_ext.paged_table_fast); sequences sharing a long prefix run
+    the same composition as the full path (run_paged_kernels). None, having done nothing,
+    when anything is unusual: the full path then runs (and raises as always). Nothing is
+    written but `out`."""
+    result = _ext.paged_table_fast(plan, q, k_pool, v_pool, cache_seqlens, block_table, k_scale,
+                                   v_scale, out, causal, num_threads, query_offset,
                                    _shared_prefix.MIN_PREFIX_KEYS)
     if type(result) is not _ext.SharedPrefix:
         return result
-    bounded = bound_window(window, attn.seqlen_q, attn.seqlen_k, query_offset)
+    call = plan.call
+    attn = call.attn
+    bounded = bound_window(plan.window, attn.seqlen_q, attn.seqlen_k, query_offset)
     fresh = _with_fields(
-        call, attn=_with_fields(attn, q=q, k=k_pool, v=v_pool, num_threads=threads,
+        call, attn=_with_fields(attn, q=q, k=k_pool, v=v_pool, num_threads=result.threads,
                                 window=bounded, query_offset=query_offset),
         cache=_with_fields(call.cache, k=k_pool, v=v_pool, k_scale=k_scale, v_scale=v_scale),
         starts=result.lengths, block_table=result.table)
-    return run_paged_kernels(fresh, out, lse_dtype is not None, k_pool, v_pool, k_scale,
+    return run_paged_kernels(fresh, out, plan.lse_dtype is not None, k_pool, v_pool, k_scale,
                              v_scale)
 
 
@@ -358,6 +323,56 @@ def latent_values(cache, k_new, v_new, ndims):
     if k_new is None or np.ndim(k_new) not in ndims:
         return None
     return np.asarray(k_new)[..., :cache.v_head_dim]
+
+
+def allocate_storage(cache, shape, dtype, head_dims, latent, key_rotation, head_major=False):
+    """The K/V arrays of a KVCache or PagedKVCache, (X, Hkv, rows, D | Dv) for `shape` = (X,
+    Hkv, rows) (a sequence or a block per X), of the storage format `dtype` (int4: rows of
+    packed blocks, their length not the head dim), and the float32 row scales (X, Hkv, rows)
+    of a row-scaled format (int8, float8); a latent (MLA) cache's v the first Dv elements of
+    its k rows (a view). head_major: stored (Hkv, X, ..) and seen as the (X, Hkv, ..) view.
+    Also the cache's lock, held by every method for its whole call: taken and released in
+    C, around the method's Python code, by its transaction (attnfast._transaction), so no
+    interrupt can leave it held; reentrant (a method called within another takes it again)."""
+    D, Dv = cache._head_dims = head_dims
+    cache._latent = check_latent_spec(latent, D, Dv, dtype)
+    cache._key_rotation = default_key_rotation(key_rotation, dtype)
+    fmt, (X, H, R) = format_of_storage(dtype), shape
+
+    def zeros(dt, *row):
+        a = np.zeros(((H, X) if head_major else (X, H)) + (R,) + row, dt)
+        return a.swapaxes(0, 1) if head_major else a
+    cache._k = zeros(dtype, fmt.stored_dim(D))
+    cache._v = cache._k[..., :Dv] if cache._latent else zeros(dtype, fmt.stored_dim(Dv))
+    scaled = fmt.row_scaled
+    cache._k_scale, cache._v_scale = (zeros(np.float32), zeros(np.float32)) if scaled else (None,) * 2
+    cache._lock = threading.RLock()
+
+
+def storage_properties(what: str):
+    """The properties KVCache and PagedKVCache share, `what` naming the cache in their docs:
+    k, v, k_scale, v_scale, key_rotation, latent, kv_heads, head_dim, v_head_dim, dtype."""
+    return (
+        property(lambda self: self._k, doc=f"Keys of the {what} (in use: each sequence's first "
+                 "lengths tokens). An int4 cache's are uint8 rows of packed blocks, 20 * "
+                 "ceil(head_dim / 32) bytes (layout in the user guide, \"Low-bit KV caches\")."),
+        property(lambda self: self._v, doc=f"Values of the {what} (int4: packed, as k)."),
+        property(lambda self: self._k_scale, doc=f"int8 / float8 {what}s: float32 row scales "
+                 "(the key row j of a KV head stands for ``k_scale[.., j] * k[.., j]``); None "
+                 "for other dtypes."),
+        property(lambda self: self._v_scale, doc="The value rows' scales, as k_scale."),
+        property(lambda self: self._key_rotation, doc="How the keys are stored: \"hadamard\" "
+                 "(rotated by the orthonormal block Hadamard matrix along head_dim before "
+                 "quantisation; the default for int8 and int4) or None (as given). Queries are "
+                 "rotated the same way, so results do not change."),
+        property(lambda self: self._latent, doc=f"Whether v is a prefix view of k (an MLA "
+                 f"latent {what}: one row per token)."),
+        property(lambda self: self._k.shape[1], doc="KV heads (Hkv)."),
+        property(lambda self: self._head_dims[0], doc="Head dim of keys (and queries)."),
+        property(lambda self: self._head_dims[1], doc="Head dim of values."),
+        property(lambda self: self._k.dtype, doc=f"Storage dtype of k and v (queries: this "
+                 f"dtype, or float32 over a 16-bit {what}, or float32 / float16 / bfloat16 over "
+                 "an int8, float8 or int4 one); uint8 for int4 (its packed blocks)."))
 
 
 class KVCache:
@@ -408,55 +423,12 @@ class KVCache:
                  v_head_dim=None, latent=False, key_rotation="auto"):
         B, Hkv, D, C, dt, Dv = check_cache_spec(batch, kv_heads, head_dim, capacity, dtype,
                                                 v_head_dim)
-        self._latent = check_latent_spec(latent, D, Dv, dt)
-        self._key_rotation = default_key_rotation(key_rotation, dt)
-        self._head_dims = (D, Dv)
-        fmt = format_of_storage(dt)  # (int4: rows of packed blocks, their length not the head dim)
-        stored = (fmt.stored_dim(D), fmt.stored_dim(Dv))
-        self._k = np.zeros((B, Hkv, C, stored[0]), dtype=dt)
-        # latent (MLA): one row per token; the values are its first Dv elements (a view)
-        self._v = (self._k[..., :Dv] if self._latent
-                   else np.zeros((B, Hkv, C, stored[1]), dtype=dt))
-        # int8 / float8 storage: one float32 dequantisation scale per (sequence, kv head, token)
-        scaled = fmt.row_scaled
-        self._k_scale = np.zeros((B, Hkv, C), np.float32) if scaled else None
-        self._v_scale = np.zeros((B, Hkv, C), np.float32) if scaled else None
+        allocate_storage(self, (B, Hkv, C), dt, (D, Dv), latent, key_rotation)
         self._lengths = np.zeros(B, dtype=np.int64)
-        # Held by every method for its whole call: taken and released in C, around the
-        # method's Python code, by its transaction (attnfast._transaction), so no interrupt
-        # can leave it held. Reentrant: a method called within another (nested) takes it again.
-        self._lock = threading.RLock()
 
     # ---- state ----
-    @property
-    def k(self) -> np.ndarray:
-        """Keys, (batch, kv_heads, capacity, head_dim); only [:, :, :lengths[b]] is in use.
-        An int4 cache's are uint8 (batch, kv_heads, capacity, 20 * ceil(head_dim / 32)): its
-        packed blocks (layout in the user guide, "Low-bit KV caches")."""
-        return self._k
-
-    @property
-    def v(self) -> np.ndarray:
-        """Values, (batch, kv_heads, capacity, v_head_dim) (int4: packed, as k)."""
-        return self._v
-
-    @property
-    def k_scale(self) -> np.ndarray | None:
-        """int8 caches: float32 (batch, kv_heads, capacity), key row j of (b, g) being
-        ``k_scale[b, g, j] * k[b, g, j]``; None for other dtypes."""
-        return self._k_scale
-
-    @property
-    def v_scale(self) -> np.ndarray | None:
-        """int8 caches: the value rows' scales, as k_scale."""
-        return self._v_scale
-
-    @property
-    def key_rotation(self) -> str | None:
-        """How the keys are stored: "hadamard" (rotated by the orthonormal block Hadamard
-        matrix along head_dim before quantisation; the default for int8 and int4 caches) or None
-        (as given). Queries are rotated the same way, so results do not change."""
-        return self._key_rotation
+    (k, v, k_scale, v_scale, key_rotation, latent, kv_heads, head_dim, v_head_dim,
+     dtype) = storage_properties("cache")
 
     @property
     def lengths(self) -> np.ndarray:
@@ -465,17 +437,8 @@ class KVCache:
         view.flags.writeable = False
         return view
 
-    latent = property(lambda self: self._latent,
-                      doc="Whether v is a prefix view of k (an MLA latent cache: one row per token).")
     batch = property(lambda self: self._k.shape[0], doc="Number of sequences.")
-    kv_heads = property(lambda self: self._k.shape[1], doc="KV heads (Hkv).")
     capacity = property(lambda self: self._k.shape[2], doc="Tokens each sequence can hold.")
-    head_dim = property(lambda self: self._head_dims[0], doc="Head dim of keys (and queries).")
-    v_head_dim = property(lambda self: self._head_dims[1], doc="Head dim of values.")
-    dtype = property(lambda self: self._k.dtype,
-                     doc="Storage dtype of k and v (queries: this dtype, or float32 over a 16-bit "
-                         "cache, or float32 / float16 / bfloat16 over an int8, float8 or int4 "
-                         "cache); uint8 for an int4 cache (its packed blocks).")
 
     def __repr__(self) -> str:
         kind = format_of_storage(self.dtype).label()
@@ -526,18 +489,9 @@ class KVCache:
         positions) as in :func:`attnfast.attention_with_kvcache` (the last Tq cached tokens
         are the tree). Returns out (n, H, Tq, v_head_dim), or (out, lse) when return_lse.
         """
-        key = kvcache_key(q, self._k, self._v, _LENGTHS, None, None, out, causal, scale,
-                          window, return_lse,
-                          (batch_index, softcap, alibi_slopes, sinks, mask, tree_mask, key_index))
-        if key is not None:
-            result = self._run_fast(key, q, None, None, out, causal, num_threads, query_offset)
-            if result is not None:
-                return result
-        return self._run(key, q, None, None, batch_index=batch_index, causal=causal, scale=scale,
-                         window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                         sinks=sinks, mask=mask, return_lse=return_lse, out=out,
-                         num_threads=num_threads, query_offset=query_offset,
-                         tree_mask=tree_mask, key_index=key_index)
+        return self._call(q, None, None, batch_index, causal, scale, window, softcap, alibi_slopes,
+                          sinks, mask, return_lse, out, num_threads, query_offset, tree_mask,
+                          key_index)
 
     @transaction(lock="_lock")
     @accepts_arrays
@@ -558,26 +512,17 @@ class KVCache:
             missing = " and ".join(n for n, a in (("k_new", k_new), ("v_new", v_new)) if a is None)
             raise ValueError(f"step needs both k_new and v_new; {missing} is None (use attend() "
                              "to attend without appending)")
-        key = kvcache_key(q, self._k, self._v, _LENGTHS, k_new, v_new, out, causal, scale,
-                          window, return_lse,
-                          (batch_index, softcap, alibi_slopes, sinks, mask, tree_mask, key_index))
-        if key is not None:
-            result = self._run_fast(key, q, k_new, v_new, out, causal, num_threads,
-                                    query_offset)
-            if result is not None:
-                return result
-        return self._run(key, q, k_new, v_new, batch_index=batch_index, causal=causal, scale=scale,
-                         window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                         sinks=sinks, mask=mask, return_lse=return_lse, out=out,
-                         num_threads=num_threads, query_offset=query_offset,
-                         tree_mask=tree_mask, key_index=key_index)
+        return self._call(q, k_new, v_new, batch_index, causal, scale, window, softcap,
+                          alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset,
+                          tree_mask, key_index)
 
     @transaction(lock="_lock")
     @accepts_arrays
     def truncate(self, n) -> None:
         """Roll every sequence back to n tokens (or sequence b to n[b]), e.g. to drop rejected
         speculative tokens. n may not exceed a sequence's current length (ValueError)."""
-        assign(self._lengths, slice(None), check_truncate(n, self._lengths))
+        if not _ext.truncate_lengths(self._lengths, n):  # (an int that fits: in C, logged)
+            assign(self._lengths, slice(None), check_truncate(n, self._lengths))
 
     @transaction(lock="_lock")
     def reset(self) -> None:
@@ -613,28 +558,31 @@ class KVCache:
             return [(slice(None), slice(int(seqs[0]), int(seqs[-1]) + 1, int(steps[0])))]
         return [(slice(i, i + 1), slice(b, b + 1)) for i, b in enumerate(seqs.tolist())]
 
-    def _run(self, key, q, k_new, v_new, **kwargs):
-        """The full path of attend/step; `key`: the call's plan key (None: no plan can
-        serve such calls), under which a plan is remembered once the call succeeded."""
-        result = self._run_locked(q, k_new, v_new, **kwargs)
+    def _call(self, q, k_new, v_new, batch_index, causal, scale, window, softcap, alibi_slopes,
+              sinks, mask, return_lse, out, num_threads, query_offset, tree_mask, key_index):
+        """attend / step: by the plan an earlier call of this layout left (the C tail
+        _ext.decode_fast, the lengths advanced in place), else by the full path, which
+        leaves one for the call's plan key (attnfast._ext.kvcache_key)."""
+        key = kvcache_key(q, self._k, self._v, _LENGTHS, k_new, v_new, out, causal, scale,
+                          window, return_lse,
+                          (batch_index, softcap, alibi_slopes, sinks, mask, tree_mask, key_index))
+        plan = None if key is None else KVCACHE_PLANS.get(key)
+        if plan is not None:
+            result = _ext.decode_fast(plan, q, self._k, self._v, self._lengths, k_new, v_new,
+                                      out, causal, num_threads, query_offset, True)  # (advance)
+            if result is not None:
+                return result
+        result = self._run_locked(q, k_new, v_new, batch_index, causal, scale, window, softcap,
+                                  alibi_slopes, sinks, mask, return_lse, out, num_threads,
+                                  query_offset, tree_mask, key_index)
         if key is not None:  # accepted: later calls of this layout take the fast path
-            remember(KVCACHE_PLANS, key, kvcache_plan(q, self._k, self._v, k_new, kwargs["out"],
-                                                      kwargs["scale"], kwargs["window"],
-                                                      kwargs["return_lse"]))
+            remember(KVCACHE_PLANS, key,
+                     kvcache_plan(q, self._k, self._v, k_new, out, scale, window, return_lse))
         return result
 
-    def _run_fast(self, key, q, k_new, v_new, out, causal, num_threads, query_offset):
-        """attend/step by the plan an earlier call of this layout left (_kvcache_fast, the
-        lengths advanced in place); None, having changed nothing, without one or when
-        anything is unusual: the full path runs."""
-        plan = KVCACHE_PLANS.get(key)
-        return None if plan is None else _kvcache_fast(
-            plan, q, self._k, self._v, self._lengths, k_new, v_new, out, causal, num_threads,
-            query_offset, True)  # (advance)
-
-    def _run_locked(self, q, k_new, v_new, *, batch_index, causal, scale, window, softcap,
+    def _run_locked(self, q, k_new, v_new, batch_index, causal, scale, window, softcap,
                     alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset,
-                    tree_mask, key_index=None):
+                    tree_mask, key_index):
         return_lse = check_flag(return_lse, "return_lse")
         seqs = check_batch_index(batch_index, self.batch)
         check_leading_sequences(seqs, self.batch, q=q, k_new=k_new, v_new=v_new)

@@ -9,36 +9,19 @@ before it changes anything: running out of blocks raises and leaves the cache as
 """
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 from . import _ext, _shared_prefix
-from ._api import kernels_interruptible
 from ._formats import format_of_storage
-from ._cache_args import (
-    check_free_blocks,
-    check_latent_spec,
-    check_paged_spec,
-    check_seq_ids,
-    check_truncate,
-    default_key_rotation,
-)
+from ._cache_args import check_free_blocks, check_paged_spec, check_seq_ids, check_truncate
 from ._cache_checks import check_new_tokens, check_paged_kvcache_attention, check_tree_mask
-from ._plans import (
-    fast_query_offset,
-    fast_threads,
-    kvcache_key,
-    kvcache_plan,
-    KVCACHE_PLANS,
-    remember,
-)
+from ._plans import kvcache_key, kvcache_plan, KVCACHE_PLANS, remember
 from ._scalars import check_flag
 from ._written import check_out
 from ._descriptors import CacheLayout, KernelPart
 from ._interop import accepts_arrays
-from ._kvcache import (_read_and_written, fast_tokens, latent_values,
-                       run_cache_kernels, with_key_index)
+from ._kvcache import (_read_and_written, allocate_storage, latent_values, run_cache_kernels,
+                       storage_properties, with_key_index)
 from ._transaction import assign, copy_rows, logged, token_slots, transaction, write_tokens
 
 __all__ = ["PagedKVCache"]
@@ -96,24 +79,12 @@ class PagedKVCache:
                  v_head_dim=None, latent=False, key_rotation="auto"):
         NB, BS, Hkv, D, dt, Dv = check_paged_spec(num_blocks, block_size, kv_heads, head_dim,
                                                   dtype, v_head_dim)
-        self._latent = check_latent_spec(latent, D, Dv, dt)
-        self._key_rotation = default_key_rotation(key_rotation, dt)
         # Stored KV-head-major, (Hkv, num_blocks, block_size, D), and exposed as the
         # (num_blocks, Hkv, block_size, D) view the kernels take: a KV head's rows of blocks
         # with consecutive ids are then adjacent in memory, so a sequence whose blocks were
         # taken in order streams like a contiguous cache (scattered short blocks cost more:
         # see docs/user_guide/paged.md).
-        # (int4: rows of packed blocks, attnfast._int4, their length not the head dim)
-        self._head_dims = (D, Dv)
-        fmt = format_of_storage(dt)
-        stored = (fmt.stored_dim(D), fmt.stored_dim(Dv))
-        self._k = np.zeros((Hkv, NB, BS, stored[0]), dtype=dt).transpose(1, 0, 2, 3)
-        # latent (MLA): one row per token; the values are its first Dv elements (a view)
-        self._v = (self._k[..., :Dv] if self._latent
-                   else np.zeros((Hkv, NB, BS, stored[1]), dtype=dt).transpose(1, 0, 2, 3))
-        scaled = fmt.row_scaled  # int8 / float8: one float32 scale per (block, kv head, row)
-        self._k_scale = np.zeros((Hkv, NB, BS), np.float32).transpose(1, 0, 2) if scaled else None
-        self._v_scale = np.zeros((Hkv, NB, BS), np.float32).transpose(1, 0, 2) if scaled else None
+        allocate_storage(self, (NB, Hkv, BS), dt, (D, Dv), latent, key_rotation, head_major=True)
         # the pools as the checks see them (attnfast._cache_checks)
         self._layout = CacheLayout(sizes=(NB, Hkv, BS), head_dim=D, head_dim_v=Dv, dtype=dt,
                                    names=("cache.k", "cache.v"),
@@ -123,48 +94,12 @@ class PagedKVCache:
         self._free = list(range(NB - 1, -1, -1))      # a stack: the lowest id is taken first
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
-        # Held by every method for its whole call: taken and released in C, around the
-        # method's Python code, by its transaction (attnfast._transaction), so no interrupt
-        # can leave it held. Reentrant: a method called within another (nested) takes it again.
-        self._lock = threading.RLock()
 
     # ---- state ----
-    @property
-    def k(self) -> np.ndarray:
-        """Key pool, (num_blocks, kv_heads, block_size, head_dim): a view of storage laid
-        out (kv_heads, num_blocks, block_size, head_dim). An int4 pool's rows are uint8 packed
-        blocks, 20 * ceil(head_dim / 32) bytes (as :attr:`attnfast.KVCache.k`)."""
-        return self._k
-
-    @property
-    def v(self) -> np.ndarray:
-        """Value pool, (num_blocks, kv_heads, block_size, v_head_dim)."""
-        return self._v
-
-    @property
-    def k_scale(self) -> np.ndarray | None:
-        """int8 pools: float32 (num_blocks, kv_heads, block_size) row scales; else None."""
-        return self._k_scale
-
-    @property
-    def v_scale(self) -> np.ndarray | None:
-        """int8 pools: the value rows' scales, as k_scale."""
-        return self._v_scale
-
-    @property
-    def key_rotation(self) -> str | None:
-        """As :attr:`attnfast.KVCache.key_rotation` ("hadamard" by default for int8 and int4)."""
-        return self._key_rotation
-
-    latent = property(lambda self: self._latent,
-                      doc="Whether v is a prefix view of k (an MLA latent pool: one row per token).")
+    (k, v, k_scale, v_scale, key_rotation, latent, kv_heads, head_dim, v_head_dim,
+     dtype) = storage_properties("pool")
     num_blocks = property(lambda self: self._k.shape[0], doc="Blocks in the pool.")
     block_size = property(lambda self: self._k.shape[2], doc="Tokens per block.")
-    kv_heads = property(lambda self: self._k.shape[1], doc="KV heads (Hkv).")
-    head_dim = property(lambda self: self._head_dims[0], doc="Head dim of keys (and queries).")
-    v_head_dim = property(lambda self: self._head_dims[1], doc="Head dim of values.")
-    dtype = property(lambda self: self._k.dtype,
-                     doc="Storage dtype of the pools (uint8 for int4: its packed blocks).")
 
     @property
     def num_free_blocks(self) -> int:
@@ -283,17 +218,9 @@ class PagedKVCache:
         (docs/user_guide/paged.md, shared-prefix decoding). ``tree_mask`` (Tq x Tq bool): the
         last Tq tokens of each sequence are a token tree, as in :func:`attnfast.attention_with_kvcache`.
         Returns out (n, H, Tq, v_head_dim), or (out, lse)."""
-        key = kvcache_key(q, self._k, self._v, _LENGTHS, None, None, out, causal, scale, window,
-                          return_lse, (softcap, alibi_slopes, sinks, mask, tree_mask, key_index))
-        if key is not None:
-            result = self._run_fast(key, seq_ids, q, None, None, out, causal, num_threads,
-                                    query_offset)
-            if result is not None:
-                return result
-        return self._run(key, seq_ids, q, None, None, causal=causal, scale=scale, window=window,
-                         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
-                         return_lse=return_lse, out=out, num_threads=num_threads,
-                         query_offset=query_offset, tree_mask=tree_mask, key_index=key_index)
+        return self._call(seq_ids, q, None, None, causal, scale, window, softcap, alibi_slopes,
+                          sinks, mask, return_lse, out, num_threads, query_offset, tree_mask,
+                          key_index)
 
     @transaction(lock="_lock")
     @accepts_arrays
@@ -309,18 +236,9 @@ class PagedKVCache:
             missing = " and ".join(n for n, a in (("k_new", k_new), ("v_new", v_new)) if a is None)
             raise ValueError(f"step needs both k_new and v_new; {missing} is None (use attend() "
                              "to attend without appending)")
-        key = kvcache_key(q, self._k, self._v, _LENGTHS, k_new, v_new, out, causal, scale,
-                          window, return_lse, (softcap, alibi_slopes, sinks, mask, tree_mask,
-                                               key_index))
-        if key is not None:
-            result = self._run_fast(key, seq_ids, q, k_new, v_new, out, causal, num_threads,
-                                    query_offset)
-            if result is not None:
-                return result
-        return self._run(key, seq_ids, q, k_new, v_new, causal=causal, scale=scale, window=window,
-                         softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, mask=mask,
-                         return_lse=return_lse, out=out, num_threads=num_threads,
-                         query_offset=query_offset, tree_mask=tree_mask, key_index=key_index)
+        return self._call(seq_ids, q, k_new, v_new, causal, scale, window, softcap, alibi_slopes,
+                          sinks, mask, return_lse, out, num_threads, query_offset, tree_mask,
+                          key_index)
 
     # ---- internals ----
     # Every change below is logged first (attnfast._transaction): a call that raises puts
@@ -440,47 +358,40 @@ class PagedKVCache:
             table[i, :len(b)] = b
         return table
 
-    def _run(self, key, seq_ids, q, k_new, v_new, **kwargs):
-        """The full path of attend / step; `key`: the call's plan key (None: no plan can
-        serve such calls), under which a plan is remembered once the call succeeded."""
-        result = self._run_locked(seq_ids, q, k_new, v_new, **kwargs)
-        if key is not None:  # accepted: later calls of this layout take the fast path
-            lift = (lambda a: a[None] if a is not None and a.ndim == 3 else a)  # one bare id
-            remember(KVCACHE_PLANS, key, kvcache_plan(
-                lift(q), self._k, self._v, lift(k_new), lift(kwargs["out"]), kwargs["scale"],
-                kwargs["window"], kwargs["return_lse"]))
+    def _call(self, seq_ids, q, k_new, v_new, causal, scale, window, softcap, alibi_slopes, sinks,
+              mask, return_lse, out, num_threads, query_offset, tree_mask, key_index):
+        """attend / step: by the plan an earlier call of this layout left (the ids, blocks,
+        lengths, overlap, token writes and kernel call in C: attnfast._ext.paged_fast), else
+        by the full path, which leaves one for the call's plan key (_ext.kvcache_key)."""
+        key = kvcache_key(q, self._k, self._v, _LENGTHS, k_new, v_new, out, causal, scale,
+                          window, return_lse,
+                          (softcap, alibi_slopes, sinks, mask, tree_mask, key_index))
+        if key is None:
+            return self._run_locked(seq_ids, q, k_new, v_new, causal, scale, window, softcap,
+                                    alibi_slopes, sinks, mask, return_lse, out, num_threads,
+                                    query_offset, tree_mask, key_index)
+        single = type(seq_ids) is int
+        lq, lk, lv, lout = q, k_new, v_new, out
+        if single or q.ndim == 3:  # one bare id: 3-D arrays gain the sequence axis
+            lq, lk, lv, lout = (a[None] if a is not None and a.ndim == 3 else a
+                                for a in (q, k_new, v_new, out))
+        plan = KVCACHE_PLANS.get(key)
+        if plan is not None and (single or lq is q):
+            result = _ext.paged_fast(plan, self, seq_ids, lq, lk, lv, lout, causal, num_threads,
+                                     query_offset, _shared_prefix.MIN_PREFIX_KEYS)
+            if result is not None:  # (as computed unless a bare id's results or out differ)
+                return result if lq is q and out is None else _finish(
+                    result, plan.lse_dtype is not None, lq is not q, out)
+        result = self._run_locked(seq_ids, q, k_new, v_new, causal, scale, window, softcap,
+                                  alibi_slopes, sinks, mask, return_lse, out, num_threads,
+                                  query_offset, tree_mask, key_index)
+        # accepted: later calls of this layout take the fast path
+        remember(KVCACHE_PLANS, key,
+                 kvcache_plan(lq, self._k, self._v, lk, lout, scale, window, return_lse))
         return result
 
-    def _run_fast(self, key, seq_ids, q, k_new, v_new, out, causal, num_threads, query_offset):
-        """attend / step for a call whose plan key (attnfast._ext.kvcache_key) found the plan
-        an earlier call left: the ids, blocks, lengths, overlap, token writes and kernel call
-        in C (attnfast._ext.paged_fast). None, having changed nothing, when anything is
-        unusual: the full path runs."""
-        plan = KVCACHE_PLANS.get(key)
-        if plan is None:
-            return None
-        t, out_shape, dtype, scale, window, _, _, lse_dtype = plan
-        threads = fast_threads(num_threads)
-        if threads is None or not fast_query_offset(query_offset):
-            return None
-        # One bare id: each 3-D array gains the sequence axis, as _run_locked lifts them
-        single, given = type(seq_ids) is int, out
-        squeeze = single and q.ndim == 3
-        if single:
-            q, k_new, v_new, out = (a[None] if a is not None and a.ndim == 3 else a
-                                    for a in (q, k_new, v_new, out))
-        if k_new is not None and k_new.dtype != self._k.dtype:
-            k_new, v_new = fast_tokens(k_new, v_new, self._k.dtype)
-            if self._latent:  # the values: the latent rows' prefix, written with them
-                v_new = k_new[..., :self.v_head_dim]
-        result = _ext.paged_fast(self, seq_ids, q, k_new, v_new, out, t, out_shape, dtype,
-                                 causal, scale, window, threads, query_offset,
-                                 kernels_interruptible(), lse_dtype,
-                                 _shared_prefix.MIN_PREFIX_KEYS)
-        return None if result is None else _finish(result, lse_dtype is not None, squeeze, given)
-
-    def _run_locked(self, seq_ids, q, k_new, v_new, *, return_lse, out, tree_mask, key_index=None,
-                    **options):
+    def _run_locked(self, seq_ids, q, k_new, v_new, causal, scale, window, softcap, alibi_slopes,
+                    sinks, mask, return_lse, out, num_threads, query_offset, tree_mask, key_index):
         return_lse = check_flag(return_lse, "return_lse")
         ids, single = check_seq_ids(seq_ids, self._seqs)
         squeeze = single and np.ndim(q) == 3  # one bare id, 3-D q: 3-D results
@@ -489,8 +400,10 @@ class PagedKVCache:
         plan = self._plan(ids, t) if t else [(False, 0)] * len(ids)
         lengths = np.array([self._seqs[s].length for s in ids], dtype=np.int64)
         table = self._table(self._tentative(ids, plan))
-        call = check_paged_kvcache_attention(q, self._layout, lengths, k_new, v_new, table,
-                                             **options)
+        call = check_paged_kvcache_attention(
+            q, self._layout, lengths, k_new, v_new, table, causal=causal, scale=scale,
+            window=window, num_threads=num_threads, query_offset=query_offset, softcap=softcap,
+            alibi_slopes=alibi_slopes, sinks=sinks, mask=mask)
         if key_index is not None and squeeze:  # one bare id: its list gains the sequence axis
             key_index = np.asarray(key_index)[None]
         call = with_key_index(call, key_index, tree_mask)

@@ -6,8 +6,7 @@ from . import _ext
 from ._arrays import _compute_dtype, as_float_array, is_quantized, kernel_ready
 from ._cache_checks import is_int4_storage
 from ._descriptors import AttentionCall
-from ._runtime import _clamp, get_num_threads
-from ._scalars import _MAX_QUERY_OFFSET, check_scale, check_window
+from ._scalars import check_scale, check_window
 
 # A model calls attention once per layer per generated token, with the same shapes every
 # time, and the full checks cost more than a short decode kernel. What they conclude
@@ -33,62 +32,50 @@ def remember(memo: dict, key, plan) -> None:
     memo[key] = plan
 
 
-def fast_threads(num_threads) -> int | None:
-    """resolve_threads() for the fast paths; None for anything but None or an int >= 1
-    (the full path then reports it)."""
-    if num_threads is None:
-        return get_num_threads()
-    if type(num_threads) is int and num_threads >= 1:
-        return _clamp(num_threads)
-    return None
-
-
-def fast_query_offset(query_offset) -> bool:
-    """Whether check_query_offset() accepts query_offset as it is (None or an int)."""
-    return query_offset is None or (type(query_offset) is int
-                                    and -_MAX_QUERY_OFFSET <= query_offset <= _MAX_QUERY_OFFSET)
-
-
 # The plan keys are built in C (attnfast._ext: one bytes object for the arrays' shapes,
 # strides and dtypes, the options with their exact types).
 attention_key, kvcache_key, seqlens_key = _ext.attention_key, _ext.kvcache_key, _ext.seqlens_key
+Plan = _ext.Plan
 
 
 def attention_plan(call: AttentionCall, q, k, v, out, window, return_lse=False):
-    """attention(): what a repeat call needs from the accepted `call` (out shape and dtype,
-    scale, Tq, Tk, window as checked, lse dtype or None without return_lse), or None unless
+    """attention(): what a repeat call needs from the accepted `call` (a Plan), or None unless
     the kernels took q, k, v (4-D) and out as given."""
     if call.rank != 4 or call.q is not q or call.k is not k or call.v is not v:
         return None
     if out is not None and kernel_ready(out) is not out:
         return None
-    return (call.out_shape(), call.dtype, call.scale, call.seqlen_q, call.seqlen_k,
-            check_window(window), call.lse_dtype if return_lse else None)
+    return Plan(out_shape=call.out_shape(), dtype=call.dtype, scale=call.scale,
+                window=check_window(window), seqlen_k=call.seqlen_k,
+                lse_dtype=call.lse_dtype if return_lse else None)
 
 
 def paged_plan(call, q, k_scale, v_scale, window=None, return_lse=False):
     """What a repeat paged call (attention_with_kvcache(block_table=...), no new tokens) needs
-    from a call the full path accepted: (the checked call itself, its q, lengths and table
-    replaced per call; the window as checked; the lse dtype or None without return_lse);
-    None with new tokens, for int4 pools, and unless the kernels took q and the scales as
-    given."""
+    from a call the full path accepted: a Plan holding the checked call itself (its q,
+    lengths and table replaced per call, for the shared-prefix composition); None with new
+    tokens, for int4 pools, and unless the kernels took q and the scales as given."""
     if (call.new_tokens or is_int4_storage(call.k_cache) or as_float_array(q, "q") is not q
             or kernel_ready(q) is not q or call.attn.q is not q
             or call.k_scale is not k_scale or call.v_scale is not v_scale):
         return None
-    return call, check_window(window), call.attn.lse_dtype if return_lse else None
+    attn = call.attn
+    return Plan(out_shape=attn.out_shape(), dtype=attn.dtype, scale=attn.scale,
+                window=check_window(window), seqlen_k=attn.seqlen_k,
+                lse_dtype=attn.lse_dtype if return_lse else None, call=call)
 
 
 def kvcache_plan(q, k_cache, v_cache, k_new, out, scale, window, return_lse):
-    """What a repeat call needs from a call the full path accepted: (new tokens, out shape,
-    dtype, scale, window as checked, Tq, capacity, lse dtype or None without return_lse);
-    None for int8 / float8 / int4 caches (quantised on write) and unless the kernels took
-    q, the caches and `out` (if given) as given."""
+    """What a repeat call needs from a call the full path accepted (a Plan: new tokens, the
+    output, scale, window as checked, the capacity the window is bounded by); None for
+    int8 / float8 / int4 caches (quantised on write) and unless the kernels took q, the
+    caches and `out` (if given) as given."""
     if (is_quantized(k_cache.dtype) or as_float_array(q, "q") is not q or kernel_ready(q) is not q
             or kernel_ready(k_cache) is not k_cache or kernel_ready(v_cache) is not v_cache
             or (out is not None and kernel_ready(out) is not out)):
         return None
     B, H, Tq, D = q.shape
-    return (0 if k_new is None else k_new.shape[2], (B, H, Tq, v_cache.shape[3]), q.dtype,
-            check_scale(scale, D, q.dtype), check_window(window), Tq, k_cache.shape[2],
-            _compute_dtype(q.dtype) if return_lse else None)
+    return Plan(out_shape=(B, H, Tq, v_cache.shape[3]), dtype=q.dtype,
+                scale=check_scale(scale, D, q.dtype), window=check_window(window),
+                seqlen_k=k_cache.shape[2], lse_dtype=_compute_dtype(q.dtype) if return_lse else None,
+                new_tokens=0 if k_new is None else k_new.shape[2])

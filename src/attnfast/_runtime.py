@@ -52,6 +52,7 @@ def _read_env_threads() -> int | None:
 
 
 _env_threads = _read_env_threads()
+_ext.set_default_threads(_env_threads)  # (the C tails resolve a call's threads: call_threads)
 
 
 def get_num_threads() -> int:
@@ -61,11 +62,7 @@ def get_num_threads() -> int:
     OpenMP runtime's limit (``OMP_NUM_THREADS``, or what threadpoolctl set), 1 without OpenMP.
     Never more than the processors this process may run on (a larger request is clamped).
     """
-    if _user_threads is not None:
-        return _user_threads
-    if _env_threads is not None:
-        return _env_threads
-    return _clamp(max(1, _ext.openmp_threads()))
+    return _ext.call_threads(None)
 
 
 def set_num_threads(n: int | None) -> None:
@@ -76,6 +73,7 @@ def set_num_threads(n: int | None) -> None:
     """
     global _user_threads
     _user_threads = None if n is None else _clamp(_positive_int(n, "n"))
+    _ext.set_default_threads(_user_threads if _user_threads is not None else _env_threads)
 
 
 def resolve_threads(num_threads) -> int:

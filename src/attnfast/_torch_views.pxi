@@ -144,6 +144,7 @@ cdef enum:
     _DL_BOOL = 6
     _MAX_VIEW_DIMS = 16
 
+cdef type _ndarray = np.ndarray       # (a type test without an attribute lookup per call)
 cdef object _tensor_type = None       # torch.Tensor, exactly (subclasses: the general path)
 cdef object _strided = None           # torch.strided
 cdef object _is_neg = None            # torch.Tensor.is_neg, called unbound
@@ -266,7 +267,7 @@ def array_as_tensor(a):
     cdef cnp.ndarray arr
     cdef attnfast_DLManagedTensorVersioned* managed
     cdef void* tensor = NULL
-    if _dl_api == NULL or type(a) is not np.ndarray:
+    if _dl_api == NULL or type(a) is not _ndarray:
         return None
     arr = <cnp.ndarray> a
     if not (cnp.PyArray_FLAGS(arr) & cnp.NPY_ARRAY_WRITEABLE) or cnp.PyArray_ISBYTESWAPPED(arr):
@@ -305,8 +306,8 @@ def array_as_tensor(a):
     return attnfast_steal(tensor)
 
 
-cdef bint _all_ints(list items):
-    """Every item is exactly an int (a list the general conversion would pass as it is)."""
+cdef bint _all_ints(items):
+    """Every item of a list or tuple is exactly an int (seq_ids, window: nothing to convert)."""
     cdef Py_ssize_t i
     for i in range(len(items)):
         if type(items[i]) is not int:
@@ -314,27 +315,73 @@ cdef bint _all_ints(list items):
     return True
 
 
-def tensor_args(tuple args, Py_ssize_t first):
-    """attnfast._interop.accepts_arrays' common case in one call: (args as a list, each plain
-    dense CPU tensor from index `first` on replaced by tensor_view's view; the first such
-    tensor, or None when there is none). None when an argument is anything but None, bool,
-    int, float, str, a list of ints, a NumPy array or such a tensor (the general conversion
-    then runs)."""
-    cdef Py_ssize_t i, n = len(args)
-    cdef list converted = None
-    template = None
-    for i in range(first, n):
-        a = args[i]
-        t = type(a)
-        if a is None or t is np.ndarray or t is int or t is float or t is bool or t is str:
-            continue
-        if t is list and _all_ints(<list> a):  # e.g. PagedKVCache's seq_ids
-            continue
-        view = _view_of(a)
-        if view is None:
-            return None
-        if converted is None:
-            converted = list(args)
-            template = a
-        converted[i] = view
-    return (converted if converted is not None else args), template
+cdef inline bint _plain(a) noexcept:
+    """An argument accepts_arrays passes on as it is (no tensor or array-like to convert)."""
+    t = type(a)
+    return (a is None or t is _ndarray or t is int or t is float or t is bool or t is str
+            or ((t is list or t is tuple) and _all_ints(a)))
+
+
+def converting(fn, tuple names, Py_ssize_t first, Py_ssize_t out_index, convert, wrap):
+    """attnfast._interop.accepts_arrays' wrapper of `fn` (parameter names `names`; `out` at
+    out_index, -1 without): each argument from index `first` on that is not plain (None,
+    a NumPy array, bool, int, float, str, a list or tuple of ints) becomes a NumPy view in C
+    (tensor_view) or by ``convert(argument, name)`` -> (converted, the torch tensor or
+    None), which raises naming it. With no torch tensor among them, fn's result is returned
+    as it is; else its arrays become tensors sharing their memory (array_as_tensor, or
+    ``wrap(result, tensor)``), and `out` comes back as the object the caller passed."""
+    def call(*args, **kwargs):
+        cdef Py_ssize_t i
+        cdef list new_args = None
+        cdef dict new_kwargs = None
+        template = given_out = converted_out = None
+        for i in range(first, len(args)):
+            a = args[i]
+            if _plain(a):
+                continue
+            view = _view_of(a)
+            t = a
+            if view is None:
+                view, t = convert(a, names[i] if i < len(names) else f"argument {i}")
+            if new_args is None:
+                new_args = list(args)
+            new_args[i] = view
+            if template is None:
+                template = t
+            if i == out_index:
+                given_out, converted_out = a, view
+        for name, a in (<dict> kwargs).items():
+            if _plain(a):
+                continue
+            view = _view_of(a)
+            t = a
+            if view is None:
+                view, t = convert(a, name)
+            if new_kwargs is None:
+                new_kwargs = dict(kwargs)
+            new_kwargs[name] = view
+            if template is None:
+                template = t
+            if name == "out":
+                given_out, converted_out = a, view
+        if new_args is not None:
+            args = tuple(new_args)
+        result = fn(*args, **(kwargs if new_kwargs is None else new_kwargs))
+        if template is None:
+            return result
+        if given_out is None:  # a NumPy out= (not converted) comes back as itself too
+            given_out = converted_out = (args[out_index] if 0 <= out_index < len(args)
+                                         else kwargs.get("out"))
+        if type(result) is tuple:  # (out, lse): each converted once (out not at all if given)
+            return tuple([given_out if given_out is not None and r is converted_out
+                          else _as_tensor(r, template, wrap) for r in <tuple> result])
+        if given_out is not None and result is converted_out:
+            return given_out
+        return _as_tensor(result, template, wrap)
+    return call
+
+
+cdef object _as_tensor(result, template, wrap):
+    """wrap(result, template) (attnfast._interop.wrap_like), its common case (an array) in C."""
+    tensor = array_as_tensor(result)
+    return tensor if tensor is not None else wrap(result, template)

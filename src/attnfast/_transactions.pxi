@@ -235,3 +235,27 @@ cdef int _keep_int64s(cnp.ndarray array) except -1:
     if log is not None:
         (<list> log).append(w)
     return 0
+
+
+def truncate_lengths(cnp.ndarray lengths, n):
+    """KVCache.truncate(n) for a Python int n, 0 <= n <= every length (`lengths`: int64,
+    C-contiguous), in a transaction: the lengths set to n, logged first. True when done;
+    None, having changed nothing, for anything else (the caller checks and raises)."""
+    cdef int overflow = 0
+    cdef long long value
+    cdef cnp.npy_intp i, count = cnp.PyArray_SIZE(lengths)
+    cdef int64_t* data = <int64_t*> cnp.PyArray_DATA(lengths)
+    if (type(n) is not int or _open_log() is None or cnp.PyArray_TYPE(lengths) != cnp.NPY_INT64
+            or not cnp.PyArray_IS_C_CONTIGUOUS(lengths)
+            or not (cnp.PyArray_FLAGS(lengths) & cnp.NPY_ARRAY_WRITEABLE)):
+        return None
+    value = PyLong_AsLongLongAndOverflow(n, &overflow)
+    if overflow or value < 0:
+        return None
+    for i in range(count):
+        if data[i] < value:
+            return None
+    _keep_int64s(lengths)
+    for i in range(count):
+        data[i] = value
+    return True
