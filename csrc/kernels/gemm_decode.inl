@@ -335,8 +335,10 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
     const int64_t row_lines = (D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
     const int64_t v_row_lines = latent ? 0 : (Dv * static_cast<int64_t>(sizeof(T)) + 63) / 64;
     for (int64_t j = 0; j < (keys < kTileKeys ? keys : kTileKeys); ++j) {
-        for (int64_t x = 0; x < row_lines; ++x) __builtin_prefetch(reinterpret_cast<const char*>(k.at(kb + j)) + 64 * x, 0, 2);
-        for (int64_t x = 0; x < v_row_lines; ++x) __builtin_prefetch(reinterpret_cast<const char*>(v.at(kb + j)) + 64 * x, 0, 2);
+        const char* kr = reinterpret_cast<const char*>(k.at(kb + j));
+        const char* vr = reinterpret_cast<const char*>(v.at(kb + j));
+        for (int64_t x = 0; x < row_lines; ++x) __builtin_prefetch(kr + 64 * x, 0, 2);
+        for (int64_t x = 0; x < v_row_lines; ++x) __builtin_prefetch(vr + 64 * x, 0, 2);
     }
     const TQ* q = static_cast<const TQ*>(p.q) + task.batch * p.q_batch_stride;
     const float scale = static_cast<float>(p.scale * kLog2e);  // scores in base 2
