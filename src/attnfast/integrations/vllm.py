@@ -38,7 +38,7 @@ float16) or an fp8 cache (``kv_cache_dtype="fp8"`` / ``"fp8_e4m3"``: float8_e4m3
 attnfast quantises each cached row (one token, one KV head) with its own float32 scale,
 max|x| over the format's largest value (448 for e4m3, 57344 for e5m2): e4m3's 3 mantissa
 bits put each value within 2^-4 of itself, e5m2's 2 within 2^-3 (the smallest, subnormal
-ones within 2^-18 / 2^-17 of the row's largest). The scales live beside vLLM's cache
+ones within 2^-18 / 2^-32 of the row's largest). The scales live beside vLLM's cache
 (:func:`row_scales`): ``Hkv * block_size`` floats a block, 4 / D of the cache's bytes,
 outside vLLM's KV-cache space; the checkpoint's per-tensor k/v scales are not needed. Layers
 of other kinds stay wholly vLLM's (cache writing and kernel): encoder, encoder-only and
