@@ -366,25 +366,23 @@ def _sparse(module, query, key, value, attention_mask, indices, scaling, is_caus
     causal = False
     if attention_mask is None:
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    elif compiling:
-        if attention_mask.dtype != torch.bool or attention_mask.shape[1] != 1:
-            raise NotImplementedError(
-                "attnfast backend: indices= under torch.compile takes transformers' boolean mask "
-                f"(B, 1, Tq, Tk), got {attention_mask.dtype} {tuple(attention_mask.shape)}")
-        keep = attention_mask[:, 0, :, :Tk].expand(idx.shape[0], idx.shape[1], Tk)
-        seen = torch.gather(keep, -1, idx.clamp(min=0)) & (idx >= 0)
-        idx = torch.where(seen, idx, torch.full_like(idx, -1))
     else:
         m = attention_mask[..., :Tk]
-        if m.dtype != torch.bool:   # additive: 0 keeps, the dtype's minimum / -inf drops
-            drop = m <= torch.finfo(m.dtype).min / 2
-            if not bool(torch.all((m == 0) | drop)):
-                raise NotImplementedError("attnfast backend: indices= with an additive bias in "
-                                          "the mask is not implemented")
-            m = ~drop
-        if m.shape[1] != 1 and not torch.equal(m, m[:, :1].expand_as(m)):
-            raise NotImplementedError("attnfast backend: indices= with a mask that differs "
-                                      "between heads is not implemented")
+        if compiling:  # no value can be looked at while tracing: shape and dtype only
+            if m.dtype != torch.bool or m.shape[1] != 1:
+                raise NotImplementedError(
+                    "attnfast backend: indices= under torch.compile takes transformers' boolean "
+                    f"mask (B, 1, Tq, Tk), got {m.dtype} {tuple(m.shape)}")
+        else:
+            if m.dtype != torch.bool:   # additive: 0 keeps, the dtype's minimum / -inf drops
+                drop = m <= torch.finfo(m.dtype).min / 2
+                if not bool(torch.all((m == 0) | drop)):
+                    raise NotImplementedError("attnfast backend: indices= with an additive bias "
+                                              "in the mask is not implemented")
+                m = ~drop
+            if m.shape[1] != 1 and not torch.equal(m, m[:, :1].expand_as(m)):
+                raise NotImplementedError("attnfast backend: indices= with a mask that differs "
+                                          "between heads is not implemented")
         keep = m[:, 0].expand(idx.shape[0], idx.shape[1], Tk)
         seen = torch.gather(keep, -1, idx.clamp(min=0)) & (idx >= 0)
         idx = torch.where(seen, idx, torch.full_like(idx, -1))

@@ -207,7 +207,7 @@ def write_kv_cache(key, value, k_pool, v_pool, slot_mapping, k_scale=None, v_sca
     """
     slots = np.asarray(to_numpy(slot_mapping, "slot_mapping"))
     keys, values = to_numpy(key, "key"), to_numpy(value, "value")
-    float8 = k_pool.dtype in (FLOAT8_E4M3, FLOAT8_E5M2)
+    float8 = k_pool.dtype in FLOAT8_CACHE_DTYPES.values()
     if float8 != (k_scale is not None and v_scale is not None):
         raise ValueError("k_scale and v_scale are required with float8 pools and taken with "
                          f"them only; pools of dtype {k_pool.dtype}, k_scale "
