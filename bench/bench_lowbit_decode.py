@@ -30,12 +30,16 @@ DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "int8": "int8",
 
 
 def attend(name, cache, q, threads):
-    if name == "int8-widen":
-        os.environ["ATTNFAST_INT8_DOT"] = "widen"
+    # (the environment switch ATTNFAST_INT8_DOT is read once per process: the mode is forced
+    # per call instead, so "int8" and "int8-widen" can take turns)
+    if name not in ("int8", "int8-widen"):
+        return cache.attend(q, num_threads=threads)
+    before = _ext.runtime_info()["int8_dot"]
+    _ext.force_int8_dot("widen" if name == "int8-widen" else "auto")
     try:
         return cache.attend(q, num_threads=threads)
     finally:
-        os.environ.pop("ATTNFAST_INT8_DOT", None)
+        _ext.force_int8_dot(before)
 
 
 def step_bytes(cache) -> int:
@@ -48,8 +52,17 @@ def step_bytes(cache) -> int:
     return cache.kv_heads * n * per_row
 
 
-def kernel_of(cache, q, threads) -> str:
+def kernel_of(name, cache, q, threads) -> str:
     """The decode kernel a step runs (the C++ planner's answer, as attnfast.explain)."""
+    before = _ext.runtime_info()["int8_dot"]
+    _ext.force_int8_dot("widen" if name == "int8-widen" else "auto")
+    try:
+        return _plan(cache, q, threads)
+    finally:
+        _ext.force_int8_dot(before)
+
+
+def _plan(cache, q, threads) -> str:
     return _ext.plan_attention(q, cache.k, cache.v, causal=True, scale=q.shape[-1] ** -0.5,
                                window_left=-1, window_right=-1, num_threads=threads,
                                seqlens_k=np.ascontiguousarray(cache.lengths),
@@ -107,8 +120,8 @@ def main():
                     up = f"{base / t:4.2f}x" if base else "  -  "
                     print(f"  {n:9s} {t * 1e3:7.3f} ms  {up} f32  {gbs / 1e9:5.1f} GB/s "
                           f"{100 * gbs / limit:4.0f} % of read")
-                print("  kernels: " + ", ".join(f"{n} {kernel_of(caches[n], qs[n], threads)}"
-                                                for n in names if n != "int8-widen"))
+                print("  kernels: " + ", ".join(f"{n} {kernel_of(n, caches[n], qs[n], threads)}"
+                                                for n in names))
 
 
 if __name__ == "__main__":

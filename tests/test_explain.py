@@ -261,7 +261,7 @@ def test_policy_of_decode_per_tier(tier):
     k8, scale = quantize_int8(np.ones((1, 2, 512, 128), np.float32))
     plan = af.explain(q, k8, k8.copy(), cache_seqlens=[500], k_scale=scale, v_scale=scale.copy())
     if plan["kernel"] == "vnni_int8_decode":
-        assert plan["policy"] == _policy(4, 4, "vpdpbusd", "fp32 fma")
+        assert plan["policy"] == _policy(4, 4, "vpdpbusd", "vpdpwssd")
     elif lanes is None:
         assert plan["policy"] == _TEMPLATE
     else:

@@ -317,6 +317,16 @@ def quantised_query(q, scale):
     return sq.astype(np.float64) * qi / scale
 
 
+def weight_rounding_bound(w, vd, group):
+    """What P.V by vpdpbusd may add: each weight (probability times the V row's scale) is
+    rounded to 1/32767 of the largest in its block of keys, at most half a step, so |error|
+    <= sum_j max_i (w_i max|v_i|) / 65534 over the keys j of a row, here bounded by the
+    number of keys times the row's largest w_i max|v_i| (w: the reference's weights, vd: the
+    dequantised values; max |v_i| is 127 steps of the row's scale)."""
+    vmax = np.repeat(np.abs(vd).max(axis=-1), group, axis=1)[:, :, None, :]
+    return float(np.max(w.shape[-1] * np.max(w * vmax, axis=-1)) / 65534)
+
+
 @pytest.fixture
 def int8_dot():
     """choose(mode): the int8 Q.K mode for the rest of the test (None: the default, q
@@ -343,12 +353,57 @@ def test_vnni_int8_decode_is_attention_of_the_quantised_query(int8_dot, heads, t
         int8_dot(None)
         assert af.explain(q, cache.k, cache.v, **args)["kernel"] == "vnni_int8_decode"
         out = cache.attend(q)
-        ref, _, _ = reference_attention(quantised_query(q, 1 / np.sqrt(d)), kd, vd, causal=True)
-        close(out, ref)
+        ref, _, w = reference_attention(quantised_query(q, 1 / np.sqrt(d)), kd, vd, causal=True)
+        close(out, ref, tol=2e-5 + weight_rounding_bound(w, vd, heads // Hkv))
         int8_dot("widen")  # the exact widening path, selectable
         assert af.explain(q, cache.k, cache.v, **args)["kernel"] == "simd_decode"
         exact, _, _ = reference_attention(q.astype(np.float64), kd, vd, causal=True)
         close(cache.attend(q), exact)
+    finally:
+        _ext.force_isa("")
+
+
+@pytest.mark.skipif(not has_vnni(), reason="needs AVX512-VNNI and the avx512bf16 tier")
+@pytest.mark.parametrize("heads,dv", [(2, 96), (3, 128), (8, 64), (16, 160)])
+def test_vnni_int8_values_by_integer_pairs(int8_dot, heads, dv):
+    """P.V by vpdpwssd (15-bit weights per block): rows per KV head 2, 3, 8, 16 (every row
+    tile), Dv a multiple of 32 but not always of 64; against float64 within the weights'
+    rounding bound; a paged pool with odd blocks (pairs cut by block ends) and two threads
+    give the same bits as one contiguous thread; a V row holding NaN makes its rows NaN."""
+    from attnfast._formats import quantize_int8
+    _ext.force_isa("avx512bf16")
+    try:
+        int8_dot(None)
+        rng = np.random.default_rng(heads + dv)
+        Hkv, D, n = 1, 128, 517
+        k8, ks = quantize_int8(rng.standard_normal((1, Hkv, n, D)))
+        v8, vs = quantize_int8(rng.standard_normal((1, Hkv, n, dv)))
+        q = rng.standard_normal((1, heads * Hkv, 1, D)).astype(np.float32)
+        args = dict(k_scale=ks, v_scale=vs)
+        assert af.explain(q, k8, v8, cache_seqlens=[n], **args)["kernel"] == "vnni_int8_decode"
+        out = af.attention_with_kvcache(q, k8, v8, n, **args)
+        kd = k8.astype(np.float64) * ks[..., None]
+        vd = v8.astype(np.float64) * vs[..., None]
+        ref, _, w = reference_attention(quantised_query(q, 1 / np.sqrt(D)), kd, vd, causal=True)
+        close(out, ref, tol=2e-5 + weight_rounding_bound(w, vd, heads))
+        np.testing.assert_array_equal(af.attention_with_kvcache(q, k8, v8, n, num_threads=2, **args), out)
+        bs = 5
+        blocks = -(-n // bs)
+        order = rng.permutation(blocks)
+        kp = np.zeros((blocks, Hkv, bs, D), np.int8)
+        vp = np.zeros((blocks, Hkv, bs, dv), np.int8)
+        ksp = np.zeros((blocks, Hkv, bs), np.float32)
+        vsp = np.zeros((blocks, Hkv, bs), np.float32)
+        for j in range(n):
+            b, r = order[j // bs], j % bs
+            kp[b, :, r], vp[b, :, r] = k8[0, :, j], v8[0, :, j]
+            ksp[b, :, r], vsp[b, :, r] = ks[0, :, j], vs[0, :, j]
+        paged = af.attention_with_kvcache(q, kp, vp, n, k_scale=ksp, v_scale=vsp,
+                                          block_table=order[None].astype(np.int64))
+        np.testing.assert_array_equal(paged, out)
+        vs_nan = vs.copy()
+        vs_nan[0, 0, 300] = np.nan  # (a stored row of NaN reads back with a NaN scale)
+        assert np.all(np.isnan(af.attention_with_kvcache(q, k8, v8, n, k_scale=ks, v_scale=vs_nan)))
     finally:
         _ext.force_isa("")
 

@@ -204,6 +204,8 @@ struct AddValueRows {  // acc rows += probabilities x value rows, for one block 
 //   kPairedValues  whether values() adds keys two at a time (vdpbf16ps), pairs counted from
 //                  the block's first key; it then also takes a `partner`: the V row of the
 //                  key after the run where a run ends mid-pair (see decode_loop)
+//   kRowValues     whether the Path reads a whole block's V rows itself by row pointer
+//                  (block_values) instead of values() over runs of rows
 //   kScaleFold     what the widened K/V lanes leave in the row scales (stored = fold x lanes)
 //   query_stride   workspace elements per staged query row; stage_query stages one
 //   scores         scores of keys [j, j + nk) for the n staged rows (with vj set, one row
@@ -223,6 +225,7 @@ struct TemplatePath {
     static constexpr bool kTunedStreams = false;
     static constexpr bool kSpreadPrefetch = false;
     static constexpr bool kPairedValues = false;
+    static constexpr bool kRowValues = false;
     static constexpr float kScaleFold = 1.0f;
     static int64_t query_stride(const AttentionParams& p) { return decode_query_stride(p); }
     static void stage_query(A* qs, const TQ* qrow, int64_t D, A scale) {
@@ -483,42 +486,48 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
                 Path::weights_ready(srow, j1 - j0);
             }
 
-            // (A paged cache's block ends cut the sub-blocks further: same keys, same order.)
-            for (int64_t v0 = j0, v1 = j0; v0 < j1; v0 = v1) {
-                v1 = v.run_end(kb + v0, kb + (v0 + value_keys < j1 ? v0 + value_keys : j1)) - kb;
-                // A paired Path adds keys (j0, j0 + 1), (j0 + 2, j0 + 3), .. as over one
-                // contiguous run, whatever the block ends: a run that ends mid-pair lends its
-                // last key the next key's V row (the partner), and the next run starts after it.
-                // Same pairs, same bits as a contiguous cache; no weight outside the block is read.
-                const T* partner = nullptr;
-                if constexpr (Path::kPairedValues)
-                    if (((v1 - j0) & 1) && v1 < j1) partner = v.at(kb + v1);
-                RowPrefetch kpf;  // rows to start towards L2 during this V run
-                if (ahead && v1 + ahead <= prefetch_end)  // the V rows `ahead` on (one run: whole blocks on)
-                    kpf = RowPrefetch{reinterpret_cast<const char*>(v.at(kb + v0 + ahead)), v_stride_bytes,
-                                      v1 - v0, v_row_bytes};
-                if (pipelined) {
-                    const int64_t x0 = j1 + (v0 - j0), x1 = j1 + (v1 - j0);
-                    const int64_t xe = x1 < prefetch_end ? x1 : prefetch_end;
-                    if constexpr (Path::kSpreadPrefetch) {
-                        if (x0 < xe && k.run_end(kb + x0, kb + xe) == kb + xe)
-                            kpf = RowPrefetch{reinterpret_cast<const char*>(k.at(kb + x0)),
-                                              k.row_stride * static_cast<int64_t>(sizeof(T)), xe - x0, k_row_bytes};
-                        else
+            if constexpr (Path::kRowValues) {
+                // The Path reads the block's V rows itself, each by its row pointer (and starts
+                // the rows `ahead` on towards L2, as below).
+                Path::block_values(n, acc + r0 * Dv, Dv, s, ss, v, kb + j0, j1 - j0, ahead, kb + prefetch_end);
+            } else {
+                // (A paged cache's block ends cut the sub-blocks further: same keys, same order.)
+                for (int64_t v0 = j0, v1 = j0; v0 < j1; v0 = v1) {
+                    v1 = v.run_end(kb + v0, kb + (v0 + value_keys < j1 ? v0 + value_keys : j1)) - kb;
+                    // A paired Path adds keys (j0, j0 + 1), (j0 + 2, j0 + 3), .. as over one
+                    // contiguous run, whatever the block ends: a run that ends mid-pair lends its
+                    // last key the next key's V row (the partner), and the next run starts after it.
+                    // Same pairs, same bits as a contiguous cache; no weight outside the block is read.
+                    const T* partner = nullptr;
+                    if constexpr (Path::kPairedValues)
+                        if (((v1 - j0) & 1) && v1 < j1) partner = v.at(kb + v1);
+                    RowPrefetch kpf;  // rows to start towards L2 during this V run
+                    if (ahead && v1 + ahead <= prefetch_end)  // the V rows `ahead` on (one run: whole blocks on)
+                        kpf = RowPrefetch{reinterpret_cast<const char*>(v.at(kb + v0 + ahead)), v_stride_bytes,
+                                          v1 - v0, v_row_bytes};
+                    if (pipelined) {
+                        const int64_t x0 = j1 + (v0 - j0), x1 = j1 + (v1 - j0);
+                        const int64_t xe = x1 < prefetch_end ? x1 : prefetch_end;
+                        if constexpr (Path::kSpreadPrefetch) {
+                            if (x0 < xe && k.run_end(kb + x0, kb + xe) == kb + xe)
+                                kpf = RowPrefetch{reinterpret_cast<const char*>(k.at(kb + x0)),
+                                                  k.row_stride * static_cast<int64_t>(sizeof(T)), xe - x0, k_row_bytes};
+                            else
+                                prefetch_rows(k, kb + x0, kb + xe, k_row_bytes);
+                        } else {
                             prefetch_rows(k, kb + x0, kb + xe, k_row_bytes);
-                    } else {
-                        prefetch_rows(k, kb + x0, kb + xe, k_row_bytes);
+                        }
                     }
-                }
-                if constexpr (Path::kPairedValues) {
-                    Path::values(n, acc + r0 * Dv, Dv, s, ss, v0 - j0, v.at(kb + v0), v.row_stride, v1 - v0, kpf,
-                                 partner);
-                    if (partner) ++v1;  // its key is done
-                } else if constexpr (Path::kSpreadPrefetch) {
-                    Path::values(n, acc + r0 * Dv, Dv, s, ss, v0 - j0, v.at(kb + v0), v.row_stride, v1 - v0, kpf);
-                } else {
-                    prefetch_rows(kpf);
-                    Path::values(n, acc + r0 * Dv, Dv, s, ss, v0 - j0, v.at(kb + v0), v.row_stride, v1 - v0);
+                    if constexpr (Path::kPairedValues) {
+                        Path::values(n, acc + r0 * Dv, Dv, s, ss, v0 - j0, v.at(kb + v0), v.row_stride, v1 - v0, kpf,
+                                     partner);
+                        if (partner) ++v1;  // its key is done
+                    } else if constexpr (Path::kSpreadPrefetch) {
+                        Path::values(n, acc + r0 * Dv, Dv, s, ss, v0 - j0, v.at(kb + v0), v.row_stride, v1 - v0, kpf);
+                    } else {
+                        prefetch_rows(kpf);
+                        Path::values(n, acc + r0 * Dv, Dv, s, ss, v0 - j0, v.at(kb + v0), v.row_stride, v1 - v0);
+                    }
                 }
             }
         }

@@ -188,6 +188,7 @@ enum class Product : uint8_t {
     kF32MulAdd,  // float32 multiply, then add (SSE2 has no FMA; the templates are not contracted)
     kBf16Pairs,  // vdpbf16ps: two bfloat16 products per float32 lane
     kInt8Quads,  // vpdpbusd: four int8 products per int32 lane
+    kInt16Pairs, // vpdpwssd: two int16 products per int32 lane
     kF64,        // float64 (the template, for float64 calls)
 };
 // Every product named (no default, -Wswitch).
@@ -198,6 +199,7 @@ constexpr const char* product_name(Product product) {
         case Product::kF32MulAdd: return "fp32 mul+add";
         case Product::kBf16Pairs: return "vdpbf16ps";
         case Product::kInt8Quads: return "vpdpbusd";
+        case Product::kInt16Pairs: return "vpdpwssd";
         case Product::kF64: return "fp64";
     }
     return "none";

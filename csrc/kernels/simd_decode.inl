@@ -275,6 +275,7 @@ struct VectorSoftmax {
     static constexpr bool kTunedStreams = true;
     static constexpr bool kSpreadPrefetch = false;
     static constexpr bool kPairedValues = false;
+    static constexpr bool kRowValues = false;  // values() takes runs of V rows (decode_loop)
     static constexpr float kScaleFold = 1.0f;
     static void score_options(const AttentionParams& p, int64_t batch, int64_t head, int64_t pos,
                               int64_t seqlen_k, float* srow, int64_t b, int64_t e, int64_t key0) {

@@ -99,8 +99,9 @@ def explain(q, k, v, *, cache_seqlens=None, k_new=None, v_new=None, k_scale=None
         loop; a call with fewer rows per KV head fills part of it); ``qk`` and ``pv``: how the
         Q.K and P.V products multiply, ``"fp32 fma"``, ``"fp32 mul+add"`` (no FMA: the SSE2
         generic tier and the portable templates), ``"vdpbf16ps"`` (bfloat16 pairs),
-        ``"vpdpbusd"`` (int8: ``"vnni_int8_decode"``'s Q.K over q quantised per row; its P.V
-        widens V to float32) or ``"fp64"``.
+        ``"vpdpbusd"`` (int8: ``"vnni_int8_decode"``'s Q.K over q quantised per row),
+        ``"vpdpwssd"`` (int8: that kernel's P.V over weights rounded to 15 bits per block) or
+        ``"fp64"``.
 
     Examples
     --------
