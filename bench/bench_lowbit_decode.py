@@ -2,14 +2,16 @@
 
     python bench/bench_lowbit_decode.py                        # L = 16k, 8/8 and 32/8 heads, 1 and 2 threads
     python bench/bench_lowbit_decode.py --lengths 16384,65536 --repeats 11
+    python bench/bench_lowbit_decode.py --json bench/results/lowbit/decode-zen4-avx512bf16.json
 
 Each round times, in turns, a decode step (Tq = 1, B = 1, D = 128, KVCache.attend, the user
 path) for every cache dtype and the native read kernel (csrc/probe.cpp, as
 bench_decode_read.py) over as many bytes as the largest step reads; medians of the rounds.
 Columns per (layout, threads, dtype): ms per step, speed-up over the float32 step of the
 same rounds, the bytes actually read (values plus row scales) per second, and that as a %
-of the read kernel's GB/s. Issue 21 targets: int8 and fp8 >= 3.5x float32, int4 >= 6x,
-each >= 85 % of the read kernel.
+of the read kernel's GB/s. Issue 46's targets: bfloat16 >= 1.8x float32, int8 and float8 >= 3.3x
+at 8/8 heads and >= 2.8x at 32/8, int4 >= 5.5x and >= 4x. ``--json F`` stores the run for the
+results page (attnfast.bench.lowbit_results).
 """
 import argparse
 import os
@@ -77,7 +79,10 @@ def main():
     p.add_argument("--threads", default="1,2")
     p.add_argument("--dtypes", default="float32,bfloat16,int8,int8-widen,fp8,int4")
     p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--json", default=None,
+                   help="store the run here (bench/results/lowbit/decode-<cpu-kind>.json) for the results page")
     args = p.parse_args()
+    stored = []
     rng = np.random.default_rng(0)
     d = 128
     names = args.dtypes.split(",")
@@ -120,8 +125,15 @@ def main():
                     up = f"{base / t:4.2f}x" if base else "  -  "
                     print(f"  {n:9s} {t * 1e3:7.3f} ms  {up} f32  {gbs / 1e9:5.1f} GB/s "
                           f"{100 * gbs / limit:4.0f} % of read")
-                print("  kernels: " + ", ".join(f"{n} {kernel_of(n, caches[n], qs[n], threads)}"
-                                                for n in names))
+                kernels = {n: kernel_of(n, caches[n], qs[n], threads) for n in names}
+                print("  kernels: " + ", ".join(f"{n} {kernels[n]}" for n in names))
+                stored.append(dict(heads=layout, L=length, threads=threads, read_gbs=limit / 1e9,
+                                   dtypes={n: dict(ms=1e3 * statistics.median(times[n]),
+                                                   of_read=step_bytes(caches[n]) / statistics.median(times[n]) / limit,
+                                                   kernel=kernels[n]) for n in names}))
+    if args.json:
+        from attnfast.bench.sparse_results import store_part
+        store_part(args.json, "decode", stored)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from attnfast.bench import results
+from attnfast.bench.lowbit_results import load_lowbit_runs
 from attnfast.bench.sparse_results import load_sparse_runs
 from attnfast.bench.limits import limits_from
 from attnfast.bench.report import table
@@ -128,7 +129,28 @@ def test_committed_page_is_generated_from_the_committed_runs():
              for kind in runs}
     sparse = load_sparse_runs(str(root / "bench" / "results"))
     assert "zen4-avx512bf16" in sparse
-    assert (root / "docs" / "results.md").read_text() == results.render_page(runs, plots, sparse)
+    lowbit = load_lowbit_runs(str(root / "bench" / "results"))
+    assert "zen4-avx512bf16" in lowbit
+    assert (root / "docs" / "results.md").read_text() == results.render_page(runs, plots, sparse, lowbit)
+
+
+def test_lowbit_section_from_json(tmp_path):
+    """bench_lowbit_decode.py --json renders as the page's low-bit table: per dtype the ms,
+    the speed-up over float32 computed from the stored times, and the share of the read kernel."""
+    from attnfast.bench import lowbit_results, sparse_results
+    path = tmp_path / "results" / "lowbit" / "decode-test-kind.json"
+    row = dict(heads="32/8", L=16384, threads=1, read_gbs=30.0,
+               dtypes={"float32": dict(ms=6.0, of_read=0.6, kernel="simd_decode"),
+                       "int8": dict(ms=2.5, of_read=0.36, kernel="vnni_int8_decode")})
+    sparse_results.store_part(str(path), "decode", [row])
+    (tmp_path / "results" / "test-kind.json").write_text(json.dumps(synthetic_run()))
+    out = tmp_path / "results.md"
+    results.main(["--results-dir", str(tmp_path / "results"), "--out", str(out), "--no-plots"])
+    page = out.read_text()
+    assert "## Low-bit KV caches: test-kind" in page
+    assert cells(page, "32/8")[:6] == ["32/8", "16384", "1", "30.0", "6.00 = 1.00x (60 %)",
+                                       "2.50 = 2.40x (36 %)"]
+    assert "bfloat16 ms" not in page  # only the dtypes stored
 
 
 def test_sparse_section_from_json(tmp_path):

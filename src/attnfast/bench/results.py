@@ -3,7 +3,8 @@
     python -m attnfast.bench.results            # from the repository's root
 
 reads every ``bench/results/<cpu-kind>.json`` (a ``bench/compare_peers.py --json`` file) and
-``bench/results/sparse/<cpu-kind>.json`` (:mod:`attnfast.bench.sparse_results`), and
+``bench/results/sparse/<cpu-kind>.json`` (:mod:`attnfast.bench.sparse_results`) and
+``bench/results/lowbit/decode-<cpu-kind>.json`` (:mod:`attnfast.bench.lowbit_results`), and
 writes one section per CPU kind: the CPU and its flags, the run's date, commit and command, the
 machine limits of the run, the prefill and decode tables of each dtype with the peers alongside,
 and two plots (per-token decode cost against L; prefill GFLOP/s against T per engine). A new
@@ -17,6 +18,7 @@ import os
 import sys
 
 from .peer_report import PeerReport
+from .lowbit_results import load_lowbit_runs, render_lowbit_section
 from .sparse_results import load_sparse_runs, render_sparse_section
 
 __all__ = ["main", "render_page", "render_section", "load_runs", "plot_ref", "peer_summary",
@@ -133,14 +135,17 @@ def plot_ref(kind: str, what: str, image_dir: str) -> tuple[str, str]:
     return f"{PLOT_TITLES[what]}, {kind}", f"{image_dir}/{kind}-{what}.png"
 
 
-def render_page(runs: dict, plots=None, sparse=None) -> str:
+def render_page(runs: dict, plots=None, sparse=None, lowbit=None) -> str:
     """The whole page: the introduction, then one section per CPU kind in ``runs`` order
-    (``plots``: {kind: [(description, path)]}, see :func:`render_section`), then the sparse
-    attention sections (``sparse``: {kind: sparse JSON}, see
+    (``plots``: {kind: [(description, path)]}, see :func:`render_section`), then the low-bit
+    cache sections (``lowbit``: {kind: low-bit decode JSON}, see
+    :func:`~attnfast.bench.lowbit_results.render_lowbit_section`), then the sparse attention
+    sections (``sparse``: {kind: sparse JSON}, see
     :func:`~attnfast.bench.sparse_results.render_sparse_section`)."""
     plots = plots or {}
     return (INTRO + "".join("\n" + render_section(kind, data, plots.get(kind, ()))
                             for kind, data in runs.items())
+            + "".join("\n" + render_lowbit_section(kind, data) for kind, data in (lowbit or {}).items())
             + "".join("\n" + render_sparse_section(kind, data) for kind, data in (sparse or {}).items()))
 
 
@@ -187,7 +192,7 @@ def main(argv=None) -> int:
                     print(f"{what} plot of {kind} not written: {written.reason}", file=sys.stderr)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        f.write(render_page(runs, plots, load_sparse_runs(args.results_dir)))
+        f.write(render_page(runs, plots, load_sparse_runs(args.results_dir), load_lowbit_runs(args.results_dir)))
     print(f"{args.out}: {', '.join(runs)}")
     return 0
 

@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 
-__all__ = ["run_meta", "store_part", "render_sparse_section", "load_sparse_runs"]
+__all__ = ["run_meta", "store_part", "part_table", "render_sparse_section", "load_sparse_runs"]
 
 
 def run_meta() -> dict:
@@ -66,7 +66,7 @@ def _run_line(meta: dict) -> str:
             + meta["command"] + "\n")
 
 
-def _table(title: str, part: dict, note: str, columns: list, cells) -> str:
+def part_table(title: str, part: dict, note: str, columns: list, cells) -> str:
     """One part's subsection: its title, the run, a note, and a row of ``cells(row)`` for every
     stored row (``cells`` returns None to leave a row out)."""
     lines = [f"\n### {title}\n\n" + _run_line(part["meta"]) + "\n" + note,
@@ -139,5 +139,5 @@ def render_sparse_section(kind: str, data: dict) -> str:
     against the dense step and a torch gather + matmul; the lightning indexer; a sparse
     prefill chunk (and its backward) against the same attention as a dense masked call."""
     return (f"## Sparse attention (DeepSeek-V3.2 / GLM-5): {kind}\n"
-            + "".join(_table(title, data[part], note, columns, cells)
+            + "".join(part_table(title, data[part], note, columns, cells)
                       for part, title, note, columns, cells in _PARTS if data.get(part)))
