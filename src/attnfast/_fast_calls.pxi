@@ -39,13 +39,28 @@ fast_calls_taken = {"attention": 0, "kvcache": 0, "paged": 0}
 fast_call_hooks = {"before_kernels": None}
 
 
+cdef class Layout:
+    """layout_key's result: the words it read, compared whole, hashed once as they are read
+    (FNV-1a over the words: a plan's lookup then costs no SipHash over a few hundred bytes)."""
+    cdef bytes words
+    cdef Py_hash_t hash
+
+    def __hash__(self):
+        return self.hash
+
+    def __eq__(self, other):
+        return type(other) is Layout and self.words == (<Layout> other).words
+
+
 def layout_key(a0, a1, a2, a3=None, a4=None, a5=None):
-    """The layout of up to six arrays as one bytes object (shape, strides, dtype of each;
-    None stays distinct from every array), or None unless each is None or exactly a
+    """The layout of up to six arrays as one Layout (shape, strides, dtype of each; None
+    stays distinct from every array), or None unless each is None or exactly a
     numpy.ndarray of at most 16 dimensions: the array part of a fast-path plan key."""
     cdef int64_t words[6 * _KEY_WORDS_PER_ARRAY]
     cdef int n = 0, i, j
+    cdef uint64_t h = 14695981039346656037ULL
     cdef cnp.ndarray a
+    cdef Layout key
     for obj in (a0, a1, a2, a3, a4, a5):
         if obj is None:
             words[n] = -1
@@ -66,7 +81,12 @@ def layout_key(a0, a1, a2, a3=None, a4=None, a5=None):
         words[n + 1] = attnfast_byteorder(a)
         words[n + 2] = cnp.PyArray_ITEMSIZE(a)
         n += 3
-    return (<char*> words)[:n * sizeof(int64_t)]
+    for i in range(n):
+        h = (h ^ <uint64_t> words[i]) * 1099511628211ULL
+    key = Layout.__new__(Layout)
+    key.words = (<char*> words)[:n * sizeof(int64_t)]
+    key.hash = <Py_hash_t> (h >> 1)   # (never -1)
+    return key
 
 
 cdef bint _extent(cnp.ndarray a, char** lo, char** hi):

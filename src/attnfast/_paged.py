@@ -19,7 +19,6 @@ from ._plans import kvcache_key, kvcache_plan, KVCACHE_PLANS, remember
 from ._scalars import check_flag
 from ._written import check_out
 from ._descriptors import CacheLayout, KernelPart
-from ._interop import accepts_arrays
 from ._kvcache import (_read_and_written, allocate_storage, latent_values, run_cache_kernels,
                        storage_properties, with_key_index)
 from ._transaction import assign, copy_rows, logged, token_slots, transaction, write_tokens
@@ -184,8 +183,7 @@ class PagedKVCache:
             raise RuntimeError(f"PagedKVCache: the blocks of sequence {sid} are inconsistent")
 
     # ---- tokens and attention ----
-    @transaction(lock="_lock")
-    @accepts_arrays
+    @transaction(lock="_lock", arrays=True)
     def append(self, seq_ids, k_new, v_new=None) -> None:
         """Append t >= 1 tokens to each sequence of `seq_ids`: k_new (n, kv_heads, t,
         head_dim), v_new (n, kv_heads, t, v_head_dim) in the cache's dtype (float32 is also
@@ -204,8 +202,7 @@ class PagedKVCache:
         starts = np.array([self._seqs[s].length for s in ids], dtype=np.int64)
         self._append(ids, plan, self._table(self._tentative(ids, plan)), starts, k_new, v_new)
 
-    @transaction(lock="_lock")
-    @accepts_arrays
+    @transaction(lock="_lock", arrays=True)
     def attend(self, seq_ids, q, *, causal=True, scale=None, window=None, softcap=None,
                alibi_slopes=None, sinks=None, mask=None, return_lse=False, out=None,
                num_threads=None, query_offset=None, tree_mask=None, key_index=None):
@@ -222,8 +219,7 @@ class PagedKVCache:
                           sinks, mask, return_lse, out, num_threads, query_offset, tree_mask,
                           key_index)
 
-    @transaction(lock="_lock")
-    @accepts_arrays
+    @transaction(lock="_lock", arrays=True)
     def step(self, seq_ids, q, k_new, v_new=None, *, causal=True, scale=None, window=None,
              softcap=None, alibi_slopes=None, sinks=None, mask=None, return_lse=False,
              out=None, num_threads=None, query_offset=None, tree_mask=None, key_index=None):
