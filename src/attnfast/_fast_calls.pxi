@@ -461,7 +461,15 @@ def seqlens_key(cache_seqlens):
 
 def kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, out, causal, scale, window,
                 return_lse, tuple unplanned=(), block_table=None, k_scale=None, v_scale=None):
-    """attention_with_kvcache() and KVCache.attend/step: the plan key of a call, or None when
+    """attention_with_kvcache() and KVCache.attend/step: the plan key of a call (_plan_key)."""
+    return _plan_key(q, k_cache, v_cache, lengths_key, k_new, v_new, out, causal, scale, window,
+                     return_lse, unplanned, block_table, k_scale, v_scale)
+
+
+cdef object _plan_key(q, k_cache, v_cache, lengths_key, k_new, v_new, out, causal, scale,
+                      window, return_lse, tuple unplanned, block_table=None, k_scale=None,
+                      v_scale=None):
+    """The plan key of a KV-cache call, or None when
     no plan can serve it: where the KV-cache fast path's eligibility is decided. The key
     holds the layouts of q, the caches, the new tokens and `out` (so out's shape, dtype and
     strides were checked once, by the call that stored the plan), the lengths' type
@@ -553,9 +561,60 @@ cdef bint _has_shape(cnp.ndarray a, tuple shape):
     return True
 
 
-def paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bint causal,
-               num_threads, query_offset, int64_t shared_keys):
-    """The rest of PagedKVCache.attend / step's fast path (_paged.PagedKVCache._call) in
+cdef dict _paged_plans = None       # attnfast._plans.KVCACHE_PLANS (use_paged_plans)
+cdef object _shared_prefix = None    # attnfast._shared_prefix (its MIN_PREFIX_KEYS, per call)
+
+
+def use_paged_plans(dict plans, shared_prefix):
+    """attnfast._paged, once: where paged_call finds plans and the shared-prefix threshold."""
+    global _paged_plans, _shared_prefix
+    _paged_plans, _shared_prefix = plans, shared_prefix
+
+
+def paged_call(cache, seq_ids, q, k_new, v_new, causal, scale, window, softcap, alibi_slopes,
+               sinks, mask, return_lse, out, num_threads, query_offset, tree_mask, key_index):
+    """PagedKVCache.attend / step by the plan an earlier call of this layout left under the
+    call's kvcache_key, if there is one: with one bare id, 3-D arrays gain the sequence axis
+    (the results lose it again; a caller's out comes back as itself), then paged_fast. Else
+    (no plan, or paged_fast declines, having changed nothing) the full path,
+    ``cache._call(the same arguments)``."""
+    key = _plan_key(q, cache._k, cache._v, "PagedKVCache.lengths", k_new, v_new, out, causal,
+                    scale, window, return_lse,
+                    (softcap, alibi_slopes, sinks, mask, tree_mask, key_index))
+    plan = None if key is None else _paged_plans.get(key)
+    result = None if plan is None else _paged_planned(
+        plan, cache, seq_ids, q, k_new, v_new, out, causal, num_threads, query_offset)
+    if result is None:
+        return cache._call(seq_ids, q, k_new, v_new, causal, scale, window, softcap,
+                           alibi_slopes, sinks, mask, return_lse, out, num_threads,
+                           query_offset, tree_mask, key_index)
+    return result
+
+
+cdef object _paged_planned(Plan plan, cache, seq_ids, q, k_new, v_new, out, bint causal,
+                           num_threads, query_offset):
+    """paged_call's fast path (None: declined)."""
+    lq, lk, lv, lout = q, k_new, v_new, out
+    if type(seq_ids) is int:  # one bare id: 3-D arrays gain the sequence axis
+        lq, lk, lv, lout = [a[None] if a is not None and a.ndim == 3 else a
+                            for a in (q, k_new, v_new, out)]
+    elif cnp.PyArray_NDIM(<cnp.ndarray> q) == 3:
+        return None
+    result = paged_fast(plan, cache, seq_ids, lq, lk, lv, lout, causal, num_threads,
+                        query_offset, _shared_prefix.MIN_PREFIX_KEYS)
+    if result is None or (lq is q and out is None):
+        return result
+    first, lse = result if plan.lse_dtype is not None else (result, None)
+    if lq is not q:
+        first, lse = first[0], (None if lse is None else lse[0])
+    if out is not None:
+        first = out
+    return first if lse is None else (first, lse)
+
+
+cdef paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bint causal,
+                num_threads, query_offset, int64_t shared_keys):
+    """The rest of PagedKVCache.attend / step's fast path (paged_call) in
     one call, for a layout the full path accepted (`plan`: t new tokens, the output, scale,
     window as checked): append k_new, v_new (t > 0) to each sequence of
     `seq_ids` (an int, or a list / tuple of ints, one per row of q), taking blocks from the

@@ -26,6 +26,7 @@ from ._transaction import assign, copy_rows, logged, token_slots, transaction, w
 __all__ = ["PagedKVCache"]
 
 _LENGTHS = "PagedKVCache.lengths"  # a PagedKVCache's lengths in its plan keys (kvcache_key)
+_ext.use_paged_plans(KVCACHE_PLANS, _shared_prefix)
 
 
 class _Sequence:
@@ -215,9 +216,9 @@ class PagedKVCache:
         (docs/user_guide/paged.md, shared-prefix decoding). ``tree_mask`` (Tq x Tq bool): the
         last Tq tokens of each sequence are a token tree, as in :func:`attnfast.attention_with_kvcache`.
         Returns out (n, H, Tq, v_head_dim), or (out, lse)."""
-        return self._call(seq_ids, q, None, None, causal, scale, window, softcap, alibi_slopes,
-                          sinks, mask, return_lse, out, num_threads, query_offset, tree_mask,
-                          key_index)
+        return _ext.paged_call(self, seq_ids, q, None, None, causal, scale, window, softcap,
+                               alibi_slopes, sinks, mask, return_lse, out, num_threads,
+                               query_offset, tree_mask, key_index)
 
     @transaction(lock="_lock", arrays=True)
     def step(self, seq_ids, q, k_new, v_new=None, *, causal=True, scale=None, window=None,
@@ -232,9 +233,9 @@ class PagedKVCache:
             missing = " and ".join(n for n, a in (("k_new", k_new), ("v_new", v_new)) if a is None)
             raise ValueError(f"step needs both k_new and v_new; {missing} is None (use attend() "
                              "to attend without appending)")
-        return self._call(seq_ids, q, k_new, v_new, causal, scale, window, softcap, alibi_slopes,
-                          sinks, mask, return_lse, out, num_threads, query_offset, tree_mask,
-                          key_index)
+        return _ext.paged_call(self, seq_ids, q, k_new, v_new, causal, scale, window, softcap,
+                               alibi_slopes, sinks, mask, return_lse, out, num_threads,
+                               query_offset, tree_mask, key_index)
 
     # ---- internals ----
     # Every change below is logged first (attnfast._transaction): a call that raises puts
@@ -356,34 +357,21 @@ class PagedKVCache:
 
     def _call(self, seq_ids, q, k_new, v_new, causal, scale, window, softcap, alibi_slopes, sinks,
               mask, return_lse, out, num_threads, query_offset, tree_mask, key_index):
-        """attend / step: by the plan an earlier call of this layout left (the ids, blocks,
-        lengths, overlap, token writes and kernel call in C: attnfast._ext.paged_fast), else
-        by the full path, which leaves one for the call's plan key (_ext.kvcache_key)."""
-        key = kvcache_key(q, self._k, self._v, _LENGTHS, k_new, v_new, out, causal, scale,
-                          window, return_lse,
-                          (softcap, alibi_slopes, sinks, mask, tree_mask, key_index))
-        if key is None:
-            return self._run_locked(seq_ids, q, k_new, v_new, causal, scale, window, softcap,
-                                    alibi_slopes, sinks, mask, return_lse, out, num_threads,
-                                    query_offset, tree_mask, key_index)
-        single = type(seq_ids) is int
-        lq, lk, lv, lout = q, k_new, v_new, out
-        if single or q.ndim == 3:  # one bare id: 3-D arrays gain the sequence axis
-            lq, lk, lv, lout = (a[None] if a is not None and a.ndim == 3 else a
-                                for a in (q, k_new, v_new, out))
-        plan = KVCACHE_PLANS.get(key)
-        if plan is not None and (single or lq is q):
-            result = _ext.paged_fast(plan, self, seq_ids, lq, lk, lv, lout, causal, num_threads,
-                                     query_offset, _shared_prefix.MIN_PREFIX_KEYS)
-            if result is not None:  # (as computed unless a bare id's results or out differ)
-                return result if lq is q and out is None else _finish(
-                    result, plan.lse_dtype is not None, lq is not q, out)
+        """attend / step by the full path (when _ext.paged_call found no plan or its fast path
+        declined), which leaves a plan for the call's key (_ext.kvcache_key)."""
         result = self._run_locked(seq_ids, q, k_new, v_new, causal, scale, window, softcap,
                                   alibi_slopes, sinks, mask, return_lse, out, num_threads,
                                   query_offset, tree_mask, key_index)
-        # accepted: later calls of this layout take the fast path
-        remember(KVCACHE_PLANS, key,
-                 kvcache_plan(lq, self._k, self._v, lk, lout, scale, window, return_lse))
+        key = kvcache_key(q, self._k, self._v, _LENGTHS, k_new, v_new, out, causal, scale,
+                          window, return_lse,
+                          (softcap, alibi_slopes, sinks, mask, tree_mask, key_index))
+        if key is not None:  # accepted: later calls of this layout take the fast path
+            if type(seq_ids) is int:  # (the plan of the arrays the kernels took: 4-D)
+                q, k_new, v_new, out = (_lift(True, a) for a in (q, k_new, v_new, out))
+            if q.ndim == 4:
+                remember(KVCACHE_PLANS, key,
+                         kvcache_plan(q, self._k, self._v, k_new, out, scale, window,
+                                      return_lse))
         return result
 
     def _run_locked(self, seq_ids, q, k_new, v_new, causal, scale, window, softcap, alibi_slopes,
