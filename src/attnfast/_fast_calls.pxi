@@ -9,7 +9,7 @@
 # are positional (keyword parsing would cost a tenth of what is left); the callers name them.
 
 from libc.stdlib cimport malloc, free
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 
 cdef extern from *:
     """
@@ -49,7 +49,11 @@ cdef class Layout:
         return self.hash
 
     def __eq__(self, other):
-        return type(other) is Layout and self.words == (<Layout> other).words
+        cdef bytes a = self.words, b
+        if type(other) is not Layout:
+            return False
+        b = (<Layout> other).words
+        return len(a) == len(b) and memcmp(<char*> a, <char*> b, len(a)) == 0
 
 
 def layout_key(a0, a1, a2, a3=None, a4=None, a5=None):
@@ -499,11 +503,11 @@ cdef object _plan_key(q, k_cache, v_cache, lengths_key, k_new, v_new, out, causa
     if window is not None and not (type(window) is tuple and len(window) == 2
                                    and type(window[0]) is int and type(window[1]) is int):
         return None
-    options = causal, scale, window
     if block_table is None and k_scale is None and v_scale is None:
-        return layout, lengths_key, options, return_lse
+        return layout, lengths_key, causal, scale, window, return_lse
     paged = layout_key(block_table, k_scale, v_scale)
-    return None if paged is None else (layout, lengths_key, options, return_lse, paged)
+    return None if paged is None else (layout, lengths_key, causal, scale, window, return_lse,
+                                       paged)
 
 
 # ---- PagedKVCache.attend / step (attnfast._paged): the per-call bookkeeping, in C ----
@@ -578,12 +582,13 @@ def paged_call(cache, seq_ids, q, k_new, v_new, causal, scale, window, softcap, 
     (the results lose it again; a caller's out comes back as itself), then paged_fast. Else
     (no plan, or paged_fast declines, having changed nothing) the full path,
     ``cache._call(the same arguments)``."""
-    key = _plan_key(q, cache._k, cache._v, "PagedKVCache.lengths", k_new, v_new, out, causal,
+    k, v = cache._k, cache._v
+    key = _plan_key(q, k, v, "PagedKVCache.lengths", k_new, v_new, out, causal,
                     scale, window, return_lse,
                     (softcap, alibi_slopes, sinks, mask, tree_mask, key_index))
     plan = None if key is None else _paged_plans.get(key)
     result = None if plan is None else _paged_planned(
-        plan, cache, seq_ids, q, k_new, v_new, out, causal, num_threads, query_offset)
+        plan, cache, k, v, seq_ids, q, k_new, v_new, out, causal, num_threads, query_offset)
     if result is None:
         return cache._call(seq_ids, q, k_new, v_new, causal, scale, window, softcap,
                            alibi_slopes, sinks, mask, return_lse, out, num_threads,
@@ -591,8 +596,8 @@ def paged_call(cache, seq_ids, q, k_new, v_new, causal, scale, window, softcap, 
     return result
 
 
-cdef object _paged_planned(Plan plan, cache, seq_ids, q, k_new, v_new, out, bint causal,
-                           num_threads, query_offset):
+cdef object _paged_planned(Plan plan, cache, cnp.ndarray k, cnp.ndarray v, seq_ids, q, k_new,
+                           v_new, out, bint causal, num_threads, query_offset):
     """paged_call's fast path (None: declined)."""
     lq, lk, lv, lout = q, k_new, v_new, out
     if type(seq_ids) is int:  # one bare id: 3-D arrays gain the sequence axis
@@ -600,7 +605,7 @@ cdef object _paged_planned(Plan plan, cache, seq_ids, q, k_new, v_new, out, bint
                             for a in (q, k_new, v_new, out)]
     elif cnp.PyArray_NDIM(<cnp.ndarray> q) == 3:
         return None
-    result = paged_fast(plan, cache, seq_ids, lq, lk, lv, lout, causal, num_threads,
+    result = paged_fast(plan, cache, k, v, seq_ids, lq, lk, lv, lout, causal, num_threads,
                         query_offset, _shared_prefix.MIN_PREFIX_KEYS)
     if result is None or (lq is q and out is None):
         return result
@@ -612,7 +617,8 @@ cdef object _paged_planned(Plan plan, cache, seq_ids, q, k_new, v_new, out, bint
     return first if lse is None else (first, lse)
 
 
-cdef paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bint causal,
+cdef paged_fast(Plan plan, cache, cnp.ndarray k, cnp.ndarray v, seq_ids, cnp.ndarray q, k_new,
+                v_new, out, bint causal,
                 num_threads, query_offset, int64_t shared_keys):
     """The rest of PagedKVCache.attend / step's fast path (paged_call) in
     one call, for a layout the full path accepted (`plan`: t new tokens, the output, scale,
@@ -626,11 +632,9 @@ cdef paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bin
     same block (shared-prefix decoding: the full path), the new tokens fit (_new_rows)
     and nothing written overlaps what the call reads. What it changes (bytes, blocks,
     lengths) goes to the open transaction's log first (attnfast._transaction)."""
-    cdef cnp.ndarray k = <cnp.ndarray?> cache._k, v = <cnp.ndarray?> cache._v
-    cdef cnp.ndarray refs = <cnp.ndarray?> cache._refs
-    cdef list free_list = <list?> cache._free
+    cdef cnp.ndarray refs = None     # (the blocks' counts and the free list: read to append)
+    cdef list free_list = None
     cdef dict live = <dict?> cache._seqs
-    cdef bint latent = cache._latent
     cdef cnp.ndarray kn = None, vn = None, table, seqlens
     cdef Py_ssize_t B, b, c, i, g, nb, nfree
     cdef int64_t NB = cnp.PyArray_DIMS(k)[0], Hkv = cnp.PyArray_DIMS(k)[1]
@@ -641,7 +645,7 @@ cdef paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bin
     cdef int64_t* info
     cdef int64_t* tab
     cdef int64_t* lens
-    cdef int64_t* refp
+    cdef int64_t* refp = NULL
     cdef int64_t* slots
     cdef list seqs
     cdef _PagedStepWritten w
@@ -657,13 +661,15 @@ cdef paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bin
     B = len(ids)
     if B < 1 or B != cnp.PyArray_DIMS(q)[0] or B != out_shape[0]:
         return None
-    if (cnp.PyArray_TYPE(refs) != cnp.NPY_INT64 or cnp.PyArray_NDIM(refs) != 1
-            or cnp.PyArray_DIMS(refs)[0] != NB or not cnp.PyArray_IS_C_CONTIGUOUS(refs)
-            or not (_aligned(q) and _aligned(k) and _aligned(v))):
+    if not (_aligned(q) and _aligned(k) and _aligned(v)):
         return None
-    refp = <int64_t*> cnp.PyArray_DATA(refs)
     if t:
-        rows = _new_rows(k_new, v_new, q, k, v, latent)
+        refs, free_list = <cnp.ndarray?> cache._refs, <list?> cache._free
+        if (cnp.PyArray_TYPE(refs) != cnp.NPY_INT64 or cnp.PyArray_NDIM(refs) != 1
+                or cnp.PyArray_DIMS(refs)[0] != NB or not cnp.PyArray_IS_C_CONTIGUOUS(refs)):
+            return None
+        refp = <int64_t*> cnp.PyArray_DATA(refs)
+        rows = _new_rows(k_new, v_new, q, k, v, cache._latent)
         if rows is None:
             return None
         kn, vn = rows
@@ -721,7 +727,7 @@ cdef paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bin
             needed += grow
             if nb + grow > width:
                 width = nb + grow
-        nfree = len(free_list)
+        nfree = len(free_list) if t else 0
         if needed > nfree:
             return None          # out of blocks: the full path raises, naming them
         if B >= 2 and shared_keys > 0:  # forks sharing a long prefix read it once (full path)
@@ -765,7 +771,8 @@ cdef paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bin
                     slots[2 * (b * t + i)] = tab[b * width + n // BS]
                     slots[2 * (b * t + i) + 1] = n % BS
             # (a latent pool's v rows are its k rows)
-            _write_rows([k] if latent else [k, v], [kn] if latent else [kn, vn], slots, B, t)
+            _write_rows([k] if cache._latent else [k, v], [kn] if cache._latent else [kn, vn],
+                        slots, B, t)
             (<list> _open_log()).append(w)
             for b in range(B):
                 seq = seqs[b]
