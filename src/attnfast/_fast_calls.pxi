@@ -248,6 +248,16 @@ cdef int _bound_window(tuple window, int64_t reach, query_offset, int64_t* side)
     return 0
 
 
+cdef object _threads(num_threads, query_offset, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v):
+    """A C tail's threads (call_threads), or None (it declines) unless query_offset is as the
+    full path takes it unchanged and q, k, v are aligned."""
+    threads = call_threads(num_threads)
+    if (threads is None or not _offset_ok(query_offset)
+            or not (_aligned(q) and _aligned(k) and _aligned(v))):
+        return None
+    return threads
+
+
 cdef class Plan:
     """What the full checks concluded about an accepted call's layout (attnfast._plans), as
     the C tails read it: the output's shape and dtype, scale, the window as checked, Tq, the
@@ -274,10 +284,8 @@ def attention_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out, 
     done nothing, unless num_threads and query_offset are as the full path takes them
     unchanged, q, k, v are aligned and out (if given) is a writeable aligned ndarray apart
     from q, k and v."""
-    threads = call_threads(num_threads)
-    if threads is None or not _offset_ok(query_offset):
-        return None
-    if not (_aligned(q) and _aligned(k) and _aligned(v)):
+    threads = _threads(num_threads, query_offset, q, k, v)
+    if threads is None:
         return None
     if out is not None:
         out = _usable_out(out, q, k, v)
@@ -312,10 +320,8 @@ def decode_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths,
     cdef int64_t* starts = NULL
     cdef int64_t t = plan.new_tokens, capacity = plan.seqlen_k
     cdef bint latent = advance and _apart(k, v) != 1  # (a latent KVCache: v is k's prefix)
-    threads = call_threads(num_threads)
-    if threads is None or not _offset_ok(query_offset):
-        return None
-    if not (_aligned(q) and _aligned(k) and _aligned(v)) or B < 1:
+    threads = _threads(num_threads, query_offset, q, k, v)
+    if threads is None or B < 1:
         return None
     if advance:  # the cache's own lengths, advanced in place
         lens = <cnp.ndarray?> lengths
@@ -609,12 +615,18 @@ cdef object _paged_planned(Plan plan, cache, cnp.ndarray k, cnp.ndarray v, seq_i
                         query_offset, _shared_prefix.MIN_PREFIX_KEYS)
     if result is None or (lq is q and out is None):
         return result
-    first, lse = result if plan.lse_dtype is not None else (result, None)
-    if lq is not q:
+    return paged_result(result, plan.lse_dtype is not None, lq is not q, out)
+
+
+def paged_result(result, bint return_lse, bint squeeze, out):
+    """PagedKVCache.attend / step's result: 3-D (squeeze: one bare id, 3-D q) or as computed;
+    a caller's `out` comes back as itself (not as the 4-D view the kernels filled)."""
+    first, lse = result if return_lse else (result, None)
+    if squeeze:
         first, lse = first[0], (None if lse is None else lse[0])
     if out is not None:
         first = out
-    return first if lse is None else (first, lse)
+    return (first, lse) if return_lse else first
 
 
 cdef paged_fast(Plan plan, cache, cnp.ndarray k, cnp.ndarray v, seq_ids, cnp.ndarray q, k_new,
@@ -649,8 +661,8 @@ cdef paged_fast(Plan plan, cache, cnp.ndarray k, cnp.ndarray v, seq_ids, cnp.nda
     cdef int64_t* slots
     cdef list seqs
     cdef _PagedStepWritten w
-    threads = call_threads(num_threads)
-    if threads is None or not _offset_ok(query_offset):
+    threads = _threads(num_threads, query_offset, q, k, v)
+    if threads is None:
         return None
     if type(seq_ids) is int:
         ids = (seq_ids,)
@@ -660,8 +672,6 @@ cdef paged_fast(Plan plan, cache, cnp.ndarray k, cnp.ndarray v, seq_ids, cnp.nda
         return None
     B = len(ids)
     if B < 1 or B != cnp.PyArray_DIMS(q)[0] or B != out_shape[0]:
-        return None
-    if not (_aligned(q) and _aligned(k) and _aligned(v)):
         return None
     if t:
         refs, free_list = <cnp.ndarray?> cache._refs, <list?> cache._free
@@ -816,12 +826,8 @@ def paged_table_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cac
     cdef int64_t* tab
     cdef int64_t* L
     cdef char* src
-    threads = call_threads(num_threads)
-    if threads is None or not _offset_ok(query_offset):
-        return None
-    if B < 1 or not (_aligned(q) and _aligned(k) and _aligned(v)):
-        return None
-    if type(block_table) is not _ndarray:
+    threads = _threads(num_threads, query_offset, q, k, v)
+    if threads is None or B < 1 or type(block_table) is not _ndarray:
         return None
     tab_in = <cnp.ndarray> block_table
     if (cnp.PyArray_NDIM(tab_in) != 2 or cnp.PyArray_DIMS(tab_in)[0] != B

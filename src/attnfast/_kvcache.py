@@ -23,6 +23,7 @@ from ._cache_args import (
     check_cache_spec,
     check_latent_spec,
     check_leading_sequences,
+    check_step_tokens,
     check_truncate,
     default_key_rotation,
 )
@@ -503,10 +504,7 @@ class KVCache:
         the tokens are written. A latent cache takes k_new only (v_new None).
         """
         v_new = latent_values(self, k_new, v_new, ndims=(4,))
-        if k_new is None or v_new is None:
-            missing = " and ".join(n for n, a in (("k_new", k_new), ("v_new", v_new)) if a is None)
-            raise ValueError(f"step needs both k_new and v_new; {missing} is None (use attend() "
-                             "to attend without appending)")
+        check_step_tokens(k_new, v_new)
         return self._call(q, k_new, v_new, batch_index, causal, scale, window, softcap,
                           alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset,
                           tree_mask, key_index)

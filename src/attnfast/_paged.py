@@ -13,7 +13,8 @@ import numpy as np
 
 from . import _ext, _shared_prefix
 from ._formats import format_of_storage
-from ._cache_args import check_free_blocks, check_paged_spec, check_seq_ids, check_truncate
+from ._cache_args import (check_free_blocks, check_paged_spec, check_seq_ids, check_step_tokens,
+                          check_truncate)
 from ._cache_checks import check_new_tokens, check_paged_kvcache_attention, check_tree_mask
 from ._plans import kvcache_key, kvcache_plan, KVCACHE_PLANS, remember
 from ._scalars import check_flag
@@ -229,10 +230,7 @@ class PagedKVCache:
         checked before anything is written. A latent pool takes k_new only (v_new None).
         ``key_index`` as in :meth:`attend`, its positions counting the new tokens."""
         v_new = latent_values(self, k_new, v_new, ndims=(3, 4))
-        if k_new is None or v_new is None:
-            missing = " and ".join(n for n, a in (("k_new", k_new), ("v_new", v_new)) if a is None)
-            raise ValueError(f"step needs both k_new and v_new; {missing} is None (use attend() "
-                             "to attend without appending)")
+        check_step_tokens(k_new, v_new)
         return _ext.paged_call(self, seq_ids, q, k_new, v_new, causal, scale, window, softcap,
                                alibi_slopes, sinks, mask, return_lse, out, num_threads,
                                query_offset, tree_mask, key_index)
@@ -400,18 +398,7 @@ class PagedKVCache:
                             k_scale=self._k_scale, v_scale=self._v_scale,
                             block_table=call.block_table)]
         result = run_cache_kernels(call, user_out, return_lse, parts, tree, self._key_rotation)
-        return _finish(result, return_lse, squeeze, out)
-
-
-def _finish(result, return_lse: bool, squeeze: bool, out):
-    """attend / step's result: 3-D (squeeze: one bare id, 3-D q) or as computed; a caller's
-    `out` comes back as itself (not as the 4-D view the kernels filled)."""
-    first, lse = result if return_lse else (result, None)
-    if squeeze:
-        first, lse = first[0], (None if lse is None else lse[0])
-    if out is not None:
-        first = out
-    return (first, lse) if return_lse else first
+        return _ext.paged_result(result, return_lse, squeeze, out)
 
 
 def _lift(single: bool, x):
