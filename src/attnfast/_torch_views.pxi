@@ -408,13 +408,12 @@ cdef inline bint _plain(a) noexcept:
 
 cdef class Converting:
     """attnfast._interop.accepts_arrays' conversions around `fn` (parameter names `names`;
-    `out` at out_index, -1 without): each argument from index `first` on that is not plain
-    (None, a NumPy array, bool, int, float, str, a list or tuple of ints) becomes a NumPy
-    view in C (tensor_view) or by ``convert(argument, name)`` -> (converted, the torch tensor
-    or None), which raises naming it. With no torch tensor among them, fn's result is
-    returned as it is; else its arrays become tensors sharing their memory (array_as_tensor,
-    or ``wrap(result, tensor)``), and `out` comes back as the object the caller passed.
-    Called by converting's wrapper, or inside a transaction (attnfast._transaction)."""
+    `out` at out_index, -1 without), as accepts_arrays describes them: arguments from index
+    `first` on that are not plain (_plain) become NumPy views in C (_view_of) or by
+    ``convert(argument, name)`` -> (converted, the torch tensor or None); with a torch
+    tensor among them, the result's arrays become tensors (array_as_tensor, or ``wrap(result,
+    tensor)``) and `out` comes back as the object passed. Called by converting's wrapper,
+    or inside a transaction (attnfast._transaction)."""
     cdef object fn, convert, wrap
     cdef tuple names
     cdef Py_ssize_t first, out_index
