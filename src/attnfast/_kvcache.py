@@ -14,7 +14,7 @@ import threading
 import numpy as np
 
 from . import _ext
-from ._formats import format_of_storage, quantize_float8, quantize_int8  # noqa: F401 (re-exported)
+from ._formats import format_of_storage
 from ._api import run_kernels
 from ._key_index import with_key_index as attach_key_index
 from ._cache_args import (
