@@ -1,19 +1,26 @@
-"""attnfast vs sdpa as transformers' attention, on a small random-weight Llama.
+"""attnfast vs sdpa as transformers' attention, on a small random-weight Llama: greedy generation
+end to end (prefill time, decode tokens/s, the same tokens).
 
     python bench/bench_transformers.py [--ctx 2048] [--new 32] [--threads 2] [--dtypes float32 bfloat16]
-    # issue 47's end-to-end shape: Llama 32/8 heads, head_dim 128, 2 layers, one thread
-    python bench/bench_transformers.py --heads 32x8 --head-dim 128 --layers 2 --threads 1 --ctx 8192
+    # issue 47's end-to-end grid: Llama 32/8 heads, head_dim 128, 2 layers, prompts of 4k,
+    # 16k and 32k tokens, 1 and 2 threads, float32 and bfloat16 (a summary table, and JSON)
+    python bench/bench_transformers.py --heads 32x8 --head-dim 128 --layers 2 \
+        --ctx 4096 16384 32768 --threads 1 2 --json bench/results/generate.json
 
-For each dtype and backend: prefill of a --ctx token prompt (one forward pass), then
-per-token greedy decode steps after it (DynamicCache). The attention functions (and the
-mask builders) are timed separately by wrapping the functions transformers calls, so the
-table shows the share of time spent in attention. Speedup = sdpa time / attnfast time.
+For each dtype, prompt length (--ctx, several allowed), thread count (--threads, several
+allowed) and backend: prefill of the prompt (one forward pass), then --new per-token greedy
+decode steps after it (DynamicCache). The attention functions (and the mask builders) are
+timed separately by wrapping the functions transformers calls, so the table shows the
+share of time spent in attention. Speedup = sdpa time / attnfast time. With several
+settings a summary follows (one line per dtype, prompt and threads); --json writes every
+row.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import io
+import json
 import time
 
 import torch
@@ -82,9 +89,9 @@ def run(model, attn, ctx, new):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--ctx", type=int, default=2048)
+    p.add_argument("--ctx", type=int, nargs="+", default=[2048], help="prompt lengths (2048)")
     p.add_argument("--new", type=int, default=32)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, nargs="+", default=[2], help="thread counts (2)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--af-threads", type=int, default=None,
                    help="attnfast's threads in the model (aft.register(num_threads=...)); default --threads")
@@ -94,40 +101,66 @@ def main():
     p.add_argument("--hidden", type=int, default=None, help="hidden size (heads * head_dim)")
     p.add_argument("--intermediate", type=int, default=None,
                    help="MLP intermediate size (2 * hidden)")
+    p.add_argument("--json", metavar="PATH", default=None, help="write every row as JSON")
     args = p.parse_args()
     heads, kv_heads = (int(x) for x in args.heads.split("x"))
     hidden = args.hidden or heads * args.head_dim
-    torch.set_num_threads(args.threads)
-    attnfast.set_num_threads(args.threads)
-    aft.register(num_threads=args.af_threads)
+    aft.register()
     instrument()
     with contextlib.redirect_stdout(io.StringIO()):
         isa = attnfast.show_config()["isa"]
     print(f"torch {torch.__version__}, transformers {__import__('transformers').__version__}, "
           f"attnfast {attnfast.__version__} ({isa}), threads {args.threads} "
-          f"(attnfast in the model: {args.af_threads or args.threads})")
+          f"(attnfast in the model: {args.af_threads or 'the same'})")
     print(f"Llama: hidden {hidden}, intermediate {args.intermediate or 2 * hidden}, "
           f"{args.layers} layers, {heads} heads / {kv_heads} KV heads, head_dim {args.head_dim}; "
-          f"random weights, prompt {args.ctx} tokens, then {args.new} greedy decode steps")
-    hdr = (f"{'dtype':9s} {'phase':14s} {'backend':9s} {'total ms':>10s} {'attn ms':>9s} "
-           f"{'attn %':>7s} {'mask ms':>8s}")
+          f"random weights, prompts of {args.ctx} tokens, then {args.new} greedy decode steps")
+    hdr = (f"{'dtype':9s} {'ctx':>6s} {'thr':>3s} {'phase':14s} {'backend':9s} {'total ms':>10s} "
+           f"{'attn ms':>9s} {'attn %':>7s} {'mask ms':>8s}")
     print(hdr)
+    rows, summary = [], []
     for dt in args.dtypes:
         dtype = getattr(torch, dt)
         model = model_for(dtype, args.layers, heads, kv_heads, args.head_dim, hidden,
-                          args.intermediate, args.ctx + args.new)
-        res = {b: run(model, b, args.ctx, args.new) for b in ("sdpa", "attnfast")}
-        for i, phase in enumerate(("prefill", "decode/token")):
-            for b in ("sdpa", "attnfast"):
-                tot, att, msk = res[b][i]
-                print(f"{dt:9s} {phase:14s} {b:9s} {tot * 1e3:10.2f} {att * 1e3:9.3f} "
-                      f"{100 * att / tot:6.1f}% {msk * 1e3:8.3f}")
-            s, a = res["sdpa"][i], res["attnfast"][i]
-            print(f"{'':9s} {phase:14s} speedup   total {s[0] / a[0]:.2f}x, attention "
-                  f"{s[1] / a[1]:.2f}x, attention+mask {(s[1] + s[2]) / (a[1] + a[2]):.2f}x"
-                  + (f"; tokens/s sdpa {1 / s[0]:.2f}, attnfast {1 / a[0]:.2f}" if i else ""))
-        same = torch.equal(res["sdpa"][2], res["attnfast"][2])
-        print(f"{dt:9s} greedy tokens identical over {args.new} steps: {same}")
+                          args.intermediate, max(args.ctx) + args.new)
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            attnfast.set_num_threads(threads)
+            aft._SETTINGS["num_threads"] = args.af_threads or threads  # (register's setting)
+            for ctx in args.ctx:
+                res = {b: run(model, b, ctx, args.new) for b in ("sdpa", "attnfast")}
+                same = torch.equal(res["sdpa"][2], res["attnfast"][2])
+                for i, phase in enumerate(("prefill", "decode/token")):
+                    for b in ("sdpa", "attnfast"):
+                        tot, att, msk = res[b][i]
+                        print(f"{dt:9s} {ctx:6d} {threads:3d} {phase:14s} {b:9s} "
+                              f"{tot * 1e3:10.2f} {att * 1e3:9.3f} {100 * att / tot:6.1f}% "
+                              f"{msk * 1e3:8.3f}")
+                        rows.append(dict(dtype=dt, ctx=ctx, threads=threads, phase=phase,
+                                         backend=b, seconds=tot, attention_seconds=att,
+                                         mask_seconds=msk, same_tokens=same))
+                    s, a = res["sdpa"][i], res["attnfast"][i]
+                    print(f"{'':24s} {phase:14s} speedup   total {s[0] / a[0]:.2f}x, attention "
+                          f"{s[1] / a[1]:.2f}x, attention+mask {(s[1] + s[2]) / (a[1] + a[2]):.2f}x"
+                          + (f"; tokens/s sdpa {1 / s[0]:.2f}, attnfast {1 / a[0]:.2f}" if i
+                             else ""))
+                print(f"{dt:9s} {ctx:6d} {threads:3d} greedy tokens identical over {args.new} "
+                      f"steps: {same}")
+                (ps, _, _), (ds, _, _) = res["sdpa"][:2]
+                (pa, _, _), (da, _, _) = res["attnfast"][:2]
+                summary.append(f"{dt:9s} {ctx:6d} {threads:7d} {ps * 1e3:10.1f} {pa * 1e3:10.1f} "
+                               f"{ps / pa:8.2f}x "
+                               f"{1 / ds:10.2f} {1 / da:10.2f} {ds / da:8.2f}x  {same}")
+    if len(summary) > 1:
+        print(f"\n{'dtype':9s} {'ctx':>6s} {'threads':>7s} {'prefill ms':>10s} {'attnfast':>10s} "
+              f"{'speedup':>9s} {'sdpa tok/s':>10s} {'attnfast':>10s} {'speedup':>9s}  same tokens")
+        print("\n".join(summary))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "attnfast": attnfast.__version__, "isa": isa,
+                       "model": dict(hidden=hidden, layers=args.layers, heads=heads,
+                                     kv_heads=kv_heads, head_dim=args.head_dim),
+                       "new_tokens": args.new, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

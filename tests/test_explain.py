@@ -18,7 +18,7 @@ import pytest
 import attnfast as af
 from attnfast import _ext
 from attnfast._formats import BFLOAT16
-from attnfast._kvcache import quantize_int8
+from attnfast._formats import quantize_int8
 from conftest import simd_decode_lanes
 from reference import TOLERANCE, reference_attention
 

@@ -287,7 +287,7 @@ def test_paged_cache_class_step_and_attend():
 def test_int8_caller_arrays_any_head_dim(int8_widen, D):
     """A caller's int8 cache with its row scales (odd D too: the staged rows' scales stay
     aligned), over the dequantised values."""
-    from attnfast._kvcache import quantize_int8
+    from attnfast._formats import quantize_int8
     rng = np.random.default_rng(10)
     B, H, C, n = 2, 4, 96, 80
     k = rng.standard_normal((B, 1, C, D)).astype(np.float32)

@@ -46,7 +46,7 @@ def test_every_float8_byte_widens_exactly(tier):
 
 
 def test_quantize_float8_round_trip_and_nan_rule():
-    from attnfast._kvcache import quantize_float8
+    from attnfast._formats import quantize_float8
     rng = np.random.default_rng(0)
     x = rng.standard_normal((5, 64)).astype(np.float32)
     x[1] = 0
@@ -99,7 +99,7 @@ def test_float8_options_and_lse(tier, tq):
     B, H, Hkv, D, C, n = 1, 4, 2, 32, 256, 200
     k = rng.standard_normal((B, Hkv, C, D)).astype(np.float32)
     v = rng.standard_normal((B, Hkv, C, D)).astype(np.float32)
-    from attnfast._kvcache import quantize_float8
+    from attnfast._formats import quantize_float8
     kq, ks = quantize_float8(k)
     vq, vs = quantize_float8(v)
     q = rng.standard_normal((B, H, tq, D)).astype(np.float32)

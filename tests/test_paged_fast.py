@@ -10,7 +10,7 @@ import pytest
 import attnfast as af
 from attnfast import _kvcache
 from attnfast._plans import PAGED_PLANS
-from attnfast._kvcache import quantize_float8
+from attnfast._formats import quantize_float8
 from reference import reference_attention, visible_mask
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)

@@ -24,9 +24,9 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 import ml_dtypes
 
 import attnfast as af
-from attnfast import _ext, _kvcache, _paged, _plans, _transaction
-from reference import (TOLERANCE, float32_score_rounding, nan_leak_allowed, reference_attention, reference_nonfinite_rows,
-                       visible_mask)
+from attnfast import _ext, _paged, _plans, _transaction
+from reference import (TOLERANCE, float32_score_rounding, nan_leak_allowed, reference_attention,
+                       reference_nonfinite_rows)
 
 _COMMON = dict(deadline=None, print_blob=True,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import attnfast as af
-from attnfast._kvcache import quantize_int8
+from attnfast._formats import quantize_int8
 from reference import reference_attention
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

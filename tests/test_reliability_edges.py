@@ -10,7 +10,6 @@
 
 Every numerical check is against tests/reference.py (float64 NumPy).
 """
-import signal
 import warnings
 
 import ml_dtypes

@@ -339,9 +339,50 @@ def test_a_tensor_view_holds_the_storage_not_the_tensor():
     gc.collect()
     assert alive() is not None       # the view still holds it
     np.testing.assert_array_equal(view, np.arange(64, dtype=np.float32))
-    del view
+    del view, t    # (a tensor converted again keeps its view until it is freed: _view_of)
     gc.collect()
     assert alive() is None
+
+
+def test_a_kept_view_follows_the_tensor():
+    """A tensor converted again keeps its view (attnfast._ext._view_of): each later call
+    still reads what the tensor holds then, after set_(), as_strided_(), ``.data =``
+    of another dtype, and refuses it once it requires grad."""
+    af.attention(*(torch.zeros(1, 1, 1, 4) for _ in range(3)))  # registers torch
+    rng = np.random.default_rng(3)
+    q, k, v = (torch.from_numpy(rng.standard_normal((1, H, 5, D), dtype=np.float32))
+               for _ in range(3))
+
+    def check():
+        got = af.attention(q, k, v)
+        want = reference_attention(q.numpy(), k.numpy(), v.numpy())[0]
+        np.testing.assert_allclose(got.numpy(), want, **TOL)
+
+    for _ in range(3):
+        check()
+    views = _ext.tensor_views_taken()
+    check()
+    assert _ext.tensor_views_taken() == views + 3
+    k.set_(torch.from_numpy(rng.standard_normal((1, H, 5, D), dtype=np.float32)))
+    check()
+    v.as_strided_((1, H, 5, D), (H * 5 * D, 5 * D, 1, 5))  # the same memory, other strides
+    check()
+    q.data = q.data.double()
+    with pytest.raises(TypeError, match="q has dtype float64"):
+        af.attention(q, k, v)
+    q.data = q.data.float()
+    check()
+    q.requires_grad_(True)
+    with pytest.raises(ValueError, match="requires grad"):
+        af.attention(q, k, v)
+    z = torch.complex(k.clone(), k.clone())
+    k = z.imag                      # the same memory, then with the negative bit
+    for _ in range(3):
+        af.attention(q.detach(), k, v)
+    k.data = z.conj().imag
+    got = af.attention(q.detach(), k, v)
+    want = reference_attention(q.detach().numpy(), -z.imag.numpy(), v.numpy())[0]
+    np.testing.assert_allclose(got.numpy(), want, **TOL)
 
 
 RACE = """

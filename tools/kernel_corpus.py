@@ -26,7 +26,7 @@ import numpy as np
 import attnfast
 from attnfast import _ext
 from attnfast._formats import BFLOAT16
-from attnfast._kvcache import quantize_int8
+from attnfast._formats import quantize_int8
 
 F32, F64, F16 = np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)
 DEFAULT_FILE = os.path.join("build", "corpus", "kernels.npz")

@@ -156,3 +156,31 @@ def check_varlen_slopes(alibi_slopes, batch: int, heads: int) -> list:
                         f"(H,) = ({heads},) or (batch, H) = ({batch}, {heads}) for {batch} "
                         f"sequence(s) of {heads} query head(s)")
     return [a] * batch if a.ndim == 1 else list(a)
+
+
+def check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """Packed varlen sequences (attention_varlen and its backward): q, k, v 3-D (total_tokens,
+    heads, dim) float arrays, k and v of the same tokens and kv heads, query heads a multiple
+    of the kv heads, q and k of one head dim; the checked cumulative offsets, one per
+    sequence boundary alike. Returns (q, k, v, cu_q, cu_k)."""
+    q, k, v = (as_float_array(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if a.ndim != 3:
+            raise ValueError(f"{name} must be 3-D (total_tokens, heads, dim) for varlen, "
+                             f"got shape {_shape_str(a)}")
+    if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must hold the same tokens and kv heads; got k {_shape_str(k)}, "
+                         f"v {_shape_str(v)}")
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if kv_heads < 1 or heads % kv_heads != 0:
+        raise ValueError(f"query heads must be a multiple of kv heads (GQA/MQA); got q "
+                         f"{_shape_str(q)} with {heads} heads, k {_shape_str(k)} with {kv_heads}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k must share the head dim D; got q {_shape_str(q)}, "
+                         f"k {_shape_str(k)}")
+    cu_q = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q)
+    cu_k = check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k)
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
+                         f"sequences; got {cu_q.shape[0] - 1} and {cu_k.shape[0] - 1}")
+    return q, k, v, cu_q, cu_k

@@ -5,8 +5,8 @@ import numpy as np
 
 from . import _ext
 from ._interop import accepts_arrays
-from ._arrays import as_float_array, kernel_ready, to_3d, to_4d
-from ._attention_checks import check_attention, check_cu_seqlens
+from ._arrays import kernel_ready, to_3d, to_4d
+from ._attention_checks import check_attention, check_packed
 from ._key_index import with_key_index
 
 __all__ = ["attention_backward", "attention_varlen_backward"]
@@ -114,24 +114,13 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     reads and writes only its own tokens). Returns (dq, dk, dv) like q, k, v, or
     (dq, dk, dv, dsinks) with ``sinks`` (dsinks summed over the sequences).
     """
-    q, k, v = (as_float_array(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-    for name, a in (("q", q), ("k", k), ("v", v)):
-        if a.ndim != 3:
-            raise ValueError(f"{name} must be 3-D (total_tokens, heads, dim) for varlen, "
-                             f"got shape {a.shape}")
-    if k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"k and v must hold the same tokens and kv heads; got k {k.shape}, "
-                         f"v {v.shape}")
+    q, k, v, cu_q, cu_k = check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                       max_seqlen_k)
     total_q, heads = q.shape[:2]
     dout = _check_like("dout", dout, (total_q, heads, v.shape[2]), q.dtype)
     out = _check_like("out", out, (total_q, heads, v.shape[2]), q.dtype)
     lse = _check_like("lse", lse, (heads, total_q),
                       np.float64 if q.dtype == np.float64 else np.float32)
-    cu_q = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total_q, max_seqlen_q)
-    cu_k = check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k)
-    if cu_q.shape != cu_k.shape:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
-                         f"sequences; got {cu_q.shape[0] - 1} and {cu_k.shape[0] - 1}")
     batch = cu_q.shape[0] - 1
     slopes = [alibi_slopes] * batch
     if alibi_slopes is not None and np.ndim(alibi_slopes) == 2:

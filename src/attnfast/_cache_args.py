@@ -174,3 +174,11 @@ def check_leading_sequences(seqs, batch, **arrays) -> None:
                     else f"batch_index selects {seqs.size}")
             raise ValueError(f"{name} has {n} sequence(s) on axis 0 (shape {np.shape(a)}), "
                              f"but {what}")
+
+
+def check_step_tokens(k_new, v_new) -> None:
+    """A step's new tokens: k_new and v_new both given (attend() attends without appending)."""
+    if k_new is None or v_new is None:
+        missing = " and ".join(n for n, a in (("k_new", k_new), ("v_new", v_new)) if a is None)
+        raise ValueError(f"step needs both k_new and v_new; {missing} is None (use attend() "
+                         "to attend without appending)")

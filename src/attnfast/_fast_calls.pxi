@@ -9,7 +9,7 @@
 # are positional (keyword parsing would cost a tenth of what is left); the callers name them.
 
 from libc.stdlib cimport malloc, free
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 
 cdef extern from *:
     """
@@ -39,13 +39,32 @@ fast_calls_taken = {"attention": 0, "kvcache": 0, "paged": 0}
 fast_call_hooks = {"before_kernels": None}
 
 
+cdef class Layout:
+    """layout_key's result: the words it read, compared whole, hashed once as they are read
+    (FNV-1a over the words: a plan's lookup then costs no SipHash over a few hundred bytes)."""
+    cdef bytes words
+    cdef Py_hash_t hash
+
+    def __hash__(self):
+        return self.hash
+
+    def __eq__(self, other):
+        cdef bytes a = self.words, b
+        if type(other) is not Layout:
+            return False
+        b = (<Layout> other).words
+        return len(a) == len(b) and memcmp(<char*> a, <char*> b, len(a)) == 0
+
+
 def layout_key(a0, a1, a2, a3=None, a4=None, a5=None):
-    """The layout of up to six arrays as one bytes object (shape, strides, dtype of each;
-    None stays distinct from every array), or None unless each is None or exactly a
+    """The layout of up to six arrays as one Layout (shape, strides, dtype of each; None
+    stays distinct from every array), or None unless each is None or exactly a
     numpy.ndarray of at most 16 dimensions: the array part of a fast-path plan key."""
     cdef int64_t words[6 * _KEY_WORDS_PER_ARRAY]
     cdef int n = 0, i, j
+    cdef uint64_t h = 14695981039346656037ULL
     cdef cnp.ndarray a
+    cdef Layout key
     for obj in (a0, a1, a2, a3, a4, a5):
         if obj is None:
             words[n] = -1
@@ -66,7 +85,12 @@ def layout_key(a0, a1, a2, a3=None, a4=None, a5=None):
         words[n + 1] = attnfast_byteorder(a)
         words[n + 2] = cnp.PyArray_ITEMSIZE(a)
         n += 3
-    return (<char*> words)[:n * sizeof(int64_t)]
+    for i in range(n):
+        h = (h ^ <uint64_t> words[i]) * 1099511628211ULL
+    key = Layout.__new__(Layout)
+    key.words = (<char*> words)[:n * sizeof(int64_t)]
+    key.hash = <Py_hash_t> (h >> 1)   # (never -1)
+    return key
 
 
 cdef bint _extent(cnp.ndarray a, char** lo, char** hi):
@@ -224,6 +248,16 @@ cdef int _bound_window(tuple window, int64_t reach, query_offset, int64_t* side)
     return 0
 
 
+cdef object _threads(num_threads, query_offset, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v):
+    """A C tail's threads (call_threads), or None (it declines) unless query_offset is as the
+    full path takes it unchanged and q, k, v are aligned."""
+    threads = call_threads(num_threads)
+    if (threads is None or not _offset_ok(query_offset)
+            or not (_aligned(q) and _aligned(k) and _aligned(v))):
+        return None
+    return threads
+
+
 cdef class Plan:
     """What the full checks concluded about an accepted call's layout (attnfast._plans), as
     the C tails read it: the output's shape and dtype, scale, the window as checked, Tq, the
@@ -250,10 +284,8 @@ def attention_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out, 
     done nothing, unless num_threads and query_offset are as the full path takes them
     unchanged, q, k, v are aligned and out (if given) is a writeable aligned ndarray apart
     from q, k and v."""
-    threads = call_threads(num_threads)
-    if threads is None or not _offset_ok(query_offset):
-        return None
-    if not (_aligned(q) and _aligned(k) and _aligned(v)):
+    threads = _threads(num_threads, query_offset, q, k, v)
+    if threads is None:
         return None
     if out is not None:
         out = _usable_out(out, q, k, v)
@@ -284,14 +316,13 @@ def decode_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths,
     KVCache's v being a view of its k).
     """
     cdef cnp.npy_intp B = cnp.PyArray_DIMS(q)[0], b, i
-    cdef cnp.ndarray lens, seqlens
+    cdef cnp.ndarray lens = None
     cdef int64_t* starts = NULL
+    cdef int64_t* after      # the lengths after the call: the cache's own, or in `starts`
     cdef int64_t t = plan.new_tokens, capacity = plan.seqlen_k
     cdef bint latent = advance and _apart(k, v) != 1  # (a latent KVCache: v is k's prefix)
-    threads = call_threads(num_threads)
-    if threads is None or not _offset_ok(query_offset):
-        return None
-    if not (_aligned(q) and _aligned(k) and _aligned(v)) or B < 1:
+    threads = _threads(num_threads, query_offset, q, k, v)
+    if threads is None or B < 1:
         return None
     if advance:  # the cache's own lengths, advanced in place
         lens = <cnp.ndarray?> lengths
@@ -305,10 +336,10 @@ def decode_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths,
         out = _usable_out(out, q, k, v, k_new, v_new)
         if out is None:
             return None      # the full path raises its error, naming out
-    seqlens = lens if advance else _empty((B,), _INT64)
-    starts = <int64_t*> malloc((B + 2 * B * t) * sizeof(int64_t))  # + the token slots
+    starts = <int64_t*> malloc((2 * B + 2 * B * t) * sizeof(int64_t))  # + slots, lengths
     if starts == NULL:
         raise MemoryError()
+    after = <int64_t*> cnp.PyArray_DATA(lens) if advance else starts + B + 2 * B * t
     try:
         if not _read_lengths(lengths, B, capacity - t, starts):
             return None
@@ -323,10 +354,10 @@ def decode_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths,
             if advance:
                 _keep_int64s(lens)
         for b in range(B):
-            (<int64_t*> cnp.PyArray_DATA(seqlens))[b] = starts[b] + t
+            after[b] = starts[b] + t
         # (raising: the transaction puts back what was written)
-        return _run_plan(plan, "kvcache", q, k, v, out, causal, threads, seqlens, None, None,
-                         query_offset, None, capacity)
+        return _run_plan(plan, "kvcache", q, k, v, out, causal, threads, None, None, None,
+                         query_offset, None, capacity, NULL, after)
     finally:
         free(starts)
 
@@ -401,10 +432,11 @@ cdef bint _read_lengths(lengths, cnp.npy_intp B, int64_t most, int64_t* into) ex
 
 cdef object _run_plan(Plan plan, str path, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out,
                       bint causal, threads, seqlens, k_scale, v_scale, query_offset, table,
-                      int64_t keys):
+                      int64_t keys, const int64_t* pool_table=NULL, const int64_t* lens=NULL):
     """The end of every C tail: out (the caller's, checked, or a new array) and lse (with
     return_lse), the window bounded over `keys` (bound_window), the kernel call; returns
-    out or (out, lse)."""
+    out or (out, lse). `lens`: the lengths (B,) in a C tail's own memory (seqlens None);
+    `pool_table`: paged_fast's block table (B, keys / block size), likewise (table None)."""
     cdef AttentionParams p = default_params()
     cdef int64_t side[2]
     target = _empty(plan.out_shape, plan.dtype) if out is None else out
@@ -412,6 +444,12 @@ cdef object _run_plan(Plan plan, str path, cnp.ndarray q, cnp.ndarray k, cnp.nda
     _bound_window(plan.window, plan.seqlen_q + keys, query_offset, side)
     _fill_params(&p, q, k, v, target, lse, causal, plan.scale, side[0], side[1], threads,
                  seqlens, k_scale, v_scale, query_offset, 0.0, None, None, None, table)
+    if lens != NULL:
+        p.seqlens_k = lens
+    if pool_table != NULL:
+        p.block_table = pool_table
+        p.block_size, p.num_blocks = cnp.PyArray_DIMS(k)[2], cnp.PyArray_DIMS(k)[0]
+        p.block_table_batch_stride, p.seqlen_k = keys // p.block_size, keys
     fast_calls_taken[path] += 1
     _run_one(&p)
     return target if lse is None else (target, lse)
@@ -439,8 +477,9 @@ def seqlens_key(cache_seqlens):
     return None
 
 
-def kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, out, causal, scale, window,
-                return_lse, tuple unplanned=(), block_table=None, k_scale=None, v_scale=None):
+cpdef object kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, out, causal, scale,
+                        window, return_lse, tuple unplanned=(), block_table=None, k_scale=None,
+                        v_scale=None):
     """attention_with_kvcache() and KVCache.attend/step: the plan key of a call, or None when
     no plan can serve it: where the KV-cache fast path's eligibility is decided. The key
     holds the layouts of q, the caches, the new tokens and `out` (so out's shape, dtype and
@@ -471,11 +510,11 @@ def kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, out, causal, sca
     if window is not None and not (type(window) is tuple and len(window) == 2
                                    and type(window[0]) is int and type(window[1]) is int):
         return None
-    options = causal, scale, window
     if block_table is None and k_scale is None and v_scale is None:
-        return layout, lengths_key, options, return_lse
+        return layout, lengths_key, causal, scale, window, return_lse
     paged = layout_key(block_table, k_scale, v_scale)
-    return None if paged is None else (layout, lengths_key, options, return_lse, paged)
+    return None if paged is None else (layout, lengths_key, causal, scale, window, return_lse,
+                                       paged)
 
 
 # ---- PagedKVCache.attend / step (attnfast._paged): the per-call bookkeeping, in C ----
@@ -495,16 +534,16 @@ cdef class _PagedStepWritten:
     wrote are _RowsWritten entries of their own). Calling it puts it back; it may run again
     (and then changes nothing)."""
     cdef list seqs, free
-    cdef cnp.ndarray refs, table
-    cdef bytes info            # int64 per sequence: (length, blocks held, blocks taken)
-    cdef int64_t popped
+    cdef cnp.ndarray refs
+    cdef bytes info, table     # int64 per sequence: (length, blocks held, blocks taken); table
+    cdef int64_t popped, width
     cdef bint restored
 
     def __call__(self):
         cdef const int64_t* info = <const int64_t*> (<char*> self.info)
-        cdef const int64_t* tab = <const int64_t*> cnp.PyArray_DATA(self.table)
+        cdef const int64_t* tab = <const int64_t*> (<char*> self.table)
         cdef int64_t* refs = <int64_t*> cnp.PyArray_DATA(self.refs)
-        cdef int64_t width = cnp.PyArray_DIMS(self.table)[1], blk
+        cdef int64_t width = self.width, blk
         cdef Py_ssize_t B = len(self.seqs), b, g, i
         cdef list taken = []
         if self.restored:
@@ -533,9 +572,68 @@ cdef bint _has_shape(cnp.ndarray a, tuple shape):
     return True
 
 
-def paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bint causal,
-               num_threads, query_offset, int64_t shared_keys):
-    """The rest of PagedKVCache.attend / step's fast path (_paged.PagedKVCache._call) in
+cdef dict _paged_plans = None       # attnfast._plans.KVCACHE_PLANS (use_paged_plans)
+cdef object _shared_prefix = None    # attnfast._shared_prefix (its MIN_PREFIX_KEYS, per call)
+
+
+def use_paged_plans(dict plans, shared_prefix):
+    """attnfast._paged, once: where paged_call finds plans and the shared-prefix threshold."""
+    global _paged_plans, _shared_prefix
+    _paged_plans, _shared_prefix = plans, shared_prefix
+
+
+def paged_call(cache, seq_ids, q, k_new, v_new, causal, scale, window, softcap, alibi_slopes,
+               sinks, mask, return_lse, out, num_threads, query_offset, tree_mask, key_index):
+    """PagedKVCache.attend / step by the plan an earlier call of this layout left under the
+    call's kvcache_key, if there is one: with one bare id, 3-D arrays gain the sequence axis
+    (the results lose it again; a caller's out comes back as itself), then paged_fast. Else
+    (no plan, or paged_fast declines, having changed nothing) the full path,
+    ``cache._call(the same arguments)``."""
+    k, v = cache._k, cache._v
+    key = kvcache_key(q, k, v, "PagedKVCache.lengths", k_new, v_new, out, causal,
+                      scale, window, return_lse,
+                      (softcap, alibi_slopes, sinks, mask, tree_mask, key_index))
+    plan = None if key is None else _paged_plans.get(key)
+    result = None if plan is None else _paged_planned(
+        plan, cache, k, v, seq_ids, q, k_new, v_new, out, causal, num_threads, query_offset)
+    if result is None:
+        return cache._call(seq_ids, q, k_new, v_new, causal, scale, window, softcap,
+                           alibi_slopes, sinks, mask, return_lse, out, num_threads,
+                           query_offset, tree_mask, key_index)
+    return result
+
+
+cdef object _paged_planned(Plan plan, cache, cnp.ndarray k, cnp.ndarray v, seq_ids, q, k_new,
+                           v_new, out, bint causal, num_threads, query_offset):
+    """paged_call's fast path (None: declined)."""
+    lq, lk, lv, lout = q, k_new, v_new, out
+    if type(seq_ids) is int:  # one bare id: 3-D arrays gain the sequence axis
+        lq, lk, lv, lout = [a[None] if a is not None and a.ndim == 3 else a
+                            for a in (q, k_new, v_new, out)]
+    elif cnp.PyArray_NDIM(<cnp.ndarray> q) == 3:
+        return None
+    result = paged_fast(plan, cache, k, v, seq_ids, lq, lk, lv, lout, causal, num_threads,
+                        query_offset, _shared_prefix.MIN_PREFIX_KEYS)
+    if result is None or (lq is q and out is None):
+        return result
+    return paged_result(result, plan.lse_dtype is not None, lq is not q, out)
+
+
+def paged_result(result, bint return_lse, bint squeeze, out):
+    """PagedKVCache.attend / step's result: 3-D (squeeze: one bare id, 3-D q) or as computed;
+    a caller's `out` comes back as itself (not as the 4-D view the kernels filled)."""
+    first, lse = result if return_lse else (result, None)
+    if squeeze:
+        first, lse = first[0], (None if lse is None else lse[0])
+    if out is not None:
+        first = out
+    return (first, lse) if return_lse else first
+
+
+cdef paged_fast(Plan plan, cache, cnp.ndarray k, cnp.ndarray v, seq_ids, cnp.ndarray q, k_new,
+                v_new, out, bint causal,
+                num_threads, query_offset, int64_t shared_keys):
+    """The rest of PagedKVCache.attend / step's fast path (paged_call) in
     one call, for a layout the full path accepted (`plan`: t new tokens, the output, scale,
     window as checked): append k_new, v_new (t > 0) to each sequence of
     `seq_ids` (an int, or a list / tuple of ints, one per row of q), taking blocks from the
@@ -547,12 +645,10 @@ def paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bint
     same block (shared-prefix decoding: the full path), the new tokens fit (_new_rows)
     and nothing written overlaps what the call reads. What it changes (bytes, blocks,
     lengths) goes to the open transaction's log first (attnfast._transaction)."""
-    cdef cnp.ndarray k = <cnp.ndarray?> cache._k, v = <cnp.ndarray?> cache._v
-    cdef cnp.ndarray refs = <cnp.ndarray?> cache._refs
-    cdef list free_list = <list?> cache._free
+    cdef cnp.ndarray refs = None     # (the blocks' counts and the free list: read to append)
+    cdef list free_list = None
     cdef dict live = <dict?> cache._seqs
-    cdef bint latent = cache._latent
-    cdef cnp.ndarray kn = None, vn = None, table, seqlens
+    cdef cnp.ndarray kn = None, vn = None
     cdef Py_ssize_t B, b, c, i, g, nb, nfree
     cdef int64_t NB = cnp.PyArray_DIMS(k)[0], Hkv = cnp.PyArray_DIMS(k)[1]
     cdef int64_t BS = cnp.PyArray_DIMS(k)[2]
@@ -560,14 +656,14 @@ def paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bint
     cdef int64_t t = plan.new_tokens
     cdef tuple out_shape = plan.out_shape
     cdef int64_t* info
-    cdef int64_t* tab
+    cdef int64_t* tab = NULL
     cdef int64_t* lens
-    cdef int64_t* refp
+    cdef int64_t* refp = NULL
     cdef int64_t* slots
     cdef list seqs
     cdef _PagedStepWritten w
-    threads = call_threads(num_threads)
-    if threads is None or not _offset_ok(query_offset):
+    threads = _threads(num_threads, query_offset, q, k, v)
+    if threads is None:
         return None
     if type(seq_ids) is int:
         ids = (seq_ids,)
@@ -578,13 +674,13 @@ def paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bint
     B = len(ids)
     if B < 1 or B != cnp.PyArray_DIMS(q)[0] or B != out_shape[0]:
         return None
-    if (cnp.PyArray_TYPE(refs) != cnp.NPY_INT64 or cnp.PyArray_NDIM(refs) != 1
-            or cnp.PyArray_DIMS(refs)[0] != NB or not cnp.PyArray_IS_C_CONTIGUOUS(refs)
-            or not (_aligned(q) and _aligned(k) and _aligned(v))):
-        return None
-    refp = <int64_t*> cnp.PyArray_DATA(refs)
     if t:
-        rows = _new_rows(k_new, v_new, q, k, v, latent)
+        refs, free_list = <cnp.ndarray?> cache._refs, <list?> cache._free
+        if (cnp.PyArray_TYPE(refs) != cnp.NPY_INT64 or cnp.PyArray_NDIM(refs) != 1
+                or cnp.PyArray_DIMS(refs)[0] != NB or not cnp.PyArray_IS_C_CONTIGUOUS(refs)):
+            return None
+        refp = <int64_t*> cnp.PyArray_DATA(refs)
+        rows = _new_rows(k_new, v_new, q, k, v, cache._latent)
         if rows is None:
             return None
         kn, vn = rows
@@ -642,7 +738,7 @@ def paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bint
             needed += grow
             if nb + grow > width:
                 width = nb + grow
-        nfree = len(free_list)
+        nfree = len(free_list) if t else 0
         if needed > nfree:
             return None          # out of blocks: the full path raises, naming them
         if B >= 2 and shared_keys > 0:  # forks sharing a long prefix read it once (full path)
@@ -653,9 +749,11 @@ def paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bint
                     if (info[3 * c + 1] and info[3 * c] + t >= shared_keys
                             and (<list> seqs[c].blocks)[0] == (<list> seqs[b].blocks)[0]):
                         return None
-        # The table (unused entries 0: a valid id, never read) with the blocks to be taken
-        table = _empty((B, width), _INT64)
-        tab = <int64_t*> cnp.PyArray_DATA(table)
+        # The table (unused entries 0: a valid id, never read) with the blocks to be taken,
+        # then the lengths after the call
+        tab = <int64_t*> malloc((B * width + B) * sizeof(int64_t))
+        if tab == NULL:
+            raise MemoryError()
         memset(tab, 0, B * width * sizeof(int64_t))
         g = nfree - 1
         for b in range(B):
@@ -671,13 +769,13 @@ def paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bint
                 if blk < 0 or blk >= NB or refp[blk] != 0:
                     return None
                 tab[b * width + info[3 * b + 1] + i] = blk
-        seqlens = _empty((B,), _INT64)
-        lens = <int64_t*> cnp.PyArray_DATA(seqlens)
+        lens = tab + B * width
         for b in range(B):
             lens[b] = info[3 * b] + t
         if t:  # what changes goes to the open transaction's log first (it undoes a raise)
             w = _PagedStepWritten.__new__(_PagedStepWritten)
-            w.seqs, w.free, w.refs, w.table = seqs, free_list, refs, table
+            w.seqs, w.free, w.refs, w.width = seqs, free_list, refs, width
+            w.table = (<char*> tab)[:B * width * sizeof(int64_t)]
             w.info = (<char*> info)[:3 * B * sizeof(int64_t)]
             slots = info + 3 * B  # sequence b's token u: (block, row) of position info[3b] + u
             for b in range(B):
@@ -686,7 +784,8 @@ def paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bint
                     slots[2 * (b * t + i)] = tab[b * width + n // BS]
                     slots[2 * (b * t + i) + 1] = n % BS
             # (a latent pool's v rows are its k rows)
-            _write_rows([k] if latent else [k, v], [kn] if latent else [kn, vn], slots, B, t)
+            _write_rows([k] if cache._latent else [k, v], [kn] if cache._latent else [kn, vn],
+                        slots, B, t)
             (<list> _open_log()).append(w)
             for b in range(B):
                 seq = seqs[b]
@@ -697,10 +796,11 @@ def paged_fast(Plan plan, cache, seq_ids, cnp.ndarray q, k_new, v_new, out, bint
                     seq.blocks.append(blk)
                 seq.length = lens[b]
         # (the window as bound_window leaves it over this call's width * block_size keys)
-        return _run_plan(plan, "paged", q, k, v, out, causal, threads, seqlens, None, None,
-                         query_offset, table, width * BS)
+        return _run_plan(plan, "paged", q, k, v, out, causal, threads, None, None, None,
+                         query_offset, None, width * BS, tab, lens)
     finally:
         free(info)
+        free(tab)
 
 
 # ---- attention_with_kvcache(block_table=...) without new tokens: the per-call values ----
@@ -723,19 +823,17 @@ def paged_table_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cac
     reads; then the kernel call. Returns out, or (out, lse) (return_lse); a SharedPrefix
     when two sequences of `shared_keys` or more keys begin with the same block (the caller
     composes); None, having done nothing, when anything is unusual (the full path raises)."""
-    cdef cnp.ndarray table, lens, tab_in
+    cdef cnp.ndarray tab_in
     cdef int64_t NB = cnp.PyArray_DIMS(k)[0], BS = cnp.PyArray_DIMS(k)[2]
     cdef cnp.npy_intp B = cnp.PyArray_DIMS(q)[0], W, b, c, i, s0, s1
     cdef int64_t used
     cdef int64_t* tab
+    cdef int64_t* buf
     cdef int64_t* L
+    cdef bint copied
     cdef char* src
-    threads = call_threads(num_threads)
-    if threads is None or not _offset_ok(query_offset):
-        return None
-    if B < 1 or not (_aligned(q) and _aligned(k) and _aligned(v)):
-        return None
-    if type(block_table) is not _ndarray:
+    threads = _threads(num_threads, query_offset, q, k, v)
+    if threads is None or B < 1 or type(block_table) is not _ndarray:
         return None
     tab_in = <cnp.ndarray> block_table
     if (cnp.PyArray_NDIM(tab_in) != 2 or cnp.PyArray_DIMS(tab_in)[0] != B
@@ -753,47 +851,55 @@ def paged_table_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, cac
         if (out is None or not _has_shape(<cnp.ndarray> out, plan.out_shape)
                 or (v_scale is not None and _apart(<cnp.ndarray> out, <cnp.ndarray> v_scale) != 1)):
             return None      # the full path raises its error, naming out
-    # The table as the kernels take it: int64, rows contiguous (a copy unless it is so).
-    if (cnp.PyArray_TYPE(tab_in) == cnp.NPY_INT64
-            and (W == 1 or cnp.PyArray_STRIDES(tab_in)[1] == 8)):
-        table = tab_in
-    else:
-        table = _empty((B, W), _INT64)
-        s0, s1 = cnp.PyArray_STRIDES(tab_in)[0], cnp.PyArray_STRIDES(tab_in)[1]
-        src = <char*> cnp.PyArray_DATA(tab_in)
-        tab = <int64_t*> cnp.PyArray_DATA(table)
+    # The table as the kernels take it: int64, rows contiguous (a copy unless it is so),
+    # `rows` bytes apart; then the lengths, in memory of this call's own.
+    buf = <int64_t*> malloc((B * W + B) * sizeof(int64_t))
+    if buf == NULL:
+        raise MemoryError()
+    try:
+        src, s0, s1 = <char*> cnp.PyArray_DATA(tab_in), cnp.PyArray_STRIDES(tab_in)[0], 0
+        copied = not (cnp.PyArray_TYPE(tab_in) == cnp.NPY_INT64
+                      and (W == 1 or cnp.PyArray_STRIDES(tab_in)[1] == 8))
+        if copied:
+            s1 = cnp.PyArray_STRIDES(tab_in)[1]
+            for b in range(B):
+                for i in range(W):
+                    if cnp.PyArray_TYPE(tab_in) == cnp.NPY_INT64:
+                        buf[b * W + i] = (<int64_t*> (src + b * s0 + i * s1))[0]
+                    else:
+                        buf[b * W + i] = (<int32_t*> (src + b * s0 + i * s1))[0]
+            src, s0 = <char*> buf, W * sizeof(int64_t)
+        L = buf + B * W
+        if not _read_lengths(cache_seqlens, B, W * BS, L):
+            return None              # the full path names the length
         for b in range(B):
-            for i in range(W):
-                if cnp.PyArray_TYPE(tab_in) == cnp.NPY_INT64:
-                    tab[b * W + i] = (<int64_t*> (src + b * s0 + i * s1))[0]
-                else:
-                    tab[b * W + i] = (<int32_t*> (src + b * s0 + i * s1))[0]
-    lens = _empty((B,), _INT64)
-    L = <int64_t*> cnp.PyArray_DATA(lens)
-    if not _read_lengths(cache_seqlens, B, W * BS, L):
-        return None              # the full path names the length
-    s0 = cnp.PyArray_STRIDES(table)[0]
-    src = <char*> cnp.PyArray_DATA(table)
-    for b in range(B):
-        used = (L[b] + BS - 1) // BS
-        tab = <int64_t*> (src + b * s0)
-        for i in range(used):
-            if tab[i] < 0 or tab[i] >= NB:
-                return None      # the full path names the entry
-    if B >= 2 and shared_keys > 0:  # sequences sharing a long prefix read it once
-        for b in range(1, B):
-            if L[b] < shared_keys:
-                continue
-            for c in range(b):
-                if (L[c] >= shared_keys and (<int64_t*> (src + b * s0))[0]
-                        == (<int64_t*> (src + c * s0))[0]):
-                    shared = SharedPrefix.__new__(SharedPrefix)
-                    (<SharedPrefix> shared).table = table
-                    (<SharedPrefix> shared).lengths = lens
-                    (<SharedPrefix> shared).threads = threads
-                    return shared
-    return _run_plan(plan, "paged", q, k, v, out, causal, threads, lens, k_scale, v_scale,
-                     query_offset, table, W * BS)
+            used = (L[b] + BS - 1) // BS
+            tab = <int64_t*> (src + b * s0)
+            for i in range(used):
+                if tab[i] < 0 or tab[i] >= NB:
+                    return None      # the full path names the entry
+        if B >= 2 and shared_keys > 0:  # sequences sharing a long prefix read it once
+            for b in range(1, B):
+                if L[b] < shared_keys:
+                    continue
+                for c in range(b):
+                    if (L[c] >= shared_keys and (<int64_t*> (src + b * s0))[0]
+                            == (<int64_t*> (src + c * s0))[0]):
+                        shared = SharedPrefix.__new__(SharedPrefix)
+                        (<SharedPrefix> shared).table = tab_in if not copied else np.frombuffer(
+                            (<char*> buf)[:B * W * sizeof(int64_t)], np.int64).reshape(B, W).copy()
+                        (<SharedPrefix> shared).lengths = np.frombuffer(
+                            (<char*> L)[:B * sizeof(int64_t)], np.int64).copy()
+                        (<SharedPrefix> shared).threads = threads
+                        return shared
+        table = None if copied else tab_in
+        if copied and k_scale is not None:  # (the scales' checks need the table's array)
+            table = _empty((B, W), _INT64)
+            memcpy(cnp.PyArray_DATA(table), buf, B * W * sizeof(int64_t))
+        return _run_plan(plan, "paged", q, k, v, out, causal, threads, None, k_scale, v_scale,
+                         query_offset, table, W * BS, buf if table is None else NULL, L)
+    finally:
+        free(buf)
 
 
 # ---- PagedKVCache.truncate (attnfast._paged): what it changes, recorded as it goes ----

@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from ._written import read_only_copy
-from ._ext import array_as_tensor, converting, register_torch, tensor_view
+from ._ext import Converting, array_as_tensor, converting, register_torch, tensor_view
 
 __all__ = ["accepts_arrays", "to_numpy", "wrap_like", "is_torch"]
 
@@ -140,11 +140,16 @@ def accepts_arrays(fn):
     A torch ``out=`` comes back as itself. The signature is unchanged (functools.wraps).
     The wrapper is attnfast._ext.converting (in C: plain dense CPU tensors become NumPy
     views in one C call each; NumPy arrays, None and plain options stay as they are)."""
+    return functools.update_wrapper(converting(conversions(fn)), fn)
+
+
+def conversions(fn) -> Converting:
+    """accepts_arrays' conversions around `fn`, as attnfast._ext runs them (also within a
+    transaction: attnfast._transaction.transaction(arrays=True))."""
     names = tuple(inspect.signature(fn).parameters)
     first = 1 if names[:1] == ("self",) else 0
     out_index = names.index("out") if "out" in names else -1
-    return functools.update_wrapper(
-        converting(fn, names, first, out_index, _convert, wrap_like), fn)
+    return Converting(fn, names, first, out_index, _convert, wrap_like)
 
 
 def _convert(a, name):

@@ -14,9 +14,8 @@ import threading
 import numpy as np
 
 from . import _ext
-from ._formats import format_of_storage, quantize_float8, quantize_int8  # noqa: F401 (re-exported)
+from ._formats import format_of_storage
 from ._api import run_kernels
-from ._interop import accepts_arrays
 from ._key_index import with_key_index as attach_key_index
 from ._cache_args import (
     check_batch_index,
@@ -24,6 +23,7 @@ from ._cache_args import (
     check_cache_spec,
     check_latent_spec,
     check_leading_sequences,
+    check_step_tokens,
     check_truncate,
     default_key_rotation,
 )
@@ -58,8 +58,7 @@ __all__ = ["KVCache", "attention_with_kvcache"]
 _LENGTHS = "KVCache.lengths"  # a KVCache's lengths in its plan keys (attnfast._ext.kvcache_key)
 
 
-@transaction()
-@accepts_arrays
+@transaction(arrays=True)
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None, *,
                            causal=True, scale=None, window=None, softcap=None,
                            alibi_slopes=None, sinks=None, mask=None, return_lse=False,
@@ -448,8 +447,7 @@ class KVCache:
                 f"lengths={self._lengths.tolist() if self.batch <= 8 else '...'})")
 
     # ---- methods ----
-    @transaction(lock="_lock")
-    @accepts_arrays
+    @transaction(lock="_lock", arrays=True)
     def append(self, k_new, v_new=None, *, batch_index=None) -> None:
         """Append t >= 1 tokens to every sequence (or to those of ``batch_index``).
 
@@ -475,8 +473,7 @@ class KVCache:
                 raise ValueError(f"{name} is read-only, but k_new/v_new must be written into it")
         self._write(seqs, self._lengths[seqs], k_new, v_new)
 
-    @transaction(lock="_lock")
-    @accepts_arrays
+    @transaction(lock="_lock", arrays=True)
     def attend(self, q, *, batch_index=None, causal=True, scale=None, window=None,
                softcap=None, alibi_slopes=None, sinks=None, mask=None, return_lse=False,
                out=None, num_threads=None, query_offset=None, tree_mask=None, key_index=None):
@@ -493,8 +490,7 @@ class KVCache:
                           sinks, mask, return_lse, out, num_threads, query_offset, tree_mask,
                           key_index)
 
-    @transaction(lock="_lock")
-    @accepts_arrays
+    @transaction(lock="_lock", arrays=True)
     def step(self, q, k_new, v_new=None, *, batch_index=None, causal=True, scale=None,
              window=None, softcap=None, alibi_slopes=None, sinks=None, mask=None,
              return_lse=False, out=None, num_threads=None, query_offset=None, tree_mask=None,
@@ -508,16 +504,12 @@ class KVCache:
         the tokens are written. A latent cache takes k_new only (v_new None).
         """
         v_new = latent_values(self, k_new, v_new, ndims=(4,))
-        if k_new is None or v_new is None:
-            missing = " and ".join(n for n, a in (("k_new", k_new), ("v_new", v_new)) if a is None)
-            raise ValueError(f"step needs both k_new and v_new; {missing} is None (use attend() "
-                             "to attend without appending)")
+        check_step_tokens(k_new, v_new)
         return self._call(q, k_new, v_new, batch_index, causal, scale, window, softcap,
                           alibi_slopes, sinks, mask, return_lse, out, num_threads, query_offset,
                           tree_mask, key_index)
 
-    @transaction(lock="_lock")
-    @accepts_arrays
+    @transaction(lock="_lock", arrays=True)
     def truncate(self, n) -> None:
         """Roll every sequence back to n tokens (or sequence b to n[b]), e.g. to drop rejected
         speculative tokens. n may not exceed a sequence's current length (ValueError)."""

@@ -13,13 +13,13 @@ import numpy as np
 
 from . import _ext, _shared_prefix
 from ._formats import format_of_storage
-from ._cache_args import check_free_blocks, check_paged_spec, check_seq_ids, check_truncate
+from ._cache_args import (check_free_blocks, check_paged_spec, check_seq_ids, check_step_tokens,
+                          check_truncate)
 from ._cache_checks import check_new_tokens, check_paged_kvcache_attention, check_tree_mask
 from ._plans import kvcache_key, kvcache_plan, KVCACHE_PLANS, remember
 from ._scalars import check_flag
 from ._written import check_out
 from ._descriptors import CacheLayout, KernelPart
-from ._interop import accepts_arrays
 from ._kvcache import (_read_and_written, allocate_storage, latent_values, run_cache_kernels,
                        storage_properties, with_key_index)
 from ._transaction import assign, copy_rows, logged, token_slots, transaction, write_tokens
@@ -27,6 +27,7 @@ from ._transaction import assign, copy_rows, logged, token_slots, transaction, w
 __all__ = ["PagedKVCache"]
 
 _LENGTHS = "PagedKVCache.lengths"  # a PagedKVCache's lengths in its plan keys (kvcache_key)
+_ext.use_paged_plans(KVCACHE_PLANS, _shared_prefix)
 
 
 class _Sequence:
@@ -184,8 +185,7 @@ class PagedKVCache:
             raise RuntimeError(f"PagedKVCache: the blocks of sequence {sid} are inconsistent")
 
     # ---- tokens and attention ----
-    @transaction(lock="_lock")
-    @accepts_arrays
+    @transaction(lock="_lock", arrays=True)
     def append(self, seq_ids, k_new, v_new=None) -> None:
         """Append t >= 1 tokens to each sequence of `seq_ids`: k_new (n, kv_heads, t,
         head_dim), v_new (n, kv_heads, t, v_head_dim) in the cache's dtype (float32 is also
@@ -204,8 +204,7 @@ class PagedKVCache:
         starts = np.array([self._seqs[s].length for s in ids], dtype=np.int64)
         self._append(ids, plan, self._table(self._tentative(ids, plan)), starts, k_new, v_new)
 
-    @transaction(lock="_lock")
-    @accepts_arrays
+    @transaction(lock="_lock", arrays=True)
     def attend(self, seq_ids, q, *, causal=True, scale=None, window=None, softcap=None,
                alibi_slopes=None, sinks=None, mask=None, return_lse=False, out=None,
                num_threads=None, query_offset=None, tree_mask=None, key_index=None):
@@ -218,12 +217,11 @@ class PagedKVCache:
         (docs/user_guide/paged.md, shared-prefix decoding). ``tree_mask`` (Tq x Tq bool): the
         last Tq tokens of each sequence are a token tree, as in :func:`attnfast.attention_with_kvcache`.
         Returns out (n, H, Tq, v_head_dim), or (out, lse)."""
-        return self._call(seq_ids, q, None, None, causal, scale, window, softcap, alibi_slopes,
-                          sinks, mask, return_lse, out, num_threads, query_offset, tree_mask,
-                          key_index)
+        return _ext.paged_call(self, seq_ids, q, None, None, causal, scale, window, softcap,
+                               alibi_slopes, sinks, mask, return_lse, out, num_threads,
+                               query_offset, tree_mask, key_index)
 
-    @transaction(lock="_lock")
-    @accepts_arrays
+    @transaction(lock="_lock", arrays=True)
     def step(self, seq_ids, q, k_new, v_new=None, *, causal=True, scale=None, window=None,
              softcap=None, alibi_slopes=None, sinks=None, mask=None, return_lse=False,
              out=None, num_threads=None, query_offset=None, tree_mask=None, key_index=None):
@@ -232,13 +230,10 @@ class PagedKVCache:
         checked before anything is written. A latent pool takes k_new only (v_new None).
         ``key_index`` as in :meth:`attend`, its positions counting the new tokens."""
         v_new = latent_values(self, k_new, v_new, ndims=(3, 4))
-        if k_new is None or v_new is None:
-            missing = " and ".join(n for n, a in (("k_new", k_new), ("v_new", v_new)) if a is None)
-            raise ValueError(f"step needs both k_new and v_new; {missing} is None (use attend() "
-                             "to attend without appending)")
-        return self._call(seq_ids, q, k_new, v_new, causal, scale, window, softcap, alibi_slopes,
-                          sinks, mask, return_lse, out, num_threads, query_offset, tree_mask,
-                          key_index)
+        check_step_tokens(k_new, v_new)
+        return _ext.paged_call(self, seq_ids, q, k_new, v_new, causal, scale, window, softcap,
+                               alibi_slopes, sinks, mask, return_lse, out, num_threads,
+                               query_offset, tree_mask, key_index)
 
     # ---- internals ----
     # Every change below is logged first (attnfast._transaction): a call that raises puts
@@ -360,34 +355,21 @@ class PagedKVCache:
 
     def _call(self, seq_ids, q, k_new, v_new, causal, scale, window, softcap, alibi_slopes, sinks,
               mask, return_lse, out, num_threads, query_offset, tree_mask, key_index):
-        """attend / step: by the plan an earlier call of this layout left (the ids, blocks,
-        lengths, overlap, token writes and kernel call in C: attnfast._ext.paged_fast), else
-        by the full path, which leaves one for the call's plan key (_ext.kvcache_key)."""
-        key = kvcache_key(q, self._k, self._v, _LENGTHS, k_new, v_new, out, causal, scale,
-                          window, return_lse,
-                          (softcap, alibi_slopes, sinks, mask, tree_mask, key_index))
-        if key is None:
-            return self._run_locked(seq_ids, q, k_new, v_new, causal, scale, window, softcap,
-                                    alibi_slopes, sinks, mask, return_lse, out, num_threads,
-                                    query_offset, tree_mask, key_index)
-        single = type(seq_ids) is int
-        lq, lk, lv, lout = q, k_new, v_new, out
-        if single or q.ndim == 3:  # one bare id: 3-D arrays gain the sequence axis
-            lq, lk, lv, lout = (a[None] if a is not None and a.ndim == 3 else a
-                                for a in (q, k_new, v_new, out))
-        plan = KVCACHE_PLANS.get(key)
-        if plan is not None and (single or lq is q):
-            result = _ext.paged_fast(plan, self, seq_ids, lq, lk, lv, lout, causal, num_threads,
-                                     query_offset, _shared_prefix.MIN_PREFIX_KEYS)
-            if result is not None:  # (as computed unless a bare id's results or out differ)
-                return result if lq is q and out is None else _finish(
-                    result, plan.lse_dtype is not None, lq is not q, out)
+        """attend / step by the full path (when _ext.paged_call found no plan or its fast path
+        declined), which leaves a plan for the call's key (_ext.kvcache_key)."""
         result = self._run_locked(seq_ids, q, k_new, v_new, causal, scale, window, softcap,
                                   alibi_slopes, sinks, mask, return_lse, out, num_threads,
                                   query_offset, tree_mask, key_index)
-        # accepted: later calls of this layout take the fast path
-        remember(KVCACHE_PLANS, key,
-                 kvcache_plan(lq, self._k, self._v, lk, lout, scale, window, return_lse))
+        key = kvcache_key(q, self._k, self._v, _LENGTHS, k_new, v_new, out, causal, scale,
+                          window, return_lse,
+                          (softcap, alibi_slopes, sinks, mask, tree_mask, key_index))
+        if key is not None:  # accepted: later calls of this layout take the fast path
+            if type(seq_ids) is int:  # (the plan of the arrays the kernels took: 4-D)
+                q, k_new, v_new, out = (_lift(True, a) for a in (q, k_new, v_new, out))
+            if q.ndim == 4:
+                remember(KVCACHE_PLANS, key,
+                         kvcache_plan(q, self._k, self._v, k_new, out, scale, window,
+                                      return_lse))
         return result
 
     def _run_locked(self, seq_ids, q, k_new, v_new, causal, scale, window, softcap, alibi_slopes,
@@ -416,18 +398,7 @@ class PagedKVCache:
                             k_scale=self._k_scale, v_scale=self._v_scale,
                             block_table=call.block_table)]
         result = run_cache_kernels(call, user_out, return_lse, parts, tree, self._key_rotation)
-        return _finish(result, return_lse, squeeze, out)
-
-
-def _finish(result, return_lse: bool, squeeze: bool, out):
-    """attend / step's result: 3-D (squeeze: one bare id, 3-D q) or as computed; a caller's
-    `out` comes back as itself (not as the 4-D view the kernels filled)."""
-    first, lse = result if return_lse else (result, None)
-    if squeeze:
-        first, lse = first[0], (None if lse is None else lse[0])
-    if out is not None:
-        first = out
-    return (first, lse) if return_lse else first
+        return _ext.paged_result(result, return_lse, squeeze, out)
 
 
 def _lift(single: bool, x):

@@ -20,6 +20,8 @@ from cpython.pycapsule cimport PyCapsule_GetPointer
 from cpython.ref cimport PyObject, Py_INCREF
 from libc.stdlib cimport malloc
 from cpython.exc cimport PyErr_Clear
+from cpython.long cimport PyLong_FromVoidPtr
+from cpython.weakref cimport PyWeakref_GetObject, PyWeakref_NewRef
 
 cdef extern from *:
     """
@@ -207,18 +209,100 @@ def tensor_view(t):
     return _view_of(t)
 
 
+# Tensors converted again (the caches, out buffers and lengths a model passes every step)
+# keep their view: a repeat conversion then asks torch only what can change in place
+# (requires_grad, the negative bit through ``.data =``) and DLPack the data pointer, shape,
+# strides, dtype and device, all compared with the view's. The view holds the storage it
+# was made over (see above), so the memory it reads stays valid even if the tensor was
+# given other storage meanwhile (then the pointers differ and a new view replaces it). A
+# tensor is remembered on its second conversion (one-off tensors such as a step's q cost
+# one set lookup), forgotten when it is freed (a weak reference's callback), at most
+# _VIEWS_KEPT at a time.
+cdef enum:
+    _VIEWS_KEPT = 256
+cdef dict _kept_views = {}            # id(tensor) -> _KeptView
+cdef set _converted_once = set()      # ids of tensors converted once (bounded: cleared)
+
+
+cdef class _KeptView:
+    """A tensor's view (_view_of) and a weak reference to the tensor."""
+    cdef object ref, view
+
+
+cdef class _Forget:
+    """The callback of a _KeptView's weak reference: the freed tensor's entry goes."""
+    cdef object key
+
+    def __call__(self, ref):
+        kept = _kept_views.get(self.key)
+        if kept is not None and (<_KeptView> kept).ref is ref:
+            del _kept_views[self.key]
+
+
+cdef bint _dl_layout(attnfast_DLTensor* dl, cnp.npy_intp item, cnp.npy_intp* dims,
+                     cnp.npy_intp* strides):
+    """dl's shape and strides (in bytes) into dims, strides; False unless it is a CPU tensor
+    of at most _MAX_VIEW_DIMS axes."""
+    cdef cnp.npy_intp step = item
+    cdef int i
+    if (dl.device.device_type != _DL_CPU or dl.dtype.lanes != 1 or dl.ndim < 0
+            or dl.ndim > _MAX_VIEW_DIMS):
+        return False
+    for i in range(dl.ndim - 1, -1, -1):
+        dims[i] = dl.shape[i]
+        if dl.strides != NULL:
+            strides[i] = dl.strides[i] * item
+        else:            # compact row-major (DLPack's convention for NULL strides)
+            strides[i] = step
+            step *= dl.shape[i]
+    return True
+
+
+cdef object _kept_view(t, key):
+    """The view kept for `t` if the tensor still has its layout and memory; else None."""
+    cdef _KeptView kept = _kept_views.get(key)
+    cdef attnfast_DLTensor dl
+    cdef cnp.ndarray view
+    cdef cnp.npy_intp dims[_MAX_VIEW_DIMS]
+    cdef cnp.npy_intp strides[_MAX_VIEW_DIMS]
+    cdef int i
+    if kept is None or PyWeakref_GetObject(kept.ref) != <PyObject*> t:
+        return None
+    if _dl_api.dltensor_from_py_object_no_sync(<void*> t, &dl) != 0:
+        PyErr_Clear()
+        return None
+    view = <cnp.ndarray> kept.view
+    descr = _dl_dtype(dl.dtype.code, dl.dtype.bits)
+    if ((<char*> dl.data) + dl.byte_offset != <char*> cnp.PyArray_DATA(view)
+            or dl.ndim != cnp.PyArray_NDIM(view)
+            or <void*> descr != <void*> cnp.PyArray_DESCR(view)
+            or not _dl_layout(&dl, cnp.PyArray_ITEMSIZE(view), dims, strides)):
+        return None
+    for i in range(dl.ndim):
+        if dims[i] != cnp.PyArray_DIMS(view)[i] or strides[i] != cnp.PyArray_STRIDES(view)[i]:
+            return None
+    return view
+
+
 cdef object _view_of(t):
     """tensor_view."""
     cdef attnfast_DLTensor dl
     cdef char* data
     cdef cnp.npy_intp dims[_MAX_VIEW_DIMS]
     cdef cnp.npy_intp strides[_MAX_VIEW_DIMS]
-    cdef cnp.npy_intp item, step
-    cdef int i
+    cdef _KeptView kept
+    cdef _Forget forget
     global _views_taken
     if _dl_api == NULL or type(t) is not _tensor_type:
         return None
-    if t.requires_grad or not t.is_cpu or t.layout is not _strided or t.is_nested or _is_neg(t):
+    if t.requires_grad or _is_neg(t):
+        return None
+    key = PyLong_FromVoidPtr(<void*> t)
+    view = _kept_view(t, key)
+    if view is not None:
+        _views_taken += 1
+        return view
+    if not t.is_cpu or t.layout is not _strided or t.is_nested:
         return None
     if _dl_api.dltensor_from_py_object_no_sync(<void*> t, &dl) != 0:
         PyErr_Clear()
@@ -235,25 +319,25 @@ cdef object _view_of(t):
         return None
     if (<char*> dl.data) + dl.byte_offset != data:
         return None
-    if (dl.device.device_type != _DL_CPU or dl.dtype.lanes != 1 or dl.ndim < 0
-            or dl.ndim > _MAX_VIEW_DIMS):
-        return None
     descr = _dl_dtype(dl.dtype.code, dl.dtype.bits)
-    if descr is None:
+    if descr is None or not _dl_layout(&dl, (<cnp.dtype> descr).itemsize, dims, strides):
         return None
-    item = (<cnp.dtype> descr).itemsize
-    step = item
-    for i in range(dl.ndim - 1, -1, -1):
-        dims[i] = dl.shape[i]
-        if dl.strides != NULL:
-            strides[i] = dl.strides[i] * item
-        else:            # compact row-major (DLPack's convention for NULL strides)
-            strides[i] = step
-            step *= dl.shape[i]
     Py_INCREF(descr)
     view = attnfast_array_over(<PyObject*> descr, dl.ndim, dims, strides, data)
     cnp.set_array_base(view, storage)
     _views_taken += 1
+    if key in _converted_once or key in _kept_views:  # converted before: kept
+        if len(_kept_views) >= _VIEWS_KEPT:
+            _kept_views.clear()
+        forget = _Forget.__new__(_Forget)
+        forget.key = key
+        kept = _KeptView.__new__(_KeptView)
+        kept.view, kept.ref = view, PyWeakref_NewRef(t, forget)
+        _kept_views[key] = kept
+    else:
+        if len(_converted_once) >= 16 * _VIEWS_KEPT:
+            _converted_once.clear()
+        _converted_once.add(key)
     return view
 
 
@@ -322,16 +406,24 @@ cdef inline bint _plain(a) noexcept:
             or ((t is list or t is tuple) and _all_ints(a)))
 
 
-def converting(fn, tuple names, Py_ssize_t first, Py_ssize_t out_index, convert, wrap):
-    """attnfast._interop.accepts_arrays' wrapper of `fn` (parameter names `names`; `out` at
-    out_index, -1 without): each argument from index `first` on that is not plain (None,
-    a NumPy array, bool, int, float, str, a list or tuple of ints) becomes a NumPy view in C
-    (tensor_view) or by ``convert(argument, name)`` -> (converted, the torch tensor or
-    None), which raises naming it. With no torch tensor among them, fn's result is returned
-    as it is; else its arrays become tensors sharing their memory (array_as_tensor, or
-    ``wrap(result, tensor)``), and `out` comes back as the object the caller passed."""
-    def call(*args, **kwargs):
-        cdef Py_ssize_t i
+cdef class Converting:
+    """attnfast._interop.accepts_arrays' conversions around `fn` (parameter names `names`;
+    `out` at out_index, -1 without), as accepts_arrays describes them: arguments from index
+    `first` on that are not plain (_plain) become NumPy views in C (_view_of) or by
+    ``convert(argument, name)`` -> (converted, the torch tensor or None); with a torch
+    tensor among them, the result's arrays become tensors (array_as_tensor, or ``wrap(result,
+    tensor)``) and `out` comes back as the object passed. Called by converting's wrapper,
+    or inside a transaction (attnfast._transaction)."""
+    cdef object fn, convert, wrap
+    cdef tuple names
+    cdef Py_ssize_t first, out_index
+
+    def __init__(self, fn, tuple names, Py_ssize_t first, Py_ssize_t out_index, convert, wrap):
+        self.fn, self.names, self.first, self.out_index = fn, names, first, out_index
+        self.convert, self.wrap = convert, wrap
+
+    cdef object call(self, tuple args, dict kwargs):
+        cdef Py_ssize_t i, first = self.first, out_index = self.out_index
         cdef list new_args = None
         cdef dict new_kwargs = None
         template = given_out = converted_out = None
@@ -342,7 +434,8 @@ def converting(fn, tuple names, Py_ssize_t first, Py_ssize_t out_index, convert,
             view = _view_of(a)
             t = a
             if view is None:
-                view, t = convert(a, names[i] if i < len(names) else f"argument {i}")
+                view, t = self.convert(a, self.names[i] if i < len(self.names)
+                                       else f"argument {i}")
             if new_args is None:
                 new_args = list(args)
             new_args[i] = view
@@ -350,13 +443,13 @@ def converting(fn, tuple names, Py_ssize_t first, Py_ssize_t out_index, convert,
                 template = t
             if i == out_index:
                 given_out, converted_out = a, view
-        for name, a in (<dict> kwargs).items():
+        for name, a in kwargs.items():
             if _plain(a):
                 continue
             view = _view_of(a)
             t = a
             if view is None:
-                view, t = convert(a, name)
+                view, t = self.convert(a, name)
             if new_kwargs is None:
                 new_kwargs = dict(kwargs)
             new_kwargs[name] = view
@@ -366,7 +459,7 @@ def converting(fn, tuple names, Py_ssize_t first, Py_ssize_t out_index, convert,
                 given_out, converted_out = a, view
         if new_args is not None:
             args = tuple(new_args)
-        result = fn(*args, **(kwargs if new_kwargs is None else new_kwargs))
+        result = self.fn(*args, **(kwargs if new_kwargs is None else new_kwargs))
         if template is None:
             return result
         if given_out is None:  # a NumPy out= (not converted) comes back as itself too
@@ -374,10 +467,16 @@ def converting(fn, tuple names, Py_ssize_t first, Py_ssize_t out_index, convert,
                                          else kwargs.get("out"))
         if type(result) is tuple:  # (out, lse): each converted once (out not at all if given)
             return tuple([given_out if given_out is not None and r is converted_out
-                          else _as_tensor(r, template, wrap) for r in <tuple> result])
+                          else _as_tensor(r, template, self.wrap) for r in <tuple> result])
         if given_out is not None and result is converted_out:
             return given_out
-        return _as_tensor(result, template, wrap)
+        return _as_tensor(result, template, self.wrap)
+
+
+def converting(Converting conversions):
+    """The function that calls `conversions` (accepts_arrays' wrapper)."""
+    def call(*args, **kwargs):
+        return conversions.call(args, kwargs)
     return call
 
 

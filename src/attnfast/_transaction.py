@@ -34,6 +34,7 @@ import numpy as np
 
 from . import _ext
 from ._formats import format_of_storage
+from ._interop import conversions
 from ._rotation import hadamard_rotate
 
 __all__ = ["transaction", "write_tokens", "assign", "logged"]
@@ -42,14 +43,17 @@ open_log = _ext.open_log
 write_rows = _ext.write_rows  # (C: logs what it overwrites, then copies the rows)
 
 
-def transaction(lock: str | None = None):
+def transaction(lock: str | None = None, arrays: bool = False):
     """Decorator: the function (or method) runs as one transaction (see the module). `lock`:
     for methods, the name of the instance's reentrant lock, held for the whole call (the
-    method's own code must not take it). Outermost decorator: nothing may run between the
-    function's return and the transaction's end. The signature and docstring are the
-    function's (functools.update_wrapper)."""
+    method's own code must not take it). `arrays`: the function also accepts arrays as
+    attnfast._interop.accepts_arrays does (converted, and the result, within the
+    transaction). Outermost decorator: nothing may run between the function's return and
+    the transaction's end. The signature and docstring are the function's
+    (functools.update_wrapper)."""
     def decorate(fn):
-        return functools.update_wrapper(_ext.transaction(fn, lock), fn)
+        return functools.update_wrapper(_ext.transaction(conversions(fn) if arrays else fn,
+                                                         lock), fn)
     return decorate
 
 

@@ -71,7 +71,10 @@ cdef object _transact(fn, lock_attr, tuple args, dict kwargs):
     outer = attnfast_open_log
     attnfast_open_log = <PyObject*> log
     try:
-        result = fn(*args, **kwargs)
+        if type(fn) is Converting:  # (accepts_arrays' conversions, within the transaction)
+            result = (<Converting> fn).call(args, kwargs)
+        else:
+            result = fn(*args, **kwargs)
     except BaseException:
         attnfast_open_log = outer
         _roll_back(log)   # under the lock: no other thread saw these writes
@@ -91,7 +94,8 @@ def transaction(fn, lock_attr=None):
     """`fn` (an entry point that changes state) run as one transaction: it returns, or it
     raises having changed nothing (attnfast._transaction). With `lock_attr`, fn is a method
     and ``getattr(self, lock_attr)`` (a reentrant lock) is held from before fn runs until
-    after its log is dropped, so that no other thread sees writes that are then undone."""
+    after its log is dropped, so that no other thread sees writes that are then undone.
+    `fn` may be a Converting (the arguments converted, and the result, in the transaction)."""
     def transactional(*args, **kwargs):
         return _transact(fn, lock_attr, args, kwargs)
     return transactional

@@ -7,7 +7,7 @@ from . import _ext
 from ._api import attention, kernel_call, kernels_interruptible
 from ._interop import accepts_arrays
 from ._arrays import _shape_str, as_float_array, check_query_kv_dtypes
-from ._attention_checks import check_cu_seqlens, check_varlen_slopes
+from ._attention_checks import check_cu_seqlens, check_packed, check_varlen_slopes
 from ._cache_checks import (
     check_block_table,
     check_key_rotation,
@@ -105,28 +105,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, seqused_k=None
             raise NotImplementedError(f"{name} describes a paged cache's pools and is taken with "
                                       f"block_table only; packed varlen keys are float, read as "
                                       f"given (got {name}={value!r})")
-    q = as_float_array(q, "q")
-    k = as_float_array(k, "k")
-    v = as_float_array(v, "v")
-    for name, a in (("q", q), ("k", k), ("v", v)):
-        if a.ndim != 3:
-            raise ValueError(f"{name} must be 3-D (total_tokens, heads, dim) for varlen, "
-                             f"got shape {_shape_str(a)}")
-    if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
-        raise ValueError(f"k and v must hold the same tokens and kv heads; got k {_shape_str(k)}, "
-                         f"v {_shape_str(v)}")
-    heads, kv_heads = q.shape[1], k.shape[1]
-    if kv_heads < 1 or heads % kv_heads != 0:
-        raise ValueError(f"query heads must be a multiple of kv heads (GQA/MQA); got q "
-                         f"{_shape_str(q)} with {heads} heads, k {_shape_str(k)} with {kv_heads}")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"q and k must share the head dim D; got q {_shape_str(q)}, "
-                         f"k {_shape_str(k)}")
-    cu_q = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q)
-    cu_k = check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k)
-    if cu_q.shape != cu_k.shape:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
-                         f"sequences; got {cu_q.shape[0] - 1} and {cu_k.shape[0] - 1}")
+    q, k, v, cu_q, cu_k = check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                       max_seqlen_k)
+    heads = q.shape[1]
 
     # Each sequence as (H, T, D) views: the per-sequence call checks heads, dims, dtypes and
     # options; the first call runs before anything is written, so a bad input writes nothing.

@@ -28,6 +28,7 @@ from ._cache_args import (
     check_cache_room,
     check_cache_spec,
     check_leading_sequences,
+    check_step_tokens,
     check_truncate,
 )
 from ._cache_checks import check_kvcache_attention, check_new_tokens
@@ -391,10 +392,7 @@ class ShardedKVCache:
              return_lse=False, out=None, num_threads=None, query_offset=None, layer=None):
         """:meth:`append` then :meth:`attend` in one round trip: a prompt (prefill, each
         shard computing the prompt's causal attention over its slice) or a decode step."""
-        if k_new is None or v_new is None:
-            missing = " and ".join(n for n, a in (("k_new", k_new), ("v_new", v_new)) if a is None)
-            raise ValueError(f"step needs both k_new and v_new; {missing} is None (use attend() "
-                             "to attend without appending)")
+        check_step_tokens(k_new, v_new)
         return self._run(q, k_new, v_new, batch_index=batch_index, causal=causal, scale=scale,
                          window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                          sinks=sinks, mask=mask, return_lse=return_lse, out=out,
