@@ -110,7 +110,7 @@ def flash_factor(dtype, gradients=False):
     return base if np.dtype(dtype).itemsize < 4 else 1.5 * base
 
 
-def assert_flash_rule(got, ref, naive, *, dtype, factor=2.0, what="out"):
+def assert_flash_rule(got, ref, naive, *, dtype, factor=2.0, what="out", extra=0.0):
     """flash-attention's accuracy rule: ``max|got - ref| <= factor * max|naive - ref| + slack``.
 
     `ref` is the float64 reference; `naive` the same reference computed in the inputs'
@@ -120,7 +120,8 @@ def assert_flash_rule(got, ref, naive, *, dtype, factor=2.0, what="out"):
     `check_output`); `got` is attnfast's result. flash-attn uses factor 2 for outputs and 3
     for gradients. The slack (`flash_slack`: 8 ulps of float32, or float64 for float64 inputs,
     at the output's magnitude) keeps the rule meaningful where the naive error vanishes
-    (float64, or all-zero rows). Non-finite values must match exactly. Returns (attnfast's
+    (float64, or all-zero rows); `extra` is added to it where a kernel rounds by design
+    (`int8_weight_rounding`). Non-finite values must match exactly. Returns (attnfast's
     error, the naive error)."""
     got = np.asarray(got, dtype=np.float64)
     ref = np.asarray(ref, dtype=np.float64)
@@ -131,7 +132,7 @@ def assert_flash_rule(got, ref, naive, *, dtype, factor=2.0, what="out"):
     np.testing.assert_array_equal(~np.isfinite(got), bad, err_msg=f"{what}: non-finite entries")
     err = float(np.max(np.abs(np.where(bad, 0, got - ref)), initial=0.0))
     base = max(float(np.max(np.abs(np.where(bad, 0, n - ref)), initial=0.0)) for n in naives)
-    slack = flash_slack(np.where(bad, 0, ref), dtype)
+    slack = flash_slack(np.where(bad, 0, ref), dtype) + extra
     assert err <= factor * base + slack, (
         f"{what}: attnfast's error {err:.3g} > {factor} x the naive {np.dtype(dtype).name} "
         f"error {base:.3g} + slack {slack:.2g} (max |ref| {np.max(np.abs(ref)):.3g})")
@@ -272,7 +273,7 @@ def sample_rows(tq):
     return np.array(sorted(set(range(64)) | set(range(tq - 64, tq)) | set(range(64, tq - 64, 7))))
 
 
-def check_output(got, q, k, v, dtype, rows=None, what="out", factor=None, **opts):
+def check_output(got, q, k, v, dtype, rows=None, what="out", factor=None, extra=0.0, **opts):
     """got (B, H, Tq, Dv) against the float64 reference on `rows`, by `assert_flash_rule`
     with the naive `dtype` implementation in flash-attn's order (reorder_ops=True), and where
     that fails, the larger naive error of both of flash-attn's orders: a naive error is one
@@ -286,10 +287,12 @@ def check_output(got, q, k, v, dtype, rows=None, what="out", factor=None, **opts
     ref, _ = attention_ref(q, k, v, rows=rows, **opts)
     naive = [attention_ref(q, k, v, rows=rows, naive=dtype, **opts)[0]]
     try:
-        return assert_flash_rule(got, ref, naive, dtype=dtype, factor=factor, what=what)
+        return assert_flash_rule(got, ref, naive, dtype=dtype, factor=factor, what=what,
+                                 extra=extra)
     except AssertionError:
         naive.append(attention_ref(q, k, v, rows=rows, naive=dtype, order="q", **opts)[0])
-        return assert_flash_rule(got, ref, naive, dtype=dtype, factor=factor, what=what)
+        return assert_flash_rule(got, ref, naive, dtype=dtype, factor=factor, what=what,
+                                 extra=extra)
 
 
 def check_grads(grads, q, k, v, dout, dtype, factor=None, **opts):
@@ -853,6 +856,31 @@ def int8_mirrored_query(q, scale):
     return sq.astype(np.float64) * np.clip(np.rint(x * inv), -127, 127) / scale
 
 
+def int8_pairs_run():
+    """Whether an int8 cache's decode takes the vpdpbusd / vpdpwssd path here: the avx512bf16
+    tier on a CPU with AVX512-VNNI, the int8 dot mode left at "auto"."""
+    from attnfast import _ext
+    from attnfast.bench.limits import cpu_flags
+    info = _ext.runtime_info()
+    return (info["isa"] == "avx512bf16" and info["int8_dot"] == "auto"
+            and "avx512_vnni" in cpu_flags())
+
+
+def int8_weight_rounding(q, kd, vd, **opts):
+    """What P.V by vpdpwssd may add to an output (docs/user_guide/formats.md): each weight,
+    probability times its V row's scale, is rounded to 1/32767 of the largest in its block of
+    128 keys, at most half a step, so a row's error is at most the sum over its blocks of
+    (keys in the block) x max_j (p_j max|v_j|) / 65534, with p the float64 reference's
+    probabilities (read off as attention over one-hot values)."""
+    B, Hkv, n, _ = kd.shape
+    p, _ = attention_ref(q, kd, np.broadcast_to(np.eye(n), (B, Hkv, n, n)), **opts)
+    vmax = np.abs(vd).max(axis=-1)                                       # (B, Hkv, n)
+    pv = p * np.repeat(vmax, q.shape[1] // Hkv, axis=1)[:, :, None, :]  # (B, H, Tq, n)
+    bound = sum(pv[..., lo:lo + 128].shape[-1] * pv[..., lo:lo + 128].max(axis=-1)
+                for lo in range(0, n, 128)) / 65534
+    return float(np.max(bound))
+
+
 def _llama_cache(c, k, v, permuted):
     """Q8_0 / Q4_1 K and V (float32 (B, Hkv, kv, D)) stored in attnfast's int8 / int4 cache:
     a KVCache (unrotated: llama.cpp's formats are not rotated), or for the permuted cases
@@ -934,18 +962,17 @@ def run_llama(c, case_id):
                                     np.ascontiguousarray(v, dtype=np.float32), perm)
         out = call(q, **af_opts)
         assert out.shape == (B, H, Tq, Dv) and out.dtype == F32
-        queries = [q]
-        if c["type"] == "q8_0":  # the vpdpbusd decode rounds q (avx512bf16 tier)
-            queries.append(int8_mirrored_query(q, 1 / math.sqrt(D)))
-        failures = []
-        for qq in queries:
+        if c["type"] == "q8_0" and int8_pairs_run():
+            # the vpdpbusd / vpdpwssd decode rounds q, and the weights per block; a call it
+            # does not take (prefill rows) reads q itself and passes the first try
+            qq = int8_mirrored_query(q, 1 / math.sqrt(D))
             try:
-                check_output(out, qq, kd, vd, F32, **ref_opts)
-                break
-            except AssertionError as e:
-                failures.append(str(e))
+                check_output(out, q, kd, vd, F32, **ref_opts)
+            except AssertionError:
+                check_output(out, qq, kd, vd, F32,
+                             extra=int8_weight_rounding(qq, kd, vd, **ref_opts), **ref_opts)
         else:
-            raise AssertionError(" / ".join(failures))
+            check_output(out, q, kd, vd, F32, **ref_opts)
         if c["type"] == "q8_0":  # and the storage error stays what the docs state (< 0.02)
             exact, _ = attention_ref(q, k, v, **ref_opts)
             assert np.max(np.abs(out - exact)) < 0.02
