@@ -176,6 +176,7 @@ struct CallPlan {
     bool indexed;         // reads the keys key_index selects
     int64_t chunk_keys;   // decode: keys per chunk of the split-KV (0 for prefill)
     int64_t chunks;       // decode: most chunks any (batch entry, kv head) is split into
+    int64_t head_groups;  // decode: most groups any kv head's query heads are split into
     int64_t tasks;        // work items the threads share: query blocks, or decode chunks
     int threads;          // threads the call runs on while no other call runs (0: no work)
     // Decode: V is a prefix view of K (an MLA latent cache: kv_is_latent); the query rows

@@ -1,12 +1,13 @@
 // Decode driver: a short query (runs_on_decode_path: up to kDecodeMaxQueryRows rows, or up to
 // kGemmDecodeMaxQueryRows where a decode kernel beats prefill) against a long KV cache.
 //
-// Work is split into (batch, kv head, chunk of keys) tasks. A chunk's size depends only on
-// the head dims and dtype, and chunk boundaries sit at fixed key positions, so the set of
-// tasks, and each task's result, are the same for any thread count. Each task serves all
-// (H / Hkv) * Tq query rows of its KV head, so every K/V byte is read once per step. A
-// second pass merges each (batch, kv head)'s chunks by their (max, sum) in chunk order:
-// bit-identical results for any number of threads.
+// Work is split into (batch, kv head, chunk of keys) tasks, and where a compute-shaped kernel
+// has too few of those for its threads, each KV head's query heads into groups (split_decode).
+// A chunk's size depends only on the head dims and dtype, its boundaries sit at fixed key
+// positions, and a row's result does not depend on the group it is computed in, so every
+// thread count gives the same bits. A task serves all its (heads x Tq) query rows, so each K/V byte is read once
+// per step and group. A second pass merges each (batch entry, heads)'s chunks by their (max,
+// sum) in chunk order.
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -26,14 +27,25 @@ template <class A>
 using DecodeMergeFn = void (*)(const AttentionParams&, int64_t, int64_t, int64_t, const A*,
                                const A*, const A*, A*);
 
-// The tasks of a decode call in slot order (batch, then kv head, then chunk), and where each
-// batch entry's slots start and how many chunks each of its kv heads has. Only chunks
-// holding keys some row may see are listed; a (batch, kv head) with none still gets its
-// merge (zeros).
+// The tasks of a decode call: each (batch entry, kv head) cut into chunks of keys and, where
+// a compute-shaped kernel needs more tasks than that gives, its query heads into groups
+// (`heads` of them from `head0`; the whole group otherwise). A task's partial result (rows =
+// its heads x Tq) starts `row_at` rows into the partial arrays; the chunks of one merge lie
+// there consecutively. Only chunks holding keys some row may see are listed; a (batch
+// entry, heads) with none still gets its merge (zeros).
+struct SplitTask {
+    DecodeTask keys;
+    int64_t head0, heads, row_at;
+};
+struct SplitMerge {
+    int64_t batch, kv_head, head0, heads, row_at, chunks;
+};
 struct DecodeSplit {
-    int64_t chunk_keys;
-    std::vector<DecodeTask> tasks;
-    std::vector<int64_t> slot_base, chunk_count;  // per batch entry
+    std::vector<SplitTask> tasks;
+    std::vector<SplitMerge> merges;
+    int64_t rows = 0;         // partial-result rows over all tasks
+    int64_t chunks = 0;       // (explain) most chunks any (batch entry, kv head) is cut into
+    int64_t head_groups = 1;  // (explain) most groups any kv head's query heads are cut into
 };
 
 // Keys per chunk of a call run by `kernel`: its own number, or decode_chunk_keys.
@@ -41,33 +53,72 @@ int64_t chunk_keys_of(const AttentionParams& p, const DecodeKernel& kernel) {
     return kernel.chunk_keys > 0 ? kernel.chunk_keys : decode_chunk_keys(p);
 }
 
+// Servers run these models on 32-128 cores, and a B = 1 step has only Hkv x chunks tasks:
+// 8 for an MLA latent cache at 16k keys. A compute-shaped kernel (rows in vector lanes: a
+// row's bits do not depend on the rows beside it) therefore cuts each KV head's query heads
+// into groups while the call has at most half as many tasks as threads, in groups of at
+// least kDecodeMinTaskRows rows (a register block). Each group reads its chunk again and
+// stages it again (two groups ~1.15x one's work), so a cut that leaves more tasks than
+// threads would lengthen the step. The bits stay those of one group, so the thread count
+// may size this; one thread never splits. Shorter chunks would give every kernel more
+// tasks, but they move the merge (the bits) and cost a one-thread step 3-7 % at 512 KiB
+// (bench/HISTORY.md 51): the chunks stay as sized.
+constexpr int64_t kDecodeMinTaskRows = 32;
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+
 // With key_index (one query row: decode_row_blocks), the chunks split the row's list, entries
 // [0, key_index_count), at the same fixed points: a task's keys [key_begin, key_end) are then
 // list entries, which run_chunk gathers.
-DecodeSplit split_decode(const AttentionParams& p, int64_t chunk_keys) {
+DecodeSplit split_decode(const AttentionParams& p, int64_t chunk, bool compute_shaped) {
     DecodeSplit split;
-    const int64_t chunk = split.chunk_keys = chunk_keys;
-    split.slot_base.resize(static_cast<size_t>(p.batch));
-    split.chunk_count.resize(static_cast<size_t>(p.batch));
+    const int64_t group = p.heads / p.kv_heads, tq = p.seqlen_q;
+    // Each batch entry's key range: visible ranges only move right as rows go down, so the
+    // union is the first row's begin to the last row's end.
+    std::vector<KeyRange> ranges(static_cast<size_t>(p.batch));
+    int64_t chunk_tasks = 0;
     for (int64_t b = 0; b < p.batch; ++b) {
         const int64_t seqlen_k = batch_seqlen_k(p, b);
-        // Visible ranges only move right as rows go down: the union is first.begin..last.end.
-        const int64_t begin = p.key_index ? 0 : visible_keys(p, 0, seqlen_k).begin;
-        const int64_t end = p.key_index ? p.key_index_count : visible_keys(p, p.seqlen_q - 1, seqlen_k).end;
+        KeyRange& r = ranges[static_cast<size_t>(b)];
+        r.begin = p.key_index ? 0 : visible_keys(p, 0, seqlen_k).begin;
+        r.end = p.key_index ? p.key_index_count : visible_keys(p, p.seqlen_q - 1, seqlen_k).end;
+        if (r.end > r.begin) chunk_tasks += p.kv_heads * ((r.end + chunk - 1) / chunk - r.begin / chunk);
+    }
+    int64_t heads = group;
+    if (compute_shaped)
+        while (chunk_tasks > 0 && 2 * chunk_tasks * ceil_div(group, heads) <= p.num_threads &&
+               heads / 2 * tq >= kDecodeMinTaskRows)
+            heads = ceil_div(heads, 2);
+    split.head_groups = ceil_div(group, heads);
+    for (int64_t b = 0; b < p.batch; ++b) {
+        const int64_t seqlen_k = batch_seqlen_k(p, b);
+        const int64_t begin = ranges[static_cast<size_t>(b)].begin, end = ranges[static_cast<size_t>(b)].end;
         const int64_t c_first = begin / chunk;
         const int64_t c_end = end > begin ? (end + chunk - 1) / chunk : c_first;
-        split.slot_base[b] = static_cast<int64_t>(split.tasks.size());
-        split.chunk_count[b] = c_end - c_first;
-        for (int64_t g = 0; g < p.kv_heads; ++g)
-            for (int64_t c = c_first; c < c_end; ++c) {
-                DecodeTask t;
-                t.batch = b;
-                t.kv_head = g;
-                t.key_begin = c * chunk > begin ? c * chunk : begin;
-                t.key_end = (c + 1) * chunk < end ? (c + 1) * chunk : end;
-                t.seqlen_k = seqlen_k;
-                split.tasks.push_back(t);
+        if (c_end - c_first > split.chunks) split.chunks = c_end - c_first;
+        for (int64_t g = 0; g < p.kv_heads; ++g) {
+            // The merges of the KV head's groups, each over its chunks' partial results,
+            // consecutive; the tasks chunk by chunk, a chunk's groups one after another (a
+            // thread that runs them in turn finds the chunk's keys in its cache).
+            const size_t first_merge = split.merges.size();
+            for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += heads) {
+                const int64_t n = (g + 1) * group - h0 < heads ? (g + 1) * group - h0 : heads;
+                split.merges.push_back({b, g, h0, n, split.rows, c_end - c_first});
+                split.rows += (c_end - c_first) * n * tq;
             }
+            for (int64_t c = c_first; c < c_end; ++c)
+                for (size_t i = first_merge; i < split.merges.size(); ++i) {
+                    const SplitMerge& m = split.merges[i];
+                    DecodeTask t;
+                    t.batch = b;
+                    t.kv_head = g;
+                    t.key_begin = c * chunk > begin ? c * chunk : begin;
+                    t.key_end = (c + 1) * chunk < end ? (c + 1) * chunk : end;
+                    t.seqlen_k = seqlen_k;
+                    split.tasks.push_back({t, m.head0, m.heads, m.row_at + (c - c_first) * m.heads * tq});
+                }
+        }
     }
     return split;
 }
@@ -204,47 +255,6 @@ void run_chunk(const AttentionParams& p, const DecodeTask& task, DecodeChunkFn<A
     chunk_fn(staged, DecodeTask{task.batch, task.kv_head, 0, n, n}, ws, acc, m, l);
 }
 
-// Work items of the larger pass: chunks, or merges (one per (batch, kv head)).
-int64_t decode_work(const AttentionParams& p, const DecodeSplit& split) {
-    const int64_t slots = static_cast<int64_t>(split.tasks.size());
-    const int64_t merges = p.batch * p.kv_heads;
-    return slots > merges ? slots : merges;
-}
-
-template <class A>
-void run_decode(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, bool reads_index, DecodeMergeFn<A> merge_fn,
-                int64_t chunk_keys, int64_t own_elems) {
-    const int64_t ws_elems = thread_scratch_elems<A>(p, own_elems, chunk_keys, reads_index);
-    const int64_t rows = decode_rows(p);
-    const int64_t heads_kv = p.kv_heads;
-    if (p.batch == 0 || rows == 0) return;
-    const DecodeSplit split = split_decode(p, chunk_keys);
-    const std::vector<DecodeTask>& tasks = split.tasks;
-    const int64_t slots = static_cast<int64_t>(tasks.size());
-    const int64_t merges = p.batch * heads_kv;
-    const int64_t most = decode_work(p, split);
-    const int threads = p.num_threads < most ? p.num_threads : static_cast<int>(most);
-
-    // Partial results, one slot per task: unnormalised accumulator (rows x Dv), max, sum.
-    const size_t slots_sz = static_cast<size_t>(slots > 0 ? slots : 1);
-    std::unique_ptr<A[]> acc(new A[slots_sz * rows * p.head_dim_v]);
-    std::unique_ptr<A[]> max_sum(new A[slots_sz * rows * 2]);
-    A* row_max = max_sum.get();
-    A* row_sum = max_sum.get() + slots_sz * rows;
-    const ThreadScratch<A> workspace(ws_elems, threads);
-
-    parallel::for_each_dynamic(slots, threads, p.interruptible, [&](int64_t slot, int thread_id) {
-        run_chunk(p, tasks[slot], chunk_fn, reads_index, workspace.at(thread_id), own_elems,
-                  acc.get() + slot * rows * p.head_dim_v, row_max + slot * rows, row_sum + slot * rows);
-    });
-    parallel::for_each_dynamic(merges, threads, p.interruptible, [&](int64_t index, int thread_id) {
-        const int64_t b = index / heads_kv, g = index % heads_kv;
-        const int64_t base = split.slot_base[b] + g * split.chunk_count[b];
-        merge_fn(p, b, g, split.chunk_count[b], acc.get() + base * rows * p.head_dim_v,
-                 row_max + base * rows, row_sum + base * rows, workspace.at(thread_id));
-    });
-}
-
 // The decode chunk kernel of a call: float64 the template's; many query rows per KV head
 // the tier's GEMM-shaped kernel, where it has one that takes the call; else the tier's
 // (bandwidth-shaped) choice.
@@ -255,69 +265,80 @@ DecodeKernel choose_decode(const KernelTable& kernels, const AttentionParams& p)
     return kernels.decode_kernel(p);
 }
 
-// A decode problem as units of a shared schedule (attention_forward_batch): phase 0 its
-// chunks, phase 1 its merges, over partial-result slots it owns; run_decode's work.
+// A decode problem's work, run alone (decode_forward) or as units of a shared schedule
+// (attention_forward_batch): phase 0 its tasks, phase 1 its merges, over the partial
+// results it owns. A task or merge of a group of heads sees the call through head_group
+// (its heads over their KV head's rows, kv_heads = 1).
 template <class A>
 class DecodeWork : public ProblemWork {
 public:
-    DecodeWork(const AttentionParams& p, DecodeChunkFn<A> chunk_fn, bool reads_index, DecodeMergeFn<A> merge_fn,
-               int64_t chunk_keys, int64_t own_elems)
-        : p_(p), chunk_fn_(chunk_fn), reads_index_(reads_index), merge_fn_(merge_fn), rows_(decode_rows(p)),
-          own_elems_(own_elems), ws_elems_(thread_scratch_elems<A>(p, own_elems, chunk_keys, reads_index)) {
-        if (p.batch == 0 || rows_ == 0) return;
-        split_ = split_decode(p, chunk_keys);
-        const size_t slots = split_.tasks.size() > 0 ? split_.tasks.size() : 1;
-        acc_.reset(new A[slots * rows_ * p.head_dim_v]);
-        max_sum_.reset(new A[slots * rows_ * 2]);
-        slots_ = static_cast<int64_t>(slots);
+    DecodeWork(const AttentionParams& p, const DecodeKernel& kernel, DecodeChunkFn<A> chunk_fn,
+               DecodeMergeFn<A> merge_fn)
+        : p_(p), chunk_fn_(chunk_fn), merge_fn_(merge_fn), reads_index_(kernel.reads_index),
+          own_elems_(workspace_elems_of(p, kernel)) {
+        const int64_t chunk_keys = chunk_keys_of(p, kernel);
+        ws_elems_ = thread_scratch_elems<A>(p, own_elems_, chunk_keys, reads_index_);
+        if (p.batch == 0 || decode_rows(p) == 0) return;
+        split_ = split_decode(p, chunk_keys, kernel.compute_shaped);
+        // Partial results of every task: unnormalised accumulator (rows x Dv), max, sum.
+        const int64_t rows = split_.rows > 0 ? split_.rows : 1;
+        acc_.reset(new A[static_cast<size_t>(rows * p.head_dim_v)]);
+        max_sum_.reset(new A[static_cast<size_t>(rows * 2)]);
+        row_sum_ = max_sum_.get() + rows;
     }
     int64_t units(int phase) const override {
-        if (p_.batch == 0 || rows_ == 0) return 0;
-        return phase == 0 ? static_cast<int64_t>(split_.tasks.size()) : p_.batch * p_.kv_heads;
+        return static_cast<int64_t>(phase == 0 ? split_.tasks.size() : split_.merges.size());
     }
     int64_t workspace_bytes() const override {
         return ws_elems_ * static_cast<int64_t>(sizeof(A));
     }
     void run(int phase, int64_t unit, void* workspace) const override {
         A* ws = static_cast<A*>(workspace);
-        A* row_max = max_sum_.get();
-        A* row_sum = max_sum_.get() + slots_ * rows_;
+        const int64_t group = p_.heads / p_.kv_heads;
         if (phase == 0) {
-            run_chunk(p_, split_.tasks[static_cast<size_t>(unit)], chunk_fn_, reads_index_, ws, own_elems_,
-                      acc_.get() + unit * rows_ * p_.head_dim_v, row_max + unit * rows_, row_sum + unit * rows_);
-            return;
+            const SplitTask& t = split_.tasks[static_cast<size_t>(unit)];
+            A *acc = acc_.get() + t.row_at * p_.head_dim_v, *m = max_sum_.get() + t.row_at, *l = row_sum_ + t.row_at;
+            if (t.heads == group) return run_chunk(p_, t.keys, chunk_fn_, reads_index_, ws, own_elems_, acc, m, l);
+            DecodeTask keys = t.keys;
+            keys.kv_head = 0;
+            return run_chunk(head_group(p_, t.head0, t.heads), keys, chunk_fn_, reads_index_, ws, own_elems_, acc, m, l);
         }
-        const int64_t b = unit / p_.kv_heads, g = unit % p_.kv_heads;
-        const int64_t base = split_.slot_base[b] + g * split_.chunk_count[b];
-        merge_fn_(p_, b, g, split_.chunk_count[b], acc_.get() + base * rows_ * p_.head_dim_v,
-                  row_max + base * rows_, row_sum + base * rows_, ws);
+        const SplitMerge& g = split_.merges[static_cast<size_t>(unit)];
+        const A *acc = acc_.get() + g.row_at * p_.head_dim_v, *m = max_sum_.get() + g.row_at, *l = row_sum_ + g.row_at;
+        if (g.heads == group) return merge_fn_(p_, g.batch, g.kv_head, g.chunks, acc, m, l, ws);
+        merge_fn_(head_group(p_, g.head0, g.heads), g.batch, 0, g.chunks, acc, m, l, ws);
     }
 
 private:
     AttentionParams p_;
     DecodeChunkFn<A> chunk_fn_;
-    bool reads_index_;
     DecodeMergeFn<A> merge_fn_;
-    int64_t rows_;
-    int64_t own_elems_;  // the chunk kernel's scratch, in elements of A
-    int64_t ws_elems_;   // a thread's: that and run_chunk's staging
+    bool reads_index_;
+    int64_t own_elems_;     // the chunk kernel's scratch, in elements of A
+    int64_t ws_elems_ = 0;  // a thread's: that and run_chunk's staging
     DecodeSplit split_;
     std::unique_ptr<A[]> acc_, max_sum_;
-    int64_t slots_ = 0;
+    A* row_sum_ = nullptr;
 };
+
+std::unique_ptr<ProblemWork> decode_work_of(const AttentionParams& p, const KernelTable& kernels,
+                                            const DecodeKernel& kernel) {
+    if (kernel.chunk)
+        return std::unique_ptr<ProblemWork>(new DecodeWork<float>(p, kernel, kernel.chunk, kernels.decode_merge));
+    return std::unique_ptr<ProblemWork>(
+        new DecodeWork<double>(p, kernel, kernels.decode_chunk_f64, kernels.decode_merge_f64));
+}
+
+// Work items of the larger pass: tasks, or merges.
+int64_t most_units(const ProblemWork& work) {
+    return work.units(0) > work.units(1) ? work.units(0) : work.units(1);
+}
 
 }  // namespace
 
 std::unique_ptr<ProblemWork> make_decode_work(const AttentionParams& p) {
     const KernelTable& kernels = active_kernels();
-    const DecodeKernel kernel = choose_decode(kernels, p);
-    const int64_t chunk_keys = chunk_keys_of(p, kernel);
-    const int64_t ws_elems = workspace_elems_of(p, kernel);
-    if (kernel.chunk)
-        return std::unique_ptr<ProblemWork>(
-            new DecodeWork<float>(p, kernel.chunk, kernel.reads_index, kernels.decode_merge, chunk_keys, ws_elems));
-    return std::unique_ptr<ProblemWork>(new DecodeWork<double>(
-        p, kernels.decode_chunk_f64, false, kernels.decode_merge_f64, chunk_keys, ws_elems));
+    return decode_work_of(p, kernels, choose_decode(kernels, p));
 }
 
 bool runs_as_row_blocks(const AttentionParams& p) {
@@ -353,12 +374,15 @@ bool runs_on_decode_path(const AttentionParams& p) {
 }
 
 void decode_forward(const AttentionParams& p) {
-    const KernelTable& kernels = active_kernels();
-    const DecodeKernel kernel = choose_decode(kernels, p);
-    const int64_t chunk_keys = chunk_keys_of(p, kernel);
-    const int64_t ws_elems = workspace_elems_of(p, kernel);
-    if (kernel.chunk) run_decode<float>(p, kernel.chunk, kernel.reads_index, kernels.decode_merge, chunk_keys, ws_elems);
-    else run_decode<double>(p, kernels.decode_chunk_f64, false, kernels.decode_merge_f64, chunk_keys, ws_elems);
+    const std::unique_ptr<ProblemWork> work = make_decode_work(p);
+    const int64_t most = most_units(*work);
+    if (most == 0) return;
+    const int threads = p.num_threads < most ? p.num_threads : static_cast<int>(most);
+    const ThreadScratch<char> scratch(work->workspace_bytes(), threads);
+    for (int phase = 0; phase < 2; ++phase)
+        parallel::for_each_dynamic(work->units(phase), threads, p.interruptible, [&](int64_t unit, int thread_id) {
+            work->run(phase, unit, scratch.at(thread_id));
+        });
 }
 
 CallPlan plan_decode(const AttentionParams& p) {
@@ -372,17 +396,19 @@ CallPlan plan_decode(const AttentionParams& p) {
     plan.paged = p.block_table != nullptr;
     plan.indexed = p.key_index != nullptr;
     plan.chunk_keys = chunk_keys_of(p, kernel);
+    plan.head_groups = 1;
     plan.latent_kv = kv_is_latent(p);
     plan.rows_per_kv_read = decode_rows(p);
     // Compute-shaped when the kernel blocks the rows as a GEMM (a latent cache's many rows);
     // the other decode kernels stream K/V once per step, shaped by memory bandwidth.
     plan.regime = kernel.compute_shaped ? "compute" : "bandwidth";
     if (p.batch == 0 || decode_rows(p) == 0) return plan;  // (run_decode does nothing)
-    const DecodeSplit split = split_decode(p, plan.chunk_keys);
-    for (int64_t b = 0; b < p.batch; ++b)
-        if (split.chunk_count[b] > plan.chunks) plan.chunks = split.chunk_count[b];
+    const DecodeSplit split = split_decode(p, plan.chunk_keys, kernel.compute_shaped);
+    plan.chunks = split.chunks;
+    plan.head_groups = split.head_groups;
     plan.tasks = static_cast<int64_t>(split.tasks.size());
-    plan.threads = parallel::threads_alone(decode_work(p, split), p.num_threads);
+    const int64_t merges = static_cast<int64_t>(split.merges.size());
+    plan.threads = parallel::threads_alone(plan.tasks > merges ? plan.tasks : merges, p.num_threads);
     return plan;
 }
 

@@ -97,6 +97,16 @@ def _chunk_keys(d, dv, elem_bytes):
     return keys
 
 
+def _head_groups(kv_heads, group, tq, chunks, threads):
+    """decode.cpp's split_decode for a compute-shaped kernel: the heads of each KV head
+    halved into groups (at least 32 rows each) while the call has at most half as many tasks
+    as threads; one thread keeps one group."""
+    heads = group
+    while 2 * kv_heads * -(-group // heads) * chunks <= threads and heads // 2 * tq >= 32:
+        heads = -(-heads // 2)
+    return -(-group // heads)
+
+
 def _l2_bytes():
     """The L2 size the core reads (sysconf), via getconf; 0 when it does not say."""
     try:
@@ -114,7 +124,7 @@ def test_decode_split_follows_the_chunk_rule():
         plan = af.explain(q, k, v, num_threads=2)
         chunk = _chunk_keys(d, d, elem)
         assert plan["path"] == "decode"
-        assert plan["split"] == {"chunk_keys": chunk, "chunks": -(-tk // chunk),
+        assert plan["split"] == {"chunk_keys": chunk, "chunks": -(-tk // chunk), "head_groups": 1,
                                  "tasks": 3 * 2 * -(-tk // chunk)}
         assert plan["tasks"] == plan["split"]["tasks"]
     # a window sees only the last keys: only the chunks holding them are tasks
@@ -326,3 +336,78 @@ def test_int8_dot_switch_is_read_once(env):
     assert widen[1] in ("simd_decode", "template_decode")
     vnni = "avx512bf16" in _ext.runtime_info()["isa_available"]
     assert auto[1] == ("vnni_int8_decode" if vnni else widen[1])
+
+
+@pytest.mark.parametrize("heads,tq,latent,threads,groups", [
+    (128, 1, True, 1, 1),     # one thread: never
+    (128, 1, True, 2, 1),     # 8 chunks: more tasks than threads already
+    (128, 1, True, 64, 4),    # DeepSeek MLA on a server: 32-row groups, 4 x 8 = 32 tasks
+    (128, 2, True, 64, 8),    # with multi-token prediction: 256 rows, 8 groups
+    (128, 1, True, 24, 2),    # 24 threads: 16 tasks (32 would queue on them)
+    (16, 1, True, 64, 1),     # 16 rows: under one group's 32
+    (4, 16, False, 64, 2),    # a 16-token tree step, 4 heads a KV head: gemm_decode, 64 rows
+])
+def test_compute_shaped_decode_splits_heads_with_threads(heads, tq, latent, threads, groups):
+    """The head-group rule (`_head_groups`) at 16k keys, 2048 keys a chunk, for the thread
+    counts of a server: explain caps num_threads at this machine's processors, so the rule
+    is checked here and explain where this machine reaches it."""
+    assert _head_groups(1, heads, tq, 8, threads) == groups
+    q = np.empty((1, heads, tq, 576 if latent else 128), np.float32)
+    k = np.empty((1, 1, 16384, q.shape[-1]), np.float32)
+    v = k[..., :512] if latent else np.empty((1, 1, 16384, 128), np.float32)
+    plan = af.explain(q, k, v, causal=True, num_threads=threads)
+    if plan["regime"] != "compute":
+        return  # (no GEMM-shaped decode on this tier)
+    assert plan["split"]["chunk_keys"] == 2048 and plan["split"]["chunks"] == 8
+    seen = min(threads, _ext.processors())
+    assert plan["split"]["head_groups"] == _head_groups(1, heads, tq, 8, seen)
+    assert plan["tasks"] == 8 * plan["split"]["head_groups"]
+
+
+@pytest.mark.skipif(_ext.processors() < 2, reason="head groups come with a second thread")
+@pytest.mark.parametrize("case", ["mla", "mla_bf16", "tree"])
+def test_head_groups_give_the_bits_of_one_thread(rng, case, tier):
+    """A compute-shaped step cut into groups of heads on two threads (short: one chunk, so
+    the groups are the tasks) gives the bits of one thread's single group and float64's
+    answer with sinks and softcap, on every tier with such a kernel; and in a batch of two
+    (two tasks: no groups) each entry's bits are those of the entry alone."""
+    if case == "tree":  # 8 heads over one KV head, a 16-token tree step: gemm_decode
+        H, Hkv, Tq, D, Dv = 8, 1, 16, 64, 64
+    else:               # 128 heads on an MLA latent row: latent_decode
+        H, Hkv, Tq, D, Dv = 128, 1, 1, 64, 48
+    L, dtype = 1500, (BFLOAT16 if case == "mla_bf16" else np.float32)
+    kv = rng.standard_normal((2, Hkv, L, D)).astype(dtype)
+    v = kv[..., :Dv] if case != "tree" else rng.standard_normal((2, Hkv, L, Dv)).astype(dtype)
+    q = rng.standard_normal((2, H, Tq, D)).astype(dtype)
+    opts = dict(softcap=20.0, sinks=rng.standard_normal(H).astype(np.float32))
+    lens = np.array([L, 700])
+    one = af.explain(q, kv, v, cache_seqlens=lens, num_threads=1, **opts)
+    two = af.explain(q, kv, v, cache_seqlens=lens, num_threads=2, **opts)
+    if one["regime"] != "compute":
+        pytest.skip("no GEMM-shaped decode on this tier")
+    assert one["split"]["head_groups"] == two["split"]["head_groups"] == 1
+    out1, lse1 = af.attention_with_kvcache(q, kv, v, lens, num_threads=1, return_lse=True, **opts)
+    out2, lse2 = af.attention_with_kvcache(q, kv, v, lens, num_threads=2, return_lse=True, **opts)
+    np.testing.assert_array_equal(out1, out2)
+    np.testing.assert_array_equal(lse1, lse2)
+    for b in range(2):  # alone: one task, two groups on two threads
+        n = int(lens[b])
+        grouped = af.explain(q[b:b + 1], kv[b:b + 1], v[b:b + 1], cache_seqlens=n, num_threads=2,
+                             **opts)
+        assert grouped["split"]["head_groups"] == 2 and grouped["tasks"] == 2
+        for threads in (1, 2):
+            alone, alone_lse = af.attention_with_kvcache(q[b:b + 1], kv[b:b + 1], v[b:b + 1], n,
+                                                         num_threads=threads, return_lse=True,
+                                                         **opts)
+            np.testing.assert_array_equal(alone, out1[b:b + 1])
+            np.testing.assert_array_equal(alone_lse, lse1[b:b + 1])
+    # bfloat16: the output's rounding and the pair tile's bfloat16 probabilities (test_mla's)
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == BFLOAT16 else TOLERANCE[np.dtype(np.float32)]
+    for b in range(2):
+        n = int(lens[b])
+        ref, ref_lse, _ = reference_attention(q[b:b + 1].astype(np.float64),
+                                              kv[b:b + 1, :, :n].astype(np.float64),
+                                              v[b:b + 1, :, :n].astype(np.float64),
+                                              causal=True, **opts)
+        np.testing.assert_allclose(out1[b:b + 1].astype(np.float64), ref, **tol)
+        np.testing.assert_allclose(lse1[b:b + 1], ref_lse, **tol)

@@ -438,4 +438,12 @@ static inline AttentionParams one_head(const AttentionParams& p, int64_t head) {
     return s;
 }
 
+// p restricted to the n query heads [head, head + n) of one KV head's group (heads = n,
+// kv_heads = 1): one_head's view, for several heads.
+static inline AttentionParams head_group(const AttentionParams& p, int64_t head, int64_t n) {
+    AttentionParams s = one_head(p, head);
+    s.heads = n;
+    return s;
+}
+
 }  // namespace attnfast

@@ -83,6 +83,7 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
         cbool indexed
         int64_t chunk_keys
         int64_t chunks
+        int64_t head_groups
         int64_t tasks
         int threads
         cbool latent_kv
@@ -507,7 +508,8 @@ def plan_attention(cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, *, bint causal, 
     plan = plan_attention_core(p)
     split = None
     if plan.decode:
-        split = {"chunk_keys": plan.chunk_keys, "chunks": plan.chunks, "tasks": plan.tasks}
+        split = {"chunk_keys": plan.chunk_keys, "chunks": plan.chunks,
+                 "head_groups": plan.head_groups, "tasks": plan.tasks}
     return {
         "tier": plan.tier.decode(),
         "path": "decode" if plan.decode else "prefill",
