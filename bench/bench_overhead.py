@@ -28,6 +28,9 @@ Rows:
     attention_with_kvcache/paged     the same over a pool of 8 blocks of 16 (block_table=)
     attention                   attention(q, k, v) with k, v (1, Hkv, L, D), causal
     attention(return_lse)       the same, returning (out, lse)
+    attention (L+1 each call)   attention(out=) over new k, v one key longer each call, as
+                                transformers' DynamicCache hands them over (L .. L+299: more
+                                lengths than the 256 plans a memo keeps, none repeating soon)
     PagedKVCache.attend / .step  one sequence in pools of 8 and 100,000 blocks (step appends,
                                 the round's tokens truncated between rounds)
     PagedKVCache.step+truncate  step then truncate back, both timed (a speculative step
@@ -35,7 +38,8 @@ Rows:
     torch: ...                  the same calls with torch tensors in and out
     transformers backend        attnfast.integrations.transformers.attention_forward (decode:
                                 query (1, H, 1, D), key/value (1, Hkv, L, D), no mask), as a
-                                transformers model calls it in every layer
+                                transformers model calls it in every layer; "(L+1 each call)":
+                                key/value one key longer each call, as a DynamicCache grows
 
 With ``--baseline DIR`` every case also runs on another attnfast, imported from DIR (a
 directory holding an ``attnfast`` package), interleaved with this one in the same process
@@ -178,6 +182,16 @@ def _make_cases(heads, kv_heads, head_dim, length, capacity, threads, use_torch,
     v_pool = rng.standard_normal((8, Hkv, 16, D), dtype=f32)
     table = np.array([[3, 5]] * B, dtype=np.int32)
 
+    # New C-contiguous k, v one key longer each call (a DynamicCache's torch.cat), cycling
+    # over more lengths than a plan memo keeps
+    growing = [(rng.standard_normal((B, Hkv, n, D), dtype=f32),
+                rng.standard_normal((B, Hkv, n, D), dtype=f32)) for n in range(L, L + GROWING)]
+    grow = itertools.cycle(growing)
+
+    def attention_grown():
+        k, v = next(grow)
+        af.attention(q, k, v, causal=True, out=out4, **nt)
+
     cases = {
         "kernel": (kernel, nothing),
         "kernel, L..L+15": (kernel_grown, nothing),
@@ -199,6 +213,7 @@ def _make_cases(heads, kv_heads, head_dim, length, capacity, threads, use_torch,
         "attention": (lambda: af.attention(q, k_full, v_full, causal=True, **nt), nothing),
         "attention(return_lse)": (
             lambda: af.attention(q, k_full, v_full, causal=True, return_lse=True, **nt), nothing),
+        "attention (L+1 each call)": (attention_grown, nothing),
     }
     # A paged pool's per-call cost must not grow with the pool (issue 47): one sequence of
     # L - 1 tokens in pools of 8 and 100,000 blocks of 16.
@@ -258,9 +273,18 @@ def _make_cases(heads, kv_heads, head_dim, length, capacity, threads, use_torch,
         aft.attention_forward(module, tq, tkf, tvf, None, scaling=scale)
 
     cases["torch: transformers backend"] = (backend, nothing)
+    tgrow = itertools.cycle([(torch.from_numpy(k), torch.from_numpy(v)) for k, v in growing])
+
+    def backend_grown():
+        tkg, tvg = next(tgrow)
+        aft.attention_forward(module, tq, tkg, tvg, None, scaling=scale)
+
+    cases["torch: transformers backend (L+1 each call)"] = (backend_grown, nothing)
     del saved
     return cases
 
+
+GROWING = 300  # lengths the "(L+1 each call)" rows cycle over
 
 CLOCKS = {"wall": time.perf_counter,
           # CPU time of the calling thread: time other processes take is not counted (with

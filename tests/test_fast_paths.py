@@ -96,6 +96,33 @@ def test_repeat_calls_take_a_plan_and_give_the_full_paths_bits(rng):
     np.testing.assert_allclose(again, ref, **TOLERANCE[np.dtype(np.float32)])
 
 
+def test_a_cache_growing_by_a_token_keeps_its_plan(rng, monkeypatch):
+    """transformers' DynamicCache hands attention() new C-contiguous k and v one key longer
+    each decode step: one plan serves every length (its key leaves the key count out), and
+    each step gives the full path's bits and float64's answer, the window bounded by that
+    step's keys."""
+    q = normal(rng, B, H, 1, D)
+    keys, values = normal(rng, B, HKV, 20, D), normal(rng, B, HKV, 20, D)
+    steps = [(np.ascontiguousarray(keys[:, :, :n]), np.ascontiguousarray(values[:, :, :n]))
+             for n in range(6, 20)]
+    opts = dict(causal=True, window=(4, 0))
+    full = []
+    for k, v in steps:
+        clear_plans()
+        full.append(af.attention(q, k, v, **opts))
+    clear_plans()
+    out = np.zeros((B, H, 1, D), np.float32)
+    af.attention(q, *steps[0], out=out, **opts)  # stores the plan
+    forbid_full_checks(monkeypatch)
+    for (k, v), want in zip(steps, full):
+        got = af.attention(q, k, v, out=out, **opts)
+        assert got is out
+        np.testing.assert_array_equal(got, want)
+        ref = reference_attention(q, k, v, **opts)[0]
+        np.testing.assert_allclose(got, ref, **TOLERANCE[np.dtype(np.float32)])
+    assert len(_plans.ATTENTION_PLANS) == 1
+
+
 def test_fast_kvcache_step_equals_the_full_path(rng, monkeypatch):
     a, b = cache_with(rng), cache_with(rng)
     b.k[...], b.v[...] = a.k, a.v

@@ -137,7 +137,7 @@ def test_committed_page_is_generated_from_the_committed_runs():
 def test_lowbit_section_from_json(tmp_path):
     """bench_lowbit_decode.py --json renders as the page's low-bit table: per dtype the ms,
     the speed-up over float32 computed from the stored times, and the share of the read kernel."""
-    from attnfast.bench import lowbit_results, sparse_results
+    from attnfast.bench import sparse_results
     path = tmp_path / "results" / "lowbit" / "decode-test-kind.json"
     row = dict(heads="32/8", L=16384, threads=1, read_gbs=30.0,
                dtypes={"float32": dict(ms=6.0, of_read=0.6, kernel="simd_decode"),

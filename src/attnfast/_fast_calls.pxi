@@ -56,16 +56,20 @@ cdef class Layout:
         return len(a) == len(b) and memcmp(<char*> a, <char*> b, len(a)) == 0
 
 
-def layout_key(a0, a1, a2, a3=None, a4=None, a5=None):
+def layout_key(a0, a1, a2, a3=None, a4=None, a5=None, bint any_keys=False):
     """The layout of up to six arrays as one Layout (shape, strides, dtype of each; None
     stays distinct from every array), or None unless each is None or exactly a
-    numpy.ndarray of at most 16 dimensions: the array part of a fast-path plan key."""
+    numpy.ndarray of at most 16 dimensions: the array part of a fast-path plan key.
+    any_keys: a1 and a2 (k and v) are C-contiguous 4-D arrays whose key count (axis 2), and
+    with it their outer strides, the key leaves out (a marker instead): a cache that grows
+    by a token a step (transformers' DynamicCache) keeps its plan."""
     cdef int64_t words[6 * _KEY_WORDS_PER_ARRAY]
-    cdef int n = 0, i, j
+    cdef int n = 0, i, j, slot = -1
     cdef uint64_t h = 14695981039346656037ULL
     cdef cnp.ndarray a
     cdef Layout key
     for obj in (a0, a1, a2, a3, a4, a5):
+        slot += 1
         if obj is None:
             words[n] = -1
             n += 1
@@ -80,6 +84,8 @@ def layout_key(a0, a1, a2, a3=None, a4=None, a5=None):
         for j in range(cnp.PyArray_NDIM(a)):
             words[n] = cnp.PyArray_DIMS(a)[j]
             words[n + 1] = cnp.PyArray_STRIDES(a)[j]
+            if any_keys and (slot == 1 or slot == 2) and j <= 2:
+                words[n + (0 if j == 2 else 1)] = -2  # (axis 2's count; axes 0, 1's strides)
             n += 2
         words[n] = cnp.PyArray_TYPE(a)
         words[n + 1] = attnfast_byteorder(a)
@@ -291,8 +297,11 @@ def attention_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out, 
         out = _usable_out(out, q, k, v)
         if out is None:
             return None
+    # (the key count from the call: a key without it (any_keys) fits any, k's and v's alike)
+    if cnp.PyArray_DIMS(k)[2] != cnp.PyArray_DIMS(v)[2] or cnp.PyArray_DIMS(k)[2] < 1:
+        return None
     return _run_plan(plan, "attention", q, k, v, out, causal, threads, None, None, None,
-                     query_offset, None, plan.seqlen_k)
+                     query_offset, None, cnp.PyArray_DIMS(k)[2])
 
 
 def decode_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new,
@@ -462,9 +471,23 @@ cdef frozenset _KEY_SCALE_TYPES = frozenset((float, int, np.float64, np.float32,
 
 def attention_key(q, k, v, out, causal, scale, window, return_lse=False, tuple unplanned=()):
     """attention(): the plan key of a call (kvcache_key's, without lengths or new tokens), or
-    None when no plan can serve it: where attention()'s fast-path eligibility is decided."""
+    None when no plan can serve it: where attention()'s fast-path eligibility is decided.
+    C-contiguous 4-D k and v with the same key count >= 1 are keyed without it (any_keys)."""
     return kvcache_key(q, k, v, "attention", None, None, out, causal, scale, window,
-                       return_lse, unplanned)
+                       return_lse, unplanned, any_keys=_any_keys(k, v))
+
+
+cdef bint _any_keys(k, v):
+    """Whether k and v are C-contiguous 4-D ndarrays with the same key count, at least 1:
+    their layout is then the same for any count (see layout_key), and attention_fast takes
+    the count from the call."""
+    cdef cnp.ndarray a, b
+    if type(k) is not _ndarray or type(v) is not _ndarray:
+        return False
+    a, b = <cnp.ndarray> k, <cnp.ndarray> v
+    return (cnp.PyArray_NDIM(a) == 4 and cnp.PyArray_NDIM(b) == 4
+            and cnp.PyArray_IS_C_CONTIGUOUS(a) and cnp.PyArray_IS_C_CONTIGUOUS(b)
+            and cnp.PyArray_DIMS(a)[2] >= 1 and cnp.PyArray_DIMS(a)[2] == cnp.PyArray_DIMS(b)[2])
 
 
 def seqlens_key(cache_seqlens):
@@ -479,7 +502,7 @@ def seqlens_key(cache_seqlens):
 
 cpdef object kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, out, causal, scale,
                         window, return_lse, tuple unplanned=(), block_table=None, k_scale=None,
-                        v_scale=None):
+                        v_scale=None, bint any_keys=False):
     """attention_with_kvcache() and KVCache.attend/step: the plan key of a call, or None when
     no plan can serve it: where the KV-cache fast path's eligibility is decided. The key
     holds the layouts of q, the caches, the new tokens and `out` (so out's shape, dtype and
@@ -498,7 +521,7 @@ cpdef object kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, out, ca
     for i in range(len(unplanned)):
         if unplanned[i] is not None:
             return None
-    layout = layout_key(q, k_cache, v_cache, k_new, v_new, out)  # None unless all are ndarrays
+    layout = layout_key(q, k_cache, v_cache, k_new, v_new, out, any_keys)  # (None unless ndarrays)
     if layout is None:
         return None
     # The options with exact types: values that compare equal (True == 1 == 1.0) must be
