@@ -5,22 +5,21 @@ end to end (prefill time, decode tokens/s, the same tokens).
     # issue 47's end-to-end grid: Llama 32/8 heads, head_dim 128, 2 layers, prompts of 4k,
     # 16k and 32k tokens, 1 and 2 threads, float32 and bfloat16 (a summary table, and JSON)
     python bench/bench_transformers.py --heads 32x8 --head-dim 128 --layers 2 \
-        --ctx 4096 16384 32768 --threads 1 2 --json bench/results/generate.json
+        --ctx 4096 16384 32768 --threads 1 2 --json bench/results/generate/<cpu-kind>.json
 
 For each dtype, prompt length (--ctx, several allowed), thread count (--threads, several
 allowed) and backend: prefill of the prompt (one forward pass), then --new per-token greedy
 decode steps after it (DynamicCache). The attention functions (and the mask builders) are
 timed separately by wrapping the functions transformers calls, so the table shows the
 share of time spent in attention. Speedup = sdpa time / attnfast time. With several
-settings a summary follows (one line per dtype, prompt and threads); --json writes every
-row.
+settings a summary follows (one line per dtype, prompt and threads); --json stores every
+row, the model and the machine for the results page (attnfast.bench.generate_results).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import io
-import json
 import time
 
 import torch
@@ -29,6 +28,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import attnfast
 import attnfast.integrations.transformers as aft
+from attnfast.bench.sparse_results import store_part
 
 TIMES = {"attn": 0.0, "mask": 0.0}
 
@@ -156,11 +156,12 @@ def main():
               f"{'speedup':>9s} {'sdpa tok/s':>10s} {'attnfast':>10s} {'speedup':>9s}  same tokens")
         print("\n".join(summary))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "attnfast": attnfast.__version__, "isa": isa,
-                       "model": dict(hidden=hidden, layers=args.layers, heads=heads,
-                                     kv_heads=kv_heads, head_dim=args.head_dim),
-                       "new_tokens": args.new, "rows": rows}, f, indent=1)
+        store_part(args.json, "llama", rows, torch=torch.__version__,
+                   transformers=__import__("transformers").__version__,
+                   model=dict(hidden=hidden, intermediate=args.intermediate or 2 * hidden,
+                              layers=args.layers, heads=heads, kv_heads=kv_heads,
+                              head_dim=args.head_dim),
+                   new_tokens=args.new)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,9 @@
 // has too few of those for its threads, each KV head's query heads into groups (split_decode).
 // A chunk's size depends only on the head dims and dtype, its boundaries sit at fixed key
 // positions, and a row's result does not depend on the group it is computed in, so every
-// thread count gives the same bits. A task serves all its (heads x Tq) query rows, so each K/V byte is read once
-// per step and group. A second pass merges each (batch entry, heads)'s chunks by their (max,
-// sum) in chunk order.
+// thread count gives the same bits. A task serves all its (heads x Tq) query rows, so each
+// K/V byte is read once per step and group. A second pass merges each (batch entry,
+// heads)'s chunks by their (max, sum) in chunk order.
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -66,7 +66,6 @@ int64_t chunk_keys_of(const AttentionParams& p, const DecodeKernel& kernel) {
 constexpr int64_t kDecodeMinTaskRows = 32;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 
 // With key_index (one query row: decode_row_blocks), the chunks split the row's list, entries
 // [0, key_index_count), at the same fixed points: a task's keys [key_begin, key_end) are then
@@ -297,14 +296,19 @@ public:
         const int64_t group = p_.heads / p_.kv_heads;
         if (phase == 0) {
             const SplitTask& t = split_.tasks[static_cast<size_t>(unit)];
-            A *acc = acc_.get() + t.row_at * p_.head_dim_v, *m = max_sum_.get() + t.row_at, *l = row_sum_ + t.row_at;
+            A* acc = acc_.get() + t.row_at * p_.head_dim_v;
+            A* m = max_sum_.get() + t.row_at;
+            A* l = row_sum_ + t.row_at;
             if (t.heads == group) return run_chunk(p_, t.keys, chunk_fn_, reads_index_, ws, own_elems_, acc, m, l);
-            DecodeTask keys = t.keys;
+            DecodeTask keys = t.keys;  // (the group's view holds one KV head)
             keys.kv_head = 0;
-            return run_chunk(head_group(p_, t.head0, t.heads), keys, chunk_fn_, reads_index_, ws, own_elems_, acc, m, l);
+            return run_chunk(head_group(p_, t.head0, t.heads), keys, chunk_fn_, reads_index_, ws, own_elems_,
+                             acc, m, l);
         }
         const SplitMerge& g = split_.merges[static_cast<size_t>(unit)];
-        const A *acc = acc_.get() + g.row_at * p_.head_dim_v, *m = max_sum_.get() + g.row_at, *l = row_sum_ + g.row_at;
+        const A* acc = acc_.get() + g.row_at * p_.head_dim_v;
+        const A* m = max_sum_.get() + g.row_at;
+        const A* l = row_sum_ + g.row_at;
         if (g.heads == group) return merge_fn_(p_, g.batch, g.kv_head, g.chunks, acc, m, l, ws);
         merge_fn_(head_group(p_, g.head0, g.heads), g.batch, 0, g.chunks, acc, m, l, ws);
     }

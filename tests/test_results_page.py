@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from attnfast.bench import results
+from attnfast.bench.generate_results import load_generate_runs
 from attnfast.bench.lowbit_results import load_lowbit_runs
 from attnfast.bench.sparse_results import load_sparse_runs
 from attnfast.bench.limits import limits_from
@@ -131,7 +132,35 @@ def test_committed_page_is_generated_from_the_committed_runs():
     assert "zen4-avx512bf16" in sparse
     lowbit = load_lowbit_runs(str(root / "bench" / "results"))
     assert "zen4-avx512bf16" in lowbit
-    assert (root / "docs" / "results.md").read_text() == results.render_page(runs, plots, sparse, lowbit)
+    generate = load_generate_runs(str(root / "bench" / "results"))
+    assert (root / "docs" / "results.md").read_text() == results.render_page(
+        runs, plots, sparse, lowbit, generate)
+
+
+def test_generate_section_from_json(tmp_path):
+    """bench_transformers.py --json renders as the page's generation table: per dtype, prompt
+    and threads each backend's prefill and decode step with its attention share, and the
+    speed-ups computed from the stored times."""
+    from attnfast.bench import sparse_results
+
+    def row(phase, backend, seconds, attention, mask=0.0):
+        return dict(dtype="float32", ctx=8192, threads=1, phase=phase, backend=backend,
+                    seconds=seconds, attention_seconds=attention, mask_seconds=mask,
+                    same_tokens=True)
+    rows = [row("prefill", "sdpa", 12.0, 6.0), row("prefill", "attnfast", 10.0, 3.5, 0.5),
+            row("decode/token", "sdpa", 0.080, 0.040), row("decode/token", "attnfast", 0.050, 0.010)]
+    path = tmp_path / "results" / "generate" / "test-kind.json"
+    sparse_results.store_part(str(path), "llama", rows, new_tokens=16,
+                              model=dict(hidden=4096, layers=2, heads=32, kv_heads=8, head_dim=128))
+    (tmp_path / "results" / "test-kind.json").write_text(json.dumps(synthetic_run()))
+    out = tmp_path / "results.md"
+    results.main(["--results-dir", str(tmp_path / "results"), "--out", str(out), "--no-plots"])
+    page = out.read_text()
+    assert "## Generating with transformers: test-kind" in page
+    assert "32 heads / 8 KV heads, head_dim 128; 16 decode steps" in page
+    assert cells(page, "float32") == ["float32", "8192", "1", "12000.0 ms (50 %)",
+                                      "10000.0 ms (40 %)", "1.20x", "80.0 ms (50 %)",
+                                      "50.0 ms (20 %)", "1.60x", "4.0x", "yes"]
 
 
 def test_lowbit_section_from_json(tmp_path):

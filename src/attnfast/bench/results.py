@@ -18,6 +18,7 @@ import os
 import sys
 
 from .peer_report import PeerReport
+from .generate_results import load_generate_runs, render_generate_section
 from .lowbit_results import load_lowbit_runs, render_lowbit_section
 from .sparse_results import load_sparse_runs, render_sparse_section
 
@@ -135,16 +136,20 @@ def plot_ref(kind: str, what: str, image_dir: str) -> tuple[str, str]:
     return f"{PLOT_TITLES[what]}, {kind}", f"{image_dir}/{kind}-{what}.png"
 
 
-def render_page(runs: dict, plots=None, sparse=None, lowbit=None) -> str:
+def render_page(runs: dict, plots=None, sparse=None, lowbit=None, generate=None) -> str:
     """The whole page: the introduction, then one section per CPU kind in ``runs`` order
-    (``plots``: {kind: [(description, path)]}, see :func:`render_section`), then the low-bit
-    cache sections (``lowbit``: {kind: low-bit decode JSON}, see
+    (``plots``: {kind: [(description, path)]}, see :func:`render_section`), then the
+    end-to-end generation sections (``generate``: {kind: generation JSON}, see
+    :func:`~attnfast.bench.generate_results.render_generate_section`), the low-bit cache
+    sections (``lowbit``: {kind: low-bit decode JSON}, see
     :func:`~attnfast.bench.lowbit_results.render_lowbit_section`), then the sparse attention
     sections (``sparse``: {kind: sparse JSON}, see
     :func:`~attnfast.bench.sparse_results.render_sparse_section`)."""
     plots = plots or {}
     return (INTRO + "".join("\n" + render_section(kind, data, plots.get(kind, ()))
                             for kind, data in runs.items())
+            + "".join("\n" + render_generate_section(kind, data)
+                      for kind, data in (generate or {}).items())
             + "".join("\n" + render_lowbit_section(kind, data) for kind, data in (lowbit or {}).items())
             + "".join("\n" + render_sparse_section(kind, data) for kind, data in (sparse or {}).items()))
 
@@ -192,7 +197,8 @@ def main(argv=None) -> int:
                     print(f"{what} plot of {kind} not written: {written.reason}", file=sys.stderr)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        f.write(render_page(runs, plots, load_sparse_runs(args.results_dir), load_lowbit_runs(args.results_dir)))
+        f.write(render_page(runs, plots, load_sparse_runs(args.results_dir), load_lowbit_runs(args.results_dir),
+                            load_generate_runs(args.results_dir)))
     print(f"{args.out}: {', '.join(runs)}")
     return 0
 
