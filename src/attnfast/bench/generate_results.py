@@ -11,10 +11,7 @@ flags, the tier, the date, the commit and the command
 """
 from __future__ import annotations
 
-import json
-import os
-
-from .sparse_results import part_table
+from .sparse_results import load_part_runs, part_table
 
 __all__ = ["load_generate_runs", "render_generate_section"]
 
@@ -31,14 +28,7 @@ _NOTE = ("transformers' greedy generation on a random-weight Llama, `attn_implem
 
 def load_generate_runs(results_dir: str) -> dict:
     """{cpu kind: generation JSON} of every ``generate/*.json`` under ``results_dir``."""
-    generate_dir = os.path.join(results_dir, "generate")
-    runs = {}
-    if os.path.isdir(generate_dir):
-        for name in sorted(os.listdir(generate_dir)):
-            if name.endswith(".json"):
-                with open(os.path.join(generate_dir, name)) as f:
-                    runs[name[:-len(".json")]] = json.load(f)
-    return runs
+    return load_part_runs(results_dir, "generate")
 
 
 def _pairs(rows: list) -> list:

@@ -10,10 +10,7 @@ the CPU, its flags, the tier, the date, the commit and the command
 """
 from __future__ import annotations
 
-import json
-import os
-
-from .sparse_results import part_table
+from .sparse_results import load_part_runs, part_table
 
 __all__ = ["load_lowbit_runs", "render_lowbit_section"]
 
@@ -32,14 +29,7 @@ _NOTE = ("One decode step (B = 1, Tq = 1, D = 128, `KVCache.attend`) per cache d
 
 def load_lowbit_runs(results_dir: str) -> dict:
     """{cpu kind: low-bit decode JSON} of every ``lowbit/decode-*.json`` under ``results_dir``."""
-    lowbit_dir = os.path.join(results_dir, "lowbit")
-    runs = {}
-    if os.path.isdir(lowbit_dir):
-        for name in sorted(os.listdir(lowbit_dir)):
-            if name.startswith("decode-") and name.endswith(".json"):
-                with open(os.path.join(lowbit_dir, name)) as f:
-                    runs[name[len("decode-"):-len(".json")]] = json.load(f)
-    return runs
+    return load_part_runs(results_dir, "lowbit", "decode-")
 
 
 def _columns(rows: list) -> list:

@@ -15,7 +15,8 @@ import os
 import subprocess
 import sys
 
-__all__ = ["run_meta", "store_part", "part_table", "render_sparse_section", "load_sparse_runs"]
+__all__ = ["run_meta", "store_part", "part_table", "render_sparse_section", "load_sparse_runs",
+           "load_part_runs"]
 
 
 def run_meta() -> dict:
@@ -47,16 +48,22 @@ def store_part(path: str, part: str, rows: list, **extra) -> None:
         f.write("\n")
 
 
+def load_part_runs(results_dir: str, subdir: str, prefix: str = "") -> dict:
+    """{cpu kind: JSON} of every ``<subdir>/<prefix><cpu kind>.json`` under ``results_dir``,
+    sorted by name (none: {})."""
+    where = os.path.join(results_dir, subdir)
+    runs = {}
+    if os.path.isdir(where):
+        for name in sorted(os.listdir(where)):
+            if name.startswith(prefix) and name.endswith(".json"):
+                with open(os.path.join(where, name)) as f:
+                    runs[name[len(prefix):-len(".json")]] = json.load(f)
+    return runs
+
+
 def load_sparse_runs(results_dir: str) -> dict:
     """{cpu kind: sparse JSON} of every ``sparse/*.json`` under ``results_dir``."""
-    sparse_dir = os.path.join(results_dir, "sparse")
-    runs = {}
-    if os.path.isdir(sparse_dir):
-        for name in sorted(os.listdir(sparse_dir)):
-            if name.endswith(".json"):
-                with open(os.path.join(sparse_dir, name)) as f:
-                    runs[name[:-len(".json")]] = json.load(f)
-    return runs
+    return load_part_runs(results_dir, "sparse")
 
 
 def _run_line(meta: dict) -> str:
