@@ -64,8 +64,8 @@ def explain(q, k, v, *, cache_seqlens=None, k_new=None, v_new=None, k_scale=None
         never by the thread count), ``chunks`` (most chunks any (batch entry, KV head) is
         split into), ``head_groups`` (most groups any KV head's query heads are split into:
         a compute-shaped kernel splits them, at least 32 rows a group, while the call has at
-        most half as many tasks as threads; a row's bits do not depend on its group) and ``tasks``
-        (chunks x groups over all of them); None for prefill.
+        most half as many tasks as threads; a row's bits do not depend on its group) and
+        ``tasks`` (chunks x groups over all of them); None for prefill.
     ``tasks`` : int
         Work items the threads share (prefill: query blocks; decode: chunks, or merges
         when there are more of those).
