@@ -325,14 +325,6 @@ private:
     A* row_sum_ = nullptr;
 };
 
-std::unique_ptr<ProblemWork> decode_work_of(const AttentionParams& p, const KernelTable& kernels,
-                                            const DecodeKernel& kernel) {
-    if (kernel.chunk)
-        return std::unique_ptr<ProblemWork>(new DecodeWork<float>(p, kernel, kernel.chunk, kernels.decode_merge));
-    return std::unique_ptr<ProblemWork>(
-        new DecodeWork<double>(p, kernel, kernels.decode_chunk_f64, kernels.decode_merge_f64));
-}
-
 // Work items of the larger pass: tasks, or merges.
 int64_t most_units(const ProblemWork& work) {
     return work.units(0) > work.units(1) ? work.units(0) : work.units(1);
@@ -342,7 +334,11 @@ int64_t most_units(const ProblemWork& work) {
 
 std::unique_ptr<ProblemWork> make_decode_work(const AttentionParams& p) {
     const KernelTable& kernels = active_kernels();
-    return decode_work_of(p, kernels, choose_decode(kernels, p));
+    const DecodeKernel kernel = choose_decode(kernels, p);
+    if (kernel.chunk)
+        return std::unique_ptr<ProblemWork>(new DecodeWork<float>(p, kernel, kernel.chunk, kernels.decode_merge));
+    return std::unique_ptr<ProblemWork>(
+        new DecodeWork<double>(p, kernel, kernels.decode_chunk_f64, kernels.decode_merge_f64));
 }
 
 bool runs_as_row_blocks(const AttentionParams& p) {

@@ -297,9 +297,8 @@ def attention_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out, 
         out = _usable_out(out, q, k, v)
         if out is None:
             return None
-    # (the key count from the call: a key without it (any_keys) fits any, k's and v's alike)
-    if cnp.PyArray_DIMS(k)[2] != cnp.PyArray_DIMS(v)[2] or cnp.PyArray_DIMS(k)[2] < 1:
-        return None
+    # (the key count from the call: the plan's key holds it, or, without it (any_keys), held
+    # k's and v's counts equal and >= 1 when attention_key built it for this call)
     return _run_plan(plan, "attention", q, k, v, out, causal, threads, None, None, None,
                      query_offset, None, cnp.PyArray_DIMS(k)[2])
 

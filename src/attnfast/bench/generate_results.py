@@ -47,9 +47,8 @@ def _attention(r: dict) -> float:
     return r["attention_seconds"] + r["mask_seconds"]
 
 
-def _cell(r: dict, scale: float, unit: str) -> str:
-    share = _attention(r) / r["seconds"]
-    return f"{r['seconds'] * scale:.1f} {unit} ({100 * share:.0f} %)"
+def _cell(r: dict) -> str:
+    return f"{r['seconds'] * 1e3:.1f} ms ({100 * _attention(r) / r['seconds']:.0f} %)"
 
 
 def render_generate_section(kind: str, data: dict) -> str:
@@ -74,9 +73,8 @@ def render_generate_section(kind: str, data: dict) -> str:
     def cells(t):
         ps, pa = t["pre"]["sdpa"], t["pre"]["attnfast"]
         ds, da = t["dec"]["sdpa"], t["dec"]["attnfast"]
-        return [t["dtype"], str(t["ctx"]), str(t["threads"]), _cell(ps, 1e3, "ms"),
-                _cell(pa, 1e3, "ms"), f"{ps['seconds'] / pa['seconds']:.2f}x",
-                _cell(ds, 1e3, "ms"), _cell(da, 1e3, "ms"),
+        return [t["dtype"], str(t["ctx"]), str(t["threads"]), _cell(ps), _cell(pa),
+                f"{ps['seconds'] / pa['seconds']:.2f}x", _cell(ds), _cell(da),
                 f"{ds['seconds'] / da['seconds']:.2f}x", f"{_attention(ds) / _attention(da):.1f}x",
                 "yes" if t["same"] else "no"]
 
