@@ -363,6 +363,44 @@ std::vector<AttentionParams> decode_row_blocks(const AttentionParams& p) {
     return blocks;
 }
 
+// Parts of the cache a sparse prompt's lists are ordered by. Each row's list is split into
+// chunks at fixed entries (split_decode); listed in cache order, a row's first chunk reads
+// the first part of the cache, its second the next, and so on, and attention_forward runs
+// every row's first chunk, then every row's second, ...: the rows' reads of one chunk fall in
+// one stretch of the cache, which stays in L3 between rows instead of coming from memory.
+// (A stable order by part, not a sort: linear, and the order within a part is the caller's.)
+constexpr int64_t kCacheOrderParts = 64;
+
+AttentionParams in_cache_order(const AttentionParams& p, std::vector<int32_t>& lists) {
+    const int64_t k = p.key_index_count, T = p.seqlen_q;
+    const int64_t heads = p.key_index_head_stride ? p.kv_heads : 1;
+    lists.resize(static_cast<size_t>(p.batch * heads * T * k));
+    int64_t counts[kCacheOrderParts + 2];
+    for (int64_t b = 0; b < p.batch; ++b) {
+        const int64_t seqlen_k = batch_seqlen_k(p, b);
+        // an entry's part; -1 (none) after every position
+        auto part = [&](int32_t pos) {
+            return pos < 0 || pos >= seqlen_k ? kCacheOrderParts : pos * kCacheOrderParts / seqlen_k;
+        };
+        for (int64_t h = 0; h < heads; ++h)
+            for (int64_t t = 0; t < T; ++t) {
+                const int32_t* src = p.key_index + b * p.key_index_batch_stride + h * p.key_index_head_stride +
+                                     t * p.key_index_row_stride;
+                int32_t* dst = lists.data() + ((b * heads + h) * T + t) * k;
+                for (int64_t x = 0; x < kCacheOrderParts + 2; ++x) counts[x] = 0;
+                for (int64_t x = 0; x < k; ++x) ++counts[part(src[x]) + 1];
+                for (int64_t x = 1; x < kCacheOrderParts + 2; ++x) counts[x] += counts[x - 1];
+                for (int64_t x = 0; x < k; ++x) dst[counts[part(src[x])]++] = src[x];
+            }
+    }
+    AttentionParams ordered = p;
+    ordered.key_index = lists.data();
+    ordered.key_index_row_stride = k;
+    ordered.key_index_head_stride = p.key_index_head_stride ? T * k : 0;
+    ordered.key_index_batch_stride = heads * T * k;
+    return ordered;
+}
+
 bool runs_on_decode_path(const AttentionParams& p) {
     if (takes_decode_path(p)) return true;
     if (p.dtype == DType::kF64 || p.seqlen_k < kDecodeMinKeysPerQuery * p.seqlen_q) return false;

@@ -30,6 +30,10 @@ bool runs_as_row_blocks(const AttentionParams& p);
 // rows' key positions through an explicit query offset (decode.cpp).
 std::vector<AttentionParams> decode_row_blocks(const AttentionParams& p);
 
+// A sparse prompt's params (key_index, more than one query row) over `lists`, a copy of its
+// key lists, each stably ordered by the part of the cache its positions lie in (decode.cpp).
+AttentionParams in_cache_order(const AttentionParams& p, std::vector<int32_t>& lists);
+
 // plan_attention's answer for checked params, from the code each driver runs by.
 CallPlan plan_prefill(const AttentionParams& p);  // prefill.cpp
 CallPlan plan_decode(const AttentionParams& p);   // decode.cpp

@@ -3,6 +3,7 @@
 //
 // Prefill driver: splits the problem into (batch, head, query block) tasks and runs the
 // selected kernel tier over them on OpenMP threads.
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <utility>
@@ -213,9 +214,11 @@ std::unique_ptr<ProblemWork> make_prefill_work(const AttentionParams& p) {
     return std::unique_ptr<ProblemWork>(new PrefillWork(p));
 }
 
-void attention_forward_batch(const AttentionParams* problems, int64_t count) {
-    require(count >= 0 && (count == 0 || problems), "attention_forward_batch: no problems");
-    for (int64_t i = 0; i < count; ++i) check_params(problems[i]);
+namespace {
+
+// Checked problems on one schedule. chunk_major: every problem's first task, then every
+// problem's second, ... (a sparse prompt's rows: see in_cache_order).
+void run_problems(const AttentionParams* problems, int64_t count, bool chunk_major) {
     if (count == 0) return;
     // A prompt over a float8 / int4 cache runs as decode problems of its row blocks.
     std::vector<AttentionParams> expanded;
@@ -244,6 +247,11 @@ void attention_forward_batch(const AttentionParams* problems, int64_t count) {
             for (int64_t u = 0; u < w.units(1); ++u) second.emplace_back(id, u);
             if (w.workspace_bytes() > ws_bytes) ws_bytes = w.workspace_bytes();
         }
+    if (chunk_major)
+        std::stable_sort(first.begin(), first.end(), [](const std::pair<int64_t, int64_t>& a,
+                                                         const std::pair<int64_t, int64_t>& b) {
+            return a.second < b.second;
+        });
     const int64_t most = first.size() > second.size() ? static_cast<int64_t>(first.size())
                                                       : static_cast<int64_t>(second.size());
     if (most == 0) return;
@@ -261,11 +269,20 @@ void attention_forward_batch(const AttentionParams* problems, int64_t count) {
     }
 }
 
+}  // namespace
+
+void attention_forward_batch(const AttentionParams* problems, int64_t count) {
+    require(count >= 0 && (count == 0 || problems), "attention_forward_batch: no problems");
+    for (int64_t i = 0; i < count; ++i) check_params(problems[i]);
+    run_problems(problems, count, false);
+}
+
 void attention_forward(const AttentionParams& p) {
     check_params(p);
-    if (p.key_index && p.seqlen_q > 1) {  // one problem per row, on one schedule
-        const std::vector<AttentionParams> rows = decode_row_blocks(p);
-        attention_forward_batch(rows.data(), static_cast<int64_t>(rows.size()));
+    if (p.key_index && p.seqlen_q > 1) {  // one problem per row, on one schedule, chunk-major
+        std::vector<int32_t> lists;
+        const std::vector<AttentionParams> rows = decode_row_blocks(in_cache_order(p, lists));
+        run_problems(rows.data(), static_cast<int64_t>(rows.size()), true);
         return;
     }
     if (runs_on_decode_path(p)) {

@@ -162,6 +162,37 @@ def test_paged_equals_contiguous():
     _close(paged, reference(q, kc, vc, index, causal=True, seqlens=lengths)[0], 2e-5)
 
 
+@pytest.mark.parametrize("Tq", [1, 4])
+@pytest.mark.parametrize("cache_dtype,tol", [(np.float32, 2e-5), (np.float16, 5e-3), (BF16, 2e-2)])
+def test_listed_rows_read_in_place(tier, cache_dtype, tol, Tq):
+    """A contiguous cache's listed rows are read where they lie (the widening decode, q of the
+    cache's dtype; a paged pool's rows are gathered first): the same bits on every tier, a list longer than a decode chunk (split and merged),
+    -1 entries, unlisted rows NaN, one query row and a prompt of four (each row its own list)."""
+    rng = np.random.default_rng(11)
+    B, H, Hkv, C, D, k, bs = 1, 4, 2, 2600, 128, 2200, 64
+    lengths = np.array([2500])
+    index = random_index(rng, B, Hkv, Tq, k, int(lengths[0]), none=0.05)
+    kc = np.full((B, Hkv, C, D), np.nan, np.float32)
+    vc = np.full((B, Hkv, C, D), np.nan, np.float32)
+    for g in range(Hkv):
+        listed = np.unique(index[0, g][index[0, g] >= 0])
+        kc[0, g, listed] = rng.standard_normal((listed.size, D))
+        vc[0, g, listed] = rng.standard_normal((listed.size, D))
+    kc, vc = kc.astype(cache_dtype), vc.astype(cache_dtype)
+    table = rng.permutation(C // bs).astype(np.int32)[None]
+    k_pool = np.empty((C // bs, Hkv, bs, D), cache_dtype)
+    v_pool = np.empty_like(k_pool)
+    for x in range(C // bs):
+        k_pool[table[0, x]] = kc[0, :, x * bs:(x + 1) * bs]
+        v_pool[table[0, x]] = vc[0, :, x * bs:(x + 1) * bs]
+    q = rng.standard_normal((B, H, Tq, D)).astype(cache_dtype)  # (in place: q's dtype the cache's)
+    contiguous = attention_with_kvcache(q, kc, vc, lengths, key_index=index)
+    paged = attention_with_kvcache(q, k_pool, v_pool, lengths, block_table=table, key_index=index)
+    assert np.array_equal(contiguous, paged)
+    finite = (np.nan_to_num(kc.astype(np.float64)), np.nan_to_num(vc.astype(np.float64)))
+    _close(contiguous, reference(q, *finite, index, causal=True, seqlens=lengths)[0], tol)
+
+
 def test_latent_cache_many_heads():
     """An MLA latent cache (v a prefix view of k) with 32 query heads on one latent row."""
     rng = np.random.default_rng(6)

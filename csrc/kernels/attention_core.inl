@@ -180,7 +180,49 @@ struct KeyRows {
         const int64_t block_end = (j / block_size + 1) * block_size;
         return block_end < end ? block_end : end;
     }
+    int64_t position(int64_t j) const { return j; }  // (the key's position: its row scales)
 };
+
+// A run of K or V rows as the decode Paths read them, row j at at(j): a strided run (of a
+// contiguous cache, or one block of a paged one), or rows listed by position over a
+// contiguous cache (key_index: anywhere). from(j): the run from its row j on; cols(c): the
+// same rows from column c on.
+template <class T>
+struct StridedRun {
+    const T* first;
+    int64_t stride;
+    const T* at(int64_t j) const { return first + j * stride; }
+    StridedRun from(int64_t j) const { return {at(j), stride}; }
+    StridedRun cols(int64_t c) const { return {first + c, stride}; }
+};
+template <class T>
+struct ListedRun {
+    const T* base;        // position 0
+    int64_t stride;
+    const int32_t* pos;   // row j is position pos[j]
+    const T* at(int64_t j) const { return base + static_cast<int64_t>(pos[j]) * stride; }
+    ListedRun from(int64_t j) const { return {base, stride, pos + j}; }
+    ListedRun cols(int64_t c) const { return {base + c, stride, pos}; }
+};
+
+// decode_loop's source for an indexed task over a contiguous cache (DecodeTask::rows): key j
+// is position rows[j]; the whole list is one run, so the Paths score and add listed rows in
+// their usual blocks, in place (no gathered copy).
+template <class T>
+struct ListedRows {
+    ListedRun<T> rows;
+    const T* at(int64_t j) const { return rows.at(j); }
+    int64_t run_end(int64_t, int64_t end) const { return end; }
+    ListedRun<T> run(int64_t j) const { return rows.from(j); }
+    int64_t position(int64_t j) const { return rows.pos[j]; }
+};
+
+// A task's source of type Src: its KeyRows, or its ListedRows.
+template <class Src, class T>
+inline const Src& source_of(const KeyRows<T>& rows, const ListedRows<T>& listed) {
+    if constexpr (__is_same(Src, KeyRows<T>)) return rows;
+    else return listed;
+}
 
 // The K (or V) rows of (batch, kv head): data with the tensor's batch (paged: block), head
 // and row strides.

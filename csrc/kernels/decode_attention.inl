@@ -319,9 +319,9 @@ inline void prefetch_rows(const RowPrefetch& rows) {  // all of them now
         for (int64_t off = 0; off < rows.row_bytes; off += 64) __builtin_prefetch(rows.first + x * rows.stride + off, 0, 2);
 }
 
-// Rows [first, last) of `rows` started towards L2, each row_bytes long.
-template <class T>
-inline void prefetch_rows(const KeyRows<T>& rows, int64_t first, int64_t last, int64_t row_bytes) {
+// Rows [first, last) of `rows` (a KeyRows or ListedRows) started towards L2, each row_bytes long.
+template <class Rows>
+inline void prefetch_rows(const Rows& rows, int64_t first, int64_t last, int64_t row_bytes) {
     for (int64_t x = first; x < last; ++x) {
         const char* row = reinterpret_cast<const char*>(rows.at(x));
         for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off, 0, 2);
@@ -331,16 +331,19 @@ inline void prefetch_rows(const KeyRows<T>& rows, int64_t first, int64_t last, i
 // The decode loop: one chunk of keys, [task.key_begin, task.key_end), of one (batch, kv head)
 // for all its (H / Hkv) x Tq query rows, with the arithmetic of Path (above). Writes the
 // chunk's unnormalised acc (rows x Dv), row max m (base 2) and row sum l (decode_merge
-// finishes them).
+// finishes them). Src: where the task's K and V rows lie: KeyRows (contiguous or paged), or
+// ListedRows (an indexed task's rows, read in place; for a Path whose scores() and values()
+// take a ListedRun: simd_decode's WidenPath).
 // Rows go in groups of kDecodeGroupRows; for each group, blocks of keys: one pass over the
 // block's K rows writes every row's scores, then per row the key scales, the NaN rule, the
 // score options and the online softmax, then one pass over the block's V rows.
-template <class Path>
+template <class Path, class Src = KeyRows<typename Path::KV>>
 void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path::Acc* workspace,
                  typename Path::Acc* acc, typename Path::Acc* m, typename Path::Acc* l) {
     using A = typename Path::Acc;
     using TQ = typename Path::Q;
     using T = typename Path::KV;
+    constexpr bool kListed = !__is_same(Src, KeyRows<T>);
     const int64_t D = p.head_dim, Dv = p.head_dim_v, tq = p.seqlen_q;
     const int64_t group = p.heads / p.kv_heads;
     const int64_t rows = group * tq;
@@ -359,10 +362,14 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
     const TQ* q = static_cast<const TQ*>(p.q) + task.batch * p.q_batch_stride;
     // K/V rows and row scales by key position (kb + chunk-relative key): one run, or one per
     // block of a paged cache; each group of keys below stays within one run.
-    const KeyRows<T> k = key_rows<T>(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
-                                     task.batch, task.kv_head);
-    const KeyRows<T> v = key_rows<T>(p, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
-                                     task.batch, task.kv_head);
+    const KeyRows<T> k_rows = key_rows<T>(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
+                                          task.batch, task.kv_head);
+    const KeyRows<T> v_rows = key_rows<T>(p, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
+                                          task.batch, task.kv_head);
+    const ListedRows<T> k_listed{{k_rows.base, k_rows.row_stride, task.rows}};  // (listed: a contiguous cache)
+    const ListedRows<T> v_listed{{v_rows.base, v_rows.row_stride, task.rows}};
+    const Src& k = source_of<Src>(k_rows, k_listed);
+    const Src& v = source_of<Src>(v_rows, v_listed);
     const RowScales k_scale = row_scales(p, p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride,
                                          p.k_scale_row_stride, task.batch, task.kv_head);
     const RowScales v_scale = row_scales(p, p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride,
@@ -406,7 +413,8 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
         const bool pipelined = Path::kTunedStreams && n >= 2 && sizeof(T) >= 2;
         const bool small_l2 = Path::kTunedStreams && (sizeof(T) == 4 || (sizeof(T) == 2 && n == 1)) &&
                               cache_sizes().l2 < kSmallL2Bytes;
-        const bool plain_row = Path::kTunedStreams && kPlainRowStreams && n == 1 && Dv == kPlainRowValueCols;
+        // (Listed rows lie anywhere: no hardware prefetcher follows them.)
+        const bool plain_row = !kListed && Path::kTunedStreams && kPlainRowStreams && n == 1 && Dv == kPlainRowValueCols;
         const bool prefetch_v = (pipelined || !small_l2) && !plain_row;
         const int64_t key_block = !pipelined ? kDecodeKeyBlock : (small_l2 ? kSmallL2PipelinedBlock : kPipelinedKeyBlock);
         const int64_t value_keys = !Path::kTunedStreams ? kValueSubKeys
@@ -447,22 +455,28 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
             // Scores, kScoreKeys keys at a time for every row. One row per scored key starts
             // towards the cache: that key's V row (prefetch_v), or the K row `ahead` on (its
             // block's run ends with the scored keys' run: same offset, whole blocks on).
-            const int64_t k_stride_bytes = k.row_stride * static_cast<int64_t>(sizeof(T));
-            const int64_t v_stride_bytes = v.row_stride * static_cast<int64_t>(sizeof(T));
+            const int64_t k_stride_bytes = k_rows.row_stride * static_cast<int64_t>(sizeof(T));
+            const int64_t v_stride_bytes = v_rows.row_stride * static_cast<int64_t>(sizeof(T));
             for (int64_t j = j0, nk = 0; j < j1; j += nk) {
                 nk = k.run_end(kb + j, kb + (j1 - j < Path::kScoreKeys ? j1 : j + Path::kScoreKeys)) - kb - j;
-                RowPrefetch pf;  // none, or one row per scored key: V beside K, or K `ahead` on
-                if (prefetch_v)
-                    pf = RowPrefetch{reinterpret_cast<const char*>(v.at(kb + j)), v_stride_bytes, nk, v_row_bytes};
-                else if (ahead && j + ahead + nk <= prefetch_end)
-                    pf = RowPrefetch{reinterpret_cast<const char*>(k.at(kb + j + ahead)), k_stride_bytes, nk, k_row_bytes};
-                Path::scores(n, qs, qstride, k.at(kb + j), k.row_stride, nk, D, s + (j - j0), ss, pf.first,
-                             pf.stride, pf.row_bytes, scale);
+                if constexpr (kListed) {  // the keys' V rows, then their scores
+                    prefetch_rows(v, kb + j, kb + j + nk, v_row_bytes);
+                    Path::scores(n, qs, qstride, k.run(kb + j), nk, D, s + (j - j0), ss, scale);
+                } else {
+                    RowPrefetch pf;  // none, or one row per scored key: V beside K, or K `ahead` on
+                    if (prefetch_v)
+                        pf = RowPrefetch{reinterpret_cast<const char*>(v.at(kb + j)), v_stride_bytes, nk, v_row_bytes};
+                    else if (ahead && j + ahead + nk <= prefetch_end)
+                        pf = RowPrefetch{reinterpret_cast<const char*>(k.at(kb + j + ahead)), k_stride_bytes, nk,
+                                         k_row_bytes};
+                    Path::scores(n, qs, qstride, k.at(kb + j), k.row_stride, nk, D, s + (j - j0), ss, pf.first,
+                                 pf.stride, pf.row_bytes, scale);
+                }
             }
             if (k_scale.scale)  // one block's scales, gathered once for all rows
                 for (int64_t c = 0; c < j1 - j0; ++c) {  // (kScaleFold: a power of two, exact)
-                    k_scale_block[c] = k_scale.at(kb + j0 + c) * Path::kScaleFold;
-                    v_scale_block[c] = v_scale.at(kb + j0 + c) * Path::kScaleFold;
+                    k_scale_block[c] = k_scale.at(k.position(kb + j0 + c)) * Path::kScaleFold;
+                    v_scale_block[c] = v_scale.at(k.position(kb + j0 + c)) * Path::kScaleFold;
                 }
 
             for (int64_t rr = 0; rr < n; ++rr) {
@@ -486,7 +500,18 @@ void decode_loop(const AttentionParams& p, const DecodeTask& task, typename Path
                 Path::weights_ready(srow, j1 - j0);
             }
 
-            if constexpr (Path::kRowValues) {
+            if constexpr (kListed) {
+                // The block's listed V rows in runs of value_keys, each run first starting as
+                // many of the next block's K rows (pipelined) towards L2.
+                for (int64_t v0 = j0; v0 < j1; v0 += value_keys) {
+                    const int64_t v1 = v0 + value_keys < j1 ? v0 + value_keys : j1;
+                    if (pipelined) {
+                        const int64_t x0 = j1 + (v0 - j0), x1 = j1 + (v1 - j0);
+                        prefetch_rows(k, kb + x0, kb + (x1 < prefetch_end ? x1 : prefetch_end), k_row_bytes);
+                    }
+                    Path::values(n, acc + r0 * Dv, Dv, s, ss, v0 - j0, v.run(kb + v0), v1 - v0);
+                }
+            } else if constexpr (Path::kRowValues) {
                 // The Path reads the block's V rows itself, each by its row pointer (and starts
                 // the rows `ahead` on towards L2, as below).
                 Path::block_values(n, acc + r0 * Dv, Dv, s, ss, v, kb + j0, j1 - j0, ahead, kb + prefetch_end);

@@ -80,22 +80,23 @@ template <class T, int ND> struct OneKeyScores {
 };
 
 // s[r * ss + j] = q[r] . k[j] for RB query rows (q rows qs apart, D a multiple of W) and
-// the first `keys` (<= W / RB) of W / RB keys (key rows ks apart). Missing keys repeat the
-// last one and are not stored (one row: OneKeyScores). With ND = D / W > 0 the loops are unrolled for that D and
+// the first `keys` (<= W / RB) of W / RB keys (the rows of a StridedRun or ListedRun).
+// Missing keys repeat the last one and are not stored (one row: OneKeyScores). With
+// ND = D / W > 0 the loops are unrolled for that D and
 // walk the keys one after the other (ascending addresses: streamed from memory, 16 rows
 // walked side by side measured up to 40% slower, though faster from cache); ND = 0 takes any
 // D. When vpf is set, each key's V row (vpf + j * vsb, vrow_bytes long) is prefetched
 // before its K row is read (see decode_loop: the V stream then flows alongside K).
-template <int RB, int ND, class T>
-inline void score_keys(const float* __restrict q, int64_t qs, const T* __restrict k,
-                       int64_t ks, int64_t keys, int64_t D, float* __restrict s, int64_t ss,
-                       const char* vpf, int64_t vsb, int64_t vrow_bytes) {
+template <int RB, int ND, class T, class Run>
+inline void score_keys(const float* __restrict q, int64_t qs, Run k, int64_t keys,
+                       int64_t D, float* __restrict s, int64_t ss, const char* vpf, int64_t vsb,
+                       int64_t vrow_bytes) {
     constexpr int KB = W / RB;
     if constexpr (RB == 1 && OneKeyScores<T, ND>::value && KvBlock<T>::kVecs == 1) {
         for (int64_t j = 0; j < keys; ++j) {
             if (vpf)
                 for (int64_t off = 0; off < vrow_bytes; off += 64) __builtin_prefetch(vpf + j * vsb + off, 0, 2);
-            const T* krow = k + j * ks;
+            const T* krow = k.at(j);
             V acc = vzero();
 #pragma GCC unroll 8
             for (int c = 0; c < ND; ++c) acc = vfma(vld_kv(krow, c * W), vloadu(q + c * W), acc);
@@ -104,7 +105,7 @@ inline void score_keys(const float* __restrict q, int64_t qs, const T* __restric
         return;
     }
     const T* kp[KB];
-    for (int j = 0; j < KB; ++j) kp[j] = k + (j < keys ? j : keys - 1) * ks;
+    for (int j = 0; j < KB; ++j) kp[j] = k.at(j < keys ? j : keys - 1);
     V acc[W];
     for (int n = 0; n < W; ++n) acc[n] = vzero();
 #pragma GCC unroll 16  // keeps the W accumulators in registers (measured: +5-10% at 8/8)
@@ -140,10 +141,10 @@ inline void score_keys(const float* __restrict q, int64_t qs, const T* __restric
 // columns; accumulators in registers. kPrefetch: key j also starts lines [l0, l1) of kpf's
 // row j - j0 towards L2 (see decode_loop; a template parameter, so the tile without it
 // compiles as it did before).
-template <int RB, int NV, class T, bool kPrefetch = false>
+template <int RB, int NV, class T, bool kPrefetch = false, class Run = StridedRun<T>>
 inline void pv_tile(float* __restrict acc, int64_t acc_stride, const float* __restrict p,
-                    int64_t ps, const T* __restrict v, int64_t col, int64_t vs, int64_t j0,
-                    int64_t j1, const RowPrefetch& kpf = RowPrefetch{}, int64_t l0 = 0, int64_t l1 = 0) {
+                    int64_t ps, Run v, int64_t col, int64_t j0, int64_t j1,
+                    const RowPrefetch& kpf = RowPrefetch{}, int64_t l0 = 0, int64_t l1 = 0) {
     V a[RB][NV];
     for (int r = 0; r < RB; ++r)
         for (int c = 0; c < NV; ++c) a[r][c] = vloadu(acc + r * acc_stride + c * W);
@@ -151,15 +152,15 @@ inline void pv_tile(float* __restrict acc, int64_t acc_stride, const float* __re
     // so each vector's load has a constant displacement (with `col` added per vector GCC kept
     // one offset register per vector and spilled them to vector registers).
     constexpr bool kPerElement = KvBlock<T>::kVecs == 1;
-    const T* vcol = kPerElement ? v + col : v;
+    const Run vcol = kPerElement ? v.cols(col) : v;
     for (int64_t j = j0; j < j1; ++j) {
         if (kPrefetch && j - j0 < kpf.rows)
             for (int64_t l = l0; l < l1; ++l) __builtin_prefetch(kpf.first + (j - j0) * kpf.stride + l * 64, 0, 2);
-        const T* vrow = v + j * vs;
+        const T* vrow = v.at(j);
         V vv[NV];
         constexpr int BV = KvBlock<T>::kVecs;
         if constexpr (kPerElement) {
-            for (int c = 0; c < NV; ++c) vv[c] = vld_kv(vcol + j * vs, c * W);
+            for (int c = 0; c < NV; ++c) vv[c] = vld_kv(vcol.at(j), c * W);
         } else if (NV % BV == 0 && col % (BV * W) == 0) {  // (always, but for int4 in odd tiles)
             for (int c = 0; c < NV; c += BV) vld_kv_block(vrow, col + c * W, vv + c);
         } else {
@@ -176,9 +177,9 @@ inline void pv_tile(float* __restrict acc, int64_t acc_stride, const float* __re
 
 // All Dv columns (a multiple of W) for RB rows: RB x NV accumulators a tile (16 with 32
 // zmm registers; 8-12 of the 16 ymm registers), then single vectors.
-template <int RB, class T>
-inline void pv_rows(float* acc, int64_t Dv, const float* p, int64_t ps, const T* v,
-                    int64_t vs, int64_t j0, int64_t j1, const RowPrefetch& kpf = RowPrefetch{}) {
+template <int RB, class T, class Run>
+inline void pv_rows(float* acc, int64_t Dv, const float* p, int64_t ps, Run v,
+                    int64_t j0, int64_t j1, const RowPrefetch& kpf = RowPrefetch{}) {
 #if defined(__AVX512F__) || defined(__aarch64__)  // 32 registers
     constexpr int NV = 16 / RB > 8 ? 8 : 16 / RB;
 #else
@@ -192,13 +193,13 @@ inline void pv_rows(float* acc, int64_t Dv, const float* p, int64_t ps, const T*
     int64_t e = 0;
     if (kpf.rows > 0 && tiles > 0) {
         for (int64_t t = 0; e + NV * W <= Dv; e += NV * W, ++t)
-            pv_tile<RB, NV, T, true>(acc + e, Dv, p, ps, v, e, vs, j0, j1, kpf, lines * t / tiles,
+            pv_tile<RB, NV, T, true>(acc + e, Dv, p, ps, v, e, j0, j1, kpf, lines * t / tiles,
                                      lines * (t + 1) / tiles);
     } else {
         prefetch_rows(kpf);  // (none, or Dv holds no whole tile)
-        for (; e + NV * W <= Dv; e += NV * W) pv_tile<RB, NV, T>(acc + e, Dv, p, ps, v, e, vs, j0, j1);
+        for (; e + NV * W <= Dv; e += NV * W) pv_tile<RB, NV, T>(acc + e, Dv, p, ps, v, e, j0, j1);
     }
-    for (; e < Dv; e += W) pv_tile<RB, 1, T>(acc + e, Dv, p, ps, v, e, vs, j0, j1);
+    for (; e < Dv; e += W) pv_tile<RB, 1, T>(acc + e, Dv, p, ps, v, e, j0, j1);
 }
 
 // x[c] = 2^(x[c] - m) for b <= c < e and 0 for the other c < n (n rounded up to W may be
@@ -257,13 +258,13 @@ struct RowScoreOptions : RowOptions<float> {
 
 template <int RB, int ND, class T>
 struct ScoreBlock {  // scores of RB rows against up to W keys, in groups of W / RB keys
-    static void run(const float* qs, int64_t qstride, const T* k, int64_t ks, int64_t keys,
-                    int64_t D, float* s, int64_t ss, const char* vpf, int64_t vsb,
-                    int64_t vrow_bytes) {
+    template <class Run>
+    static void run(const float* qs, int64_t qstride, Run k, int64_t keys, int64_t D,
+                    float* s, int64_t ss, const char* vpf, int64_t vsb, int64_t vrow_bytes) {
         constexpr int KB = W / RB;
         for (int64_t j = 0; j < keys; j += KB)
-            score_keys<RB, ND, T>(qs, qstride, k + j * ks, ks, keys - j < KB ? keys - j : KB, D,
-                               s + j, ss, vpf ? vpf + j * vsb : nullptr, vsb, vrow_bytes);
+            score_keys<RB, ND, T>(qs, qstride, k.from(j), keys - j < KB ? keys - j : KB, D, s + j, ss,
+                                  vpf ? vpf + j * vsb : nullptr, vsb, vrow_bytes);
     }
 };
 
@@ -304,41 +305,60 @@ struct WidenPath : VectorSoftmax {
     static void stage_query(float* qs, const TQ* qrow, int64_t D, float scale) {
         for (int64_t d = 0; d < D; ++d) qs[d] = widen(qrow[d]) * scale;
     }
-    // Scores of keys [j, j + nk) (nk <= W) for the n staged rows; the first row block also
-    // starts those keys' V rows towards the cache (vj: the first one's bytes). The staged
-    // rows already carry the scale.
-    static void scores(int64_t n, const float* qs, int64_t qstride, const T* kj, int64_t ks,
-                       int64_t nk, int64_t D, float* sj, int64_t ss, const char* vj,
-                       int64_t vsb, int64_t v_row_bytes, float /*scale*/) {
+    // Scores of keys [j, j + nk) (nk <= W) for the n staged rows, k their rows from key j on;
+    // the first row block also starts those keys' V rows towards the cache (vj: the first
+    // one's bytes, vsb apart). The staged rows already carry the scale.
+    template <class Run>
+    static void scores_of(int64_t n, const float* qs, int64_t qstride, Run k, int64_t nk,
+                          int64_t D, float* sj, int64_t ss, const char* vj, int64_t vsb,
+                          int64_t v_row_bytes) {
         int64_t rb = 0;
         for (; rb + kRowBlock <= n; rb += kRowBlock)
-            ScoreBlock<kRowBlock, ND, T>::run(qs + rb * qstride, qstride, kj, ks, nk, D, sj + rb * ss, ss,
-                                      rb == 0 ? vj : nullptr, vsb, v_row_bytes);
+            ScoreBlock<kRowBlock, ND, T>::run(qs + rb * qstride, qstride, k, nk, D, sj + rb * ss, ss,
+                                              rb == 0 ? vj : nullptr, vsb, v_row_bytes);
         if (n - rb >= 2) {
-            ScoreBlock<2, ND, T>::run(qs + rb * qstride, qstride, kj, ks, nk, D, sj + rb * ss, ss,
+            ScoreBlock<2, ND, T>::run(qs + rb * qstride, qstride, k, nk, D, sj + rb * ss, ss,
                                       rb == 0 ? vj : nullptr, vsb, v_row_bytes);
             rb += 2;
         }
         if (n - rb == 1)
-            ScoreBlock<1, ND, T>::run(qs + rb * qstride, qstride, kj, ks, nk, D, sj + rb * ss, ss,
+            ScoreBlock<1, ND, T>::run(qs + rb * qstride, qstride, k, nk, D, sj + rb * ss, ss,
                                       rb == 0 ? vj : nullptr, vsb, v_row_bytes);
+    }
+    static void scores(int64_t n, const float* qs, int64_t qstride, const T* kj, int64_t ks,
+                       int64_t nk, int64_t D, float* sj, int64_t ss, const char* vj,
+                       int64_t vsb, int64_t v_row_bytes, float /*scale*/) {
+        scores_of(n, qs, qstride, StridedRun<T>{kj, ks}, nk, D, sj, ss, vj, vsb, v_row_bytes);
+    }
+    static void scores(int64_t n, const float* qs, int64_t qstride, const ListedRun<T>& k, int64_t nk,
+                       int64_t D, float* sj, int64_t ss, float /*scale*/) {
+        scores_of(n, qs, qstride, k, nk, D, sj, ss, nullptr, 0, 0);
     }
     // A row's probabilities of one block (its key count given) are final in srow.
     static void weights_ready(float*, int64_t) {}
-    // acc rows += p rows times `keys` V rows from vrun (rows vs apart), whose weights are
-    // columns c0 .. c0 + keys of the block's score rows s_block (ss apart).
-    static void values(int64_t n, float* acc, int64_t Dv, const float* s_block, int64_t ss,
-                       int64_t c0, const T* vrun, int64_t vs, int64_t keys,
-                       const RowPrefetch& kpf = RowPrefetch{}) {
+    // acc rows += p rows times `keys` V rows of v, whose weights are columns c0 .. c0 + keys
+    // of the block's score rows s_block (ss apart).
+    template <class Run>
+    static void values_of(int64_t n, float* acc, int64_t Dv, const float* s_block, int64_t ss,
+                          int64_t c0, Run v, int64_t keys, const RowPrefetch& kpf) {
         const float* s = s_block + c0;
         int64_t rb = 0;
         for (; rb + kRowBlock <= n; rb += kRowBlock)
-            pv_rows<kRowBlock>(acc + rb * Dv, Dv, s + rb * ss, ss, vrun, vs, 0, keys, rb == 0 ? kpf : RowPrefetch{});
+            pv_rows<kRowBlock, T>(acc + rb * Dv, Dv, s + rb * ss, ss, v, 0, keys, rb == 0 ? kpf : RowPrefetch{});
         if (n - rb >= 2) {
-            pv_rows<2>(acc + rb * Dv, Dv, s + rb * ss, ss, vrun, vs, 0, keys, rb == 0 ? kpf : RowPrefetch{});
+            pv_rows<2, T>(acc + rb * Dv, Dv, s + rb * ss, ss, v, 0, keys, rb == 0 ? kpf : RowPrefetch{});
             rb += 2;
         }
-        if (n - rb == 1) pv_rows<1>(acc + rb * Dv, Dv, s + rb * ss, ss, vrun, vs, 0, keys, rb == 0 ? kpf : RowPrefetch{});
+        if (n - rb == 1) pv_rows<1, T>(acc + rb * Dv, Dv, s + rb * ss, ss, v, 0, keys, rb == 0 ? kpf : RowPrefetch{});
+    }
+    static void values(int64_t n, float* acc, int64_t Dv, const float* s_block, int64_t ss,
+                       int64_t c0, const T* vrun, int64_t vs, int64_t keys,
+                       const RowPrefetch& kpf = RowPrefetch{}) {
+        values_of(n, acc, Dv, s_block, ss, c0, StridedRun<T>{vrun, vs}, keys, kpf);
+    }
+    static void values(int64_t n, float* acc, int64_t Dv, const float* s_block, int64_t ss,
+                       int64_t c0, const ListedRun<T>& v, int64_t keys) {
+        values_of(n, acc, Dv, s_block, ss, c0, v, keys, RowPrefetch{});
     }
     // The chunk's accumulator rows are final (in whatever layout values() kept them).
     static void finish(float*, int64_t, int64_t) {}
@@ -352,13 +372,22 @@ inline bool covers(const AttentionParams& p) {
 
 // decode_loop with WidenPath (its score loops unrolled for D = 128 and 64), for every dtype
 // combination of a call this kernel covers (for_storage_types).
+// An indexed task (DecodeTask::rows, over a contiguous cache: reads_listed) reads its listed
+// rows in place (ListedRows).
 struct WidenChunk {
+    template <class Path>
+    static void run_path(const AttentionParams& p, const DecodeTask& task, float* ws, float* acc, float* m,
+                         float* l) {
+        if constexpr (__is_same(typename Path::Q, typename Path::KV))
+            if (task.rows) return decode_loop<Path, ListedRows<typename Path::KV>>(p, task, ws, acc, m, l);
+        decode_loop<Path>(p, task, ws, acc, m, l);
+    }
     template <class TQ, class T>
     static void run(const AttentionParams& p, const DecodeTask& task, float* ws, float* acc, float* m,
                     float* l) {
-        if (p.head_dim == 128) decode_loop<WidenPath<128 / W, TQ, T>>(p, task, ws, acc, m, l);
-        else if (p.head_dim == 64) decode_loop<WidenPath<64 / W, TQ, T>>(p, task, ws, acc, m, l);
-        else decode_loop<WidenPath<0, TQ, T>>(p, task, ws, acc, m, l);
+        if (p.head_dim == 128) run_path<WidenPath<128 / W, TQ, T>>(p, task, ws, acc, m, l);
+        else if (p.head_dim == 64) run_path<WidenPath<64 / W, TQ, T>>(p, task, ws, acc, m, l);
+        else run_path<WidenPath<0, TQ, T>>(p, task, ws, acc, m, l);
     }
 };
 void chunk_any(const AttentionParams& p, const DecodeTask& task, float* ws, float* acc,
@@ -366,10 +395,18 @@ void chunk_any(const AttentionParams& p, const DecodeTask& task, float* ws, floa
     for_storage_types<WidenChunk>(p, task, ws, acc, m, l);
 }
 
+// Whether an indexed call's tasks read their listed rows in place (ListedRows): over a
+// contiguous cache. A paged cache's listed rows the driver gathers (run_chunk).
+inline bool reads_listed(const AttentionParams& p) {
+    return p.key_index && !p.block_table && p.dtype == p.kv_dtype;
+}
+
 // KernelTable::decode_kernel: this kernel where it covers the call, else the template.
 DecodeKernel decode_kernel(const AttentionParams& p) {
     if (!covers(p)) return template_decode(p);
-    return {KernelId::kSimdDecode, chunk_any};
+    DecodeKernel kernel{KernelId::kSimdDecode, chunk_any};
+    kernel.reads_index = reads_listed(p);
+    return kernel;
 }
 
 }  // namespace simd_decode
