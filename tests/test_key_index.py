@@ -167,7 +167,8 @@ def test_paged_equals_contiguous():
 def test_listed_rows_read_in_place(tier, cache_dtype, tol, Tq):
     """A contiguous cache's listed rows are read where they lie (the widening decode, q of the
     cache's dtype; a paged pool's rows are gathered first): the same bits on every tier, a list longer than a decode chunk (split and merged),
-    -1 entries, unlisted rows NaN, one query row and a prompt of four (each row its own list)."""
+    -1 entries, unlisted rows NaN, one query row and a prompt of four (each row its own list),
+    one thread and two."""
     rng = np.random.default_rng(11)
     B, H, Hkv, C, D, k, bs = 1, 4, 2, 2600, 128, 2200, 64
     lengths = np.array([2500])
@@ -189,6 +190,8 @@ def test_listed_rows_read_in_place(tier, cache_dtype, tol, Tq):
     contiguous = attention_with_kvcache(q, kc, vc, lengths, key_index=index)
     paged = attention_with_kvcache(q, k_pool, v_pool, lengths, block_table=table, key_index=index)
     assert np.array_equal(contiguous, paged)
+    two = attention_with_kvcache(q, kc, vc, lengths, key_index=index, num_threads=2)
+    assert np.array_equal(contiguous, two)  # (a prompt's rows run chunk-major on any thread count)
     finite = (np.nan_to_num(kc.astype(np.float64)), np.nan_to_num(vc.astype(np.float64)))
     _close(contiguous, reference(q, *finite, index, causal=True, seqlens=lengths)[0], tol)
 
