@@ -166,9 +166,10 @@ def test_paged_equals_contiguous():
 @pytest.mark.parametrize("cache_dtype,tol", [(np.float32, 2e-5), (np.float16, 5e-3), (BF16, 2e-2)])
 def test_listed_rows_read_in_place(tier, cache_dtype, tol, Tq):
     """A contiguous cache's listed rows are read where they lie (the widening decode, q of the
-    cache's dtype; a paged pool's rows are gathered first): the same bits on every tier, a list longer than a decode chunk (split and merged),
-    -1 entries, unlisted rows NaN, one query row and a prompt of four (each row its own list),
-    one thread and two."""
+    cache's dtype; a paged pool's rows are gathered first): the same bits, on every tier, for
+    a list longer than a decode chunk (split and merged) with -1 entries and unlisted rows
+    NaN, for one query row and a prompt of four (each row its own list), on one thread and
+    two."""
     rng = np.random.default_rng(11)
     B, H, Hkv, C, D, k, bs = 1, 4, 2, 2600, 128, 2200, 64
     lengths = np.array([2500])
