@@ -440,7 +440,7 @@ CallPlan plan_decode(const AttentionParams& p) {
     // Compute-shaped when the kernel blocks the rows as a GEMM (a latent cache's many rows);
     // the other decode kernels stream K/V once per step, shaped by memory bandwidth.
     plan.regime = kernel.compute_shaped ? "compute" : "bandwidth";
-    if (p.batch == 0 || decode_rows(p) == 0) return plan;  // (run_decode does nothing)
+    if (p.batch == 0 || decode_rows(p) == 0) return plan;  // (no tasks: the work has no units)
     const DecodeSplit split = split_decode(p, plan.chunk_keys, kernel.compute_shaped);
     plan.chunks = split.chunks;
     plan.head_groups = split.head_groups;
