@@ -15,7 +15,9 @@
 // Usage: test_tiers [--nan | --random N [seed]]
 //   --nan: only the NaN-contract cases; --random: N random shapes instead of the fixed matrix
 // Environment: ATTNFAST_TEST_NAN_XFAIL=tier,tier: NaN-contract failures of those tiers are
-// reported as XFAIL (known, not counted), a pass there as XPASS.
+// reported as XFAIL (known, not counted), a pass there as XPASS. ATTNFAST_TEST_TIERS=tier,..:
+// only those tiers (one this CPU lacks fails), so that a slow emulated run can be split
+// into one ctest test per tier and run in parallel (CMakeLists.txt, ATTNFAST_TEST_TIERS).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -1053,7 +1055,9 @@ int main(int argc, char** argv) {
         ++setup_failures;
     }
     Stats total;
-    const std::vector<std::string> tiers = split(available);
+    std::vector<std::string> tiers = split(available);
+    if (const char* only = std::getenv("ATTNFAST_TEST_TIERS")) tiers = split(only);  // (forcing fails below
+                                                                                     // on a tier it lacks)
     for (const std::string& tier : tiers) {
         if (!attnfast::isa_force(tier.c_str()) || tier != attnfast::isa_selected()) {
             std::printf("FAIL: could not force tier %s: %s\n", tier.c_str(), attnfast::isa_error());
