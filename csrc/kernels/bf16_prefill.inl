@@ -207,7 +207,7 @@ __attribute__((noinline)) void attend_tile(const simd::Block& b, const Scratch& 
     pack_values(b, sc, tile, keys);  // (its V rows load while the scores finish)
 
     Vec corr[kQueryVecs];
-    const bool rescale = simd::update_softmax(b, keys, tile_max, corr);
+    const bool rescale = simd::online_softmax<simd::kQueryVecs>(b.st, simd::Bq, keys, b.m, b.l, tile_max, corr);
     pair_weights(b, keys);
 
     const int64_t pairs = (keys + 1) / 2;

@@ -17,8 +17,9 @@
 //     register block of (NV x W rows) x NK keys are NV x NK accumulators, each step one
 //     vector load per row vector and one broadcast per key unit, units in blocks of
 //     kUnitBlock over all the tile's keys (the block's queries stay in L1);
-//   * the online softmax runs W rows at a time (lanes over rows: no horizontal reductions),
-//     the probabilities stay in the same [key][row] layout;
+//   * the online softmax (simd::online_softmax, the prefill's too) runs W rows at a time
+//     (lanes over rows: no horizontal reductions); the probabilities stay in the same
+//     [key][row] layout;
 //   * P.V is the same shape: accumulators over (NK value columns) x (NV x W rows), kept
 //     transposed (acct[dv][r]) across the chunk, each step one vector of probabilities and
 //     one broadcast of a V unit -- for a latent cache the K row's prefix, so each latent
@@ -428,7 +429,7 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
                     Vec s = simd::vload(st + j * rp + r);
                     if (!Tile::kScaledQuery) s = simd::vmul(s, score_scale);
                     bad = simd::vadd(bad, simd::vsub(s, s));
-                    if (capped) s = simd::vmul(cap, simd::tanh_vec(simd::vmul(s, inv_cap)));
+                    if (capped) s = simd::softcap(s, cap, inv_cap);
                     if (capped || !Tile::kScaledQuery) simd::vstore(st + j * rp + r, s);
                     bmax = simd::vmax(s, bmax);
                 }
@@ -438,26 +439,16 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
                     if (!Tile::kScaledQuery) s = simd::vmul(s, score_scale);
                     const simd::Mask keep = simd::key_visible(lo + r, hi + r, static_cast<int32_t>(t0 + j));
                     bad = simd::vadd(bad, simd::select(keep, simd::vsub(s, s), simd::vzero()));
-                    if (capped) s = simd::vmul(cap, simd::tanh_vec(simd::vmul(s, inv_cap)));
+                    if (capped) s = simd::softcap(s, cap, inv_cap);
                     s = simd::keep_or_neg_inf(keep, s);
                     simd::vstore(st + j * rp + r, s);
                     bmax = simd::vmax(s, bmax);
                 }
             }
-            const Vec m_old = simd::vload(m + r);
-            const Vec m_new = simd::vadd(simd::vmax(bmax, m_old), bad);  // NaN stays NaN
-            const Vec shift = simd::finite_or_zero(m_new);
-            Vec sum = simd::vzero();
-            for (int64_t j = 0; j < nt; ++j) {
-                const Vec s = simd::vload(st + j * rp + r);
-                const Vec pr = simd::exp2_neg(simd::vsub(s, shift));
-                simd::vstore(st + j * rp + r, pr);
-                sum = simd::vadd(sum, pr);
-            }
-            const Vec c = simd::exp2_neg(simd::vsub(m_old, shift));
+            const Vec tile_max = simd::vadd(bmax, bad);  // NaN where a visible score was not finite
+            Vec c;
+            simd::online_softmax<1>(st + r, rp, nt, m + r, l + r, &tile_max, &c);
             simd::vstore(corr + r, c);
-            simd::vstore(l + r, simd::vfma(simd::vload(l + r), c, sum));
-            simd::vstore(m + r, m_new);
         }
         // P.V: a latent cache's V rows are the K rows' first Dv elements (already in cache).
         const Unit* pt = Tile::weights(st, nt, rp, pk);

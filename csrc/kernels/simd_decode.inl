@@ -228,7 +228,7 @@ struct RowScoreOptions : RowOptions<float> {
         const float log2e = static_cast<float>(kLog2e);  // (an additive mask's units)
         if (softcap != 0) {
             const V c = vset(softcap), ic = vset(inv_softcap);
-            for (int64_t x = b; x < e; x += W) vstoreu(srow + x, vmul(c, simd::tanh_vec(vmul(vloadu(srow + x), ic))));
+            for (int64_t x = b; x < e; x += W) vstoreu(srow + x, simd::softcap(vloadu(srow + x), c, ic));
         }
         if (slope != 0) {  // |i' - j| exactly while below 2^24
             alignas(64) float iota[W];

@@ -458,7 +458,7 @@ void scores_rows(const Block& b, int64_t tile, int64_t j0, bool partial, const T
         for (int u = 0; u < kQueryVecs; ++u) {
             Vec x = neg_inf_to_nan(acc[t][u]);  // -inf only from an infinite input
             if constexpr (kOptions) {
-                if (o.softcap) x = vmul(cap, tanh_vec(vmul(x, inv_cap)));
+                if (o.softcap) x = softcap(x, cap, inv_cap);
                 if (o.alibi) {  // |i' - j| exactly (while below 2^24)
                     const Vec dist = vabs(vsub(vload(alibi_pos + u * W), vset(static_cast<float>(j0 + t))));
                     x = vfnma(slope, dist, x);
@@ -540,43 +540,6 @@ inline void pv_cols(int64_t cols, const Block& b, int64_t tile, int64_t keys, in
 }
 
 // ---------------------------------------------------------------- one KV tile
-// Pᵀ = 2^(Sᵀ - shift) in place over `keys` rows of Sᵀ; adds each row into sum (lane-wise,
-// in key order). Always inlined: out of line (once two attend_tile_rows call it), shift and
-// sum went through memory on every key.
-__attribute__((always_inline)) inline void exp_pass(const Block& b, int64_t keys, const Vec* shift, Vec* sum) {
-    float* s = b.st;
-    for (int64_t j = 0; j < keys; ++j, s += Bq)
-#pragma GCC unroll 4
-        for (int u = 0; u < kQueryVecs; ++u) {
-            const Vec pj = exp2_neg(vsub(vload(s + u * W), shift[u]));
-            vstore(s + u * W, pj);
-            sum[u] = vadd(sum[u], pj);
-        }
-}
-
-// Step 2 of a tile, after its scores: the new running max (with the tile's row max), the
-// factor corr that rescales the old state, Pᵀ = 2^(Sᵀ - m) in place and the new row sums.
-// Returns whether corr is not all ones (once the running max settles it is: Oᵀ is then
-// not multiplied by it). Always inlined, as when each attend_tile had it written out: an
-// out-of-line copy measured up to 4% slower bfloat16 prefill on Zen 4.
-__attribute__((always_inline)) inline bool update_softmax(const Block& b, int64_t keys, const Vec* tile_max,
-                                                          Vec* corr) {
-    Vec shift[kQueryVecs], sum[kQueryVecs];
-    for (int u = 0; u < kQueryVecs; ++u) {
-        const Vec m_old = vload(b.m + u * W);
-        const Vec m_new = vmax(m_old, tile_max[u]);
-        shift[u] = finite_or_zero(m_new);
-        corr[u] = exp2_neg(vsub(m_old, shift[u]));  // 0 while m_old is -inf
-        sum[u] = vmul(vload(b.l + u * W), corr[u]);
-        vstore(b.m + u * W, m_new);
-    }
-    exp_pass(b, keys, shift, sum);
-    for (int u = 0; u < kQueryVecs; ++u) vstore(b.l + u * W, sum[u]);
-    bool rescale = false;
-    for (int u = 0; u < kQueryVecs; ++u) rescale = rescale || !all_ones(corr[u]);
-    return rescale;
-}
-
 template <bool kOptions, bool kPaged>
 inline void scores_tile(const Block& b, int64_t tile, int64_t keys, bool partial, const TileOptions& o,
                         Vec* tile_max) {
@@ -600,7 +563,7 @@ void attend_tile_rows(const Block& b, int64_t tile, int64_t keys, int64_t next_k
 
     // 2. New max, rescale factor of the old state, Pᵀ = 2^(Sᵀ - m) in place, row sums.
     Vec corr[kQueryVecs];
-    const bool rescale = update_softmax(b, keys, tile_max, corr);
+    const bool rescale = online_softmax<kQueryVecs>(b.st, Bq, keys, b.m, b.l, tile_max, corr);
 
     // 3. Oᵀ = corr * Oᵀ + Vᵀ Pᵀ, in passes of near-equal width (Dv = 64: 11+11+11+11+10+10,
     //    not 12 x 5 + 4), prefetching the next tile on the way.
