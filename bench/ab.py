@@ -21,8 +21,8 @@ Cases (``kind:key=value,...``; sizes take k = 1024):
         bfloat16, float16, int8, float8_e4m3fn, float8_e5m2, int4), dtype that of q. Beside it, attnfast's
         native read kernel over a buffer of the cache's bytes, timed in the same rounds: "% read".
     prefill:T=4k,H=8,Hkv=8,D=128,dtype=float32[,causal=1][,B=1]
-        attention(q, k, v); beside it the best GEMM rate of q's dtype in the same run (NumPy's
-        BLAS, torch.mm): "% GEMM".
+        attention(q, k, v); beside it the machine's multiply-add peak for q's dtype, measured in
+        the same run (attnfast's native probe): "% peak".
 
 Every round times each side (and the read kernel) over enough calls for ~0.1 s, the order
 swapped every round; the table gives medians, B's speed over A's and whether the two outputs
@@ -204,37 +204,30 @@ def run_case(case: dict, a: Side, b: Side, threads: int, rounds: int, rng) -> di
         row["pct_read_a"] = 100 * med["read"] / med["a"]
         row["pct_read_b"] = 100 * med["read"] / med["b"]
     else:
-        gflops = prefill_gemm_limit(threads, case["dtype"])
-        if gflops:
-            row["gemm_gflops"] = gflops
-            row["pct_gemm_a"] = 100 * row["flops"] / med["a"] / 1e9 / gflops
-            row["pct_gemm_b"] = 100 * row["flops"] / med["b"] / 1e9 / gflops
+        gflops = compute_peak(threads, case["dtype"])
+        row["peak_gflops"] = gflops
+        row["pct_peak_a"] = 100 * row["flops"] / med["a"] / 1e9 / gflops
+        row["pct_peak_b"] = 100 * row["flops"] / med["b"] / 1e9 / gflops
     return row
 
 
-_GEMM_LIMITS: dict = {}
+_PEAKS: dict = {}
 
 
-def prefill_gemm_limit(threads: int, dtype: str) -> float | None:
-    """The best GEMM GFLOP/s of a prefill row's dtype at this thread count (attnfast.bench.limits:
-    NumPy's BLAS and, when importable, torch.mm, in float32 and the dtype; measured once per run).
-    NumPy's BLAS alone can sit far below the machine (OpenBLAS on Zen 5: 109 GFLOP/s, a limit
-    the float32 prefill passed at 176 %)."""
-    from attnfast.bench.limits import gemm_limit, measure_limits
+def compute_peak(threads: int, dtype: str) -> float:
+    """A prefill row's compute limit: the machine's multiply-add peak for q's dtype
+    (attnfast.bench.limits.measure_peak; bfloat16: vdpbf16ps where the CPU has it), measured
+    once per run. A BLAS GEMM can sit far below the machine (OpenBLAS and torch's float32 GEMM
+    on AMD Zen 5: ~110 GFLOP/s, which the float32 prefill passed at 176 %)."""
+    from attnfast.bench.limits import measure_peak
 
-    if (threads, dtype) not in _GEMM_LIMITS:
-        try:
-            import torch  # noqa: F401
-            use_torch = True
-        except ImportError:
-            use_torch = False
-        lim = measure_limits(threads, 64 << 20, 2048, use_torch, 0.2, dtypes=(dtype,))
-        _GEMM_LIMITS[threads, dtype] = gemm_limit(lim, dtype)
-    return _GEMM_LIMITS[threads, dtype]
+    if (threads, dtype) not in _PEAKS:
+        _PEAKS[threads, dtype] = measure_peak(threads, bf16=dtype == "bfloat16")
+    return _PEAKS[threads, dtype]
 
 
 def markdown_row(row: dict) -> str:
-    limit = ("% read", "pct_read") if "pct_read_a" in row else ("% GEMM", "pct_gemm")
+    limit = ("% read", "pct_read") if "pct_read_a" in row else ("% peak", "pct_peak")
     pa, pb = row.get(limit[1] + "_a"), row.get(limit[1] + "_b")
     pct = lambda x: "-" if x is None else f"{x:.0f} %"
     return (f"| {row['case']} | {row['threads']} | {row['tier_a']} / {row['tier_b']} | "

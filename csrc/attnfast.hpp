@@ -249,6 +249,10 @@ bool take_interrupt() noexcept;
 // benchmarks' memory-bandwidth limit, with the loads of the best tier this CPU runs, whatever
 // tier is forced); returns the XOR of its whole 8-byte words.
 uint64_t read_probe(const void* data, int64_t bytes, int num_threads);
+// Runs `rounds` rounds of the best tier's widest multiply-adds (bf16: vdpbf16ps where the CPU
+// has AVX512_BF16, else float32 FMAs) on num_threads threads at once (the benchmarks' compute
+// limit); returns the FLOPs done.
+double peak_probe(int64_t rounds, bool bf16, int num_threads);
 
 // ---- runtime facts ----
 int processor_count() noexcept;  // processors this process may run on (1 without OpenMP)

@@ -1,6 +1,7 @@
-// A native memory-read kernel: the benchmarks' machine limit for bandwidth-bound decode
-// (attnfast._bench.measure_read_bandwidth takes the best of it and NumPy's kernels). The loads
-// are the best tier's (kernels/read_fold.inl), whatever tier is forced: a machine limit.
+// The benchmarks' native machine limits, with the best tier's instructions (kernels/probes.inl),
+// whatever tier is forced: a memory-read kernel for bandwidth-bound decode
+// (attnfast.bench.limits.measure_read_bandwidth takes the best of it and NumPy's kernels) and
+// the compute peak for compute-bound calls (measure_limits: no GEMM of a dtype can pass it).
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -25,6 +26,19 @@ uint64_t read_probe(const void* data, int64_t bytes, int num_threads) {
     uint64_t x = 0;
     for (uint64_t f : folded) x ^= f;
     return x;  // returned so the reads cannot be optimised away
+}
+
+double peak_probe(int64_t rounds, bool bf16, int num_threads) {
+    const int threads = num_threads > 0 ? num_threads : 1;
+    std::vector<double> flops(static_cast<size_t>(threads), 0.0);
+    std::vector<float> sink(static_cast<size_t>(threads), 0.0f);
+    double (*const spin)(int64_t, bool, float*) = best_kernels().peak_spin;
+    parallel::for_each_dynamic(threads, threads, false, [&](int64_t t, int) {
+        flops[static_cast<size_t>(t)] = spin(rounds, bf16, &sink[static_cast<size_t>(t)]);
+    });
+    double total = 0;
+    for (double f : flops) total += f;
+    return total;
 }
 
 }  // namespace attnfast

@@ -226,3 +226,20 @@ def test_read_kernel_folds_every_word(tier, rng, offset, nbytes, threads):
     words = np.frombuffer(buf[: nbytes // 8 * 8].tobytes(), dtype=np.uint64)
     expected = int(np.bitwise_xor.reduce(words)) if words.size else 0
     assert _ext.read_bytes(buf, threads) == expected
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_peak_probe_counts_its_flops(tier, bf16, threads):
+    # The benchmarks' compute limit runs the best tier's widest multiply-adds, whichever tier
+    # is forced: each round is 12 chains of one vector (2 FLOPs a float32 lane; vdpbf16ps 4, two
+    # products), on every thread.
+    import platform
+
+    best = _ext.runtime_info()["isa_available"][0]
+    lanes = {"avx512bf16": 16, "avx512": 16, "avx2": 8, "neon": 4}.get(
+        best, 4 if platform.machine() in ("x86_64", "AMD64") else 1)
+    per_lane = 4 if bf16 and best == "avx512bf16" else 2
+    assert _ext.peak_flops(1, bf16, 1) == 12 * lanes * per_lane
+    assert _ext.peak_flops(1000, bf16, threads) == 1000 * threads * 12 * lanes * per_lane
+    assert _ext.peak_flops(0, bf16, threads) == 0

@@ -2,13 +2,13 @@
 // Included last by kernels/isa_*.cpp, after the kernel .inl files. A tier with kernels of its
 // own names the functions that pick one for a call (KernelTable::prefill_kernel,
 // decode_kernel) in ATTNFAST_PREFILL_KERNEL / ATTNFAST_DECODE_KERNEL; otherwise the shared
-// templates run (float64 always does). Every tier also gets the benchmarks' read kernel
-// (read_fold.inl).
+// templates run (float64 always does). Every tier also gets the benchmarks' probes
+// (probes.inl).
 #pragma once
 #ifndef ATTNFAST_KERNEL_NS
 #error "define ATTNFAST_KERNEL_NS and include the kernel .inl files before export_table.inl"
 #endif
-#include "read_fold.inl"  // every tier's read kernel, with its own loads
+#include "probes.inl"  // every tier's read and peak kernels, with its own instructions
 #include "index_scores.inl"  // every tier's lightning-indexer scores
 
 #ifndef ATTNFAST_PREFILL_KERNEL
@@ -58,6 +58,7 @@ const KernelTable kTable = {
     ATTNFAST_DECODE_KERNEL, decode_chunk_f64,
     decode_merge_any, decode_merge_f64,
     read_fold,
+    peak_spin,
     ATTNFAST_GEMM_DECODE_KERNEL,
     backward_kernels,
     kernel_policy,

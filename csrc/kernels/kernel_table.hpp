@@ -287,9 +287,11 @@ struct KernelTable {
     void (*decode_merge_f64)(const AttentionParams&, int64_t batch, int64_t kv_head,
                              int64_t chunks, const double* acc, const double* m,
                              const double* l, double* workspace);
-    // The benchmarks' read kernel (read_fold.inl): XOR of the whole 8-byte words of
-    // data[0, bytes), with this tier's loads.
+    // The benchmarks' probes (probes.inl): the read kernel, XOR of the whole 8-byte words of
+    // data[0, bytes) with this tier's loads; the compute peak, `rounds` rounds of its widest
+    // multiply-adds (bf16: vdpbf16ps where the tier has it), returning the FLOPs done.
     uint64_t (*read_fold)(const void* data, int64_t bytes);
+    double (*peak_spin)(int64_t rounds, bool bf16, float* sink);
     // The compute-shaped decode kernel for many query rows per KV head (gemm_decode.inl: a
     // latent cache, or GQA with several query tokens), or {nullptr} when it does not take
     // the call (or the tier has none): decode.cpp then runs decode_kernel's choice.

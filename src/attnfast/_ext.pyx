@@ -128,6 +128,7 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
     cbool int8_dot_widen() noexcept nogil
     void int8_dot_widen_force(cbool widen) noexcept nogil
     uint64_t read_probe(const void* data, int64_t nbytes, int num_threads) noexcept nogil
+    double peak_probe(int64_t rounds, bint bf16, int num_threads) noexcept nogil
 
 
 cdef extern from "backward.hpp" namespace "attnfast":
@@ -604,6 +605,16 @@ def read_bytes(const unsigned char[::1] buffer, int num_threads):
     with nogil:
         folded = read_probe(&buffer[0] if buffer.shape[0] else NULL, buffer.shape[0], num_threads)
     return folded
+
+
+def peak_flops(int64_t rounds, bint bf16, int num_threads):
+    """Runs `rounds` rounds of the best tier's widest multiply-adds on num_threads threads at
+    once, GIL released (the benchmarks' compute limit: bf16 takes vdpbf16ps where the CPU has
+    AVX512_BF16, else float32 FMAs); returns the FLOPs done."""
+    cdef double flops
+    with nogil:
+        flops = peak_probe(rounds, bf16, num_threads)
+    return flops
 
 
 include "_torch_views.pxi"

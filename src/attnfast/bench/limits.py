@@ -21,7 +21,7 @@ import numpy as np
 from .timing import time_call
 
 __all__ = ["GIB", "MIB", "SETTLE_S", "blas_threads", "blas_description",
-           "measure_read_bandwidth", "measure_gemm", "measure_limits", "limits_from",
+           "measure_read_bandwidth", "measure_gemm", "measure_peak", "measure_limits", "limits_from",
            "best_limits", "gemm_limit", "cpu_name", "cpu_flags", "last_level_cache_bytes",
            "available_cpus", "load_average", "busy_warning"]
 
@@ -181,6 +181,34 @@ def measure_read_bandwidth(n_threads: int, nbytes: int = GIB, repeats: int = 5) 
     best = max(rates, key=rates.get)
     return {"threads": n_threads, "gbps": rates[best], "kernel": best, "kernels": rates,
             "buffer_mib": x.nbytes / MIB}
+
+
+def measure_peak(n_threads: int, bf16: bool = False, seconds: float = 0.05, repeats: int = 3) -> float:
+    """The machine's multiply-add peak in GFLOP/s: attnfast's native probe (csrc/probe.cpp),
+    the widest multiply-adds of the best tier on independent chains, on ``n_threads`` threads
+    at once; ``bf16``: vdpbf16ps where the CPU has AVX512_BF16, else float32 FMAs.
+
+    No GEMM of the dtype can pass it, so it bounds a compute-bound kernel where the BLAS at
+    hand runs below the machine (OpenBLAS and torch's float32 GEMM on AMD Zen 5: ~110 GFLOP/s,
+    about half of it). The best of ``repeats`` runs of about ``seconds`` each.
+    """
+    from .. import _ext
+
+    rounds = 1 << 14
+    while True:  # calibrate: rounds for about `seconds`
+        start = time.perf_counter()
+        _ext.peak_flops(rounds, bf16, n_threads)
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds / 4 or rounds >= 1 << 30:
+            break
+        rounds *= 4
+    rounds = max(1, int(rounds * seconds / max(elapsed, 1e-9)))
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        flops = _ext.peak_flops(rounds, bf16, n_threads)
+        best = max(best, flops / (time.perf_counter() - start) / 1e9)
+    return best
 
 
 def measure_gemm(n_threads: int, n: int = 2048, repeats: int = 3) -> dict | None:
