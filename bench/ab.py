@@ -164,7 +164,9 @@ def run_case(case: dict, a: Side, b: Side, threads: int, rounds: int, rng) -> di
     act = FORMATS[case["dtype"]]
     row = {"case": case_label(case), "threads": threads, "tier_a": a.tier(), "tier_b": b.tier()}
     if case["kind"] == "decode":
-        kv_dtype = np.float32 if isinstance(FORMATS[case["format"]], str) else FORMATS[case["format"]]
+        # (a quantised cache, int or float8, takes float32 tokens and quantises them)
+        fmt = FORMATS[case["format"]]
+        kv_dtype = fmt if fmt in (np.float32, np.float64, np.float16, ml_dtypes.bfloat16) else np.float32
         shape = (case["B"], case["Hkv"], case["L"])
         tokens = tuple(rng.standard_normal(shape + (d,), dtype=np.float32).astype(kv_dtype)
                        for d in (case["D"], case["Dv"]))

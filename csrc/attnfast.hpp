@@ -254,6 +254,11 @@ uint64_t read_probe(const void* data, int64_t bytes, int num_threads);
 // limit); returns the FLOPs done.
 double peak_probe(int64_t rounds, bool bf16, int num_threads);
 
+// x (rows x dim float32, contiguous) times the orthonormal block Hadamard matrix of blocks
+// `block` (a power of two dividing dim) along each row, in place: the quantised caches' key
+// rotation (attnfast._rotation), by the fast Walsh-Hadamard transform on this thread.
+void hadamard_rows(float* x, int64_t rows, int64_t dim, int64_t block);
+
 // ---- runtime facts ----
 int processor_count() noexcept;  // processors this process may run on (1 without OpenMP)
 bool openmp_enabled();

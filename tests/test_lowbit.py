@@ -228,6 +228,27 @@ def test_hadamard_rotation_is_the_block_matrix(d, block):
     np.testing.assert_allclose(hadamard_rotate(x), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("d", [128, 576, 24, 7])
+def test_hadamard_rotation_is_float32_butterflies(d):
+    # The rotation's bits: float32 butterflies (sum, difference) over pairs i, i + h for
+    # h = 1, 2, .. within each block, then times float32(1 / sqrt(block)): written here
+    # in NumPy, compared exactly (the same rotation for keys at append and queries).
+    from attnfast._rotation import hadamard_block, hadamard_rotate
+    x = np.random.default_rng(d).standard_normal((5, d)).astype(np.float32) * 3
+    x[1, 0], x[2, 1] = np.inf, np.nan
+    b = hadamard_block(d)
+    y = x.copy()
+    h = 1
+    while h < b:
+        y = y.reshape(-1, 2, h)
+        y = np.stack((y[:, 0] + y[:, 1], y[:, 0] - y[:, 1]), axis=1)
+        h *= 2
+    want = y.reshape(x.shape) * np.float32(1.0 / np.sqrt(b)) if b > 1 else x
+    got = hadamard_rotate(x)
+    assert got.dtype == np.float32 and got.shape == x.shape
+    np.testing.assert_array_equal(got, want.astype(np.float32))  # exact; NaN where want's is
+
+
 def test_key_rotation_defaults_and_bad_values():
     assert af.KVCache(1, 1, 16, 4, dtype="int8").key_rotation == "hadamard"
     assert af.KVCache(1, 1, 16, 4, dtype=FP8).key_rotation is None

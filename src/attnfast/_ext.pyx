@@ -129,6 +129,7 @@ cdef extern from "attnfast.hpp" namespace "attnfast":
     void int8_dot_widen_force(cbool widen) noexcept nogil
     uint64_t read_probe(const void* data, int64_t nbytes, int num_threads) noexcept nogil
     double peak_probe(int64_t rounds, bint bf16, int num_threads) noexcept nogil
+    void hadamard_rows(float* x, int64_t rows, int64_t dim, int64_t block) noexcept nogil
 
 
 cdef extern from "backward.hpp" namespace "attnfast":
@@ -605,6 +606,16 @@ def read_bytes(const unsigned char[::1] buffer, int num_threads):
     with nogil:
         folded = read_probe(&buffer[0] if buffer.shape[0] else NULL, buffer.shape[0], num_threads)
     return folded
+
+
+def hadamard_rotate_rows(float[:, ::1] x, int64_t block):
+    """x (rows x D, float32, C-contiguous) times the orthonormal block Hadamard matrix of
+    blocks `block` (a power of two dividing D) along each row, in place, GIL released
+    (attnfast._rotation.hadamard_rotate)."""
+    if block < 1 or x.shape[1] % block or block & (block - 1):
+        raise ValueError(f"block must be a power of two dividing {x.shape[1]}, got {block}")
+    with nogil:
+        hadamard_rows(&x[0, 0] if x.shape[0] and x.shape[1] else NULL, x.shape[0], x.shape[1], block)
 
 
 def peak_flops(int64_t rounds, bint bf16, int num_threads):
