@@ -65,7 +65,7 @@ uint64_t read_fold(const void* data, int64_t bytes) {
 // AMD Zen 5: ~110 GFLOP/s of ~230), attnfast's prefill read 150-176 % of "GEMM". Returns the
 // FLOPs done; *sink gets a fold of the accumulators, so the work is not optimised away.
 double peak_spin(int64_t rounds, bool bf16, float* sink) {
-    constexpr int kChains = 12;  // >= 2 pipes x latency 4-6, within 16 registers but AVX-512's
+    constexpr int kChains = 12;  // >= 2 pipes x latency 4-6; with the 2 constants, 14 registers
 #if defined(__AVX512BF16__)
     if (bf16) {
         __m512 acc[kChains];

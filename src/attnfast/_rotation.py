@@ -33,7 +33,7 @@ def hadamard_rotate(x: np.ndarray) -> np.ndarray:
     float32 butterflies, then the float32 1 / sqrt(b)), never by a BLAS product:
     every decode step rotates its query rows, and a threaded BLAS woken for that spins on
     the cores attention then runs on (OpenBLAS, two threads, int8 cache, 32/8 heads: a step
-    took 8.0 ms instead of 1.1). Never through the D x D matrix with its off-block zeros
+    took 8.0 ms instead of about 1.2). Never through the D x D matrix with its off-block zeros
     either: an inf would meet them (inf * 0 = NaN) and spoil the finite blocks of its row.
 
     Non-finite input is expected here and gives non-finite output without a warning (NaN

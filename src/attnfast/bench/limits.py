@@ -190,7 +190,23 @@ def measure_peak(n_threads: int, bf16: bool = False, seconds: float = 0.05, repe
 
     No GEMM of the dtype can pass it, so it bounds a compute-bound kernel where the BLAS at
     hand runs below the machine (OpenBLAS and torch's float32 GEMM on AMD Zen 5: ~110 GFLOP/s,
-    about half of it). The best of ``repeats`` runs of about ``seconds`` each.
+    about half of it).
+
+    Parameters
+    ----------
+    n_threads : int
+        Threads running the probe at once.
+    bf16 : bool
+        The bfloat16 pair dot product's peak instead of float32's.
+    seconds : float
+        Length of one run (calibrated first).
+    repeats : int
+        The rate is the best of this many runs.
+
+    Returns
+    -------
+    float
+        GFLOP/s (a multiply-add counts two FLOPs; a vdpbf16ps lane four).
     """
     from .. import _ext
 
