@@ -62,7 +62,7 @@ uint64_t read_fold(const void* data, int64_t bytes) {
 // accumulators (AVX512_BF16 with bf16 set: vdpbf16ps, two products a lane), enough chains to
 // cover the latency of every pipe. Its rate is the compute limit no GEMM of that dtype can
 // pass: where the BLAS at hand runs below the machine (OpenBLAS and torch's float32 GEMM on
-// AMD Zen 5: ~110 GFLOP/s of ~230), attnfast's prefill read 150-176 % of "GEMM". Returns the
+// AMD Zen 5: ~110 GFLOP/s of ~230), attnfast's prefill read 148-176 % of "GEMM". Returns the
 // FLOPs done; *sink gets a fold of the accumulators, so the work is not optimised away.
 double peak_spin(int64_t rounds, bool bf16, float* sink) {
     constexpr int kChains = 12;  // >= 2 pipes x latency 4-6; with the 2 constants, 14 registers
