@@ -1,7 +1,7 @@
 // The benchmarks' native machine limits, with the best tier's instructions (kernels/probes.inl),
 // whatever tier is forced: a memory-read kernel for bandwidth-bound decode
 // (attnfast.bench.limits.measure_read_bandwidth takes the best of it and NumPy's kernels) and
-// the compute peak for compute-bound calls (measure_limits: no GEMM of a dtype can pass it).
+// the compute peak for compute-bound calls (measure_peak: no GEMM of a dtype can pass it).
 #include <cstddef>
 #include <cstdint>
 #include <vector>
