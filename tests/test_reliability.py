@@ -214,6 +214,33 @@ def test_nan_in_nan_out_on_every_tier(rng, isa, dtype, tq, tk, opts):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("window", [None, (100, 0)])
+def test_nan_rule_across_decode_chunks(rng, isa, window):
+    # Many query rows per KV head over a cache split into several chunks (the GEMM-shaped
+    # decode where the tier has one): a non-finite key poisons exactly the rows that see it,
+    # also when it is the only key a row sees in its chunk or its tile.
+    _ext.force_isa(isa)
+    tq, tk = 4, 5000
+    q, k, v = _poisoned(rng, np.float32, 1, 8, 1, tq, tk, 16, 16)
+    k[0, 0, 4096, 3] = np.nan  # the first key of a chunk (2048-key chunks)
+    k[0, 0, 4999, 3] = -np.inf  # the last key: only the last row sees it
+    for threads in (1, 2):
+        out, lse = af.attention(q, k, v, causal=True, window=window, return_lse=True,
+                                num_threads=threads)
+        _check_nonfinite(out, lse, q, k, v, causal=True, window=window)
+        assert np.isnan(lse[0, :, -1]).all()
+        finite = ~np.isnan(lse)
+        ref_out, ref_lse, _ = reference_attention(np.nan_to_num(q), np.nan_to_num(k), np.nan_to_num(v),
+                                                  causal=True, window=window)
+        if window is not None:  # rows 0..2 of most heads see no poisoned key: their values
+            assert finite.sum() >= 20
+            np.testing.assert_allclose(lse[finite], ref_lse[finite], **TOLERANCE[np.dtype(np.float32)])
+            out_nan, _, sees_none = reference_nonfinite_rows(q, k, v, causal=True, window=window)
+            clean = ~out_nan & ~nan_leak_allowed(out.shape, v, sees_none)
+            np.testing.assert_allclose(out[clean], ref_out[clean], **TOLERANCE[np.dtype(np.float32)])
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_nan_rule_on_the_cache_and_varlen_paths(rng, isa, dtype):
     _ext.force_isa(isa)

@@ -577,10 +577,17 @@ void decode_merge(const AttentionParams& p, int64_t batch, int64_t kv_head, int6
         const int64_t head = kv_head * group + r / tq, pos = r % tq;
         T* orow = out + head * p.out_head_stride + pos * p.out_row_stride;
         A* lse_at = lse ? lse + head * p.lse_head_stride + pos * p.lse_row_stride : nullptr;
+        // A chunk whose l is 0 saw no key (a NaN l, from a NaN score, counts: it makes the
+        // row NaN, whatever its m); the prefill's finish tests the same.
         A top = neg_inf<A>();
-        for (int64_t c = 0; c < chunks; ++c) top = max_of(top, m[c * rows + r]);
-        if (top == neg_inf<A>()) {  // the row sees no key: zeros and -inf (the sink's
-                                    // logit with sinks), never NaN
+        bool seen = false;
+        for (int64_t c = 0; c < chunks; ++c)
+            if (l[c * rows + r] != A(0)) {
+                top = max_of(top, m[c * rows + r]);
+                seen = true;
+            }
+        if (!seen) {  // the row sees no key: zeros and -inf (the sink's logit with sinks),
+                      // never NaN
             for (int64_t e = 0; e < Dv; ++e) orow[e] = store_from_acc<T>(A(0));
             if (lse_at) *lse_at = p.sinks ? static_cast<A>(p.sinks[head]) : neg_inf<A>();
             continue;
@@ -595,9 +602,8 @@ void decode_merge(const AttentionParams& p, int64_t batch, int64_t kv_head, int6
         // Chunks in their fixed order, so the bits never depend on who computed them.
         for (int64_t e = 0; e < Dv; ++e) sum[e] = 0;
         for (int64_t c = 0; c < chunks; ++c) {
-            const A mc = m[c * rows + r];
-            if (mc == neg_inf<A>()) continue;
-            const A w = SoftmaxBase<A>::exp(mc - top);
+            if (l[c * rows + r] == A(0)) continue;
+            const A w = SoftmaxBase<A>::exp(m[c * rows + r] - top);
             total += w * l[c * rows + r];
             axpy(sum, w, acc + (c * rows + r) * Dv, Dv);
         }

@@ -419,35 +419,21 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
         // Online softmax (base 2), W rows at a time.
         for (int64_t r = 0; r < rp; r += W) {
             Vec bmax = simd::vset(-__builtin_inff());
-            Vec bad = simd::vzero();  // NaN in a lane that met a non-finite visible score
-            // Every row of the vector sees every key of the tile (the interior of a chunk):
-            // no visibility masks, the same values.
+            // A raw -inf becomes NaN first, as in the prefill (a NaN weight makes l NaN, and
+            // decode_merge then the row). Every row of the vector sees every key of the
+            // tile (the interior of a chunk): no visibility masks, the same values.
             bool whole = true;
             for (int x = 0; x < W; ++x) whole = whole && lo[r + x] <= t0 && hi[r + x] >= t0 + nt;
-            if (whole) {
-                for (int64_t j = 0; j < nt; ++j) {
-                    Vec s = simd::vload(st + j * rp + r);
-                    if (!Tile::kScaledQuery) s = simd::vmul(s, score_scale);
-                    bad = simd::vadd(bad, simd::vsub(s, s));
-                    if (capped) s = simd::softcap(s, cap, inv_cap);
-                    if (capped || !Tile::kScaledQuery) simd::vstore(st + j * rp + r, s);
-                    bmax = simd::vmax(s, bmax);
-                }
-            } else {
-                for (int64_t j = 0; j < nt; ++j) {
-                    Vec s = simd::vload(st + j * rp + r);
-                    if (!Tile::kScaledQuery) s = simd::vmul(s, score_scale);
-                    const simd::Mask keep = simd::key_visible(lo + r, hi + r, static_cast<int32_t>(t0 + j));
-                    bad = simd::vadd(bad, simd::select(keep, simd::vsub(s, s), simd::vzero()));
-                    if (capped) s = simd::softcap(s, cap, inv_cap);
-                    s = simd::keep_or_neg_inf(keep, s);
-                    simd::vstore(st + j * rp + r, s);
-                    bmax = simd::vmax(s, bmax);
-                }
+            for (int64_t j = 0; j < nt; ++j) {
+                Vec s = simd::neg_inf_to_nan(simd::vload(st + j * rp + r));
+                if (!Tile::kScaledQuery) s = simd::vmul(s, score_scale);
+                if (capped) s = simd::softcap(s, cap, inv_cap);
+                if (!whole) s = simd::keep_or_neg_inf(simd::key_visible(lo + r, hi + r, static_cast<int32_t>(t0 + j)), s);
+                simd::vstore(st + j * rp + r, s);
+                bmax = simd::vmax(bmax, s);
             }
-            const Vec tile_max = simd::vadd(bmax, bad);  // NaN where a visible score was not finite
             Vec c;
-            simd::online_softmax<1>(st + r, rp, nt, m + r, l + r, &tile_max, &c);
+            simd::online_softmax<1>(st + r, rp, nt, m + r, l + r, &bmax, &c);
             simd::vstore(corr + r, c);
         }
         // P.V: a latent cache's V rows are the K rows' first Dv elements (already in cache).
