@@ -9,6 +9,7 @@ import pytest
 from attnfast.bench import results
 from attnfast.bench.generate_results import load_generate_runs
 from attnfast.bench.lowbit_results import load_lowbit_runs
+from attnfast.bench.many_rows_results import load_many_rows_runs
 from attnfast.bench.sparse_results import load_sparse_runs
 from attnfast.bench.limits import limits_from
 from attnfast.bench.report import table
@@ -133,8 +134,9 @@ def test_committed_page_is_generated_from_the_committed_runs():
     lowbit = load_lowbit_runs(str(root / "bench" / "results"))
     assert "zen4-avx512bf16" in lowbit
     generate = load_generate_runs(str(root / "bench" / "results"))
+    many_rows = load_many_rows_runs(str(root / "bench" / "results"))
     assert (root / "docs" / "results.md").read_text() == results.render_page(
-        runs, plots, sparse, lowbit, generate)
+        runs, plots, sparse, lowbit, generate, many_rows)
 
 
 def test_generate_section_from_json(tmp_path):
@@ -180,6 +182,23 @@ def test_lowbit_section_from_json(tmp_path):
     assert cells(page, "32/8")[:6] == ["32/8", "16384", "1", "30.0", "6.00 = 1.00x (60 %)",
                                        "2.50 = 2.40x (36 %)"]
     assert "bfloat16 ms" not in page  # only the dtypes stored
+
+
+def test_many_rows_section_from_json(tmp_path):
+    """bench_many_rows.py --json renders as the page's many-rows table: per Tq the kernel, the
+    ms, the ms per token computed from them, and the share of the roofline."""
+    from attnfast.bench import sparse_results
+    path = tmp_path / "results" / "many_rows" / "test-kind.json"
+    row = dict(dtype="float32", threads=1, heads="32/8", L=16384, D=128, tq=16, kernel="gemm_decode",
+               ms=25.6, gflops=168.0, read_gbs=38.5, peak_gflops=228.0, of_roofline=0.73)
+    sparse_results.store_part(str(path), "many_rows", [row])
+    (tmp_path / "results" / "test-kind.json").write_text(json.dumps(synthetic_run()))
+    out = tmp_path / "results.md"
+    results.main(["--results-dir", str(tmp_path / "results"), "--out", str(out), "--no-plots"])
+    page = out.read_text()
+    assert "## Many query rows per KV head: test-kind" in page
+    assert cells(page, "float32")[2:] == ["32/8", "16384", "16", "`gemm_decode`", "25.60", "1.60", "168",
+                                          "73 %", "38.5", "228"]
 
 
 def test_sparse_section_from_json(tmp_path):

@@ -4,8 +4,8 @@
 
 reads every ``bench/results/<cpu-kind>.json`` (a ``bench/compare_peers.py --json`` file) and
 ``bench/results/sparse/<cpu-kind>.json`` (:mod:`attnfast.bench.sparse_results`) and
-``bench/results/lowbit/decode-<cpu-kind>.json`` (:mod:`attnfast.bench.lowbit_results`), and
-writes one section per CPU kind: the CPU and its flags, the run's date, commit and command, the
+``bench/results/lowbit/decode-<cpu-kind>.json`` (:mod:`attnfast.bench.lowbit_results`) and
+``bench/results/many_rows/<cpu-kind>.json`` (:mod:`attnfast.bench.many_rows_results`), and writes one section per CPU kind: the CPU and its flags, the run's date, commit and command, the
 machine limits of the run, the prefill and decode tables of each dtype with the peers alongside,
 and two plots (per-token decode cost against L; prefill GFLOP/s against T per engine). A new
 run of a CPU kind replaces its file, so the page always shows the current numbers only.
@@ -20,6 +20,7 @@ import sys
 from .peer_report import PeerReport
 from .generate_results import load_generate_runs, render_generate_section
 from .lowbit_results import load_lowbit_runs, render_lowbit_section
+from .many_rows_results import load_many_rows_runs, render_many_rows_section
 from .sparse_results import load_sparse_runs, render_sparse_section
 
 __all__ = ["main", "render_page", "render_section", "load_runs", "plot_ref", "peer_summary",
@@ -136,13 +137,15 @@ def plot_ref(kind: str, what: str, image_dir: str) -> tuple[str, str]:
     return f"{PLOT_TITLES[what]}, {kind}", f"{image_dir}/{kind}-{what}.png"
 
 
-def render_page(runs: dict, plots=None, sparse=None, lowbit=None, generate=None) -> str:
+def render_page(runs: dict, plots=None, sparse=None, lowbit=None, generate=None, many_rows=None) -> str:
     """The whole page: the introduction, then one section per CPU kind in ``runs`` order
     (``plots``: {kind: [(description, path)]}, see :func:`render_section`), then the
     end-to-end generation sections (``generate``: {kind: generation JSON}, see
     :func:`~attnfast.bench.generate_results.render_generate_section`), the low-bit cache
     sections (``lowbit``: {kind: low-bit decode JSON}, see
-    :func:`~attnfast.bench.lowbit_results.render_lowbit_section`), then the sparse attention
+    :func:`~attnfast.bench.lowbit_results.render_lowbit_section`), the many-rows sections
+    (``many_rows``: {kind: many-rows JSON}, see
+    :func:`~attnfast.bench.many_rows_results.render_many_rows_section`), then the sparse attention
     sections (``sparse``: {kind: sparse JSON}, see
     :func:`~attnfast.bench.sparse_results.render_sparse_section`)."""
     plots = plots or {}
@@ -151,6 +154,7 @@ def render_page(runs: dict, plots=None, sparse=None, lowbit=None, generate=None)
             + "".join("\n" + render_generate_section(kind, data)
                       for kind, data in (generate or {}).items())
             + "".join("\n" + render_lowbit_section(kind, data) for kind, data in (lowbit or {}).items())
+            + "".join("\n" + render_many_rows_section(kind, data) for kind, data in (many_rows or {}).items())
             + "".join("\n" + render_sparse_section(kind, data) for kind, data in (sparse or {}).items()))
 
 
@@ -198,7 +202,7 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(render_page(runs, plots, load_sparse_runs(args.results_dir), load_lowbit_runs(args.results_dir),
-                            load_generate_runs(args.results_dir)))
+                            load_generate_runs(args.results_dir), load_many_rows_runs(args.results_dir)))
     print(f"{args.out}: {', '.join(runs)}")
     return 0
 
