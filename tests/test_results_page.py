@@ -139,25 +139,29 @@ def test_committed_page_is_generated_from_the_committed_runs():
         runs, plots, sparse, lowbit, generate, many_rows)
 
 
+def page_with_part(tmp_path, file, part, rows, **extra):
+    """The page generated from one stored part (results/<file>, as a bench's --json writes
+    it) beside a synthetic compare_peers run."""
+    from attnfast.bench import sparse_results
+    sparse_results.store_part(str(tmp_path / "results" / file), part, rows, **extra)
+    (tmp_path / "results" / "test-kind.json").write_text(json.dumps(synthetic_run()))
+    out = tmp_path / "results.md"
+    results.main(["--results-dir", str(tmp_path / "results"), "--out", str(out), "--no-plots"])
+    return out.read_text()
+
+
 def test_generate_section_from_json(tmp_path):
     """bench_transformers.py --json renders as the page's generation table: per dtype, prompt
     and threads each backend's prefill and decode step with its attention share, and the
     speed-ups computed from the stored times."""
-    from attnfast.bench import sparse_results
-
     def row(phase, backend, seconds, attention, mask=0.0):
         return dict(dtype="float32", ctx=8192, threads=1, phase=phase, backend=backend,
                     seconds=seconds, attention_seconds=attention, mask_seconds=mask,
                     same_tokens=True)
     rows = [row("prefill", "sdpa", 12.0, 6.0), row("prefill", "attnfast", 10.0, 3.5, 0.5),
             row("decode/token", "sdpa", 0.080, 0.040), row("decode/token", "attnfast", 0.050, 0.010)]
-    path = tmp_path / "results" / "generate" / "test-kind.json"
-    sparse_results.store_part(str(path), "llama", rows, new_tokens=16,
-                              model=dict(hidden=4096, layers=2, heads=32, kv_heads=8, head_dim=128))
-    (tmp_path / "results" / "test-kind.json").write_text(json.dumps(synthetic_run()))
-    out = tmp_path / "results.md"
-    results.main(["--results-dir", str(tmp_path / "results"), "--out", str(out), "--no-plots"])
-    page = out.read_text()
+    page = page_with_part(tmp_path, "generate/test-kind.json", "llama", rows, new_tokens=16,
+                          model=dict(hidden=4096, layers=2, heads=32, kv_heads=8, head_dim=128))
     assert "## Generating with transformers: test-kind" in page
     assert "32 heads / 8 KV heads, head_dim 128; 16 decode steps" in page
     assert cells(page, "float32") == ["float32", "8192", "1", "12000.0 ms (50 %)",
@@ -168,16 +172,10 @@ def test_generate_section_from_json(tmp_path):
 def test_lowbit_section_from_json(tmp_path):
     """bench_lowbit_decode.py --json renders as the page's low-bit table: per dtype the ms,
     the speed-up over float32 computed from the stored times, and the share of the read kernel."""
-    from attnfast.bench import sparse_results
-    path = tmp_path / "results" / "lowbit" / "decode-test-kind.json"
     row = dict(heads="32/8", L=16384, threads=1, read_gbs=30.0,
                dtypes={"float32": dict(ms=6.0, of_read=0.6, kernel="simd_decode"),
                        "int8": dict(ms=2.5, of_read=0.36, kernel="vnni_int8_decode")})
-    sparse_results.store_part(str(path), "decode", [row])
-    (tmp_path / "results" / "test-kind.json").write_text(json.dumps(synthetic_run()))
-    out = tmp_path / "results.md"
-    results.main(["--results-dir", str(tmp_path / "results"), "--out", str(out), "--no-plots"])
-    page = out.read_text()
+    page = page_with_part(tmp_path, "lowbit/decode-test-kind.json", "decode", [row])
     assert "## Low-bit KV caches: test-kind" in page
     assert cells(page, "32/8")[:6] == ["32/8", "16384", "1", "30.0", "6.00 = 1.00x (60 %)",
                                        "2.50 = 2.40x (36 %)"]
@@ -187,15 +185,9 @@ def test_lowbit_section_from_json(tmp_path):
 def test_many_rows_section_from_json(tmp_path):
     """bench_many_rows.py --json renders as the page's many-rows table: per Tq the kernel, the
     ms, the ms per token computed from them, and the share of the roofline."""
-    from attnfast.bench import sparse_results
-    path = tmp_path / "results" / "many_rows" / "test-kind.json"
     row = dict(dtype="float32", threads=1, heads="32/8", L=16384, D=128, tq=16, kernel="gemm_decode",
                ms=25.6, gflops=168.0, read_gbs=38.5, peak_gflops=228.0, of_roofline=0.73)
-    sparse_results.store_part(str(path), "many_rows", [row])
-    (tmp_path / "results" / "test-kind.json").write_text(json.dumps(synthetic_run()))
-    out = tmp_path / "results.md"
-    results.main(["--results-dir", str(tmp_path / "results"), "--out", str(out), "--no-plots"])
-    page = out.read_text()
+    page = page_with_part(tmp_path, "many_rows/test-kind.json", "many_rows", [row])
     assert "## Many query rows per KV head: test-kind" in page
     assert cells(page, "float32")[2:] == ["32/8", "16384", "16", "`gemm_decode`", "25.60", "1.60", "168",
                                           "73 %", "38.5", "228"]
