@@ -5,7 +5,8 @@
 reads every ``bench/results/<cpu-kind>.json`` (a ``bench/compare_peers.py --json`` file) and
 ``bench/results/sparse/<cpu-kind>.json`` (:mod:`attnfast.bench.sparse_results`) and
 ``bench/results/lowbit/decode-<cpu-kind>.json`` (:mod:`attnfast.bench.lowbit_results`) and
-``bench/results/many_rows/<cpu-kind>.json`` (:mod:`attnfast.bench.many_rows_results`), and writes one section per CPU kind: the CPU and its flags, the run's date, commit and command, the
+``bench/results/many_rows/<cpu-kind>.json`` (:mod:`attnfast.bench.many_rows_results`), and
+writes one section per CPU kind: the CPU and its flags, the run's date, commit and command, the
 machine limits of the run, the prefill and decode tables of each dtype with the peers alongside,
 and two plots (per-token decode cost against L; prefill GFLOP/s against T per engine). A new
 run of a CPU kind replaces its file, so the page always shows the current numbers only.
