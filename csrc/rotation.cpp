@@ -14,8 +14,8 @@ namespace attnfast {
 void hadamard_rows(float* x, int64_t rows, int64_t dim, int64_t block) {
     if (block <= 1 || rows <= 0) return;
     // One butterfly stage at a time over every block of the rows: pairs (i, i + h) within
-    // each run of 2h become (sum, difference); then the 1 / sqrt(block) of an orthonormal
-    // matrix (float32, as NumPy's butterflies in _rotation._walsh_hadamard: the same bits).
+    // each run of 2h become (sum, difference); then the float32 1 / sqrt(block) of an
+    // orthonormal matrix (tests/test_lowbit.py writes the same butterflies in NumPy).
     const int64_t n = rows * dim;
     for (int64_t h = 1; h < block; h *= 2)
         for (int64_t run = 0; run < n; run += 2 * h)

@@ -1,5 +1,6 @@
 // The SIMD layer's math on its vocabulary (simd.hpp): 2^x and tanh, with each ISA's rounding
-// and exponent steps; softcap, and the online-softmax step over query rows in lanes. Included through simd.hpp, never directly.
+// and exponent steps; softcap, and the online-softmax step over query rows in lanes.
+// Included through simd.hpp, never directly.
 #pragma once
 #ifndef ATTNFAST_KERNEL_NS
 #error "include csrc/simd/simd.hpp from a kernel translation unit (kernels/isa_*.cpp)"
@@ -98,11 +99,10 @@ inline Vec softcap(Vec x, Vec cap, Vec inv_cap) { return vmul(cap, tanh_vec(vmul
 // rescales the old state (0 while m_old is -inf), the scores become the weights 2^(s - m)
 // (exactly 0 below -126), and l = l corr + the tile's weights, summed in key order first (so
 // that l takes one rounding per tile, not one per key: over T keys, its error grows with
-// T / tile rather than with T). Returns whether
-// some lane of corr is not 1, i.e. whether the caller's accumulators need rescaling (once
-// the running max settles they do not). Always inlined: out of line, shift and sum went
-// through memory on every key, and an out-of-line copy measured up to 4 % slower bfloat16
-// prefill on Zen 4.
+// T / tile rather than with T). Returns whether some lane of corr is not 1, i.e. whether the
+// caller's accumulators need rescaling (once the running max settles they do not). Always
+// inlined: out of line, shift and sum went through memory on every key, and an out-of-line
+// copy measured up to 4 % slower bfloat16 prefill on Zen 4.
 template <int NV>
 __attribute__((always_inline)) inline bool online_softmax(float* st, int64_t stride, int64_t keys, float* m,
                                                           float* l, const Vec* tile_max, Vec* corr) {
