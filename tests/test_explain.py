@@ -229,9 +229,8 @@ def test_regime_per_tier_from_rows_per_kv_read(tier):
     assert prefill["regime"] == "compute" and prefill["rows_per_kv_read"] is None
 
 
-# The micro-kernels' register blocks per tier (csrc/kernels): gemm_decode's kNK keys, and the
-# prefill micro-tile's query rows Bq = kQueryVecs x W and keys kRows (simd_prefill.inl).
-_GEMM_DECODE_KEYS = {"avx2": 6, "avx512": 8, "avx512bf16": 8, "neon": 8, "generic": 6}
+# The micro-kernels' register blocks per tier (csrc/kernels): the prefill micro-tile's query
+# rows Bq = kQueryVecs x W and keys kRows (simd_prefill.inl), which gemm_decode runs too.
 _PREFILL_BLOCK = {"avx2": (32, 3), "avx512": (32, 12), "avx512bf16": (32, 12), "neon": (16, 5),
                   "generic": (16, 3)}
 _TEMPLATE = {"rows": 4, "keys": 1, "qk": "fp32 mul+add", "pv": "fp32 mul+add"}
@@ -248,8 +247,9 @@ def _fp32(tier):
 
 def test_policy_of_decode_per_tier(tier):
     """Few rows per KV head: the decode loop's register block, 4 rows (kRowBlock) x W / 4
-    keys; 32 rows: gemm_decode's, 2 x W rows (kNV x W) x kNK keys; bfloat16 by vdpbf16ps on
-    avx512bf16 (both kernels), an int8 cache's Q.K by vpdpbusd there (its P.V widens)."""
+    keys; 32 rows: gemm_decode, the prefill's micro-tile (Bq rows x kRows keys); bfloat16 by
+    vdpbf16ps on avx512bf16 (both kernels), an int8 cache's Q.K by vpdpbusd there (its P.V
+    widens)."""
     lanes = simd_decode_lanes(tier)
     calls = {"f32": (np.float32, np.float32), "bf16": (BFLOAT16, BFLOAT16)}
     for name, (q_dtype, kv_dtype) in calls.items():
@@ -262,11 +262,11 @@ def test_policy_of_decode_per_tier(tier):
         if tier == "avx512bf16" and name == "bf16":
             assert few["kernel"] == "bf16_decode"
             assert few["policy"] == _policy(4, 4, "vdpbf16ps")
-            assert many["policy"] == _policy(32, 8, "vdpbf16ps")
+            assert many["policy"] == _policy(*_PREFILL_BLOCK[tier], "vdpbf16ps")
         else:
             assert few["kernel"] == "simd_decode"
             assert few["policy"] == _policy(4, lanes // 4, _fp32(tier))
-            assert many["policy"] == _policy(2 * lanes, _GEMM_DECODE_KEYS[tier], _fp32(tier))
+            assert many["policy"] == _policy(*_PREFILL_BLOCK[tier], _fp32(tier))
     q = np.zeros((1, 8, 1, 128), np.float32)
     k8, scale = quantize_int8(np.ones((1, 2, 512, 128), np.float32))
     plan = af.explain(q, k8, k8.copy(), cache_seqlens=[500], k_scale=scale, v_scale=scale.copy())

@@ -244,6 +244,9 @@ struct TaskRows {
     KeyRows<T> rows;
     const int32_t* index;  // DecodeTask::rows, or nullptr
     const T* at(int64_t j) const { return rows.at(index ? index[j] : j); }
+    // End of the run of rows at row_stride steps that starts at key j, at most `end`: one
+    // key of an indexed task.
+    int64_t run_end(int64_t j, int64_t end) const { return index ? j + 1 : rows.run_end(j, end); }
 };
 
 // A raw score q . k of -inf comes only from an infinite (or overflowing) input: it becomes

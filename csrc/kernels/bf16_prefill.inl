@@ -54,13 +54,13 @@ inline int64_t scratch_elems(const AttentionParams& p, const simd::Tiling& t) {
 
 PrefillPlan plan(const AttentionParams& p) {
     PrefillPlan plan = simd::plan(p);  // (its Qᵀ of D floats per lane holds our D / 2 words)
-    plan.workspace_elems += scratch_elems(p, simd::tiling(p)) + 64 / sizeof(float);
+    plan.workspace_elems += scratch_elems(p, simd::tiling(p));
     return plan;
 }
 
 // Sᵀ rows [j0, j0 + R) of the tile at key `tile` (see simd::scores_rows): R keys x Bq lanes,
 // D / 2 pair steps, then scaled into base 2.
-template <int R, bool kPaged>
+template <int R, bool kByAddress>
 void scores_rows(const simd::Block& b, int64_t tile, int64_t j0, bool partial, float scale2, Vec* tile_max) {
     Vec acc[R][kQueryVecs];
 #pragma GCC unroll 16
@@ -69,7 +69,7 @@ void scores_rows(const simd::Block& b, int64_t tile, int64_t j0, bool partial, f
         for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = simd::vzero();
     const bf16_t* krow[R];
     const bf16_t* k = reinterpret_cast<const bf16_t*>(b.k);
-    if constexpr (kPaged) {
+    if constexpr (kByAddress) {
 #pragma GCC unroll 16
         for (int t = 0; t < R; ++t) krow[t] = reinterpret_cast<const bf16_t*>(b.k_rows[j0 + t]);
     } else {
@@ -104,9 +104,9 @@ void scores_rows(const simd::Block& b, int64_t tile, int64_t j0, bool partial, f
 }
 
 // Oᵀ rows [e0, e0 + R) = corr * Oᵀ + Vᵀ Pᵀ over `pairs` key pairs (corr nullptr: all ones).
-template <int R, bool kPaged>
+template <int R, bool kByAddress>
 void pv_rows(const simd::Block& b, const Scratch& sc, int64_t pairs, int64_t e0, const Vec* corr,
-             simd::PrefetchStream<kPaged>& pf, int pf_steps) {
+             simd::PrefetchStream<kByAddress>& pf, int pf_steps) {
     Vec acc[R][kQueryVecs];
     float* o = b.ot + e0 * Bq;
 #pragma GCC unroll 16
@@ -134,17 +134,17 @@ void pv_rows(const simd::Block& b, const Scratch& sc, int64_t pairs, int64_t e0,
         for (int u = 0; u < kQueryVecs; ++u) simd::vstore(o + t * Bq + u * W, acc[t][u]);
 }
 
-template <int R, bool kPaged>
+template <int R, bool kByAddress>
 inline void scores_tail(int64_t rows, const simd::Block& b, int64_t tile, int64_t j0, bool partial,
                         float scale2, Vec* tile_max) {
-    if (rows == R) scores_rows<R, kPaged>(b, tile, j0, partial, scale2, tile_max);
-    else if constexpr (R > 1) scores_tail<R - 1, kPaged>(rows, b, tile, j0, partial, scale2, tile_max);
+    if (rows == R) scores_rows<R, kByAddress>(b, tile, j0, partial, scale2, tile_max);
+    else if constexpr (R > 1) scores_tail<R - 1, kByAddress>(rows, b, tile, j0, partial, scale2, tile_max);
 }
-template <int R, bool kPaged>
+template <int R, bool kByAddress>
 inline void pv_cols(int64_t cols, const simd::Block& b, const Scratch& sc, int64_t pairs, int64_t e0,
-                    const Vec* corr, simd::PrefetchStream<kPaged>& pf, int pf_steps) {
-    if (cols == R) pv_rows<R, kPaged>(b, sc, pairs, e0, corr, pf, pf_steps);
-    else if constexpr (R > 1) pv_cols<R - 1, kPaged>(cols, b, sc, pairs, e0, corr, pf, pf_steps);
+                    const Vec* corr, simd::PrefetchStream<kByAddress>& pf, int pf_steps) {
+    if (cols == R) pv_rows<R, kByAddress>(b, sc, pairs, e0, corr, pf, pf_steps);
+    else if constexpr (R > 1) pv_cols<R - 1, kByAddress>(cols, b, sc, pairs, e0, corr, pf, pf_steps);
 }
 
 // V rows [tile, tile + keys) as pairs of rows, one 32-bit word per column; a missing row
@@ -196,14 +196,14 @@ inline void pair_weights(const simd::Block& b, int64_t keys) {
 
 // simd::attend_tile_rows with the bfloat16 micro-kernels. Not inlined into simd::run_task,
 // so that the compiler's choices inside it (which micro-tiles it inlines) stay as measured.
-template <bool kPaged>
+template <bool kByAddress>
 __attribute__((noinline)) void attend_tile(const simd::Block& b, const Scratch& sc, int64_t tile, int64_t keys,
                                            int64_t next_keys, bool partial, float scale2) {
     Vec tile_max[kQueryVecs];
     for (int u = 0; u < kQueryVecs; ++u) tile_max[u] = simd::vset(-__builtin_inff());
     int64_t j0 = 0;
-    for (; j0 + kRows <= keys; j0 += kRows) scores_rows<kRows, kPaged>(b, tile, j0, partial, scale2, tile_max);
-    if (j0 < keys) scores_tail<kRows - 1, kPaged>(keys - j0, b, tile, j0, partial, scale2, tile_max);
+    for (; j0 + kRows <= keys; j0 += kRows) scores_rows<kRows, kByAddress>(b, tile, j0, partial, scale2, tile_max);
+    if (j0 < keys) scores_tail<kRows - 1, kByAddress>(keys - j0, b, tile, j0, partial, scale2, tile_max);
     pack_values(b, sc, tile, keys);  // (its V rows load while the scores finish)
 
     Vec corr[kQueryVecs];
@@ -212,48 +212,46 @@ __attribute__((noinline)) void attend_tile(const simd::Block& b, const Scratch& 
 
     const int64_t pairs = (keys + 1) / 2;
     const int64_t passes = (b.Dv + kRows - 1) / kRows;
-    simd::PrefetchStream<kPaged> pf;
+    simd::PrefetchStream<kByAddress> pf;
     const int pf_steps = simd::prefetch_next_tile(b, tile, next_keys, sizeof(bf16_t), passes * pairs, pf);
     for (int64_t pass = 0, e0 = 0; pass < passes; ++pass) {
         const int64_t cols = b.Dv / passes + (pass < b.Dv % passes ? 1 : 0);
-        pv_cols<kRows, kPaged>(cols, b, sc, pairs, e0, rescale ? corr : nullptr, pf, pf_steps);
+        pv_cols<kRows, kByAddress>(cols, b, sc, pairs, e0, rescale ? corr : nullptr, pf, pf_steps);
         e0 += cols;
     }
 }
 
-// Qᵀ as pairs: word (d / 2, i) = q[i][d], q[i][d + 1] (a 32-bit transpose of the rows);
-// lanes past the last row 0; empty state.
-void init_sub_block(const AttentionParams& p, simd::Block& b, const bf16_t* q) {
+// Qᵀ as pairs, lane i from query row q[i] (i < b.rows): word (d / 2, i) = q[i][d], q[i][d + 1]
+// (a 32-bit transpose of the rows); lanes past the last row 0.
+void stage_queries(simd::Block& b, const bf16_t* const* q) {
     uint32_t* qt = reinterpret_cast<uint32_t*>(b.qt);
     const int64_t words = b.D / 2;
-    for (int64_t i = 0; i < Bq; ++i) {
-        const bf16_t* qrow = q + (b.row_begin + (i < b.rows ? i : 0)) * p.q_row_stride;
+    for (int64_t i = 0; i < Bq; ++i)
         for (int64_t w = 0; w < words; ++w) {
             uint32_t word = 0;
-            if (i < b.rows) __builtin_memcpy(&word, qrow + 2 * w, sizeof word);
+            if (i < b.rows) __builtin_memcpy(&word, q[i] + 2 * w, sizeof word);
             qt[w * Bq + i] = word;
         }
-    }
-    simd::start_state(p, b);
 }
 
-// simd::run_task's policy (see simd::WidenKernel) for bfloat16 q, k, v: K and V read in
+// The task loop's policy (see simd::WidenKernel) for bfloat16 q, k, v: K and V read in
 // place (bfloat16 rows), Qᵀ as pairs, the tile's packed V rows in the workspace past the
-// sub-blocks (plan() adds them).
+// sub-blocks.
 struct Bf16Kernel {
     using Q = bf16_t;
     using KV = bf16_t;
     static constexpr bool kWidened = false;
+    static int64_t extra_elems(const AttentionParams& p, const simd::Tiling& t) { return scratch_elems(p, t); }
     Scratch sc;
     float scale2;  // scale * log2(e): the scores in base 2 (Qᵀ is not pre-scaled)
     Bf16Kernel(const AttentionParams& p, float* extra)
         : sc{reinterpret_cast<uint32_t*>(extra)}, scale2(static_cast<float>(p.scale * kLog2e)) {}
-    void init_sub_block(const AttentionParams& p, simd::Block& b, const bf16_t* q) const {
-        bf16_prefill::init_sub_block(p, b, q);
+    void stage_queries(const AttentionParams&, simd::Block& b, const bf16_t* const* q) const {
+        bf16_prefill::stage_queries(b, q);
     }
     void attend(const AttentionParams& p, const simd::Block& b, int64_t /*batch*/, int64_t tile, int64_t keys,
                 int64_t next_keys) const {
-        const bool partial = simd::tile_ranges(p, b, tile, keys);
+        const bool partial = simd::tile_ranges(b, tile, keys);
         if (b.k_rows) {
             simd::find_tile_rows(b, tile, keys);
             attend_tile<true>(b, sc, tile, keys, next_keys, partial, scale2);

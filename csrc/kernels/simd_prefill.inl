@@ -121,14 +121,17 @@ struct TileOptions {
     bool any() const { return softcap || alibi || mask != TileMask::kNone; }
 };
 
-// One sub-block: Bq query rows of one head, with its own online-softmax state. The
-// scratch shared by the sub-blocks of a task (Sᵀ, masks) is reached from here too.
+// One sub-block: Bq query rows (lanes) that read one KV head, with its own online-softmax
+// state: rows of one head (prefill), or of the heads of a GQA group and their query positions
+// (a decode chunk: gemm_decode.inl). The scratch shared by the sub-blocks of a task (Sᵀ,
+// masks) is reached from here too.
 struct Block {
     int64_t D, Dv, Bk;
     float* qt;            // D x Bq
     float* ot;            // Dv x Bq
     float* m;             // Bq: running max (base-2 scaled scores)
     float* l;             // Bq: running sum
+    KeyRange* lanes;      // Bq: each lane's visible keys (padding lanes: the last row's)
     float* st;            // Bk x Bq, shared
     int32_t* rel_begin;   // Bq, shared: visible keys of each lane relative to the tile start
     int32_t* rel_end;
@@ -139,28 +142,30 @@ struct Block {
                           // the caller's bfloat16 rows, cast; strides count elements)
     int64_t k_stride, v_stride;
     int64_t kv_first = 0;  // key index of row 0 of k and v
-    // A paged cache read in place (the rows are not widened into a copy): the pool's K and V
-    // rows (attention_core.inl's KeyRows, strides in bytes), and the current tile's row
-    // addresses, key tile + j at k_rows[j] / v_rows[j] (filled once per tile by
-    // find_tile_rows: the block table is read once per block, never once per key, and the
-    // micro-kernels read each row where it lies). k_rows nullptr: the rows are one strided
-    // run from k / v, at k_stride / v_stride (and v_stride also steps inside a block).
-    KeyRows<char> k_pages{}, v_pages{};
+    // Rows read in place by address (a paged pool, or an indexed decode task's listed rows;
+    // not widened into a copy): the K and V sources (attention_core.inl's TaskRows, strides
+    // in bytes), and the current tile's row addresses, key tile + j at k_rows[j] / v_rows[j]
+    // (filled once per tile by find_tile_rows: a block table is read once per block, never
+    // once per key, and the micro-kernels read each row where it lies). k_rows nullptr: the
+    // rows are one strided run from k / v, at k_stride / v_stride (and v_stride also steps
+    // inside a run).
+    TaskRows<char> k_src{}, v_src{};
+    int64_t run_keys = 1;  // keys of every run after a tile's first: the block size, or 1 (listed rows)
     const float** k_rows = nullptr;
     const float** v_rows = nullptr;
-    mutable int64_t first_run = 0;  // keys of the tile's first run (in its first block)
-    // One tile per super-tile (a paged pool, see tiling()): the sub-blocks of a task share
+    mutable int64_t first_run = 0;  // keys of the tile's first run
+    // One tile per super-tile (rows by address, see tiling()): the sub-blocks of a task share
     // the prefetch of the next tile; this one's share starts pf_skip keys into it.
     mutable int64_t pf_skip = 0;
 
     // End of the run of V rows starting at tile-relative key j0 (a run start), at most keys.
     int64_t run_end(int64_t j0, int64_t keys) const {
-        const int64_t end = j0 == 0 ? first_run : j0 + v_pages.block_size;
+        const int64_t end = j0 == 0 ? first_run : j0 + run_keys;
         return end < keys ? end : keys;
     }
-    int64_t head, row_begin, rows;
+    int64_t head, row_begin, rows;  // (prefill) the head and its rows [row_begin, row_begin + rows)
     int64_t seqlen_k;      // keys valid for this batch entry (batch_seqlen_k)
-    KeyRange first, last;  // visible keys of the first and last row
+    KeyRange first, last;  // the lanes' smallest begin and end (first), largest (last)
     ScoreOptions opt;
 };
 
@@ -168,45 +173,48 @@ inline int64_t round_down(int64_t x, int64_t to) { return x / to * to; }
 inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 inline int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
-// The empty online-softmax state of sub-block b (Qᵀ is the kernel's to stage) and the
-// visible keys of its first and last rows.
-inline void start_state(const AttentionParams& p, Block& b) {
+// The empty online-softmax state of sub-block b (Qᵀ is the kernel's to stage) and its lanes'
+// visible keys: lane i < b.rows is the query row at position pos[i], its keys clipped to
+// [lo, hi) (a decode task's chunk).
+inline void start_state(const AttentionParams& p, Block& b, const int64_t* pos, int64_t lo, int64_t hi) {
     for (int64_t i = 0; i < Bq; ++i) {
         b.m[i] = -__builtin_inff();
         b.l[i] = 0.0f;
     }
     for (int64_t x = 0; x < b.Dv * Bq; ++x) b.ot[x] = 0.0f;
-    // Ranges only move right as rows go down.
-    b.first = visible_keys(p, b.row_begin, b.seqlen_k);
-    b.last = visible_keys(p, b.row_begin + b.rows - 1, b.seqlen_k);
+    for (int64_t i = 0; i < Bq; ++i) {
+        KeyRange r = visible_keys(p, pos[i < b.rows ? i : b.rows - 1], b.seqlen_k);
+        r.begin = clamp64(r.begin, lo, hi);
+        r.end = clamp64(r.end, r.begin, hi);
+        b.lanes[i] = r;
+        if (i == 0) b.first = b.last = r;
+        b.first = {r.begin < b.first.begin ? r.begin : b.first.begin, r.end < b.first.end ? r.end : b.first.end};
+        b.last = {r.begin > b.last.begin ? r.begin : b.last.begin, r.end > b.last.end ? r.end : b.last.end};
+    }
 }
 
 // Whether some lane of sub-block b sees only part of keys [tile, tile + keys); if so, each
 // lane's visible keys relative to the tile go to b.rel_begin / rel_end (for key_visible).
-inline bool tile_ranges(const AttentionParams& p, const Block& b, int64_t tile, int64_t keys) {
+inline bool tile_ranges(const Block& b, int64_t tile, int64_t keys) {
     const bool partial = tile < b.last.begin || tile + keys > b.first.end;
-    if (partial) {
-        // Padding lanes copy the last row's range so they never make a tile partial.
+    if (partial)
         for (int64_t i = 0; i < Bq; ++i) {
-            const KeyRange r = visible_keys(p, b.row_begin + (i < b.rows ? i : b.rows - 1), b.seqlen_k);
-            const int64_t rb = clamp64(r.begin - tile, 0, keys);
+            const int64_t rb = clamp64(b.lanes[i].begin - tile, 0, keys);
             b.rel_begin[i] = static_cast<int32_t>(rb);
-            b.rel_end[i] = static_cast<int32_t>(clamp64(r.end - tile, rb, keys));
+            b.rel_end[i] = static_cast<int32_t>(clamp64(b.lanes[i].end - tile, rb, keys));
         }
-    }
     return partial;
 }
 
-// A paged cache read in place: the addresses of the K and V rows of keys [tile, tile +
-// keys) into b.k_rows / b.v_rows, and b.first_run (one table read per block of the tile).
+// Rows read by address: the addresses of the K and V rows of keys [tile, tile + keys) into
+// b.k_rows / b.v_rows, and b.first_run (one table read per block of the tile).
 inline void find_tile_rows(const Block& b, int64_t tile, int64_t keys) {
-    const int64_t block_size = b.k_pages.block_size;
-    b.first_run = block_size - tile % block_size;
+    b.first_run = b.k_src.run_end(tile, tile + keys + b.run_keys) - tile;
     for (int64_t j0 = 0; j0 < keys;) {
         const int64_t j1 = b.run_end(j0, keys);
-        const char* krow = b.k_pages.at(tile + j0);
-        const char* vrow = b.v_pages.at(tile + j0);
-        for (int64_t j = j0; j < j1; ++j, krow += b.k_pages.row_stride, vrow += b.v_pages.row_stride) {
+        const char* krow = b.k_src.at(tile + j0);
+        const char* vrow = b.v_src.at(tile + j0);
+        for (int64_t j = j0; j < j1; ++j, krow += b.k_src.rows.row_stride, vrow += b.v_src.rows.row_stride) {
             b.k_rows[j] = reinterpret_cast<const float*>(krow);
             b.v_rows[j] = reinterpret_cast<const float*>(vrow);
         }
@@ -234,13 +242,16 @@ struct Tiling {
     bool prefetch;       // one head's K and V do not fit in half of L2
     int64_t sub_elems;   // floats of one sub-block's state
     int64_t shared_elems;
-    int64_t row_ptr_elems;  // floats of the tile's K and V row addresses (paged, read in place), else 0
+    int64_t row_ptr_elems;  // floats of the tile's K and V row addresses (rows by address), else 0
     int64_t kv_copy_elems;  // floats of the widened super-tile (K and V not float32), else 0
 };
 // Most keys per tile (Bk); 48..96 measured alike on AVX2 (Sapphire Rapids, Bq = 32).
 constexpr int64_t kMaxTileKeys = 16 * kRows > 96 ? 16 * kRows : 96;
-// widened: the task widens K and V into a float32 copy (see kMaxSubBlocksWidened).
-inline Tiling tiling(const AttentionParams& p, bool widened = false) {
+// widened: the task widens K and V into a float32 copy (see kMaxSubBlocksWidened); listed:
+// a decode task that may read listed rows (DecodeTask::rows), which are read by address
+// like a paged pool's when not widened.
+inline Tiling tiling(const AttentionParams& p, bool widened = false, bool listed = false) {
+    const bool by_address = !widened && (p.block_table || listed);
     const CacheSizes& cache = cache_sizes();
     Tiling t;
     const int64_t bk = (cache.l1d / 4) / (Bq * static_cast<int64_t>(sizeof(float)));
@@ -248,9 +259,9 @@ inline Tiling tiling(const AttentionParams& p, bool widened = false) {
     const int64_t row_bytes = (p.head_dim + p.head_dim_v) * static_cast<int64_t>(sizeof(float));
     t.super_keys = round_down(clamp64((cache.l2 / 2) / row_bytes, t.Bk, 1 << 20), t.Bk);
     t.prefetch = p.seqlen_k * row_bytes > cache.l2 / 2;
-    t.sub_elems = (p.head_dim + p.head_dim_v + 2) * Bq;
+    t.sub_elems = (p.head_dim + p.head_dim_v + 2 + 4) * Bq;  // qt, ot, m, l, lanes
     t.shared_elems = t.Bk * Bq + 3 * Bq + round_up(t.Bk, 8) * Bq;
-    t.row_ptr_elems = p.block_table && !widened
+    t.row_ptr_elems = by_address
         ? 2 * t.Bk * static_cast<int64_t>(sizeof(const float*) / sizeof(float)) : 0;
     t.shared_elems += t.row_ptr_elems;
     // Whole cache lines, so the sub-block states after it keep the alignment their aligned
@@ -259,11 +270,11 @@ inline Tiling tiling(const AttentionParams& p, bool widened = false) {
     t.shared_elems = round_up(t.shared_elems, 16);
     if (widened)  // the float32 copy, beside up to kMaxSubBlocksWidened states
         t.super_keys = round_down(clamp64((cache.l2 / 4) / row_bytes, t.Bk, 1 << 20), t.Bk);
-    // A paged pool read in place: one tile per super-tile. One head's blocks lie Hkv x
+    // Rows by address: one tile per super-tile. One head's blocks lie Hkv x
     // block_size rows apart in the pool (64 KiB at Hkv = 8, block 16, D = 128), so they map
     // to a few L2 sets and a super-tile sized for half of L2 evicts itself: paged over
     // contiguous went 1.15x -> 1.10x (H = 8, L = 16k, Tq = 512, one thread, Zen 4; HISTORY 35).
-    if (p.block_table && !widened) t.super_keys = t.Bk;
+    if (by_address) t.super_keys = t.Bk;
     t.kv_copy_elems = widened ? t.super_keys * (p.head_dim + p.head_dim_v) : 0;
     return t;
 }
@@ -309,11 +320,11 @@ PrefillPlan plan_all_dtypes(const AttentionParams& p) { return plan_for(p, conve
 // Brings the K and V rows of the next tile towards L2, a line or two per step, while the
 // current tile computes. Needed when one head's K and V do not fit in L2 (they then come
 // from L3 and the hardware prefetchers do not follow many strided rows); spread thinly
-// because a burst of prefetches stalls the load pipeline. kPaged (a paged pool read in
-// place) is a template parameter, as in the micro-kernels below, so the contiguous loops
+// because a burst of prefetches stalls the load pipeline. kByAddress (rows read by address:
+// a paged pool, listed rows) is a template parameter, as in the micro-kernels below, so the contiguous loops
 // compile as they did when measured (run-time tests there cost the avx2 tier's prefill
 // 10-20 %: GCC moved Pᵀ out of registers, HISTORY 32).
-template <bool kPaged>
+template <bool kByAddress>
 struct PrefetchStream {
     const char* k_row = nullptr;
     const char* v_row = nullptr;
@@ -322,10 +333,11 @@ struct PrefetchStream {
     int64_t k_lines = 0, lines = 0;      // lines per row: K's, then V's
     int64_t line = 0;                    // next line of the current row
     int64_t rows_left = 0;
-    // A paged cache: the pool's rows, the key index of the current row and the end of its
-    // block's run (the next row is then looked up in the table); nullptr: one strided run.
-    const KeyRows<char>* k_pages = nullptr;
-    const KeyRows<char>* v_pages = nullptr;
+    // Rows by address: their sources, the key index of the current row and the end of its
+    // run (the next row is then looked up: in a block table, or a task's list); nullptr: one
+    // strided run.
+    const TaskRows<char>* k_src = nullptr;
+    const TaskRows<char>* v_src = nullptr;
     int64_t row = 0, run_end = 0;
 
     PrefetchStream() = default;
@@ -333,13 +345,13 @@ struct PrefetchStream {
     PrefetchStream(const Block& b, int64_t first_row, int64_t rows, int64_t elem_bytes) {
         k_stride = b.k_stride * elem_bytes;
         v_stride = b.v_stride * elem_bytes;
-        if constexpr (kPaged) {
-            k_pages = &b.k_pages;
-            v_pages = &b.v_pages;
+        if constexpr (kByAddress) {
+            k_src = &b.k_src;
+            v_src = &b.v_src;
             row = first_row;
-            run_end = rows > 0 ? b.k_pages.run_end(first_row, first_row + rows) : first_row;
-            k_row = rows > 0 ? b.k_pages.at(first_row) : nullptr;
-            v_row = rows > 0 ? b.v_pages.at(first_row) : nullptr;
+            run_end = rows > 0 ? b.k_src.run_end(first_row, first_row + rows) : first_row;
+            k_row = rows > 0 ? b.k_src.at(first_row) : nullptr;
+            v_row = rows > 0 ? b.v_src.at(first_row) : nullptr;
         } else {
             k_row = reinterpret_cast<const char*>(b.k) + (first_row - b.kv_first) * k_stride;
             v_row = reinterpret_cast<const char*>(b.v) + (first_row - b.kv_first) * v_stride;
@@ -365,11 +377,11 @@ struct PrefetchStream {
         if (++line == lines) {
             line = 0;
             --rows_left;
-            if (kPaged && ++row == run_end) {
-                if (rows_left > 0) {  // the next block (never looked up past the last row)
-                    k_row = k_pages->at(row);
-                    v_row = v_pages->at(row);
-                    run_end = k_pages->run_end(row, row + rows_left);
+            if (kByAddress && ++row == run_end) {
+                if (rows_left > 0) {  // the next run (never looked up past the last row)
+                    k_row = k_src->at(row);
+                    v_row = v_src->at(row);
+                    run_end = k_src->run_end(row, row + rows_left);
                 }
             } else {
                 k_row += k_stride;
@@ -381,12 +393,12 @@ struct PrefetchStream {
 
 // pf <- the stream over the `next_keys` K and V rows after the tile at `tile` (none when 0),
 // spread evenly over the `visits` iterations of the tile's PV loops: returns the steps per visit.
-template <bool kPaged>
+template <bool kByAddress>
 inline int prefetch_next_tile(const Block& b, int64_t tile, int64_t next_keys, int64_t elem_bytes,
-                              int64_t visits, PrefetchStream<kPaged>& pf) {
+                              int64_t visits, PrefetchStream<kByAddress>& pf) {
     if (next_keys <= 0) return 0;
-    if constexpr (kPaged) pf = PrefetchStream<kPaged>(b, tile + b.Bk + b.pf_skip, next_keys, elem_bytes);
-    else pf = PrefetchStream<kPaged>(b, tile + b.Bk, next_keys, elem_bytes);  // (pf_skip is 0)
+    if constexpr (kByAddress) pf = PrefetchStream<kByAddress>(b, tile + b.Bk + b.pf_skip, next_keys, elem_bytes);
+    else pf = PrefetchStream<kByAddress>(b, tile + b.Bk, next_keys, elem_bytes);  // (pf_skip is 0)
     return static_cast<int>((pf.total_lines() + visits - 1) / visits);
 }
 
@@ -407,8 +419,8 @@ __attribute__((always_inline)) inline void fma_lane(Vec (&acc)[R][kQueryVecs], c
 
 // Sᵀ rows [j0, j0 + R) of the tile starting at key `tile`: scores of R keys against all Bq
 // query lanes; the score options applied (kOptions, as `o` says); masked to -inf outside
-// each lane's range when `partial`; folds the row max. kPaged: the rows from b.k_rows.
-template <int R, bool kOptions, bool kPaged>
+// each lane's range when `partial`; folds the row max. kByAddress: the rows from b.k_rows.
+template <int R, bool kOptions, bool kByAddress>
 void scores_rows(const Block& b, int64_t tile, int64_t j0, bool partial, const TileOptions& o, Vec* tile_max) {
     Vec acc[R][kQueryVecs];
 #pragma GCC unroll 16
@@ -416,7 +428,7 @@ void scores_rows(const Block& b, int64_t tile, int64_t j0, bool partial, const T
 #pragma GCC unroll 4
         for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = vzero();
     const float* krow[R];
-    if constexpr (kPaged) {
+    if constexpr (kByAddress) {
 #pragma GCC unroll 16
         for (int t = 0; t < R; ++t) krow[t] = b.k_rows[j0 + t];
     } else {
@@ -476,9 +488,9 @@ void scores_rows(const Block& b, int64_t tile, int64_t j0, bool partial, const T
 
 // Oᵀ rows [e0, e0 + R) = corr * Oᵀ + Vᵀ[e0:e0+R, tile keys] Pᵀ over `keys` keys (corr
 // nullptr: all ones); steps the prefetch stream `pf_steps` times per key.
-template <int R, bool kPaged>
+template <int R, bool kByAddress>
 void pv_rows(const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* corr,
-             PrefetchStream<kPaged>& pf, int pf_steps) {
+             PrefetchStream<kByAddress>& pf, int pf_steps) {
     Vec acc[R][kQueryVecs];
     float* o = b.ot + e0 * Bq;
     if (corr) {
@@ -507,7 +519,7 @@ void pv_rows(const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* 
         }
         pt += Bq;
     };
-    if constexpr (kPaged) {  // runs of V rows at v_stride steps: the keys of one block
+    if constexpr (kByAddress) {  // runs of V rows at v_stride steps: the keys of one block (or one key)
         for (int64_t j0 = 0; j0 < keys;) {
             const int64_t j1 = b.run_end(j0, keys);
             const float* vrow = b.v_rows[j0] + e0;
@@ -526,40 +538,40 @@ void pv_rows(const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* 
 
 // Remainder micro-tiles (fewer than kRows keys or columns), picked by an if-chain at
 // compile time. (No static table: its constructor would run AVX code at library load.)
-template <int R, bool kOptions, bool kPaged>
+template <int R, bool kOptions, bool kByAddress>
 inline void scores_tail(int64_t rows, const Block& b, int64_t tile, int64_t j0, bool partial,
                         const TileOptions& o, Vec* tile_max) {
-    if (rows == R) scores_rows<R, kOptions, kPaged>(b, tile, j0, partial, o, tile_max);
-    else if constexpr (R > 1) scores_tail<R - 1, kOptions, kPaged>(rows, b, tile, j0, partial, o, tile_max);
+    if (rows == R) scores_rows<R, kOptions, kByAddress>(b, tile, j0, partial, o, tile_max);
+    else if constexpr (R > 1) scores_tail<R - 1, kOptions, kByAddress>(rows, b, tile, j0, partial, o, tile_max);
 }
-template <int R, bool kPaged>
+template <int R, bool kByAddress>
 inline void pv_cols(int64_t cols, const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* corr,
-                    PrefetchStream<kPaged>& pf, int pf_steps) {
-    if (cols == R) pv_rows<R, kPaged>(b, tile, keys, e0, corr, pf, pf_steps);
-    else if constexpr (R > 1) pv_cols<R - 1, kPaged>(cols, b, tile, keys, e0, corr, pf, pf_steps);
+                    PrefetchStream<kByAddress>& pf, int pf_steps) {
+    if (cols == R) pv_rows<R, kByAddress>(b, tile, keys, e0, corr, pf, pf_steps);
+    else if constexpr (R > 1) pv_cols<R - 1, kByAddress>(cols, b, tile, keys, e0, corr, pf, pf_steps);
 }
 
 // ---------------------------------------------------------------- one KV tile
-template <bool kOptions, bool kPaged>
+template <bool kOptions, bool kByAddress>
 inline void scores_tile(const Block& b, int64_t tile, int64_t keys, bool partial, const TileOptions& o,
                         Vec* tile_max) {
     int64_t j0 = 0;
     for (; j0 + kRows <= keys; j0 += kRows)
-        scores_rows<kRows, kOptions, kPaged>(b, tile, j0, partial, o, tile_max);
-    if (j0 < keys) scores_tail<kRows - 1, kOptions, kPaged>(keys - j0, b, tile, j0, partial, o, tile_max);
+        scores_rows<kRows, kOptions, kByAddress>(b, tile, j0, partial, o, tile_max);
+    if (j0 < keys) scores_tail<kRows - 1, kOptions, kByAddress>(keys - j0, b, tile, j0, partial, o, tile_max);
 }
 
-// Online-softmax update of the block with keys [tile, tile + keys); kPaged: the tile's rows
+// Online-softmax update of the block with keys [tile, tile + keys); kByAddress: the tile's rows
 // through b.k_rows / b.v_rows (attend_tile below picks).
-template <bool kPaged>
+template <bool kByAddress>
 void attend_tile_rows(const Block& b, int64_t tile, int64_t keys, int64_t next_keys, bool partial,
                       const TileOptions& o) {
     // 1. Sᵀ = K_tile Qᵀ (scaled, base 2), options applied, masked on partial tiles, with
     //    the tile's row max.
     Vec tile_max[kQueryVecs];
     for (int u = 0; u < kQueryVecs; ++u) tile_max[u] = vset(-__builtin_inff());
-    if (o.any()) scores_tile<true, kPaged>(b, tile, keys, partial, o, tile_max);
-    else scores_tile<false, kPaged>(b, tile, keys, partial, o, tile_max);
+    if (o.any()) scores_tile<true, kByAddress>(b, tile, keys, partial, o, tile_max);
+    else scores_tile<false, kByAddress>(b, tile, keys, partial, o, tile_max);
 
     // 2. New max, rescale factor of the old state, Pᵀ = 2^(Sᵀ - m) in place, row sums.
     Vec corr[kQueryVecs];
@@ -568,11 +580,11 @@ void attend_tile_rows(const Block& b, int64_t tile, int64_t keys, int64_t next_k
     // 3. Oᵀ = corr * Oᵀ + Vᵀ Pᵀ, in passes of near-equal width (Dv = 64: 11+11+11+11+10+10,
     //    not 12 x 5 + 4), prefetching the next tile on the way.
     const int64_t passes = (b.Dv + kRows - 1) / kRows;
-    PrefetchStream<kPaged> pf;
+    PrefetchStream<kByAddress> pf;
     const int pf_steps = prefetch_next_tile(b, tile, next_keys, sizeof(float), passes * keys, pf);
     for (int64_t pass = 0, e0 = 0; pass < passes; ++pass) {
         const int64_t cols = b.Dv / passes + (pass < b.Dv % passes ? 1 : 0);
-        pv_cols<kRows, kPaged>(cols, b, tile, keys, e0, rescale ? corr : nullptr, pf, pf_steps);
+        pv_cols<kRows, kByAddress>(cols, b, tile, keys, e0, rescale ? corr : nullptr, pf, pf_steps);
         e0 += cols;
     }
 }
@@ -599,16 +611,17 @@ inline void narrow1(float* y, float x) { *y = x; }
 inline void narrow1(f16_t* y, float x) { *y = narrow_f16(x); }
 inline void narrow1(bf16_t* y, float x) { *y = narrow_bf16(x); }
 
-// Rows [first, first + rows) of one (batch, kv head)'s K or V (one strided run, or a paged
-// pool's blocks read in place), widened into dst (rows x dim, contiguous) and, for an int8
-// cache, times each row's scale (one rounding, as the templates do).
+// Keys [first, first + rows) of one (batch, kv head)'s K or V (one strided run, a paged
+// pool's blocks, or a decode task's listed rows), widened into dst (rows x dim, contiguous)
+// and, for an int8 cache, times each row's scale (one rounding, as the templates do; never
+// with listed rows).
 template <class T>
-void widen_rows(const KeyRows<T>& src, int64_t first, int64_t rows, int64_t dim,
+void widen_rows(const TaskRows<T>& src, int64_t first, int64_t rows, int64_t dim,
                 const RowScales& scale, float* dst) {
     for (int64_t r0 = 0; r0 < rows;) {  // runs of rows within one block (paged)
         const int64_t r1 = src.run_end(first + r0, first + rows) - first;
         const T* x = src.at(first + r0);
-        for (int64_t r = r0; r < r1; ++r, x += src.row_stride, dst += dim) {
+        for (int64_t r = r0; r < r1; ++r, x += src.rows.row_stride, dst += dim) {
             const float sc = scale.at(first + r);
             const Chunk scc = chunk_set(sc);
             int64_t d = 0;
@@ -625,33 +638,30 @@ void widen_rows(const KeyRows<T>& src, int64_t first, int64_t rows, int64_t dim,
 }
 
 // ---------------------------------------------------------------- one task
-// Sets up one sub-block: Qᵀ widened to float32 and scaled into base 2 (exp(x) =
-// 2^(x log2 e)), lanes past the last row 0; empty state.
+// Qᵀ of one sub-block, lane i from query row q[i] (i < b.rows), widened to float32 and
+// scaled into base 2 (exp(x) = 2^(x log2 e)); lanes past the last row 0.
 template <class TQ>
-void init_sub_block(const AttentionParams& p, Block& b, const TQ* q) {
+void stage_queries(const AttentionParams& p, Block& b, const TQ* const* q) {
     const float qscale = static_cast<float>(p.scale * kLog2e);
     const Chunk scalec = chunk_set(qscale);
     const int64_t D = b.D;
     int64_t i0 = 0;
     for (; i0 + kChunk <= b.rows; i0 += kChunk) {  // kChunk x kChunk blocks through registers
-        const TQ* q0 = q + (b.row_begin + i0) * p.q_row_stride;
+        const TQ* const* q0 = q + i0;
         int64_t d0 = 0;
         for (; d0 + kChunk <= D; d0 += kChunk) {
             Chunk r[kChunk];
-            for (int c = 0; c < kChunk; ++c) r[c] = chunk_mul(widen_chunk(q0 + c * p.q_row_stride + d0), scalec);
+            for (int c = 0; c < kChunk; ++c) r[c] = chunk_mul(widen_chunk(q0[c] + d0), scalec);
             transpose_chunks(r);
             for (int c = 0; c < kChunk; ++c) chunk_store(b.qt + (d0 + c) * Bq + i0, r[c]);
         }
         for (; d0 < D; ++d0)
-            for (int c = 0; c < kChunk; ++c) b.qt[d0 * Bq + i0 + c] = widen(q0[c * p.q_row_stride + d0]) * qscale;
+            for (int c = 0; c < kChunk; ++c) b.qt[d0 * Bq + i0 + c] = widen(q0[c][d0]) * qscale;
     }
-    for (; i0 < b.rows; ++i0) {
-        const TQ* qrow = q + (b.row_begin + i0) * p.q_row_stride;
-        for (int64_t d = 0; d < D; ++d) b.qt[d * Bq + i0] = widen(qrow[d]) * qscale;
-    }
+    for (; i0 < b.rows; ++i0)
+        for (int64_t d = 0; d < D; ++d) b.qt[d * Bq + i0] = widen(q[i0][d]) * qscale;
     for (int64_t d = 0; d < D; ++d)
         for (int64_t i = b.rows; i < Bq; ++i) b.qt[d * Bq + i] = 0.0f;
-    start_state(p, b);
 }
 
 // out = Oᵀᵀ / l, rounded to q's type; lse = ln(l) + m ln 2. A row that saw no key (l == 0):
@@ -800,7 +810,7 @@ void attend_sub_tile(const AttentionParams& p, const Block& b, int64_t batch, in
         const int64_t aligned0 = aligned_row(p, b.row_begin, b.seqlen_k);
         for (int64_t i = 0; i < Bq; ++i) b.alibi_pos[i] = static_cast<float>(aligned0 - tile + i);
     }
-    const bool partial = tile_ranges(p, b, tile, keys);
+    const bool partial = tile_ranges(b, tile, keys);
     if (b.k_rows) find_tile_rows(b, tile, keys);
     attend_tile(b, tile, keys, next_keys, partial, o);
 }
@@ -821,120 +831,107 @@ inline ScoreOptions score_options(const AttentionParams& p) {
     return o;
 }
 
-// What run_task leaves to a prefill kernel, as a policy (as decode_loop takes
-// WidenPath): Q and KV, the storage types of q / out and of k / v; kWidened, whether each
-// K/V super-tile is widened into a float32 copy that b.k and b.v then point into (else they
-// point into the caller's arrays, strides in elements); the constructor, given the task's
-// workspace past the sub-blocks and the copy (what the kernel's plan added); init_sub_block,
-// Qᵀ in the kernel's layout and the empty state; attend, one KV tile of one sub-block.
-// This kernel widens q, k and v to float32 and applies every score option; bf16_prefill.inl
-// has a vdpbf16ps one for bfloat16 q, k, v.
+// What the task loop leaves to a kernel, as a policy (as decode_loop takes WidenPath): Q and
+// KV, the storage types of q / out and of k / v; kWidened, whether each K/V super-tile is
+// widened into a float32 copy that b.k and b.v then point into (else they point into the
+// caller's arrays, strides in elements); extra_elems, the workspace it needs past the
+// sub-blocks and the copy, which its constructor is given; stage_queries, Qᵀ in its layout;
+// attend, one KV tile of one sub-block. This kernel widens q, k and v to float32 and applies
+// every score option; bf16_prefill.inl has a vdpbf16ps one for bfloat16 q, k, v.
 template <class TQ, class TKV>
 struct WidenKernel {
     using Q = TQ;
     using KV = TKV;
     static constexpr bool kWidened = !IsFloat<TKV>::value;
+    static int64_t extra_elems(const AttentionParams&, const Tiling&) { return 0; }
     WidenKernel(const AttentionParams&, float* /*extra*/) {}
-    void init_sub_block(const AttentionParams& p, Block& b, const TQ* q) const { simd::init_sub_block(p, b, q); }
+    void stage_queries(const AttentionParams& p, Block& b, const TQ* const* q) const { simd::stage_queries(p, b, q); }
     void attend(const AttentionParams& p, const Block& b, int64_t batch, int64_t tile, int64_t keys,
                 int64_t next_keys) const {
         attend_sub_tile(p, b, batch, tile, keys, next_keys);
     }
 };
 
-// One task: heads [head, head + head_count) (all of one KV head) x rows [row_begin, row_end),
-// as sub-blocks of Bq rows, with the arithmetic of Kernel (see WidenKernel). The keys are
-// walked in L2-sized super-tiles; every sub-block walks a super-tile (in Bk tiles) before
-// the next, so K and V come from L3 once per task instead of once per sub-block (and, when
-// Kernel::kWidened, are widened once per task into a float32 copy of the super-tile). The
-// tile grid starts at the task's first visible key.
+// A task's workspace, from a 64-byte aligned base: the scratch its sub-blocks share (Sᵀ,
+// masks, the tile's row addresses), `subs` sub-block states, the widened super-tile, then
+// the kernel's extra.
+inline float* align_workspace(float* w) {
+    return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(w) + 63) & ~uintptr_t(63));
+}
+inline float* kv_copy_of(float* base, const Tiling& t, int64_t subs) { return base + t.shared_elems + subs * t.sub_elems; }
+inline float* kernel_extra_of(float* base, const Tiling& t, int64_t subs) {
+    return kv_copy_of(base, t, subs) + t.kv_copy_elems;
+}
+
+// Sub-block sidx of a task with `subs`, placed in its workspace and reading the K and V rows
+// k and v of one (batch, kv head) with seqlen_k valid keys: from the widened super-tile
+// (Kernel::kWidened), by address (a block table or a list), or as one strided run. The
+// caller sets its rows.
 template <class Kernel>
-void run_task(const AttentionParams& p, const BlockTask& task, float* workspace) {
-    using TQ = typename Kernel::Q;
+void place_block(const AttentionParams& p, const Tiling& t, float* base, int64_t sidx, int64_t subs,
+                 const TaskRows<typename Kernel::KV>& k, const TaskRows<typename Kernel::KV>& v,
+                 int64_t seqlen_k, Block& b) {
     using TKV = typename Kernel::KV;
-    constexpr bool kWidened = Kernel::kWidened;
-    const Tiling t = tiling(p, kWidened);
-    const int64_t head_count = task.head_count;
-    const int64_t row_blocks = (task.row_end - task.row_begin + Bq - 1) / Bq;
-    const int64_t subs = head_count * row_blocks;  // <= kMaxSubBlocks(Widened) (plan_for)
-    const int64_t kv_head = task.head / (p.heads / p.kv_heads);
-    const ScoreOptions opt = score_options(p);
-
-    float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(workspace) + 63) & ~uintptr_t(63));
-    float* st = base;
-    int32_t* rel_begin = reinterpret_cast<int32_t*>(st + t.Bk * Bq);
-    int32_t* rel_end = rel_begin + Bq;
-    float* alibi_pos = reinterpret_cast<float*>(rel_end + Bq);
-    float* mt = alibi_pos + Bq;
-    const float** row_ptrs = reinterpret_cast<const float**>(mt + round_up(t.Bk, 8) * Bq);  // paged
-    float* sub_base = base + t.shared_elems;
-    float* kv_copy = sub_base + subs * t.sub_elems;  // super_keys x D, then super_keys x Dv
-    const Kernel kernel(p, kv_copy + t.kv_copy_elems);
-
-    // The K and V rows (and int8 row scales) of (batch, kv head): one strided run, or a
-    // paged pool read in place through the block table (no gathered copy).
-    const KeyRows<TKV> k = key_rows<TKV>(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
-                                         task.batch, kv_head);
-    const KeyRows<TKV> v = key_rows<TKV>(p, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
-                                         task.batch, kv_head);
-    const RowScales k_scale = row_scales(p, p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride,
-                                         p.k_scale_row_stride, task.batch, kv_head);
-    const RowScales v_scale = row_scales(p, p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride,
-                                         p.v_scale_row_stride, task.batch, kv_head);
-    const bool paged_in_place = !kWidened && p.block_table;
-
-    Block blocks[kMaxSubBlocksWidened];
-    int64_t kv_begin = 0, kv_end = 0;
-    for (int64_t sidx = 0; sidx < subs; ++sidx) {
-        Block& b = blocks[sidx];
-        b.D = p.head_dim;
-        b.Dv = p.head_dim_v;
-        b.Bk = t.Bk;
-        b.qt = sub_base + sidx * t.sub_elems;
-        b.ot = b.qt + b.D * Bq;
-        b.m = b.ot + b.Dv * Bq;
-        b.l = b.m + Bq;
-        b.st = st;
-        b.rel_begin = rel_begin;
-        b.rel_end = rel_end;
-        b.alibi_pos = alibi_pos;
-        b.mt = mt;
-        if constexpr (kWidened) {
-            b.k = kv_copy;
-            b.v = kv_copy + t.super_keys * b.D;
-            b.k_stride = b.D;
-            b.v_stride = b.Dv;
-        } else if (paged_in_place) {
-            constexpr int64_t e = sizeof(TKV);
-            b.k = b.v = nullptr;  // (rows through k_rows / v_rows)
-            b.k_pages = KeyRows<char>{reinterpret_cast<const char*>(k.base), k.row_stride * e, k.table,
-                                      k.block_stride * e, k.block_size};
-            b.v_pages = KeyRows<char>{reinterpret_cast<const char*>(v.base), v.row_stride * e, v.table,
-                                      v.block_stride * e, v.block_size};
-            b.k_rows = row_ptrs;
-            b.v_rows = row_ptrs + t.Bk;
-            b.k_stride = p.k_row_stride;
-            b.v_stride = p.v_row_stride;
-        } else {
-            b.k = reinterpret_cast<const float*>(k.base);
-            b.v = reinterpret_cast<const float*>(v.base);
-            b.k_stride = p.k_row_stride;
-            b.v_stride = p.v_row_stride;
-        }
-        b.kv_first = 0;
-        b.head = task.head + sidx / row_blocks;
-        b.row_begin = task.row_begin + (sidx % row_blocks) * Bq;
-        b.rows = task.row_end - b.row_begin < Bq ? task.row_end - b.row_begin : Bq;
-        b.seqlen_k = batch_seqlen_k(p, task.batch);
-        b.opt = opt;
-        if (opt.alibi) b.opt.slope = static_cast<float>(p.alibi_slopes[task.batch * p.alibi_batch_stride + b.head] *
-                                                        kLog2e);
-        const TQ* q = static_cast<const TQ*>(p.q) + task.batch * p.q_batch_stride + b.head * p.q_head_stride;
-        kernel.init_sub_block(p, b, q);
-        if (sidx == 0 || b.first.begin < kv_begin) kv_begin = b.first.begin;
-        if (sidx == 0 || b.last.end > kv_end) kv_end = b.last.end;
+    b = Block{};
+    b.D = p.head_dim;
+    b.Dv = p.head_dim_v;
+    b.Bk = t.Bk;
+    b.st = base;
+    b.rel_begin = reinterpret_cast<int32_t*>(b.st + t.Bk * Bq);
+    b.rel_end = b.rel_begin + Bq;
+    b.alibi_pos = reinterpret_cast<float*>(b.rel_end + Bq);
+    b.mt = b.alibi_pos + Bq;
+    b.qt = base + t.shared_elems + sidx * t.sub_elems;
+    b.ot = b.qt + b.D * Bq;
+    b.m = b.ot + b.Dv * Bq;
+    b.l = b.m + Bq;
+    b.lanes = reinterpret_cast<KeyRange*>(b.l + Bq);
+    if constexpr (Kernel::kWidened) {
+        b.k = kv_copy_of(base, t, subs);
+        b.v = b.k + t.super_keys * b.D;
+        b.k_stride = b.D;
+        b.v_stride = b.Dv;
+    } else if (k.rows.table || k.index) {
+        constexpr int64_t e = sizeof(TKV);
+        auto bytes = [](const TaskRows<TKV>& r) {
+            return TaskRows<char>{KeyRows<char>{reinterpret_cast<const char*>(r.rows.base), r.rows.row_stride * e,
+                                                r.rows.table, r.rows.block_stride * e, r.rows.block_size},
+                                  r.index};
+        };
+        b.k = b.v = nullptr;  // (rows through k_rows / v_rows)
+        b.k_src = bytes(k);
+        b.v_src = bytes(v);
+        b.run_keys = k.index ? 1 : k.rows.block_size;
+        b.k_rows = reinterpret_cast<const float**>(b.mt + round_up(t.Bk, 8) * Bq);
+        b.v_rows = b.k_rows + t.Bk;
+        b.k_stride = k.rows.row_stride;
+        b.v_stride = v.rows.row_stride;
+    } else {
+        b.k = reinterpret_cast<const float*>(k.rows.base);
+        b.v = reinterpret_cast<const float*>(v.rows.base);
+        b.k_stride = k.rows.row_stride;
+        b.v_stride = v.rows.row_stride;
     }
+    b.seqlen_k = seqlen_k;
+    b.opt = score_options(p);
+}
 
+// Attends the `subs` sub-blocks of one task to the keys their lanes see (their state
+// started). The keys are walked in L2-sized super-tiles; every sub-block walks a super-tile
+// (in Bk tiles) before the next, so K and V come from L3 once per task instead of once per
+// sub-block (and, when Kernel::kWidened, are widened once per task into the float32 copy
+// kv_copy). The tile grid starts at the task's first visible key.
+template <class Kernel>
+void attend_keys(const AttentionParams& p, const Kernel& kernel, const Tiling& t, Block* blocks, int64_t subs,
+                 int64_t batch, const TaskRows<typename Kernel::KV>& k, const TaskRows<typename Kernel::KV>& v,
+                 const RowScales& k_scale, const RowScales& v_scale, float* kv_copy) {
+    constexpr bool kWidened = Kernel::kWidened;
+    const bool by_address = blocks[0].k_rows != nullptr;
+    int64_t kv_begin = blocks[0].first.begin, kv_end = blocks[0].last.end;
+    for (int64_t sidx = 1; sidx < subs; ++sidx) {
+        if (blocks[sidx].first.begin < kv_begin) kv_begin = blocks[sidx].first.begin;
+        if (blocks[sidx].last.end > kv_end) kv_end = blocks[sidx].last.end;
+    }
     for (int64_t super = kv_begin; super < kv_end; super += t.super_keys) {
         const int64_t super_end = super + t.super_keys < kv_end ? super + t.super_keys : kv_end;
         if constexpr (kWidened) {
@@ -956,18 +953,66 @@ void run_task(const AttentionParams& p, const BlockTask& task, float* workspace)
                 if (!kWidened && t.prefetch && tile + t.Bk >= covered) {
                     const int64_t after = kv_end - (tile + t.Bk);
                     next_keys = after <= 0 ? 0 : (after < t.Bk ? after : t.Bk);
-                    // One tile per super-tile (paged): every sub-block walks each tile in
-                    // turn, so each prefetches its share of the next (1.10x -> 1.08x, HISTORY 35).
-                    if (paged_in_place && t.super_keys == t.Bk) {
+                    // One tile per super-tile (rows by address): every sub-block walks each
+                    // tile in turn, so each prefetches its share of the next (1.10x -> 1.08x,
+                    // HISTORY 35).
+                    if (by_address && t.super_keys == t.Bk) {
                         b.pf_skip = next_keys * sidx / subs;
                         next_keys = next_keys * (sidx + 1) / subs - b.pf_skip;
                     }
                 }
-                kernel.attend(p, b, task.batch, tile, keys, next_keys);
+                kernel.attend(p, b, batch, tile, keys, next_keys);
             }
             if (hi > covered) covered = hi;
         }
     }
+}
+
+// One prefill task: heads [head, head + head_count) (all of one KV head) x rows [row_begin,
+// row_end), as sub-blocks of Bq rows of one head, with the arithmetic of Kernel (see
+// WidenKernel); writes their out and lse rows.
+template <class Kernel>
+void run_task(const AttentionParams& p, const BlockTask& task, float* workspace) {
+    using TQ = typename Kernel::Q;
+    using TKV = typename Kernel::KV;
+    const Tiling t = tiling(p, Kernel::kWidened);
+    const int64_t row_blocks = (task.row_end - task.row_begin + Bq - 1) / Bq;
+    const int64_t subs = task.head_count * row_blocks;  // <= kMaxSubBlocks(Widened) (plan_for)
+    const int64_t kv_head = task.head / (p.heads / p.kv_heads);
+    float* base = align_workspace(workspace);
+    const Kernel kernel(p, kernel_extra_of(base, t, subs));
+
+    // The K and V rows (and int8 row scales) of (batch, kv head): one strided run, or a
+    // paged pool read in place through the block table (no gathered copy).
+    const TaskRows<TKV> k{key_rows<TKV>(p, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride,
+                                        task.batch, kv_head), nullptr};
+    const TaskRows<TKV> v{key_rows<TKV>(p, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride,
+                                        task.batch, kv_head), nullptr};
+    const RowScales k_scale = row_scales(p, p.k_scale, p.k_scale_batch_stride, p.k_scale_head_stride,
+                                         p.k_scale_row_stride, task.batch, kv_head);
+    const RowScales v_scale = row_scales(p, p.v_scale, p.v_scale_batch_stride, p.v_scale_head_stride,
+                                         p.v_scale_row_stride, task.batch, kv_head);
+
+    Block blocks[kMaxSubBlocksWidened];
+    for (int64_t sidx = 0; sidx < subs; ++sidx) {
+        Block& b = blocks[sidx];
+        place_block<Kernel>(p, t, base, sidx, subs, k, v, batch_seqlen_k(p, task.batch), b);
+        b.head = task.head + sidx / row_blocks;
+        b.row_begin = task.row_begin + (sidx % row_blocks) * Bq;
+        b.rows = task.row_end - b.row_begin < Bq ? task.row_end - b.row_begin : Bq;
+        if (b.opt.alibi)
+            b.opt.slope = static_cast<float>(p.alibi_slopes[task.batch * p.alibi_batch_stride + b.head] * kLog2e);
+        const TQ* q = static_cast<const TQ*>(p.q) + task.batch * p.q_batch_stride + b.head * p.q_head_stride;
+        const TQ* qrows[Bq];
+        int64_t pos[Bq];
+        for (int64_t i = 0; i < Bq; ++i) {
+            pos[i] = b.row_begin + i;
+            qrows[i] = i < b.rows ? q + pos[i] * p.q_row_stride : nullptr;
+        }
+        kernel.stage_queries(p, b, qrows);
+        start_state(p, b, pos, 0, b.seqlen_k);
+    }
+    attend_keys(p, kernel, t, blocks, subs, task.batch, k, v, k_scale, v_scale, kv_copy_of(base, t, subs));
     for (int64_t sidx = 0; sidx < subs; ++sidx) finish_sub_block<TQ>(p, blocks[sidx], task.batch);
 }
 
