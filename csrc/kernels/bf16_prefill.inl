@@ -202,8 +202,9 @@ __attribute__((noinline)) void attend_tile(const simd::Block& b, const Scratch& 
     Vec tile_max[kQueryVecs];
     for (int u = 0; u < kQueryVecs; ++u) tile_max[u] = simd::vset(-__builtin_inff());
     int64_t j0 = 0;
-    for (; j0 + kRows <= keys; j0 += kRows) scores_rows<kRows, kByAddress>(b, tile, j0, partial, scale2, tile_max);
-    if (j0 < keys) scores_tail<kRows - 1, kByAddress>(keys - j0, b, tile, j0, partial, scale2, tile_max);
+    constexpr int R = kByAddress ? simd::kAddressRows : kRows;  // (see simd::kAddressRows)
+    for (; j0 + R <= keys; j0 += R) scores_rows<R, kByAddress>(b, tile, j0, partial, scale2, tile_max);
+    if (j0 < keys) scores_tail<R - 1, kByAddress>(keys - j0, b, tile, j0, partial, scale2, tile_max);
     pack_values(b, sc, tile, keys);  // (its V rows load while the scores finish)
 
     Vec corr[kQueryVecs];

@@ -142,6 +142,7 @@ struct Block {
                           // the caller's bfloat16 rows, cast; strides count elements)
     int64_t k_stride, v_stride;
     int64_t kv_first = 0;  // key index of row 0 of k and v
+    bool v_in_k = false;   // V rows are K rows' prefixes (an MLA latent cache read in place)
     // Rows read in place by address (a paged pool, or an indexed decode task's listed rows;
     // not widened into a copy): the K and V sources (attention_core.inl's TaskRows, strides
     // in bytes), and the current tile's row addresses, key tile + j at k_rows[j] / v_rows[j]
@@ -357,9 +358,9 @@ struct PrefetchStream {
             v_row = reinterpret_cast<const char*>(b.v) + (first_row - b.kv_first) * v_stride;
         }
         k_bytes = b.D * elem_bytes;
-        v_bytes = b.Dv * elem_bytes;
+        v_bytes = b.v_in_k ? 0 : b.Dv * elem_bytes;
         k_lines = k_bytes / 64 + 1;  // + 1: a row need not start on a line
-        lines = k_lines + v_bytes / 64 + 1;
+        lines = k_lines + (v_bytes ? v_bytes / 64 + 1 : 0);
         rows_left = rows;
     }
     int64_t total_lines() const { return rows_left * lines; }
@@ -519,12 +520,16 @@ void pv_rows(const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* 
         }
         pt += Bq;
     };
-    if constexpr (kByAddress) {  // runs of V rows at v_stride steps: the keys of one block (or one key)
-        for (int64_t j0 = 0; j0 < keys;) {
-            const int64_t j1 = b.run_end(j0, keys);
-            const float* vrow = b.v_rows[j0] + e0;
-            for (int64_t j = j0; j < j1; ++j, vrow += b.v_stride) key(vrow);
-            j0 = j1;
+    if constexpr (kByAddress) {  // runs of V rows at v_stride steps: the keys of one block
+        if (b.run_keys == 1) {  // listed rows: a run per key
+            for (int64_t j = 0; j < keys; ++j) key(b.v_rows[j] + e0);
+        } else {
+            for (int64_t j0 = 0; j0 < keys;) {
+                const int64_t j1 = b.run_end(j0, keys);
+                const float* vrow = b.v_rows[j0] + e0;
+                for (int64_t j = j0; j < j1; ++j, vrow += b.v_stride) key(vrow);
+                j0 = j1;
+            }
         }
     } else {  // one run: the whole tile (one loop, as the registers were allocated when measured)
         const float* vrow = b.v + (tile - b.kv_first) * b.v_stride + e0;
@@ -552,13 +557,17 @@ inline void pv_cols(int64_t cols, const Block& b, int64_t tile, int64_t keys, in
 }
 
 // ---------------------------------------------------------------- one KV tile
+// Keys per S micro-tile when the rows are read by address: each key row then takes a pointer
+// register of its own, and 12 of them spilled (a stack load per broadcast: sparse MLA over
+// listed rows 0.93x of the 8-key kernel before, HISTORY 58).
+constexpr int kAddressRows = kRows > 8 ? 8 : kRows;
 template <bool kOptions, bool kByAddress>
 inline void scores_tile(const Block& b, int64_t tile, int64_t keys, bool partial, const TileOptions& o,
                         Vec* tile_max) {
+    constexpr int R = kByAddress ? kAddressRows : kRows;
     int64_t j0 = 0;
-    for (; j0 + kRows <= keys; j0 += kRows)
-        scores_rows<kRows, kOptions, kByAddress>(b, tile, j0, partial, o, tile_max);
-    if (j0 < keys) scores_tail<kRows - 1, kOptions, kByAddress>(keys - j0, b, tile, j0, partial, o, tile_max);
+    for (; j0 + R <= keys; j0 += R) scores_rows<R, kOptions, kByAddress>(b, tile, j0, partial, o, tile_max);
+    if (j0 < keys) scores_tail<R - 1, kOptions, kByAddress>(keys - j0, b, tile, j0, partial, o, tile_max);
 }
 
 // Online-softmax update of the block with keys [tile, tile + keys); kByAddress: the tile's rows
@@ -912,6 +921,7 @@ void place_block(const AttentionParams& p, const Tiling& t, float* base, int64_t
         b.k_stride = k.rows.row_stride;
         b.v_stride = v.rows.row_stride;
     }
+    b.v_in_k = !Kernel::kWidened && kv_is_latent(p);
     b.seqlen_k = seqlen_k;
     b.opt = score_options(p);
 }
@@ -931,6 +941,19 @@ void attend_keys(const AttentionParams& p, const Kernel& kernel, const Tiling& t
     for (int64_t sidx = 1; sidx < subs; ++sidx) {
         if (blocks[sidx].first.begin < kv_begin) kv_begin = blocks[sidx].first.begin;
         if (blocks[sidx].last.end > kv_end) kv_end = blocks[sidx].last.end;
+    }
+    // The first tile's rows start towards the cache at once when the later ones are
+    // prefetched (a task that starts cold, or listed rows no hardware prefetcher finds).
+    if (!kWidened && (t.prefetch || by_address) && kv_begin < kv_end) {
+        const int64_t keys = kv_end - kv_begin < t.Bk ? kv_end - kv_begin : t.Bk;
+        const int64_t elem_bytes = sizeof(typename Kernel::KV);
+        if (by_address) {
+            PrefetchStream<true> pf(blocks[0], kv_begin, keys, elem_bytes);
+            for (int64_t n = pf.total_lines(); n > 0; --n) pf.step();
+        } else {
+            PrefetchStream<false> pf(blocks[0], kv_begin, keys, elem_bytes);
+            for (int64_t n = pf.total_lines(); n > 0; --n) pf.step();
+        }
     }
     for (int64_t super = kv_begin; super < kv_end; super += t.super_keys) {
         const int64_t super_end = super + t.super_keys < kv_end ? super + t.super_keys : kv_end;
