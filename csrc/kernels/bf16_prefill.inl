@@ -60,13 +60,13 @@ PrefillPlan plan(const AttentionParams& p) {
 
 // Sᵀ rows [j0, j0 + R) of the tile at key `tile` (see simd::scores_rows): R keys x Bq lanes,
 // D / 2 pair steps, then scaled into base 2.
-template <int R, bool kByAddress>
+template <int R, bool kByAddress, int QV>
 void scores_rows(const simd::Block& b, int64_t tile, int64_t j0, bool partial, float scale2, Vec* tile_max) {
-    Vec acc[R][kQueryVecs];
+    Vec acc[R][QV];
 #pragma GCC unroll 16
     for (int t = 0; t < R; ++t)
 #pragma GCC unroll 4
-        for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = simd::vzero();
+        for (int u = 0; u < QV; ++u) acc[t][u] = simd::vzero();
     const bf16_t* krow[R];
     const bf16_t* k = reinterpret_cast<const bf16_t*>(b.k);
     if constexpr (kByAddress) {
@@ -78,14 +78,14 @@ void scores_rows(const simd::Block& b, int64_t tile, int64_t j0, bool partial, f
     }
     const uint32_t* q = reinterpret_cast<const uint32_t*>(b.qt);
     for (int64_t d = 0; d < b.D; d += 2, q += Bq) {
-        __m512bh qv[kQueryVecs];
+        __m512bh qv[QV];
 #pragma GCC unroll 4
-        for (int u = 0; u < kQueryVecs; ++u) qv[u] = load_pairs(q + u * W);
+        for (int u = 0; u < QV; ++u) qv[u] = load_pairs(q + u * W);
 #pragma GCC unroll 16
         for (int t = 0; t < R; ++t) {
             const __m512bh kb = broadcast_pair(krow[t] + d);
 #pragma GCC unroll 4
-            for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = _mm512_dpbf16_ps(acc[t][u], qv[u], kb);
+            for (int u = 0; u < QV; ++u) acc[t][u] = _mm512_dpbf16_ps(acc[t][u], qv[u], kb);
         }
     }
     const Vec sv = simd::vset(scale2);
@@ -93,7 +93,7 @@ void scores_rows(const simd::Block& b, int64_t tile, int64_t j0, bool partial, f
 #pragma GCC unroll 16
     for (int t = 0; t < R; ++t)
 #pragma GCC unroll 4
-        for (int u = 0; u < kQueryVecs; ++u) {
+        for (int u = 0; u < QV; ++u) {
             Vec x = simd::neg_inf_to_nan(simd::vmul(acc[t][u], sv));  // -inf only from an infinite input
             if (partial)
                 x = simd::keep_or_neg_inf(simd::key_visible(b.rel_begin + u * W, b.rel_end + u * W,
@@ -104,47 +104,47 @@ void scores_rows(const simd::Block& b, int64_t tile, int64_t j0, bool partial, f
 }
 
 // Oᵀ rows [e0, e0 + R) = corr * Oᵀ + Vᵀ Pᵀ over `pairs` key pairs (corr nullptr: all ones).
-template <int R, bool kByAddress>
+template <int R, bool kByAddress, int QV>
 void pv_rows(const simd::Block& b, const Scratch& sc, int64_t pairs, int64_t e0, const Vec* corr,
              simd::PrefetchStream<kByAddress>& pf, int pf_steps) {
-    Vec acc[R][kQueryVecs];
+    Vec acc[R][QV];
     float* o = b.ot + e0 * Bq;
 #pragma GCC unroll 16
     for (int t = 0; t < R; ++t)
 #pragma GCC unroll 4
-        for (int u = 0; u < kQueryVecs; ++u)
+        for (int u = 0; u < QV; ++u)
             acc[t][u] = corr ? simd::vmul(simd::vload(o + t * Bq + u * W), corr[u]) : simd::vload(o + t * Bq + u * W);
     const uint32_t* vp = sc.v_pairs + e0;
     const uint32_t* pt = reinterpret_cast<const uint32_t*>(b.st);
     for (int64_t j = 0; j < pairs; ++j, vp += b.Dv, pt += Bq) {
         for (int i = 0; i < pf_steps; ++i) pf.step();
-        __m512bh pv[kQueryVecs];
+        __m512bh pv[QV];
 #pragma GCC unroll 4
-        for (int u = 0; u < kQueryVecs; ++u) pv[u] = load_pairs(pt + u * W);
+        for (int u = 0; u < QV; ++u) pv[u] = load_pairs(pt + u * W);
 #pragma GCC unroll 16
         for (int t = 0; t < R; ++t) {
             const __m512bh vb = as_pairs(_mm512_set1_epi32(static_cast<int32_t>(vp[t])));
 #pragma GCC unroll 4
-            for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = _mm512_dpbf16_ps(acc[t][u], pv[u], vb);
+            for (int u = 0; u < QV; ++u) acc[t][u] = _mm512_dpbf16_ps(acc[t][u], pv[u], vb);
         }
     }
 #pragma GCC unroll 16
     for (int t = 0; t < R; ++t)
 #pragma GCC unroll 4
-        for (int u = 0; u < kQueryVecs; ++u) simd::vstore(o + t * Bq + u * W, acc[t][u]);
+        for (int u = 0; u < QV; ++u) simd::vstore(o + t * Bq + u * W, acc[t][u]);
 }
 
-template <int R, bool kByAddress>
+template <int R, bool kByAddress, int QV>
 inline void scores_tail(int64_t rows, const simd::Block& b, int64_t tile, int64_t j0, bool partial,
                         float scale2, Vec* tile_max) {
-    if (rows == R) scores_rows<R, kByAddress>(b, tile, j0, partial, scale2, tile_max);
-    else if constexpr (R > 1) scores_tail<R - 1, kByAddress>(rows, b, tile, j0, partial, scale2, tile_max);
+    if (rows == R) scores_rows<R, kByAddress, QV>(b, tile, j0, partial, scale2, tile_max);
+    else if constexpr (R > 1) scores_tail<R - 1, kByAddress, QV>(rows, b, tile, j0, partial, scale2, tile_max);
 }
-template <int R, bool kByAddress>
+template <int R, bool kByAddress, int QV>
 inline void pv_cols(int64_t cols, const simd::Block& b, const Scratch& sc, int64_t pairs, int64_t e0,
                     const Vec* corr, simd::PrefetchStream<kByAddress>& pf, int pf_steps) {
-    if (cols == R) pv_rows<R, kByAddress>(b, sc, pairs, e0, corr, pf, pf_steps);
-    else if constexpr (R > 1) pv_cols<R - 1, kByAddress>(cols, b, sc, pairs, e0, corr, pf, pf_steps);
+    if (cols == R) pv_rows<R, kByAddress, QV>(b, sc, pairs, e0, corr, pf, pf_steps);
+    else if constexpr (R > 1) pv_cols<R - 1, kByAddress, QV>(cols, b, sc, pairs, e0, corr, pf, pf_steps);
 }
 
 // V rows [tile, tile + keys) as pairs of rows, one 32-bit word per column; a missing row
@@ -176,6 +176,7 @@ void pack_values(const simd::Block& b, const Scratch& sc, int64_t tile, int64_t 
 
 // Pᵀ rows (2j, 2j + 1) -> row j of bfloat16 pairs, in place (row j's words sit over float
 // row j, already read); a missing row after an odd count weighs 0.
+template <int QV>
 inline void pair_weights(const simd::Block& b, int64_t keys) {
     const __m512i interleave = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004,
                                                  0x00150005, 0x00160006, 0x00170007, 0x00180008, 0x00190009,
@@ -184,7 +185,7 @@ inline void pair_weights(const simd::Block& b, int64_t keys) {
     for (int64_t j = 0; j < keys; j += 2) {
         const float* even = b.st + j * Bq;
         uint32_t* out = reinterpret_cast<uint32_t*>(b.st) + (j / 2) * Bq;
-        for (int u = 0; u < kQueryVecs; ++u) {
+        for (int u = 0; u < QV; ++u) {
             const Vec lo = simd::vload(even + u * W);
             const Vec hi = j + 1 < keys ? simd::vload(even + Bq + u * W) : simd::vzero();
             // cvtne2ps: bfloat16 of hi in words 16..31, of lo in words 0..15
@@ -196,28 +197,30 @@ inline void pair_weights(const simd::Block& b, int64_t keys) {
 
 // simd::attend_tile_rows with the bfloat16 micro-kernels. Not inlined into simd::run_task,
 // so that the compiler's choices inside it (which micro-tiles it inlines) stay as measured.
-template <bool kByAddress>
+template <bool kByAddress, int QV>
 __attribute__((noinline)) void attend_tile(const simd::Block& b, const Scratch& sc, int64_t tile, int64_t keys,
                                            int64_t next_keys, bool partial, float scale2) {
-    Vec tile_max[kQueryVecs];
-    for (int u = 0; u < kQueryVecs; ++u) tile_max[u] = simd::vset(-__builtin_inff());
+    Vec tile_max[QV];
+    for (int u = 0; u < QV; ++u) tile_max[u] = simd::vset(-__builtin_inff());
     int64_t j0 = 0;
-    constexpr int R = kByAddress ? simd::kAddressRows : kRows;  // (see simd::kAddressRows)
-    for (; j0 + R <= keys; j0 += R) scores_rows<R, kByAddress>(b, tile, j0, partial, scale2, tile_max);
-    if (j0 < keys) scores_tail<R - 1, kByAddress>(keys - j0, b, tile, j0, partial, scale2, tile_max);
+    constexpr int R = kByAddress && simd::tile_rows<QV>() > simd::kAddressRows ? simd::kAddressRows
+                                                                               : simd::tile_rows<QV>();
+    for (; j0 + R <= keys; j0 += R) scores_rows<R, kByAddress, QV>(b, tile, j0, partial, scale2, tile_max);
+    if (j0 < keys) scores_tail<R - 1, kByAddress, QV>(keys - j0, b, tile, j0, partial, scale2, tile_max);
     pack_values(b, sc, tile, keys);  // (its V rows load while the scores finish)
 
-    Vec corr[kQueryVecs];
-    const bool rescale = simd::online_softmax<simd::kQueryVecs>(b.st, simd::Bq, keys, b.m, b.l, tile_max, corr);
-    pair_weights(b, keys);
+    Vec corr[QV];
+    const bool rescale = simd::online_softmax<QV>(b.st, simd::Bq, keys, b.m, b.l, tile_max, corr);
+    pair_weights<QV>(b, keys);
 
     const int64_t pairs = (keys + 1) / 2;
-    const int64_t passes = (b.Dv + kRows - 1) / kRows;
+    constexpr int RV = simd::tile_rows<QV>();
+    const int64_t passes = (b.Dv + RV - 1) / RV;
     simd::PrefetchStream<kByAddress> pf;
     const int pf_steps = simd::prefetch_next_tile(b, tile, next_keys, sizeof(bf16_t), passes * pairs, pf);
     for (int64_t pass = 0, e0 = 0; pass < passes; ++pass) {
         const int64_t cols = b.Dv / passes + (pass < b.Dv % passes ? 1 : 0);
-        pv_cols<kRows, kByAddress>(cols, b, sc, pairs, e0, rescale ? corr : nullptr, pf, pf_steps);
+        pv_cols<RV, kByAddress, QV>(cols, b, sc, pairs, e0, rescale ? corr : nullptr, pf, pf_steps);
         e0 += cols;
     }
 }
@@ -253,11 +256,15 @@ struct Bf16Kernel {
     void attend(const AttentionParams& p, const simd::Block& b, int64_t /*batch*/, int64_t tile, int64_t keys,
                 int64_t next_keys) const {
         const bool partial = simd::tile_ranges(b, tile, keys);
-        if (b.k_rows) {
-            simd::find_tile_rows(b, tile, keys);
-            attend_tile<true>(b, sc, tile, keys, next_keys, partial, scale2);
+        if (b.k_rows) simd::find_tile_rows(b, tile, keys);
+        // (one query vector for at most W rows: see simd::attend_tile)
+        if (b.rows <= W) {
+            if (b.k_rows) attend_tile<true, 1>(b, sc, tile, keys, next_keys, partial, scale2);
+            else attend_tile<false, 1>(b, sc, tile, keys, next_keys, partial, scale2);
+        } else if (b.k_rows) {
+            attend_tile<true, kQueryVecs>(b, sc, tile, keys, next_keys, partial, scale2);
         } else {
-            attend_tile<false>(b, sc, tile, keys, next_keys, partial, scale2);
+            attend_tile<false, kQueryVecs>(b, sc, tile, keys, next_keys, partial, scale2);
         }
     }
 };

@@ -364,7 +364,7 @@ struct PrefetchStream {
         rows_left = rows;
     }
     int64_t total_lines() const { return rows_left * lines; }
-    void step() {
+    __attribute__((always_inline)) void step() {  // (inlined into the PV loops, as measured)
         if (rows_left <= 0) return;
         const char* at;
         if (line < k_lines) {
@@ -407,10 +407,10 @@ inline int prefetch_next_tile(const Block& b, int64_t tile, int64_t next_keys, i
 #if defined(__aarch64__)
 // acc[t][u] += qt[d + L][u-th vector] * k[key t][d + L], the key value taken from lane L of
 // kq[t] (FMLA by element: one 4-float K load serves four d).
-template <int R, int L>
-__attribute__((always_inline)) inline void fma_lane(Vec (&acc)[R][kQueryVecs], const Vec (&kq)[R], const float* q) {
+template <int R, int L, int QV>
+__attribute__((always_inline)) inline void fma_lane(Vec (&acc)[R][QV], const Vec (&kq)[R], const float* q) {
 #pragma GCC unroll 4
-    for (int u = 0; u < kQueryVecs; ++u) {
+    for (int u = 0; u < QV; ++u) {
         const Vec qv = vload(q + u * W);
 #pragma GCC unroll 16
         for (int t = 0; t < R; ++t) acc[t][u] = vfmaq_laneq_f32(acc[t][u], qv, kq[t], L);
@@ -421,13 +421,13 @@ __attribute__((always_inline)) inline void fma_lane(Vec (&acc)[R][kQueryVecs], c
 // Sᵀ rows [j0, j0 + R) of the tile starting at key `tile`: scores of R keys against all Bq
 // query lanes; the score options applied (kOptions, as `o` says); masked to -inf outside
 // each lane's range when `partial`; folds the row max. kByAddress: the rows from b.k_rows.
-template <int R, bool kOptions, bool kByAddress>
+template <int R, bool kOptions, bool kByAddress, int QV>
 void scores_rows(const Block& b, int64_t tile, int64_t j0, bool partial, const TileOptions& o, Vec* tile_max) {
-    Vec acc[R][kQueryVecs];
+    Vec acc[R][QV];
 #pragma GCC unroll 16
     for (int t = 0; t < R; ++t)
 #pragma GCC unroll 4
-        for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = vzero();
+        for (int u = 0; u < QV; ++u) acc[t][u] = vzero();
     const float* krow[R];
     if constexpr (kByAddress) {
 #pragma GCC unroll 16
@@ -443,21 +443,21 @@ void scores_rows(const Block& b, int64_t tile, int64_t j0, bool partial, const T
         Vec kq[R];
 #pragma GCC unroll 16
         for (int t = 0; t < R; ++t) kq[t] = vld1q_f32(krow[t] + d);
-        fma_lane<R, 0>(acc, kq, q);
-        fma_lane<R, 1>(acc, kq, q + Bq);
-        fma_lane<R, 2>(acc, kq, q + 2 * Bq);
-        fma_lane<R, 3>(acc, kq, q + 3 * Bq);
+        fma_lane<R, 0, QV>(acc, kq, q);
+        fma_lane<R, 1, QV>(acc, kq, q + Bq);
+        fma_lane<R, 2, QV>(acc, kq, q + 2 * Bq);
+        fma_lane<R, 3, QV>(acc, kq, q + 3 * Bq);
     }
 #endif
     for (; d < b.D; ++d, q += Bq) {
-        Vec qv[kQueryVecs];
+        Vec qv[QV];
 #pragma GCC unroll 4
-        for (int u = 0; u < kQueryVecs; ++u) qv[u] = vload(q + u * W);
+        for (int u = 0; u < QV; ++u) qv[u] = vload(q + u * W);
 #pragma GCC unroll 16
         for (int t = 0; t < R; ++t) {
             const Vec kb = vbcast(krow[t] + d);
 #pragma GCC unroll 4
-            for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = vfma(kb, qv[u], acc[t][u]);
+            for (int u = 0; u < QV; ++u) acc[t][u] = vfma(kb, qv[u], acc[t][u]);
         }
     }
     float* s = b.st + j0 * Bq;
@@ -468,7 +468,7 @@ void scores_rows(const Block& b, int64_t tile, int64_t j0, bool partial, const T
 #pragma GCC unroll 16
     for (int t = 0; t < R; ++t)
 #pragma GCC unroll 4
-        for (int u = 0; u < kQueryVecs; ++u) {
+        for (int u = 0; u < QV; ++u) {
             Vec x = neg_inf_to_nan(acc[t][u]);  // -inf only from an infinite input
             if constexpr (kOptions) {
                 if (o.softcap) x = softcap(x, cap, inv_cap);
@@ -489,34 +489,34 @@ void scores_rows(const Block& b, int64_t tile, int64_t j0, bool partial, const T
 
 // Oᵀ rows [e0, e0 + R) = corr * Oᵀ + Vᵀ[e0:e0+R, tile keys] Pᵀ over `keys` keys (corr
 // nullptr: all ones); steps the prefetch stream `pf_steps` times per key.
-template <int R, bool kByAddress>
+template <int R, bool kByAddress, int QV>
 void pv_rows(const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* corr,
              PrefetchStream<kByAddress>& pf, int pf_steps) {
-    Vec acc[R][kQueryVecs];
+    Vec acc[R][QV];
     float* o = b.ot + e0 * Bq;
     if (corr) {
 #pragma GCC unroll 16
         for (int t = 0; t < R; ++t)
 #pragma GCC unroll 4
-            for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = vmul(vload(o + t * Bq + u * W), corr[u]);
+            for (int u = 0; u < QV; ++u) acc[t][u] = vmul(vload(o + t * Bq + u * W), corr[u]);
     } else {
 #pragma GCC unroll 16
         for (int t = 0; t < R; ++t)
 #pragma GCC unroll 4
-            for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = vload(o + t * Bq + u * W);
+            for (int u = 0; u < QV; ++u) acc[t][u] = vload(o + t * Bq + u * W);
     }
     const float* pt = b.st;
     // One key: acc += V row (R columns from vrow) x Pᵀ row (pt).
     auto key = [&](const float* vrow) __attribute__((always_inline)) {
         for (int i = 0; i < pf_steps; ++i) pf.step();
-        Vec pv[kQueryVecs];
+        Vec pv[QV];
 #pragma GCC unroll 4
-        for (int u = 0; u < kQueryVecs; ++u) pv[u] = vload(pt + u * W);
+        for (int u = 0; u < QV; ++u) pv[u] = vload(pt + u * W);
 #pragma GCC unroll 16
         for (int t = 0; t < R; ++t) {
             const Vec vb = vbcast(vrow + t);
 #pragma GCC unroll 4
-            for (int u = 0; u < kQueryVecs; ++u) acc[t][u] = vfma(vb, pv[u], acc[t][u]);
+            for (int u = 0; u < QV; ++u) acc[t][u] = vfma(vb, pv[u], acc[t][u]);
         }
         pt += Bq;
     };
@@ -538,69 +538,89 @@ void pv_rows(const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* 
 #pragma GCC unroll 16
     for (int t = 0; t < R; ++t)
 #pragma GCC unroll 4
-        for (int u = 0; u < kQueryVecs; ++u) vstore(o + t * Bq + u * W, acc[t][u]);
+        for (int u = 0; u < QV; ++u) vstore(o + t * Bq + u * W, acc[t][u]);
 }
 
 // Remainder micro-tiles (fewer than kRows keys or columns), picked by an if-chain at
 // compile time. (No static table: its constructor would run AVX code at library load.)
-template <int R, bool kOptions, bool kByAddress>
+template <int R, bool kOptions, bool kByAddress, int QV>
 inline void scores_tail(int64_t rows, const Block& b, int64_t tile, int64_t j0, bool partial,
                         const TileOptions& o, Vec* tile_max) {
-    if (rows == R) scores_rows<R, kOptions, kByAddress>(b, tile, j0, partial, o, tile_max);
-    else if constexpr (R > 1) scores_tail<R - 1, kOptions, kByAddress>(rows, b, tile, j0, partial, o, tile_max);
+    if (rows == R) scores_rows<R, kOptions, kByAddress, QV>(b, tile, j0, partial, o, tile_max);
+    else if constexpr (R > 1) scores_tail<R - 1, kOptions, kByAddress, QV>(rows, b, tile, j0, partial, o, tile_max);
 }
-template <int R, bool kByAddress>
+template <int R, bool kByAddress, int QV>
 inline void pv_cols(int64_t cols, const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* corr,
                     PrefetchStream<kByAddress>& pf, int pf_steps) {
-    if (cols == R) pv_rows<R, kByAddress>(b, tile, keys, e0, corr, pf, pf_steps);
-    else if constexpr (R > 1) pv_cols<R - 1, kByAddress>(cols, b, tile, keys, e0, corr, pf, pf_steps);
+    if (cols == R) pv_rows<R, kByAddress, QV>(b, tile, keys, e0, corr, pf, pf_steps);
+    else if constexpr (R > 1) pv_cols<R - 1, kByAddress, QV>(cols, b, tile, keys, e0, corr, pf, pf_steps);
 }
 
 // ---------------------------------------------------------------- one KV tile
 // Keys per S micro-tile when the rows are read by address: each key row then takes a pointer
 // register of its own, and 12 of them spilled (a stack load per broadcast: sparse MLA over
 // listed rows 0.93x of the 8-key kernel before, HISTORY 58).
-constexpr int kAddressRows = kRows > 8 ? 8 : kRows;
-template <bool kOptions, bool kByAddress>
+constexpr int kAddressRows = 8;
+// Keys (S) or output columns (PV) per micro-tile of QV query vectors: kRows at full width;
+// with fewer vectors, as many accumulators as at full width (each value loaded still feeds
+// about as many FMAs), up to 16; NEON's S loop also holds a 4-float K vector per key: kRows.
+template <int QV>
+constexpr int tile_rows() {
+#if defined(__aarch64__)
+    return kRows;
+#else
+    return QV == kQueryVecs ? kRows : (kRows * kQueryVecs / QV < 16 ? kRows * kQueryVecs / QV : 16);
+#endif
+}
+template <bool kOptions, bool kByAddress, int QV>
 inline void scores_tile(const Block& b, int64_t tile, int64_t keys, bool partial, const TileOptions& o,
                         Vec* tile_max) {
-    constexpr int R = kByAddress ? kAddressRows : kRows;
+    constexpr int R = kByAddress && tile_rows<QV>() > kAddressRows ? kAddressRows : tile_rows<QV>();
     int64_t j0 = 0;
-    for (; j0 + R <= keys; j0 += R) scores_rows<R, kOptions, kByAddress>(b, tile, j0, partial, o, tile_max);
-    if (j0 < keys) scores_tail<R - 1, kOptions, kByAddress>(keys - j0, b, tile, j0, partial, o, tile_max);
+    for (; j0 + R <= keys; j0 += R) scores_rows<R, kOptions, kByAddress, QV>(b, tile, j0, partial, o, tile_max);
+    if (j0 < keys) scores_tail<R - 1, kOptions, kByAddress, QV>(keys - j0, b, tile, j0, partial, o, tile_max);
 }
 
 // Online-softmax update of the block with keys [tile, tile + keys); kByAddress: the tile's rows
 // through b.k_rows / b.v_rows (attend_tile below picks).
-template <bool kByAddress>
+template <bool kByAddress, int QV>
 void attend_tile_rows(const Block& b, int64_t tile, int64_t keys, int64_t next_keys, bool partial,
                       const TileOptions& o) {
     // 1. Sᵀ = K_tile Qᵀ (scaled, base 2), options applied, masked on partial tiles, with
     //    the tile's row max.
-    Vec tile_max[kQueryVecs];
-    for (int u = 0; u < kQueryVecs; ++u) tile_max[u] = vset(-__builtin_inff());
-    if (o.any()) scores_tile<true, kByAddress>(b, tile, keys, partial, o, tile_max);
-    else scores_tile<false, kByAddress>(b, tile, keys, partial, o, tile_max);
+    Vec tile_max[QV];
+    for (int u = 0; u < QV; ++u) tile_max[u] = vset(-__builtin_inff());
+    if (o.any()) scores_tile<true, kByAddress, QV>(b, tile, keys, partial, o, tile_max);
+    else scores_tile<false, kByAddress, QV>(b, tile, keys, partial, o, tile_max);
 
     // 2. New max, rescale factor of the old state, Pᵀ = 2^(Sᵀ - m) in place, row sums.
-    Vec corr[kQueryVecs];
-    const bool rescale = online_softmax<kQueryVecs>(b.st, Bq, keys, b.m, b.l, tile_max, corr);
+    Vec corr[QV];
+    const bool rescale = online_softmax<QV>(b.st, Bq, keys, b.m, b.l, tile_max, corr);
 
     // 3. Oᵀ = corr * Oᵀ + Vᵀ Pᵀ, in passes of near-equal width (Dv = 64: 11+11+11+11+10+10,
     //    not 12 x 5 + 4), prefetching the next tile on the way.
-    const int64_t passes = (b.Dv + kRows - 1) / kRows;
+    constexpr int R = tile_rows<QV>();
+    const int64_t passes = (b.Dv + R - 1) / R;
     PrefetchStream<kByAddress> pf;
     const int pf_steps = prefetch_next_tile(b, tile, next_keys, sizeof(float), passes * keys, pf);
     for (int64_t pass = 0, e0 = 0; pass < passes; ++pass) {
         const int64_t cols = b.Dv / passes + (pass < b.Dv % passes ? 1 : 0);
-        pv_cols<kRows, kByAddress>(cols, b, tile, keys, e0, rescale ? corr : nullptr, pf, pf_steps);
+        pv_cols<R, kByAddress, QV>(cols, b, tile, keys, e0, rescale ? corr : nullptr, pf, pf_steps);
         e0 += cols;
     }
 }
+// A sub-block of at most W rows computes one query vector, not kQueryVecs: the same bits
+// per lane, for 1 / kQueryVecs of the work (a decode step's 68 rows, 2 sub-blocks and 4 rows).
 inline void attend_tile(const Block& b, int64_t tile, int64_t keys, int64_t next_keys, bool partial,
                         const TileOptions& o) {
-    if (b.k_rows) attend_tile_rows<true>(b, tile, keys, next_keys, partial, o);
-    else attend_tile_rows<false>(b, tile, keys, next_keys, partial, o);
+    if (b.rows <= W) {
+        if (b.k_rows) attend_tile_rows<true, 1>(b, tile, keys, next_keys, partial, o);
+        else attend_tile_rows<false, 1>(b, tile, keys, next_keys, partial, o);
+    } else if (b.k_rows) {
+        attend_tile_rows<true, kQueryVecs>(b, tile, keys, next_keys, partial, o);
+    } else {
+        attend_tile_rows<false, kQueryVecs>(b, tile, keys, next_keys, partial, o);
+    }
 }
 
 // ---------------------------------------------------------------- storage types
@@ -942,18 +962,13 @@ void attend_keys(const AttentionParams& p, const Kernel& kernel, const Tiling& t
         if (blocks[sidx].first.begin < kv_begin) kv_begin = blocks[sidx].first.begin;
         if (blocks[sidx].last.end > kv_end) kv_end = blocks[sidx].last.end;
     }
-    // The first tile's rows start towards the cache at once when the later ones are
-    // prefetched (a task that starts cold, or listed rows no hardware prefetcher finds).
-    if (!kWidened && (t.prefetch || by_address) && kv_begin < kv_end) {
-        const int64_t keys = kv_end - kv_begin < t.Bk ? kv_end - kv_begin : t.Bk;
-        const int64_t elem_bytes = sizeof(typename Kernel::KV);
-        if (by_address) {
-            PrefetchStream<true> pf(blocks[0], kv_begin, keys, elem_bytes);
-            for (int64_t n = pf.total_lines(); n > 0; --n) pf.step();
-        } else {
-            PrefetchStream<false> pf(blocks[0], kv_begin, keys, elem_bytes);
-            for (int64_t n = pf.total_lines(); n > 0; --n) pf.step();
-        }
+    // Rows read by address (a paged pool's blocks, listed rows) that no hardware prefetcher
+    // finds: the first tile's start towards the cache at once (the later ones are prefetched
+    // a tile ahead).
+    if (by_address && kv_begin < kv_end) {
+        PrefetchStream<true> pf(blocks[0], kv_begin, kv_end - kv_begin < t.Bk ? kv_end - kv_begin : t.Bk,
+                                sizeof(typename Kernel::KV));
+        for (int64_t n = pf.total_lines(); n > 0; --n) pf.step();
     }
     for (int64_t super = kv_begin; super < kv_end; super += t.super_keys) {
         const int64_t super_end = super + t.super_keys < kv_end ? super + t.super_keys : kv_end;

@@ -92,10 +92,11 @@ inline Vec tanh_vec(Vec x) {
 // (attention_core.inl's RowOptions converts it once). Every vector kernel's softcap.
 inline Vec softcap(Vec x, Vec cap, Vec inv_cap) { return vmul(cap, tanh_vec(vmul(x, inv_cap))); }
 
-// The online-softmax step of the kernels that hold query rows in vector lanes (simd_prefill,
-// bf16_prefill, gemm_decode), for NV vectors of rows over one tile of `keys` scores in base 2,
-// key j's at st + j * stride: the running max m becomes max(m, tile_max) (the tile's NaN rule
-// is the caller's: a NaN score gives a NaN weight, so l turns NaN), corr = 2^(m_old - m)
+// The online-softmax step of the tile loop that holds query rows in vector lanes
+// (simd_prefill.inl; bf16_prefill's and gemm_decode's calls too), for NV vectors of rows over
+// one tile of `keys` scores in base 2, key j's at st + j * stride: the running max m becomes
+// max(m, tile_max) (the tile's NaN rule is the caller's: a NaN score gives a NaN weight, so l
+// turns NaN), corr = 2^(m_old - m)
 // rescales the old state (0 while m_old is -inf), the scores become the weights 2^(s - m)
 // (exactly 0 below -126), and l = l corr + the tile's weights, summed in key order first (so
 // that l takes one rounding per tile, not one per key: over T keys, its error grows with

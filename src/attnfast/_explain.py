@@ -97,8 +97,9 @@ def explain(q, k, v, *, cache_seqlens=None, k_new=None, v_new=None, k_scale=None
     ``policy`` : dict
         The micro-kernel policy that runs: the kernel's own constants on this tier. ``rows``
         (MR) and ``keys`` (NR): the register block of the Q.K micro-kernel, query rows x keys
-        (per register block, not per tile: e.g. ``{"rows": 32, "keys": 8}`` for
-        ``"gemm_decode"`` on AVX-512, ``{"rows": 4, "keys": 4}`` for the hand-written decode
+        (per register block, not per tile: e.g. ``{"rows": 32, "keys": 12}`` for
+        ``"simd_prefill"`` and ``"gemm_decode"`` on AVX-512 (the decode kernel runs the
+        prefill's tile loop), ``{"rows": 4, "keys": 4}`` for the hand-written decode
         loop; a call with fewer rows per KV head fills part of it); ``qk`` and ``pv``: how the
         Q.K and P.V products multiply, ``"fp32 fma"``, ``"fp32 mul+add"`` (no FMA: the SSE2
         generic tier and the portable templates), ``"vdpbf16ps"`` (bfloat16 pairs),
