@@ -129,7 +129,8 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
                 simd::Chunk block[C];
                 for (int64_t c = 0; c < C; ++c) block[c] = simd::chunk_load(b.ot + (d0 + c) * Bq + i0);
                 simd::transpose_chunks(block);
-                for (int64_t j = 0; j < C && i0 + j < b.rows; ++j) simd::chunk_storeu(out + (i0 + j) * Dv + d0, block[j]);
+                for (int64_t j = 0; j < C && i0 + j < b.rows; ++j)
+                    simd::chunk_storeu(out + (i0 + j) * Dv + d0, block[j]);
             }
             for (int64_t i = i0; i < i0 + C && i < b.rows; ++i)
                 for (int64_t d = d0; d < Dv; ++d) out[i * Dv + d] = b.ot[d * Bq + i];

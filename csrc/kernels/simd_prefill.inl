@@ -24,6 +24,9 @@
 //                    (NEON: four d per 4-float K load, through vfmaq_laneq_f32)
 //   PV micro-kernel: kRows output columns x kQueryVecs query vectors, looping over keys j:
 //                    acc[t][v] += v[j][col t] * pt[j][v-th vector]
+// (A sub-block of at most W rows computes one query vector, over wider micro-tiles:
+// tile_rows, attend_tile.) The same loop runs the GEMM-shaped decode's chunks
+// (gemm_decode.inl), whose sub-blocks mix the heads and positions of one KV head.
 // Rounding and summation order depend only on the tile sizes (functions of D, Dv and the
 // cache sizes), never on the thread count.
 //
@@ -322,9 +325,9 @@ PrefillPlan plan_all_dtypes(const AttentionParams& p) { return plan_for(p, conve
 // current tile computes. Needed when one head's K and V do not fit in L2 (they then come
 // from L3 and the hardware prefetchers do not follow many strided rows); spread thinly
 // because a burst of prefetches stalls the load pipeline. kByAddress (rows read by address:
-// a paged pool, listed rows) is a template parameter, as in the micro-kernels below, so the contiguous loops
-// compile as they did when measured (run-time tests there cost the avx2 tier's prefill
-// 10-20 %: GCC moved Pᵀ out of registers, HISTORY 32).
+// a paged pool, listed rows) is a template parameter, as in the micro-kernels below, so the
+// contiguous loops compile as they did when measured (run-time tests there cost the avx2
+// tier's prefill 10-20 %: GCC moved Pᵀ out of registers, HISTORY 32).
 template <bool kByAddress>
 struct PrefetchStream {
     const char* k_row = nullptr;
