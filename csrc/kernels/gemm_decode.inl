@@ -102,7 +102,6 @@ void chunk(const AttentionParams& p, const DecodeTask& task, float* workspace, f
         simd::place_block<Kernel>(p, t, base, sidx, subs, k, v, task.seqlen_k, b);
         b.row_begin = sidx * Bq;
         b.rows = rows - b.row_begin < Bq ? rows - b.row_begin : Bq;
-        b.head = task.kv_head * group + b.row_begin / tq;  // (its first lane's)
         const TQ* qrows[Bq];
         int64_t pos[Bq];
         for (int64_t i = 0; i < b.rows; ++i) {

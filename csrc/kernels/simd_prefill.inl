@@ -167,7 +167,9 @@ struct Block {
         const int64_t end = j0 == 0 ? first_run : j0 + run_keys;
         return end < keys ? end : keys;
     }
-    int64_t head, row_begin, rows;  // (prefill) the head and its rows [row_begin, row_begin + rows)
+    // Lanes [0, rows) are rows row_begin.. of the task: a head's query rows (prefill, which
+    // also sets head), or a KV head's rows (query head in the group) x Tq + position (decode).
+    int64_t head, row_begin, rows;
     int64_t seqlen_k;      // keys valid for this batch entry (batch_seqlen_k)
     KeyRange first, last;  // the lanes' smallest begin and end (first), largest (last)
     ScoreOptions opt;
