@@ -118,7 +118,8 @@ def _l2_bytes():
 
 @pytest.mark.skipif(_l2_bytes() < 1 << 20, reason="the chunk rule below assumes an L2 >= 1 MiB")
 def test_decode_split_follows_the_chunk_rule():
-    for tq, d, dtype, elem in [(1, 128, np.float32, 4), (4, 64, BFLOAT16, 2), (4, 128, np.float64, 8)]:
+    # (2 positions x 4 heads: 8 rows per KV head, below every tier's gemm_decode bound)
+    for tq, d, dtype, elem in [(1, 128, np.float32, 4), (2, 64, BFLOAT16, 2), (4, 128, np.float64, 8)]:
         tk = 10_000
         q, k, v = _arrays(3, 8, 2, tq, tk, d, dtype=dtype)
         plan = af.explain(q, k, v, num_threads=2)
@@ -203,7 +204,8 @@ def test_the_checks_are_attentions():
 def test_regime_per_tier_from_rows_per_kv_read(tier):
     """The planner's regime: the GEMM-shaped decode kernel (compute) for many rows per KV
     read on the tiers with the hand-written decode -- "latent_decode" for an MLA latent cache,
-    "gemm_decode" for separate K and V from 32 rows; bandwidth-shaped decode otherwise."""
+    "gemm_decode" for separate K and V from 16 rows on the AVX-512 tiers and x86's SSE2
+    generic, from 32 on avx2 and neon; bandwidth-shaped decode otherwise."""
     gemm_tier = simd_decode_lanes(tier) is not None
     q, k, _ = _arrays(1, 128, 1, 1, 4096, 576)
     v = k[..., :512]
@@ -223,8 +225,16 @@ def test_regime_per_tier_from_rows_per_kv_read(tier):
         assert copy["kernel"] == "gemm_decode" and copy["regime"] == "compute"
     else:
         assert copy["regime"] == "bandwidth"
-    gqa = af.explain(q[:, :16], k, np.ascontiguousarray(v))  # 16 rows: bandwidth-shaped
-    assert gqa["regime"] == "bandwidth" and gqa["rows_per_kv_read"] == 16
+    from_16 = gemm_tier and tier in ("avx512", "avx512bf16", "generic")
+    gqa = af.explain(q[:, :16], k, np.ascontiguousarray(v))  # 16 rows
+    assert gqa["rows_per_kv_read"] == 16
+    assert gqa["regime"] == ("compute" if from_16 else "bandwidth")
+    assert (gqa["kernel"] == "gemm_decode") == from_16
+    fewer = af.explain(q[:, :12], k, np.ascontiguousarray(v))  # 12 rows: bandwidth-shaped
+    assert fewer["regime"] == "bandwidth" and fewer["rows_per_kv_read"] == 12
+    # past 20 positions the prefill takes fewer than 32 rows per KV head
+    q24, k24, v24 = _arrays(1, 2, 2, 24, 4096, 128)
+    assert af.explain(q24, k24, v24)["path"] == "prefill"
     prefill = af.explain(np.zeros((1, 8, 64, 64), np.float32), *_arrays(1, 8, 8, 1, 64, 64)[1:])
     assert prefill["regime"] == "compute" and prefill["rows_per_kv_read"] is None
 

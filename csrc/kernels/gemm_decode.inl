@@ -55,6 +55,15 @@ using simd::Tiling;
 constexpr int64_t kChunkKeys = 2048;
 // Fewest query rows per KV head for which a latent call takes this kernel: one whole vector.
 constexpr int64_t kMinRows = simd::W;
+// Separate K and V: from how many rows per KV head this beats the bandwidth-shaped decode.
+// Where one sub-block's vectors are wide (AVX-512) or the bandwidth kernel is itself slow
+// (SSE2), from 16 (Zen 5, L = 16k: 8/8 Tq 16 1.16-1.28x, 32/8 Tq 4 1.17-1.32x; HISTORY 59);
+// on AVX2 and NEON 16 rows lose (0.70-0.85x), so from kGemmDecodeMinRows.
+#if defined(__AVX512F__) || (defined(__SSE2__) && !defined(__AVX2__))
+constexpr int64_t kMinGqaRows = 16;
+#else
+constexpr int64_t kMinGqaRows = kGemmDecodeMinRows;
+#endif
 
 inline int64_t sub_blocks(const AttentionParams& p) { return (decode_rows(p) + Bq - 1) / Bq; }
 // The chunk's tiling: rows by address when the task is indexed or the cache paged.
@@ -180,13 +189,13 @@ int64_t workspace_elems(const AttentionParams& p) {
 
 // KernelTable::gemm_decode_kernel: this kernel for a call it covers, else {nullptr} (the
 // tier's decode_kernel runs it). A latent cache from one vector of rows; separate K and V
-// from kGemmDecodeMinRows (kernel_table.hpp).
+// from kMinGqaRows.
 DecodeKernel gemm_decode_kernel(const AttentionParams& p) {
     const bool dtypes = p.dtype != DType::kF64 &&
                         (p.kv_dtype == DType::kF32 || p.kv_dtype == DType::kBF16 ||
                          p.kv_dtype == DType::kF16);
     const bool latent = kv_is_latent(p);
-    if (!dtypes || p.alibi_slopes || p.mask || decode_rows(p) < (latent ? kMinRows : kGemmDecodeMinRows))
+    if (!dtypes || p.alibi_slopes || p.mask || decode_rows(p) < (latent ? kMinRows : kMinGqaRows))
         return {KernelId::kNone, nullptr};
     DecodeKernel kernel{latent ? KernelId::kLatentDecode : KernelId::kGemmDecode, chunk_any};
     kernel.chunk_keys = kChunkKeys;

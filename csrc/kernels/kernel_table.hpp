@@ -41,9 +41,10 @@ static inline bool takes_decode_path(const AttentionParams& p) {
 // Longer queries take the decode path too where it is faster (runs_on_decode_path,
 // decode.cpp), over at least kDecodeMinKeysPerQuery keys per query row: up to
 // kGemmDecodeMaxQueryRows rows when the tier's GEMM-shaped decode takes them (from
-// kGemmDecodeMinRows rows per KV head: from there it beats the bandwidth-shaped decode, which
-// serves kDecodeGroupRows rows per pass), and up to kFewRowsDecodeMaxQueryRows rows with
-// fewer rows per KV head than that, on a hand-written decode kernel. The prefill kernel
+// kGemmDecodeMinRows rows per KV head, 16 on some tiers: gemm_decode.inl kMinGqaRows; from
+// there it beats the bandwidth-shaped decode, which serves kDecodeGroupRows rows per pass),
+// and up to kFewRowsDecodeMaxQueryRows rows with fewer rows per KV head than
+// kGemmDecodeMinRows, on either decode kernel. The prefill kernel
 // computes whole blocks of 32 query rows per head, so 17 rows cost it as much as 32: the
 // decode path removes that step. Measured on Zen 3 (avx2; bench/HISTORY.md 27): 32/8 heads,
 // L = 16k, Tq = 17, float32: 11 ms per row on prefill, 5.4-6.2 on gemm_decode; 8/8, Tq = 17:

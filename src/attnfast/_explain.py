@@ -76,8 +76,9 @@ def explain(q, k, v, *, cache_seqlens=None, k_new=None, v_new=None, k_scale=None
         query row (bound by memory); ``"compute"``: the prefill kernels, and the GEMM-shaped
         decode kernels the planner picks for many query rows per KV head (bound by
         arithmetic: the rows blocked as a small GEMM): ``"latent_decode"`` for an MLA latent
-        cache, ``"gemm_decode"`` for separate K and V from 32 rows (GQA with several query
-        tokens: trees, multi-token prediction, stacked shared-prefix forks).
+        cache, ``"gemm_decode"`` for separate K and V from 16 rows on the AVX-512 tiers, 32
+        on AVX2 and NEON (GQA with several query tokens: trees, multi-token prediction,
+        stacked shared-prefix forks).
     ``latent_kv`` : bool
         ``v`` is a prefix view of ``k``'s last axis (``v = k[..., :Dv]``, the same memory):
         each latent row is read once for both products.
