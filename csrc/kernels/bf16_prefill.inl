@@ -74,7 +74,7 @@ void scores_rows(const simd::Block& b, int64_t tile, int64_t j0, bool partial, f
         for (int t = 0; t < R; ++t) krow[t] = reinterpret_cast<const bf16_t*>(b.k_rows[j0 + t]);
     } else {
 #pragma GCC unroll 16
-        for (int t = 0; t < R; ++t) krow[t] = k + (tile + j0 + t) * b.k_stride;
+        for (int t = 0; t < R; ++t) krow[t] = k + (tile - b.kv_first + j0 + t) * b.k_stride;
     }
     const uint32_t* q = reinterpret_cast<const uint32_t*>(b.qt);
     for (int64_t d = 0; d < b.D; d += 2, q += Bq) {
@@ -104,9 +104,9 @@ void scores_rows(const simd::Block& b, int64_t tile, int64_t j0, bool partial, f
 }
 
 // Oᵀ rows [e0, e0 + R) = corr * Oᵀ + Vᵀ Pᵀ over `pairs` key pairs (corr nullptr: all ones).
-template <int R, bool kByAddress, int QV>
+template <int R, bool kPrefetchByAddress, int QV>
 void pv_rows(const simd::Block& b, const Scratch& sc, int64_t pairs, int64_t e0, const Vec* corr,
-             simd::PrefetchStream<kByAddress>& pf, int pf_steps) {
+             simd::PrefetchStream<kPrefetchByAddress>& pf, int pf_steps) {
     Vec acc[R][QV];
     float* o = b.ot + e0 * Bq;
 #pragma GCC unroll 16
@@ -140,11 +140,11 @@ inline void scores_tail(int64_t rows, const simd::Block& b, int64_t tile, int64_
     if (rows == R) scores_rows<R, kByAddress, QV>(b, tile, j0, partial, scale2, tile_max);
     else if constexpr (R > 1) scores_tail<R - 1, kByAddress, QV>(rows, b, tile, j0, partial, scale2, tile_max);
 }
-template <int R, bool kByAddress, int QV>
+template <int R, bool kPrefetchByAddress, int QV>
 inline void pv_cols(int64_t cols, const simd::Block& b, const Scratch& sc, int64_t pairs, int64_t e0,
-                    const Vec* corr, simd::PrefetchStream<kByAddress>& pf, int pf_steps) {
-    if (cols == R) pv_rows<R, kByAddress, QV>(b, sc, pairs, e0, corr, pf, pf_steps);
-    else if constexpr (R > 1) pv_cols<R - 1, kByAddress, QV>(cols, b, sc, pairs, e0, corr, pf, pf_steps);
+                    const Vec* corr, simd::PrefetchStream<kPrefetchByAddress>& pf, int pf_steps) {
+    if (cols == R) pv_rows<R, kPrefetchByAddress, QV>(b, sc, pairs, e0, corr, pf, pf_steps);
+    else if constexpr (R > 1) pv_cols<R - 1, kPrefetchByAddress, QV>(cols, b, sc, pairs, e0, corr, pf, pf_steps);
 }
 
 // V rows [tile, tile + keys) as pairs of rows, one 32-bit word per column; a missing row
@@ -155,7 +155,7 @@ void pack_values(const simd::Block& b, const Scratch& sc, int64_t tile, int64_t 
                                             0x002A000A, 0x002B000B, 0x002C000C, 0x002D000D, 0x002E000E,
                                             0x002F000F);  // words i: (x[i], y[i]), i < 16
     const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));  // i in 16..31
-    const bf16_t* v = b.v_rows ? nullptr : reinterpret_cast<const bf16_t*>(b.v) + tile * b.v_stride;
+    const bf16_t* v = b.v_rows ? nullptr : reinterpret_cast<const bf16_t*>(b.v) + (tile - b.kv_first) * b.v_stride;
     const int64_t Dv = b.Dv;
     for (int64_t j = 0; j < keys; j += 2) {
         const bf16_t* x = b.v_rows ? reinterpret_cast<const bf16_t*>(b.v_rows[j]) : v + j * b.v_stride;
@@ -197,9 +197,11 @@ inline void pair_weights(const simd::Block& b, int64_t keys) {
 
 // simd::attend_tile_rows with the bfloat16 micro-kernels. Not inlined into simd::run_task,
 // so that the compiler's choices inside it (which micro-tiles it inlines) stay as measured.
-template <bool kByAddress, int QV>
+template <simd::RowSource kSrc, int QV>
 __attribute__((noinline)) void attend_tile(const simd::Block& b, const Scratch& sc, int64_t tile, int64_t keys,
                                            int64_t next_keys, bool partial, float scale2) {
+    constexpr bool kByAddress = simd::reads_by_address(kSrc);
+    constexpr bool kPrefetchByAddress = simd::prefetches_by_address(kSrc);
     Vec tile_max[QV];
     for (int u = 0; u < QV; ++u) tile_max[u] = simd::vset(-__builtin_inff());
     int64_t j0 = 0;
@@ -216,11 +218,11 @@ __attribute__((noinline)) void attend_tile(const simd::Block& b, const Scratch& 
     const int64_t pairs = (keys + 1) / 2;
     constexpr int RV = simd::tile_rows<QV>();
     const int64_t passes = (b.Dv + RV - 1) / RV;
-    simd::PrefetchStream<kByAddress> pf;
+    simd::PrefetchStream<kPrefetchByAddress> pf;
     const int pf_steps = simd::prefetch_next_tile(b, tile, next_keys, sizeof(bf16_t), passes * pairs, pf);
     for (int64_t pass = 0, e0 = 0; pass < passes; ++pass) {
         const int64_t cols = b.Dv / passes + (pass < b.Dv % passes ? 1 : 0);
-        pv_cols<RV, kByAddress, QV>(cols, b, sc, pairs, e0, rescale ? corr : nullptr, pf, pf_steps);
+        pv_cols<RV, kPrefetchByAddress, QV>(cols, b, sc, pairs, e0, rescale ? corr : nullptr, pf, pf_steps);
         e0 += cols;
     }
 }
@@ -258,14 +260,10 @@ struct Bf16Kernel {
         const bool partial = simd::tile_ranges(b, tile, keys);
         if (b.k_rows) simd::find_tile_rows(b, tile, keys);
         // (one query vector for at most W rows: see simd::attend_tile)
-        if (b.rows <= W) {
-            if (b.k_rows) attend_tile<true, 1>(b, sc, tile, keys, next_keys, partial, scale2);
-            else attend_tile<false, 1>(b, sc, tile, keys, next_keys, partial, scale2);
-        } else if (b.k_rows) {
-            attend_tile<true, kQueryVecs>(b, sc, tile, keys, next_keys, partial, scale2);
-        } else {
-            attend_tile<false, kQueryVecs>(b, sc, tile, keys, next_keys, partial, scale2);
-        }
+        simd::with_row_source(b, [&](auto src) {
+            if (b.rows <= W) attend_tile<decltype(src)::value, 1>(b, sc, tile, keys, next_keys, partial, scale2);
+            else attend_tile<decltype(src)::value, kQueryVecs>(b, sc, tile, keys, next_keys, partial, scale2);
+        });
     }
 };
 

@@ -161,6 +161,9 @@ struct Block {
     // One tile per super-tile (rows by address, see tiling()): the sub-blocks of a task share
     // the prefetch of the next tile; this one's share starts pf_skip keys into it.
     mutable int64_t pf_skip = 0;
+    // Listed rows gathered per tile (Tiling::gathered): k / v point into the copy, read as
+    // one strided run; the next tile's rows are prefetched through k_src / v_src.
+    bool gathered = false;
 
     // End of the run of V rows starting at tile-relative key j0 (a run start), at most keys.
     int64_t run_end(int64_t j0, int64_t keys) const {
@@ -249,7 +252,11 @@ struct Tiling {
     int64_t sub_elems;   // floats of one sub-block's state
     int64_t shared_elems;
     int64_t row_ptr_elems;  // floats of the tile's K and V row addresses (rows by address), else 0
-    int64_t kv_copy_elems;  // floats of the widened super-tile (K and V not float32), else 0
+    int64_t kv_copy_elems;  // floats of the widened super-tile (K and V not float32) or of
+                            // the gathered tile (gathered), else 0
+    bool gathered;          // listed rows not widened: each tile's rows are copied once per
+                            // task into a contiguous run (K, then V unless in K), which every
+                            // sub-block then reads as a contiguous cache
 };
 // Most keys per tile (Bk); 48..96 measured alike on AVX2 (Sapphire Rapids, Bq = 32).
 constexpr int64_t kMaxTileKeys = 16 * kRows > 96 ? 16 * kRows : 96;
@@ -282,6 +289,15 @@ inline Tiling tiling(const AttentionParams& p, bool widened = false, bool listed
     // contiguous went 1.15x -> 1.10x (H = 8, L = 16k, Tq = 512, one thread, Zen 4; HISTORY 35).
     if (by_address) t.super_keys = t.Bk;
     t.kv_copy_elems = widened ? t.super_keys * (p.head_dim + p.head_dim_v) : 0;
+    // Listed float32 rows lie anywhere: read in place, each sub-block's S micro-tile takes a
+    // pointer per key (kAddressRows keys, not kRows). One copy per tile, shared by the
+    // sub-blocks, costs less: MLA, 128 heads, top-2048 of 32k, 1.08-1.16x (HISTORY 59).
+    // bfloat16 rows read in place by the pair kernel lose nothing to the copy's 0.91-0.98x.
+    t.gathered = listed && !widened && p.kv_dtype == DType::kF32;
+    if (t.gathered) {
+        const int64_t row_elems = p.head_dim + (kv_is_latent(p) ? 0 : p.head_dim_v);
+        t.kv_copy_elems = round_up(t.Bk * row_elems * dtype_bytes(p.kv_dtype), 64) / 4;
+    }
     return t;
 }
 
@@ -330,6 +346,23 @@ PrefillPlan plan_all_dtypes(const AttentionParams& p) { return plan_for(p, conve
 // a paged pool, listed rows) is a template parameter, as in the micro-kernels below, so the
 // contiguous loops compile as they did when measured (run-time tests there cost the avx2
 // tier's prefill 10-20 %: GCC moved Pᵀ out of registers, HISTORY 32).
+// How a sub-block reads a tile's K and V rows and finds the next tile's to prefetch: one
+// strided run from b.k / b.v (a contiguous cache or the task's widened copy), the next
+// tile's rows after it; by address, each row through b.k_rows / b.v_rows, the next tile's
+// through b.k_src / v_src; gathered, a strided run from the task's gathered copy of the
+// listed rows, the next tile's through b.k_src / v_src.
+enum class RowSource { kStrided, kByAddress, kGathered };
+constexpr bool reads_by_address(RowSource s) { return s == RowSource::kByAddress; }
+constexpr bool prefetches_by_address(RowSource s) { return s != RowSource::kStrided; }
+template <RowSource S> using RowSourceTag = std::integral_constant<RowSource, S>;
+// fn(RowSourceTag<sub-block b's source>{}).
+template <class Fn>
+inline void with_row_source(const Block& b, Fn&& fn) {
+    if (b.k_rows) fn(RowSourceTag<RowSource::kByAddress>{});
+    else if (b.gathered) fn(RowSourceTag<RowSource::kGathered>{});
+    else fn(RowSourceTag<RowSource::kStrided>{});
+}
+
 template <bool kByAddress>
 struct PrefetchStream {
     const char* k_row = nullptr;
@@ -494,9 +527,9 @@ void scores_rows(const Block& b, int64_t tile, int64_t j0, bool partial, const T
 
 // Oᵀ rows [e0, e0 + R) = corr * Oᵀ + Vᵀ[e0:e0+R, tile keys] Pᵀ over `keys` keys (corr
 // nullptr: all ones); steps the prefetch stream `pf_steps` times per key.
-template <int R, bool kByAddress, int QV>
+template <int R, RowSource kSrc, int QV>
 void pv_rows(const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* corr,
-             PrefetchStream<kByAddress>& pf, int pf_steps) {
+             PrefetchStream<prefetches_by_address(kSrc)>& pf, int pf_steps) {
     Vec acc[R][QV];
     float* o = b.ot + e0 * Bq;
     if (corr) {
@@ -525,7 +558,7 @@ void pv_rows(const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* 
         }
         pt += Bq;
     };
-    if constexpr (kByAddress) {  // runs of V rows at v_stride steps: the keys of one block
+    if constexpr (reads_by_address(kSrc)) {  // runs of V rows at v_stride steps: the keys of one block
         if (b.run_keys == 1) {  // listed rows: a run per key
             for (int64_t j = 0; j < keys; ++j) key(b.v_rows[j] + e0);
         } else {
@@ -554,11 +587,11 @@ inline void scores_tail(int64_t rows, const Block& b, int64_t tile, int64_t j0, 
     if (rows == R) scores_rows<R, kOptions, kByAddress, QV>(b, tile, j0, partial, o, tile_max);
     else if constexpr (R > 1) scores_tail<R - 1, kOptions, kByAddress, QV>(rows, b, tile, j0, partial, o, tile_max);
 }
-template <int R, bool kByAddress, int QV>
+template <int R, RowSource kSrc, int QV>
 inline void pv_cols(int64_t cols, const Block& b, int64_t tile, int64_t keys, int64_t e0, const Vec* corr,
-                    PrefetchStream<kByAddress>& pf, int pf_steps) {
-    if (cols == R) pv_rows<R, kByAddress, QV>(b, tile, keys, e0, corr, pf, pf_steps);
-    else if constexpr (R > 1) pv_cols<R - 1, kByAddress, QV>(cols, b, tile, keys, e0, corr, pf, pf_steps);
+                    PrefetchStream<prefetches_by_address(kSrc)>& pf, int pf_steps) {
+    if (cols == R) pv_rows<R, kSrc, QV>(b, tile, keys, e0, corr, pf, pf_steps);
+    else if constexpr (R > 1) pv_cols<R - 1, kSrc, QV>(cols, b, tile, keys, e0, corr, pf, pf_steps);
 }
 
 // ---------------------------------------------------------------- one KV tile
@@ -586,11 +619,12 @@ inline void scores_tile(const Block& b, int64_t tile, int64_t keys, bool partial
     if (j0 < keys) scores_tail<R - 1, kOptions, kByAddress, QV>(keys - j0, b, tile, j0, partial, o, tile_max);
 }
 
-// Online-softmax update of the block with keys [tile, tile + keys); kByAddress: the tile's rows
-// through b.k_rows / b.v_rows (attend_tile below picks).
-template <bool kByAddress, int QV>
+// Online-softmax update of the block with keys [tile, tile + keys), its rows read as kSrc
+// says (attend_tile below picks).
+template <RowSource kSrc, int QV>
 void attend_tile_rows(const Block& b, int64_t tile, int64_t keys, int64_t next_keys, bool partial,
                       const TileOptions& o) {
+    constexpr bool kByAddress = reads_by_address(kSrc);
     // 1. Sᵀ = K_tile Qᵀ (scaled, base 2), options applied, masked on partial tiles, with
     //    the tile's row max.
     Vec tile_max[QV];
@@ -606,11 +640,11 @@ void attend_tile_rows(const Block& b, int64_t tile, int64_t keys, int64_t next_k
     //    not 12 x 5 + 4), prefetching the next tile on the way.
     constexpr int R = tile_rows<QV>();
     const int64_t passes = (b.Dv + R - 1) / R;
-    PrefetchStream<kByAddress> pf;
+    PrefetchStream<prefetches_by_address(kSrc)> pf;
     const int pf_steps = prefetch_next_tile(b, tile, next_keys, sizeof(float), passes * keys, pf);
     for (int64_t pass = 0, e0 = 0; pass < passes; ++pass) {
         const int64_t cols = b.Dv / passes + (pass < b.Dv % passes ? 1 : 0);
-        pv_cols<R, kByAddress, QV>(cols, b, tile, keys, e0, rescale ? corr : nullptr, pf, pf_steps);
+        pv_cols<R, kSrc, QV>(cols, b, tile, keys, e0, rescale ? corr : nullptr, pf, pf_steps);
         e0 += cols;
     }
 }
@@ -618,14 +652,10 @@ void attend_tile_rows(const Block& b, int64_t tile, int64_t keys, int64_t next_k
 // per lane, for 1 / kQueryVecs of the work (a decode step's 68 rows, 2 sub-blocks and 4 rows).
 inline void attend_tile(const Block& b, int64_t tile, int64_t keys, int64_t next_keys, bool partial,
                         const TileOptions& o) {
-    if (b.rows <= W) {
-        if (b.k_rows) attend_tile_rows<true, 1>(b, tile, keys, next_keys, partial, o);
-        else attend_tile_rows<false, 1>(b, tile, keys, next_keys, partial, o);
-    } else if (b.k_rows) {
-        attend_tile_rows<true, kQueryVecs>(b, tile, keys, next_keys, partial, o);
-    } else {
-        attend_tile_rows<false, kQueryVecs>(b, tile, keys, next_keys, partial, o);
-    }
+    with_row_source(b, [&](auto src) {
+        if (b.rows <= W) attend_tile_rows<decltype(src)::value, 1>(b, tile, keys, next_keys, partial, o);
+        else attend_tile_rows<decltype(src)::value, kQueryVecs>(b, tile, keys, next_keys, partial, o);
+    });
 }
 
 // ---------------------------------------------------------------- storage types
@@ -897,6 +927,21 @@ inline float* kernel_extra_of(float* base, const Tiling& t, int64_t subs) {
     return kv_copy_of(base, t, subs) + t.kv_copy_elems;
 }
 
+// A task's rows with strides in bytes: how a sub-block reads rows by address.
+template <class T>
+TaskRows<char> as_bytes(const TaskRows<T>& r) {
+    constexpr int64_t e = sizeof(T);
+    return TaskRows<char>{KeyRows<char>{reinterpret_cast<const char*>(r.rows.base), r.rows.row_stride * e,
+                                        r.rows.table, r.rows.block_stride * e, r.rows.block_size},
+                          r.index};
+}
+
+// Rows [first, first + rows) of src (dim elements each) copied one after another to dst.
+template <class T>
+void gather_rows(const TaskRows<T>& src, int64_t first, int64_t rows, int64_t dim, T* dst) {
+    for (int64_t r = 0; r < rows; ++r, dst += dim) __builtin_memcpy(dst, src.at(first + r), dim * sizeof(T));
+}
+
 // Sub-block sidx of a task with `subs`, placed in its workspace and reading the K and V rows
 // k and v of one (batch, kv head) with seqlen_k valid keys: from the widened super-tile
 // (Kernel::kWidened), by address (a block table or a list), or as one strided run. The
@@ -925,16 +970,20 @@ void place_block(const AttentionParams& p, const Tiling& t, float* base, int64_t
         b.v = b.k + t.super_keys * b.D;
         b.k_stride = b.D;
         b.v_stride = b.Dv;
+    } else if (t.gathered) {  // each tile's rows copied by attend_keys, read in order
+        const TKV* copy = reinterpret_cast<const TKV*>(kv_copy_of(base, t, subs));
+        const bool latent = kv_is_latent(p);
+        b.k = reinterpret_cast<const float*>(copy);
+        b.v = reinterpret_cast<const float*>(latent ? copy : copy + t.Bk * b.D);
+        b.k_stride = b.D;
+        b.v_stride = latent ? b.D : b.Dv;
+        b.k_src = as_bytes(k);  // (the rows the next tile's prefetch reads)
+        b.v_src = as_bytes(v);
+        b.gathered = true;
     } else if (k.rows.table || k.index) {
-        constexpr int64_t e = sizeof(TKV);
-        auto bytes = [](const TaskRows<TKV>& r) {
-            return TaskRows<char>{KeyRows<char>{reinterpret_cast<const char*>(r.rows.base), r.rows.row_stride * e,
-                                                r.rows.table, r.rows.block_stride * e, r.rows.block_size},
-                                  r.index};
-        };
         b.k = b.v = nullptr;  // (rows through k_rows / v_rows)
-        b.k_src = bytes(k);
-        b.v_src = bytes(v);
+        b.k_src = as_bytes(k);
+        b.v_src = as_bytes(v);
         b.run_keys = k.index ? 1 : k.rows.block_size;
         b.k_rows = reinterpret_cast<const float**>(b.mt + round_up(t.Bk, 8) * Bq);
         b.v_rows = b.k_rows + t.Bk;
@@ -970,7 +1019,7 @@ void attend_keys(const AttentionParams& p, const Kernel& kernel, const Tiling& t
     // Rows read by address (a paged pool's blocks, listed rows) that no hardware prefetcher
     // finds: the first tile's start towards the cache at once (the later ones are prefetched
     // a tile ahead).
-    if (by_address && kv_begin < kv_end) {
+    if ((by_address || t.gathered) && kv_begin < kv_end) {
         PrefetchStream<true> pf(blocks[0], kv_begin, kv_end - kv_begin < t.Bk ? kv_end - kv_begin : t.Bk,
                                 sizeof(typename Kernel::KV));
         for (int64_t n = pf.total_lines(); n > 0; --n) pf.step();
@@ -980,6 +1029,12 @@ void attend_keys(const AttentionParams& p, const Kernel& kernel, const Tiling& t
         if constexpr (kWidened) {
             widen_rows(k, super, super_end - super, p.head_dim, k_scale, kv_copy);
             widen_rows(v, super, super_end - super, p.head_dim_v, v_scale, kv_copy + t.super_keys * p.head_dim);
+            for (int64_t sidx = 0; sidx < subs; ++sidx) blocks[sidx].kv_first = super;
+        } else if (t.gathered) {
+            using TKV = typename Kernel::KV;
+            TKV* copy = reinterpret_cast<TKV*>(kv_copy);
+            gather_rows(k, super, super_end - super, p.head_dim, copy);
+            if (!blocks[0].v_in_k) gather_rows(v, super, super_end - super, p.head_dim_v, copy + t.Bk * p.head_dim);
             for (int64_t sidx = 0; sidx < subs; ++sidx) blocks[sidx].kv_first = super;
         }
         int64_t covered = super;  // keys of this super-tile some earlier sub-block has read
@@ -999,7 +1054,7 @@ void attend_keys(const AttentionParams& p, const Kernel& kernel, const Tiling& t
                     // One tile per super-tile (rows by address): every sub-block walks each
                     // tile in turn, so each prefetches its share of the next (1.10x -> 1.08x,
                     // HISTORY 35).
-                    if (by_address && t.super_keys == t.Bk) {
+                    if ((by_address || t.gathered) && t.super_keys == t.Bk) {
                         b.pf_skip = next_keys * sidx / subs;
                         next_keys = next_keys * (sidx + 1) / subs - b.pf_skip;
                     }
