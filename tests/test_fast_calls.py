@@ -121,6 +121,78 @@ def test_kvcache_step_and_attend_take_the_c_tail(rng):
     np.testing.assert_array_equal(cache.lengths, lengths)
 
 
+def _listed(rng, lengths, tq, k, heads=None):
+    """An int32 key_index (B, Tq, k) -- (B, heads, Tq, k) with heads -- of distinct positions
+    below each sequence's length, one -1 per row."""
+    rows = []
+    for b, n in enumerate(lengths):
+        for _ in range((heads or 1) * tq):
+            row = rng.choice(n, k, replace=False)
+            row[k // 2] = -1
+            rows.append(row)
+    shape = (len(lengths), tq, k) if heads is None else (len(lengths), heads, tq, k)
+    return np.array(rows, np.int32).reshape(shape)
+
+
+def _listed_reference(q, k, v, index, lengths):
+    """float64 causal attention of each query row over its listed keys (per-head lists of KV
+    head g serve its query heads); query i of Tq sits at position lengths[b] - Tq + i."""
+    B_, H_, Tq, _ = q.shape
+    G = k.shape[1]
+    out = np.zeros(q.shape[:3] + (v.shape[3],))
+    for b in range(B_):
+        for h in range(H_):
+            g = h // (H_ // G)
+            for i in range(Tq):
+                rows = index[b, g, i] if index.ndim == 4 else index[b, i]
+                rows = rows[(rows >= 0) & (rows <= lengths[b] - Tq + i)]
+                s = k[b, g, rows].astype(np.float64) @ q[b, h, i].astype(np.float64) / np.sqrt(q.shape[3])
+                p = np.exp(s - s.max())
+                out[b, h, i] = p @ v[b, g, rows].astype(np.float64) / p.sum()
+    return out
+
+
+@pytest.mark.parametrize("tq,per_head", [(1, False), (3, False), (2, True)])
+def test_key_index_takes_the_c_tail(rng, tq, per_head):
+    """Sparse steps (key_index=) of a layout seen before run in C: their values checked there
+    (a repeated or out-of-range entry declines: the full path names it, writing nothing)."""
+    cache = af.KVCache(B, HKV, D, C)
+    cache.append(normal(rng, B, HKV, 9, D), normal(rng, B, HKV, 9, D))
+    q, kn, vn = normal(rng, B, H, tq, D), normal(rng, B, HKV, tq, D), normal(rng, B, HKV, tq, D)
+    index = _listed(rng, [9 + tq] * B, tq, 5, HKV if per_head else None)
+    first = cache.step(q, kn, vn, key_index=index)          # full checks: the plan
+    cache.truncate(9)
+    before = taken("kvcache")
+    again = cache.step(q, kn, vn, key_index=index)
+    assert taken("kvcache") == before + 1
+    np.testing.assert_array_equal(again, first)
+    ref = _listed_reference(q, cache.k, cache.v, index, cache.lengths)
+    np.testing.assert_allclose(again, ref, **F32)
+    contiguous = af.attention_with_kvcache(q, cache.k, cache.v, cache.lengths, key_index=index)
+    before = taken("kvcache")
+    np.testing.assert_array_equal(
+        af.attention_with_kvcache(q, cache.k, cache.v, cache.lengths, key_index=index), contiguous)
+    assert taken("kvcache") == before + 1
+    np.testing.assert_allclose(contiguous, ref, **F32)
+    k, v, lengths = cache.k.copy(), cache.v.copy(), cache.lengths.copy()
+    cache.truncate(9)
+    k[:, :, 9:], v[:, :, 9:], lengths[:] = cache.k[:, :, 9:], cache.v[:, :, 9:], 9
+    for entry, error in [(index.flat[1], "twice"), (9 + tq, "at or past"), (-2, ">= 0 or -1")]:
+        bad = index.copy()
+        bad.flat[0] = entry
+        with pytest.raises(ValueError, match=error):
+            cache.step(q, kn, vn, key_index=bad)
+        np.testing.assert_array_equal(cache.k, k)          # nothing written
+        np.testing.assert_array_equal(cache.lengths, lengths)
+    listed = _listed(rng, [9] * B, tq, 5, HKV if per_head else None)
+    cache.attend(q, key_index=listed)                        # the plan of attend
+    before = taken("kvcache")
+    wide = cache.attend(q, key_index=listed.astype(np.int64))  # another dtype: the full path
+    assert taken("kvcache") == before
+    np.testing.assert_array_equal(wide, cache.attend(q, key_index=listed))
+    assert taken("kvcache") == before + 1
+
+
 def test_a_latent_cache_steps_in_c(rng):
     cache = af.KVCache(1, 1, D, C, latent=True, v_head_dim=8)
     cache.append(normal(rng, 1, 1, 3, D))

@@ -8,7 +8,7 @@
 # through fast_calls_taken and fail the kernels through fast_call_hooks. Their arguments
 # are positional (keyword parsing would cost a tenth of what is left); the callers name them.
 
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport calloc, malloc, free
 from libc.string cimport memcmp, memcpy
 
 cdef extern from *:
@@ -304,7 +304,8 @@ def attention_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out, 
 
 
 def decode_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths, k_new,
-                v_new, out, bint causal, num_threads, query_offset, bint advance):
+                v_new, out, bint causal, num_threads, query_offset, bint advance,
+                key_index=None):
     """The rest of the KV-cache fast paths (attention_with_kvcache, KVCache.attend / step) in
     one call, for a layout the full path accepted (`plan`): write the t new tokens (t = 0:
     none; rounded to a 16-bit cache's dtype first, as the full path stores them) at each
@@ -321,7 +322,8 @@ def decode_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths,
     log takes what the writes overwrite and the lengths: attnfast._transaction), the new
     tokens of the caches' dtype, and nothing that is written overlaps what is read (the full
     path decides the rest; the caches may overlap each other only with advance, a latent
-    KVCache's v being a view of its k).
+    KVCache's v being a view of its k). key_index: the call's, of the layout in the plan key
+    (kvcache_key), its values checked here (_listed_keys_ok; the full path names a bad one).
     """
     cdef cnp.npy_intp B = cnp.PyArray_DIMS(q)[0], b, i
     cdef cnp.ndarray lens = None
@@ -351,6 +353,13 @@ def decode_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths,
     try:
         if not _read_lengths(lengths, B, capacity - t, starts):
             return None
+        if key_index is not None:  # its entries against the lengths after the call
+            for b in range(B):
+                starts[B + 2 * B * t + b] = starts[b] + t
+            key_index = _listed_keys_ok(<cnp.ndarray> key_index, B, cnp.PyArray_DIMS(q)[2],
+                                        starts + B + 2 * B * t, capacity)
+            if key_index is None:
+                return None
         if t:  # sequence b's token u: row starts[b] + u of the cache's "block" b
             for b in range(B):
                 for i in range(t):
@@ -365,9 +374,51 @@ def decode_fast(Plan plan, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, lengths,
             after[b] = starts[b] + t
         # (raising: the transaction puts back what was written)
         return _run_plan(plan, "kvcache", q, k, v, out, causal, threads, None, None, None,
-                         query_offset, None, capacity, NULL, after)
+                         query_offset, None, capacity, NULL, after, key_index)
     finally:
         free(starts)
+
+
+cdef object _listed_keys_ok(cnp.ndarray index, cnp.npy_intp B, cnp.npy_intp Tq,
+                            const int64_t* lengths, int64_t capacity):
+    """key_index (B, Tq, k) or (B, Hkv, Tq, k), int32, as the kernels read it, (B, 1 or Hkv,
+    Tq, k): or None (decline) unless every entry is -1 or a position below its sequence's
+    length and no row lists a position twice (the full path's rules: attnfast._key_index)."""
+    cdef int nd = cnp.PyArray_NDIM(index)
+    cdef cnp.npy_intp G = cnp.PyArray_DIMS(index)[1] if nd == 4 else 1
+    cdef cnp.npy_intp K = cnp.PyArray_DIMS(index)[nd - 1], b, g, i, x
+    cdef char* base = <char*> cnp.PyArray_DATA(index)
+    cdef cnp.npy_intp sb = cnp.PyArray_STRIDES(index)[0]
+    cdef cnp.npy_intp sg = cnp.PyArray_STRIDES(index)[1] if nd == 4 else 0
+    cdef cnp.npy_intp st = cnp.PyArray_STRIDES(index)[nd - 2]
+    cdef const int32_t* row
+    cdef int32_t pos
+    cdef uint64_t* seen = <uint64_t*> calloc(<size_t> (capacity // 64 + 1), sizeof(uint64_t))
+    cdef bint ok = True
+    if seen == NULL:
+        raise MemoryError()
+    try:
+        for b in range(B):
+            for g in range(G):
+                for i in range(Tq):
+                    row = <const int32_t*> (base + b * sb + g * sg + i * st)
+                    for x in range(K):
+                        pos = row[x]
+                        if pos < -1 or pos >= lengths[b]:
+                            ok = False
+                        elif pos >= 0:
+                            if seen[pos >> 6] & (1ULL << (pos & 63)):
+                                ok = False
+                            seen[pos >> 6] |= 1ULL << (pos & 63)
+                    for x in range(K):  # (cleared for the next row)
+                        pos = row[x]
+                        if 0 <= pos < lengths[b]:
+                            seen[pos >> 6] = 0
+                    if not ok:
+                        return None
+    finally:
+        free(seen)
+    return index if nd == 4 else index.reshape(B, 1, Tq, K)
 
 
 _INT64 = np.dtype(np.int64)
@@ -440,18 +491,21 @@ cdef bint _read_lengths(lengths, cnp.npy_intp B, int64_t most, int64_t* into) ex
 
 cdef object _run_plan(Plan plan, str path, cnp.ndarray q, cnp.ndarray k, cnp.ndarray v, out,
                       bint causal, threads, seqlens, k_scale, v_scale, query_offset, table,
-                      int64_t keys, const int64_t* pool_table=NULL, const int64_t* lens=NULL):
+                      int64_t keys, const int64_t* pool_table=NULL, const int64_t* lens=NULL,
+                      key_index=None):
     """The end of every C tail: out (the caller's, checked, or a new array) and lse (with
     return_lse), the window bounded over `keys` (bound_window), the kernel call; returns
     out or (out, lse). `lens`: the lengths (B,) in a C tail's own memory (seqlens None);
-    `pool_table`: paged_fast's block table (B, keys / block size), likewise (table None)."""
+    `pool_table`: paged_fast's block table (B, keys / block size), likewise (table None);
+    key_index: (B, 1 or Hkv, Tq, k) int32, checked (_listed_keys_ok)."""
     cdef AttentionParams p = default_params()
     cdef int64_t side[2]
     target = _empty(plan.out_shape, plan.dtype) if out is None else out
     lse = None if plan.lse_dtype is None else _empty(plan.out_shape[:3], plan.lse_dtype)
     _bound_window(plan.window, plan.seqlen_q + keys, query_offset, side)
     _fill_params(&p, q, k, v, target, lse, causal, plan.scale, side[0], side[1], threads,
-                 seqlens, k_scale, v_scale, query_offset, 0.0, None, None, None, table)
+                 seqlens, k_scale, v_scale, query_offset, 0.0, None, None, None, table, -1,
+                 key_index)
     if lens != NULL:
         p.seqlens_k = lens
     if pool_table != NULL:
@@ -501,7 +555,7 @@ def seqlens_key(cache_seqlens):
 
 cpdef object kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, out, causal, scale,
                         window, return_lse, tuple unplanned=(), block_table=None, k_scale=None,
-                        v_scale=None, bint any_keys=False):
+                        v_scale=None, bint any_keys=False, key_index=None):
     """attention_with_kvcache() and KVCache.attend/step: the plan key of a call, or None when
     no plan can serve it: where the KV-cache fast path's eligibility is decided. The key
     holds the layouts of q, the caches, the new tokens and `out` (so out's shape, dtype and
@@ -509,7 +563,9 @@ cpdef object kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, out, ca
     (`lengths_key`; their values are checked per call), causal, scale, window and
     return_lse with their exact types. `unplanned`: the call's other options, which only
     the full path takes; the key is None unless each of them is None. A paged call's
-    block_table and scales add their layouts (the table's width fixes the capacity)."""
+    block_table and scales add their layouts (the table's width fixes the capacity); a
+    contiguous cache's key_index its layout: an aligned int32 ndarray, 3-D or 4-D, its last
+    axis contiguous (decode_fast checks its values)."""
     cdef Py_ssize_t i
     if lengths_key is None or q is None or k_cache is None or v_cache is None:
         return None
@@ -532,11 +588,32 @@ cpdef object kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, out, ca
     if window is not None and not (type(window) is tuple and len(window) == 2
                                    and type(window[0]) is int and type(window[1]) is int):
         return None
+    if key_index is not None:  # (for a 4-D q: (B, Tq, k) or (B, Hkv, Tq, k))
+        listed = _listed_keys_layout(key_index)
+        if (listed is None or cnp.PyArray_NDIM(<cnp.ndarray> q) != 4 or block_table is not None
+                or k_scale is not None or v_scale is not None):
+            return None
+        return layout, lengths_key, causal, scale, window, return_lse, listed
     if block_table is None and k_scale is None and v_scale is None:
         return layout, lengths_key, causal, scale, window, return_lse
     paged = layout_key(block_table, k_scale, v_scale)
     return None if paged is None else (layout, lengths_key, causal, scale, window, return_lse,
                                        paged)
+
+
+cdef object _listed_keys_layout(key_index):
+    """key_index's part of a kvcache_key: its layout, or None (the full path) unless it is
+    an aligned native int32 ndarray of 3 or 4 dimensions whose last axis is contiguous."""
+    cdef cnp.ndarray a
+    if type(key_index) is not _ndarray:
+        return None
+    a = <cnp.ndarray> key_index
+    if (cnp.PyArray_TYPE(a) != cnp.NPY_INT32 or not (cnp.PyArray_NDIM(a) == 3 or cnp.PyArray_NDIM(a) == 4)
+            or not _aligned(a) or not cnp.PyArray_ISNOTSWAPPED(a)
+            or (cnp.PyArray_DIMS(a)[cnp.PyArray_NDIM(a) - 1] > 1
+                and cnp.PyArray_STRIDES(a)[cnp.PyArray_NDIM(a) - 1] != 4)):
+        return None
+    return "key_index", layout_key(a, None, None)
 
 
 # ---- PagedKVCache.attend / step (attnfast._paged): the per-call bookkeeping, in C ----

@@ -177,15 +177,15 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new
     # one can serve it at all: attnfast._ext.kvcache_key), then the per-call checks, in C.
     key = kvcache_key(q, k_cache, v_cache, seqlens_key(cache_seqlens), k_new, v_new, out,
                       causal, scale, window, return_lse,
-                      (softcap, alibi_slopes, sinks, mask, tree_mask, key_rotation, v_head_dim,
-                       key_index),
-                      block_table, k_scale, v_scale)
+                      (softcap, alibi_slopes, sinks, mask, tree_mask, key_rotation, v_head_dim),
+                      block_table, k_scale, v_scale, key_index=key_index)
     if key is not None:
         if block_table is None:
             plan = KVCACHE_PLANS.get(key)
             if plan is not None:
                 result = _ext.decode_fast(plan, q, k_cache, v_cache, cache_seqlens, k_new,
-                                          v_new, out, causal, num_threads, query_offset, False)
+                                          v_new, out, causal, num_threads, query_offset, False,
+                                          key_index)
                 if result is not None:
                     return result
         else:  # a paged decode step (a serving engine's every layer)
@@ -557,11 +557,13 @@ class KVCache:
         leaves one for the call's plan key (attnfast._ext.kvcache_key)."""
         key = kvcache_key(q, self._k, self._v, _LENGTHS, k_new, v_new, out, causal, scale,
                           window, return_lse,
-                          (batch_index, softcap, alibi_slopes, sinks, mask, tree_mask, key_index))
+                          (batch_index, softcap, alibi_slopes, sinks, mask, tree_mask),
+                          key_index=key_index)
         plan = None if key is None else KVCACHE_PLANS.get(key)
         if plan is not None:
             result = _ext.decode_fast(plan, q, self._k, self._v, self._lengths, k_new, v_new,
-                                      out, causal, num_threads, query_offset, True)  # (advance)
+                                      out, causal, num_threads, query_offset, True,  # (advance)
+                                      key_index)
             if result is not None:
                 return result
         result = self._run_locked(q, k_new, v_new, batch_index, causal, scale, window, softcap,
