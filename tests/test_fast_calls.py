@@ -193,6 +193,34 @@ def test_key_index_takes_the_c_tail(rng, tq, per_head):
     assert taken("kvcache") == before + 1
 
 
+def test_key_index_takes_the_paged_c_tail(rng):
+    """PagedKVCache.attend / step with an int32 key_index: the paged C tail, its entries
+    checked there; a bad one raises the full path's error and changes nothing."""
+    pool = af.PagedKVCache(16, 4, HKV, D)
+    seqs = [pool.add_sequence() for _ in range(B)]
+    k, v = normal(rng, B, HKV, 10, D), normal(rng, B, HKV, 10, D)
+    pool.append(seqs, k[:, :, :9], v[:, :, :9])
+    q = normal(rng, B, H, 1, D)
+    index = _listed(rng, [10] * B, 1, 6)
+    first = pool.step(seqs, q, k[:, :, 9:], v[:, :, 9:], key_index=index)  # full checks
+    for s_ in seqs:
+        pool.truncate(s_, 9)
+    before = taken("paged")
+    out = pool.step(seqs, q, k[:, :, 9:], v[:, :, 9:], key_index=index)
+    assert taken("paged") == before + 1
+    np.testing.assert_array_equal(out, first)
+    np.testing.assert_allclose(out, _listed_reference(q, k, v, index, [10] * B), **F32)
+    bad = index.copy()
+    bad[0, 0, 0] = 11                                            # past the 11 keys after a step
+    with pytest.raises(ValueError, match="at or past"):
+        pool.step(seqs, q, k[:, :, 9:], v[:, :, 9:], key_index=bad)
+    assert [pool.length(s_) for s_ in seqs] == [10] * B          # nothing appended
+    pool.attend(seqs, q, key_index=index)                       # the plan of attend
+    before = taken("paged")
+    np.testing.assert_array_equal(pool.attend(seqs, q, key_index=index), out)
+    assert taken("paged") == before + 1
+
+
 def test_a_latent_cache_steps_in_c(rng):
     cache = af.KVCache(1, 1, D, C, latent=True, v_head_dim=8)
     cache.append(normal(rng, 1, 1, 3, D))

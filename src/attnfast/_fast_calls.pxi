@@ -690,11 +690,12 @@ def paged_call(cache, seq_ids, q, k_new, v_new, causal, scale, window, softcap, 
     ``cache._call(the same arguments)``."""
     k, v = cache._k, cache._v
     key = kvcache_key(q, k, v, "PagedKVCache.lengths", k_new, v_new, out, causal,
-                      scale, window, return_lse,
-                      (softcap, alibi_slopes, sinks, mask, tree_mask, key_index))
+                      scale, window, return_lse, (softcap, alibi_slopes, sinks, mask, tree_mask),
+                      key_index=key_index)
     plan = None if key is None else _paged_plans.get(key)
     result = None if plan is None else _paged_planned(
-        plan, cache, k, v, seq_ids, q, k_new, v_new, out, causal, num_threads, query_offset)
+        plan, cache, k, v, seq_ids, q, k_new, v_new, out, causal, num_threads, query_offset,
+        key_index)
     if result is None:
         return cache._call(seq_ids, q, k_new, v_new, causal, scale, window, softcap,
                            alibi_slopes, sinks, mask, return_lse, out, num_threads,
@@ -703,7 +704,7 @@ def paged_call(cache, seq_ids, q, k_new, v_new, causal, scale, window, softcap, 
 
 
 cdef object _paged_planned(Plan plan, cache, cnp.ndarray k, cnp.ndarray v, seq_ids, q, k_new,
-                           v_new, out, bint causal, num_threads, query_offset):
+                           v_new, out, bint causal, num_threads, query_offset, key_index):
     """paged_call's fast path (None: declined)."""
     lq, lk, lv, lout = q, k_new, v_new, out
     if type(seq_ids) is int:  # one bare id: 3-D arrays gain the sequence axis
@@ -712,7 +713,7 @@ cdef object _paged_planned(Plan plan, cache, cnp.ndarray k, cnp.ndarray v, seq_i
     elif cnp.PyArray_NDIM(<cnp.ndarray> q) == 3:
         return None
     result = paged_fast(plan, cache, k, v, seq_ids, lq, lk, lv, lout, causal, num_threads,
-                        query_offset, _shared_prefix.MIN_PREFIX_KEYS)
+                        query_offset, _shared_prefix.MIN_PREFIX_KEYS, key_index)
     if result is None or (lq is q and out is None):
         return result
     return paged_result(result, plan.lse_dtype is not None, lq is not q, out)
@@ -731,7 +732,7 @@ def paged_result(result, bint return_lse, bint squeeze, out):
 
 cdef paged_fast(Plan plan, cache, cnp.ndarray k, cnp.ndarray v, seq_ids, cnp.ndarray q, k_new,
                 v_new, out, bint causal,
-                num_threads, query_offset, int64_t shared_keys):
+                num_threads, query_offset, int64_t shared_keys, key_index=None):
     """The rest of PagedKVCache.attend / step's fast path (paged_call) in
     one call, for a layout the full path accepted (`plan`: t new tokens, the output, scale,
     window as checked): append k_new, v_new (t > 0) to each sequence of
@@ -742,8 +743,10 @@ cdef paged_fast(Plan plan, cache, cnp.ndarray k, cnp.ndarray v, seq_ids, cnp.nda
     no sequence's partly filled last block is shared (copy-on-write: the full path), the pool
     has the blocks needed, no two sequences with `shared_keys` or more keys begin with the
     same block (shared-prefix decoding: the full path), the new tokens fit (_new_rows)
-    and nothing written overlaps what the call reads. What it changes (bytes, blocks,
-    lengths) goes to the open transaction's log first (attnfast._transaction)."""
+    and nothing written overlaps what the call reads, and key_index (its layout in the plan
+    key) lists distinct positions below the lengths after the call (_listed_keys_ok). What
+    it changes (bytes, blocks, lengths) goes to the open transaction's log first
+    (attnfast._transaction)."""
     cdef cnp.ndarray refs = None     # (the blocks' counts and the free list: read to append)
     cdef list free_list = None
     cdef dict live = <dict?> cache._seqs
@@ -871,6 +874,11 @@ cdef paged_fast(Plan plan, cache, cnp.ndarray k, cnp.ndarray v, seq_ids, cnp.nda
         lens = tab + B * width
         for b in range(B):
             lens[b] = info[3 * b] + t
+        if key_index is not None:
+            key_index = _listed_keys_ok(<cnp.ndarray> key_index, B, cnp.PyArray_DIMS(q)[2], lens,
+                                        width * BS)
+            if key_index is None:
+                return None
         if t:  # what changes goes to the open transaction's log first (it undoes a raise)
             w = _PagedStepWritten.__new__(_PagedStepWritten)
             w.seqs, w.free, w.refs, w.width = seqs, free_list, refs, width
@@ -896,7 +904,7 @@ cdef paged_fast(Plan plan, cache, cnp.ndarray k, cnp.ndarray v, seq_ids, cnp.nda
                 seq.length = lens[b]
         # (the window as bound_window leaves it over this call's width * block_size keys)
         return _run_plan(plan, "paged", q, k, v, out, causal, threads, None, None, None,
-                         query_offset, None, width * BS, tab, lens)
+                         query_offset, None, width * BS, tab, lens, key_index)
     finally:
         free(info)
         free(tab)

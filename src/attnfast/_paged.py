@@ -361,8 +361,8 @@ class PagedKVCache:
                                   alibi_slopes, sinks, mask, return_lse, out, num_threads,
                                   query_offset, tree_mask, key_index)
         key = kvcache_key(q, self._k, self._v, _LENGTHS, k_new, v_new, out, causal, scale,
-                          window, return_lse,
-                          (softcap, alibi_slopes, sinks, mask, tree_mask, key_index))
+                          window, return_lse, (softcap, alibi_slopes, sinks, mask, tree_mask),
+                          key_index=key_index)
         if key is not None:  # accepted: later calls of this layout take the fast path
             if type(seq_ids) is int:  # (the plan of the arrays the kernels took: 4-D)
                 q, k_new, v_new, out = (_lift(True, a) for a in (q, k_new, v_new, out))
