@@ -292,7 +292,7 @@ inline Tiling tiling(const AttentionParams& p, bool widened = false, bool listed
     // Listed float32 rows lie anywhere: read in place, each sub-block's S micro-tile takes a
     // pointer per key (kAddressRows keys, not kRows). One copy per tile, shared by the
     // sub-blocks, costs less: MLA, 128 heads, top-2048 of 32k, 1.08-1.16x (HISTORY 59).
-    // bfloat16 rows read in place by the pair kernel lose nothing to the copy's 0.91-0.98x.
+    // (bfloat16 rows, read in place by the pair kernel, measured 0.91-0.99x with the copy.)
     t.gathered = listed && !widened && p.kv_dtype == DType::kF32;
     if (t.gathered) {
         const int64_t row_elems = p.head_dim + (kv_is_latent(p) ? 0 : p.head_dim_v);
@@ -339,13 +339,6 @@ PrefillPlan plan_for(const AttentionParams& p, bool widened) {
 PrefillPlan plan_all_dtypes(const AttentionParams& p) { return plan_for(p, converts_kv(p)); }
 
 // ---------------------------------------------------------------- prefetch
-// Brings the K and V rows of the next tile towards L2, a line or two per step, while the
-// current tile computes. Needed when one head's K and V do not fit in L2 (they then come
-// from L3 and the hardware prefetchers do not follow many strided rows); spread thinly
-// because a burst of prefetches stalls the load pipeline. kByAddress (rows read by address:
-// a paged pool, listed rows) is a template parameter, as in the micro-kernels below, so the
-// contiguous loops compile as they did when measured (run-time tests there cost the avx2
-// tier's prefill 10-20 %: GCC moved Pᵀ out of registers, HISTORY 32).
 // How a sub-block reads a tile's K and V rows and finds the next tile's to prefetch: one
 // strided run from b.k / b.v (a contiguous cache or the task's widened copy), the next
 // tile's rows after it; by address, each row through b.k_rows / b.v_rows, the next tile's
@@ -363,6 +356,13 @@ inline void with_row_source(const Block& b, Fn&& fn) {
     else fn(RowSourceTag<RowSource::kStrided>{});
 }
 
+// Brings the K and V rows of the next tile towards L2, a line or two per step, while the
+// current tile computes. Needed when one head's K and V do not fit in L2 (they then come
+// from L3 and the hardware prefetchers do not follow many strided rows); spread thinly
+// because a burst of prefetches stalls the load pipeline. kByAddress (rows read by address:
+// a paged pool, listed rows) is a template parameter, as in the micro-kernels below, so the
+// contiguous loops compile as they did when measured (run-time tests there cost the avx2
+// tier's prefill 10-20 %: GCC moved Pᵀ out of registers, HISTORY 32).
 template <bool kByAddress>
 struct PrefetchStream {
     const char* k_row = nullptr;

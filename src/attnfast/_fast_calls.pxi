@@ -563,9 +563,9 @@ cpdef object kvcache_key(q, k_cache, v_cache, lengths_key, k_new, v_new, out, ca
     (`lengths_key`; their values are checked per call), causal, scale, window and
     return_lse with their exact types. `unplanned`: the call's other options, which only
     the full path takes; the key is None unless each of them is None. A paged call's
-    block_table and scales add their layouts (the table's width fixes the capacity); a
-    contiguous cache's key_index its layout: an aligned int32 ndarray, 3-D or 4-D, its last
-    axis contiguous (decode_fast checks its values)."""
+    block_table and scales add their layouts (the table's width fixes the capacity);
+    key_index (with a 4-D q, no block table or scales) its layout: an aligned int32 ndarray,
+    3-D or 4-D, its last axis contiguous (decode_fast and paged_fast check its values)."""
     cdef Py_ssize_t i
     if lengths_key is None or q is None or k_cache is None or v_cache is None:
         return None
