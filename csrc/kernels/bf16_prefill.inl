@@ -61,7 +61,8 @@ PrefillPlan plan(const AttentionParams& p) {
 // Sᵀ rows [j0, j0 + R) of the tile at key `tile` (see simd::scores_rows): R keys x Bq lanes,
 // D / 2 pair steps, then scaled into base 2.
 template <int R, bool kByAddress, int QV>
-void scores_rows(const simd::Block& b, int64_t tile, int64_t j0, bool partial, float scale2, Vec* tile_max) {
+__attribute__((always_inline)) inline void scores_rows(const simd::Block& b, int64_t tile, int64_t j0,
+                                                       bool partial, float scale2, Vec* tile_max) {
     Vec acc[R][QV];
 #pragma GCC unroll 16
     for (int t = 0; t < R; ++t)
