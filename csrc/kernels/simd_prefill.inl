@@ -948,7 +948,8 @@ void gather_rows(const TaskRows<T>& src, int64_t first, int64_t rows, int64_t di
 
 // Sub-block sidx of a task with `subs`, placed in its workspace and reading the K and V rows
 // k and v of one (batch, kv head) with seqlen_k valid keys: from the widened super-tile
-// (Kernel::kWidened), by address (a block table or a list), or as one strided run. The
+// (Kernel::kWidened), by address (a block table or a list; listed float32 rows through a
+// gathered copy of each tile: Tiling::gathered), or as one strided run. The
 // caller sets its rows.
 template <class Kernel>
 void place_block(const AttentionParams& p, const Tiling& t, float* base, int64_t sidx, int64_t subs,
@@ -974,25 +975,25 @@ void place_block(const AttentionParams& p, const Tiling& t, float* base, int64_t
         b.v = b.k + t.super_keys * b.D;
         b.k_stride = b.D;
         b.v_stride = b.Dv;
-    } else if (t.gathered) {  // each tile's rows copied by attend_keys, read in order
-        const TKV* copy = reinterpret_cast<const TKV*>(kv_copy_of(base, t, subs));
-        const bool latent = kv_is_latent(p);
-        b.k = reinterpret_cast<const float*>(copy);
-        b.v = reinterpret_cast<const float*>(latent ? copy : copy + t.Bk * b.D);
-        b.k_stride = b.D;
-        b.v_stride = latent ? b.D : b.Dv;
-        b.k_src = as_bytes(k);  // (the rows the next tile's prefetch reads)
-        b.v_src = as_bytes(v);
-        b.gathered = true;
-    } else if (k.rows.table || k.index) {
-        b.k = b.v = nullptr;  // (rows through k_rows / v_rows)
-        b.k_src = as_bytes(k);
+    } else if (k.rows.table || k.index) {  // rows by address (a block table or a list)
+        b.k_src = as_bytes(k);  // (where they are read, or the next tile's prefetched from)
         b.v_src = as_bytes(v);
         b.run_keys = k.index ? 1 : k.rows.block_size;
-        b.k_rows = reinterpret_cast<const float**>(b.mt + round_up(t.Bk, 8) * Bq);
-        b.v_rows = b.k_rows + t.Bk;
-        b.k_stride = k.rows.row_stride;
-        b.v_stride = v.rows.row_stride;
+        if (t.gathered) {  // each tile's listed rows copied by attend_keys, read in order
+            const TKV* copy = reinterpret_cast<const TKV*>(kv_copy_of(base, t, subs));
+            const bool latent = kv_is_latent(p);
+            b.k = reinterpret_cast<const float*>(copy);
+            b.v = reinterpret_cast<const float*>(latent ? copy : copy + t.Bk * b.D);
+            b.k_stride = b.D;
+            b.v_stride = latent ? b.D : b.Dv;
+            b.gathered = true;
+        } else {
+            b.k = b.v = nullptr;  // (rows through k_rows / v_rows)
+            b.k_rows = reinterpret_cast<const float**>(b.mt + round_up(t.Bk, 8) * Bq);
+            b.v_rows = b.k_rows + t.Bk;
+            b.k_stride = k.rows.row_stride;
+            b.v_stride = v.rows.row_stride;
+        }
     } else {
         b.k = reinterpret_cast<const float*>(k.rows.base);
         b.v = reinterpret_cast<const float*>(v.rows.base);
